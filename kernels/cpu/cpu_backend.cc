@@ -1,0 +1,389 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "absl/base/call_once.h"
+#include "kernels/backend.h"
+#include "kernels/registry.h"
+#include "kernels/thread_pool.h"
+
+namespace packd {
+namespace {
+
+// Below this many bytes per thread, waking another thread costs more than it
+// saves.
+constexpr int64_t kMinBytesPerPiece = int64_t{1} << 20;
+// Runs shorter than this on average are better compacted element by element
+// (narrow rows only).
+constexpr int64_t kMinRunBytesForMemcpy = 256;
+
+// A run of consecutive active positions: flattened dense positions [src, src +
+// len) map to packed rows [dst, dst + len). Runs may cross batch rows: the
+// layout is contiguous across them.
+struct Run {
+  int64_t src;
+  int64_t dst;
+  int64_t len;
+};
+
+class CpuPlan : public MaskPlan {
+ public:
+  std::vector<uint8_t> active;  // [B * S], 1 where mask != 0
+  int64_t num_runs = 0;
+
+  // Built on first use: only the run-copy path needs them.
+  const std::vector<Run>& runs() const {
+    absl::call_once(runs_once_, [this] { BuildRuns(); });
+    return runs_;
+  }
+
+ private:
+  void BuildRuns() const;
+
+  mutable absl::once_flag runs_once_;
+  mutable std::vector<Run> runs_;
+};
+
+uint64_t Load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+void CpuPlan::BuildRuns() const {
+  constexpr uint64_t kAllOnes = 0x0101010101010101ULL;
+  const int64_t n = static_cast<int64_t>(active.size());
+  const uint8_t* a = active.data();
+  runs_.reserve(num_runs);
+  int64_t i = 0;
+  int64_t dst = 0;
+  while (i < n) {
+    while (i + 8 <= n && Load64(a + i) == 0) i += 8;
+    while (i < n && a[i] == 0) ++i;
+    if (i >= n) break;
+    const int64_t start = i;
+    while (i + 8 <= n && Load64(a + i) == kAllOnes) i += 8;
+    while (i < n && a[i] != 0) ++i;
+    runs_.push_back(Run{start, dst, i - start});
+    dst += i - start;
+  }
+}
+
+// Scans one mask of element type U. `magnitude` keeps the bits that make a
+// value nonzero: all of them for integers, all but the sign for floats (so -0.0
+// is inactive and NaN is active).
+template <typename U>
+void ScanMask(const U* m, U magnitude, CpuPlan& plan) {
+  const int64_t S = plan.seq;
+  uint8_t prev = 0;
+  int64_t runs = 0;
+  for (int64_t b = 0; b < plan.batch; ++b) {
+    const U* row = m + b * S;
+    uint8_t* act = plan.active.data() + b * S;
+    int64_t count = 0;
+    int64_t last = -1;
+    for (int64_t s = 0; s < S; ++s) {
+      const uint8_t a = (row[s] & magnitude) != 0;
+      act[s] = a;
+      count += a;
+      last = a ? s : last;
+      runs += a & (prev ^ 1);
+      prev = a;
+    }
+    plan.cu_seqlens[b + 1] = plan.cu_seqlens[b] + count;
+    plan.last_index[b] = last;
+  }
+  plan.num_runs = runs;
+}
+
+// The number of pieces to split `bytes` of work into.
+int Pieces(int64_t bytes) {
+  const int64_t by_size = std::max<int64_t>(1, bytes / kMinBytesPerPiece);
+  return static_cast<int>(
+      std::min<int64_t>(ThreadPool::Global().num_threads(), by_size));
+}
+
+// Position range [begin, end) of piece i of n over [0, total), in units of
+// `align`.
+std::pair<int64_t, int64_t> PieceRange(int64_t total, int i, int n) {
+  return {total * i / n, total * (i + 1) / n};
+}
+
+int64_t RowBytes(const MaskPlan& plan, const TensorView& dense) {
+  const int64_t positions = plan.batch * plan.seq;
+  return positions == 0 ? 0 : dense.nbytes() / positions;
+}
+
+// Packed row index of dense position p: active positions before p.
+int64_t ActiveBefore(const CpuPlan& plan, int64_t p) {
+  if (plan.seq == 0) return 0;
+  const int64_t b = p / plan.seq;
+  const uint8_t* a = plan.active.data();
+  int64_t k = plan.cu_seqlens[b];
+  for (int64_t q = b * plan.seq; q < p; ++q) k += a[q];
+  return k;
+}
+
+// Last active position in [begin, end), or begin - 1 if none.
+int64_t LastActive(const CpuPlan& plan, int64_t begin, int64_t end) {
+  int64_t p = end - 1;
+  while (p >= begin && plan.active[p] == 0) --p;
+  return p;
+}
+
+struct U128 {
+  uint64_t lo, hi;
+};
+
+template <typename T>
+T ZeroUnless(T v, uint8_t a) {
+  const T keep = static_cast<T>(0) - static_cast<T>(a);
+  return v & keep;
+}
+template <>
+U128 ZeroUnless(U128 v, uint8_t a) {
+  return U128{ZeroUnless(v.lo, a), ZeroUnless(v.hi, a)};
+}
+
+// Pack of dense positions [begin, end) for rows of sizeof(T) bytes, without a
+// branch per element: every position is written at the next free packed row,
+// which only an active one claims. The loop stops at the last active position,
+// so each write lands inside this piece's packed range.
+template <typename T>
+void CompactPiece(const CpuPlan& plan, const char* src, char* dst,
+                  int64_t begin, int64_t end) {
+  const int64_t last = LastActive(plan, begin, end);
+  if (last < begin) return;
+  const uint8_t* a = plan.active.data();
+  char* out = dst + ActiveBefore(plan, begin) * sizeof(T);
+  int64_t k = 0;
+  for (int64_t p = begin; p <= last; ++p) {
+    T v;
+    std::memcpy(&v, src + p * sizeof(T), sizeof(T));
+    std::memcpy(out + k * sizeof(T), &v, sizeof(T));
+    k += a[p];
+  }
+}
+
+// Scatter of dense positions [begin, end) for rows of sizeof(T) bytes,
+// branch-free: each position takes the next packed row, or zero. Reads stay
+// inside the piece's packed range for the same reason as CompactPiece; the tail
+// after the last active position is zero-filled.
+template <typename T>
+void ExpandPiece(const CpuPlan& plan, const char* src, char* dst, int64_t begin,
+                 int64_t end) {
+  const int64_t last = LastActive(plan, begin, end);
+  const uint8_t* a = plan.active.data();
+  if (last >= begin) {
+    const char* in = src + ActiveBefore(plan, begin) * sizeof(T);
+    int64_t k = 0;
+    for (int64_t p = begin; p <= last; ++p) {
+      T v;
+      std::memcpy(&v, in + k * sizeof(T), sizeof(T));
+      v = ZeroUnless(v, a[p]);
+      std::memcpy(dst + p * sizeof(T), &v, sizeof(T));
+      k += a[p];
+    }
+  }
+  const int64_t tail_begin = std::max(last + 1, begin);
+  std::memset(dst + tail_begin * sizeof(T), 0, (end - tail_begin) * sizeof(T));
+}
+
+using PieceFn = void (*)(const CpuPlan&, const char*, char*, int64_t, int64_t);
+
+// The typed loop for rows of `width` bytes, or null when the width has none.
+template <template <typename> class Piece>
+PieceFn TypedPiece(int64_t width) {
+  switch (width) {
+    case 1:
+      return &Piece<uint8_t>::Run;
+    case 2:
+      return &Piece<uint16_t>::Run;
+    case 4:
+      return &Piece<uint32_t>::Run;
+    case 8:
+      return &Piece<uint64_t>::Run;
+    case 16:
+      return &Piece<U128>::Run;
+    default:
+      return nullptr;
+  }
+}
+template <typename T>
+struct Compact {
+  static void Run(const CpuPlan& p, const char* s, char* d, int64_t b,
+                  int64_t e) {
+    CompactPiece<T>(p, s, d, b, e);
+  }
+};
+template <typename T>
+struct Expand {
+  static void Run(const CpuPlan& p, const char* s, char* d, int64_t b,
+                  int64_t e) {
+    ExpandPiece<T>(p, s, d, b, e);
+  }
+};
+
+// True when the mask is fragmented enough that a typed loop beats one memcpy
+// per run.
+bool PreferTypedLoop(const CpuPlan& plan, int64_t width) {
+  return plan.num_runs > 0 &&
+         plan.total_active() * width < plan.num_runs * kMinRunBytesForMemcpy;
+}
+
+// Runs a piece function over dense positions split evenly across the pool.
+void ForEachPositionPiece(const CpuPlan& plan, int64_t width, PieceFn fn,
+                          const char* src, char* dst) {
+  const int64_t positions = plan.batch * plan.seq;
+  const int n = Pieces(positions * width);
+  ThreadPool::Global().ParallelFor(n, [&](int i) {
+    const auto [begin, end] = PieceRange(positions, i, n);
+    fn(plan, src, dst, begin, end);
+  });
+}
+
+class SpanBackend : public Backend {
+ public:
+  absl::string_view name() const override { return "span"; }
+
+  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
+      const TensorView& mask) override {
+    auto plan = std::make_unique<CpuPlan>();
+    plan->batch = mask.shape[0];
+    plan->seq = mask.shape[1];
+    plan->cu_seqlens.assign(plan->batch + 1, 0);
+    plan->last_index.assign(plan->batch, -1);
+    plan->active.resize(plan->batch * plan->seq);
+    const bool fp = IsFloatingPoint(mask.dtype);
+    switch (ItemSize(mask.dtype)) {
+      case 1:
+        ScanMask<uint8_t>(static_cast<const uint8_t*>(mask.data), 0xFF, *plan);
+        break;
+      case 2:
+        ScanMask<uint16_t>(static_cast<const uint16_t*>(mask.data),
+                           fp ? 0x7FFF : 0xFFFF, *plan);
+        break;
+      case 4:
+        ScanMask<uint32_t>(static_cast<const uint32_t*>(mask.data),
+                           fp ? 0x7FFFFFFFu : 0xFFFFFFFFu, *plan);
+        break;
+      default:
+        ScanMask<uint64_t>(static_cast<const uint64_t*>(mask.data),
+                           fp ? 0x7FFFFFFFFFFFFFFFull : ~0ull, *plan);
+        break;
+    }
+    return plan;
+  }
+
+  absl::Status Gather(const MaskPlan& base, const TensorView& x,
+                      const TensorView& out) override {
+    const auto& plan = static_cast<const CpuPlan&>(base);
+    const int64_t width = RowBytes(plan, x);
+    const int64_t total = plan.total_active();
+    const char* src = static_cast<const char*>(x.data);
+    char* dst = static_cast<char*>(out.data);
+    if (total == 0 || width == 0) return absl::OkStatus();
+    if (plan.all_active()) {
+      ParallelCopy(dst, src, total * width);
+      return absl::OkStatus();
+    }
+    if (PieceFn typed = TypedPiece<Compact>(width);
+        typed && PreferTypedLoop(plan, width)) {
+      ForEachPositionPiece(plan, width, typed, src, dst);
+      return absl::OkStatus();
+    }
+    // Split the packed rows evenly; each piece copies the parts of the runs
+    // that land in it.
+    const std::vector<Run>& runs = plan.runs();
+    const int n = Pieces(total * width);
+    ThreadPool::Global().ParallelFor(n, [&](int i) {
+      const auto [begin, end] = PieceRange(total, i, n);
+      auto it = std::upper_bound(
+          runs.begin(), runs.end(), begin,
+          [](int64_t row, const Run& r) { return row < r.dst; });
+      for (--it; it != runs.end() && it->dst < end; ++it) {
+        const int64_t lo = std::max(begin, it->dst);
+        const int64_t hi = std::min(end, it->dst + it->len);
+        std::memcpy(dst + lo * width, src + (it->src + lo - it->dst) * width,
+                    (hi - lo) * width);
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status Scatter(const MaskPlan& base, const TensorView& packed,
+                       const TensorView& dense) override {
+    const auto& plan = static_cast<const CpuPlan&>(base);
+    const int64_t width = RowBytes(plan, dense);
+    const int64_t positions = plan.batch * plan.seq;
+    const char* src = static_cast<const char*>(packed.data);
+    char* dst = static_cast<char*>(dense.data);
+    if (positions == 0 || width == 0) return absl::OkStatus();
+    if (plan.total_active() == 0) {
+      ParallelZero(dst, positions * width);
+      return absl::OkStatus();
+    }
+    if (plan.all_active()) {
+      ParallelCopy(dst, src, positions * width);
+      return absl::OkStatus();
+    }
+    if (PieceFn typed = TypedPiece<Expand>(width);
+        typed && PreferTypedLoop(plan, width)) {
+      ForEachPositionPiece(plan, width, typed, src, dst);
+      return absl::OkStatus();
+    }
+    // Split the dense positions evenly; each piece zero-fills the gaps between
+    // runs and copies the runs, so every dense byte is written exactly once.
+    const std::vector<Run>& runs = plan.runs();
+    const int n = Pieces(positions * width);
+    ThreadPool::Global().ParallelFor(n, [&](int i) {
+      const auto [begin, end] = PieceRange(positions, i, n);
+      auto it = std::upper_bound(
+          runs.begin(), runs.end(), begin,
+          [](int64_t p, const Run& r) { return p < r.src + r.len; });
+      int64_t pos = begin;
+      for (; it != runs.end() && it->src < end; ++it) {
+        const int64_t lo = std::max(begin, it->src);
+        const int64_t hi = std::min(end, it->src + it->len);
+        std::memset(dst + pos * width, 0, (lo - pos) * width);
+        std::memcpy(dst + lo * width, src + (it->dst + lo - it->src) * width,
+                    (hi - lo) * width);
+        pos = hi;
+      }
+      std::memset(dst + pos * width, 0, (end - pos) * width);
+    });
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+void ParallelCopy(void* dst, const void* src, size_t bytes) {
+  const int n = Pieces(static_cast<int64_t>(bytes));
+  ThreadPool::Global().ParallelFor(n, [&](int i) {
+    const auto [begin, end] = PieceRange(static_cast<int64_t>(bytes), i, n);
+    std::memcpy(static_cast<char*>(dst) + begin,
+                static_cast<const char*>(src) + begin, end - begin);
+  });
+}
+
+void ParallelZero(void* dst, size_t bytes) {
+  const int n = Pieces(static_cast<int64_t>(bytes));
+  ThreadPool::Global().ParallelFor(n, [&](int i) {
+    const auto [begin, end] = PieceRange(static_cast<int64_t>(bytes), i, n);
+    std::memset(static_cast<char*>(dst) + begin, 0, end - begin);
+  });
+}
+
+void RegisterCpuBackends(Registry& registry) {
+  registry
+      .Add(DeviceKind::kCpu, std::make_unique<SpanBackend>(),
+           /*make_default=*/true)
+      .IgnoreError();
+}
+
+}  // namespace packd

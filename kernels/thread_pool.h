@@ -1,0 +1,66 @@
+// ThreadPool: a fixed set of workers that run the pieces of one large copy in
+// parallel.
+//
+//   ThreadPool& pool = ThreadPool::Global();
+//   pool.ParallelFor(pool.num_threads(), [&](int i) { CopyPart(i); });
+#ifndef PACKD_KERNELS_THREAD_POOL_H_
+#define PACKD_KERNELS_THREAD_POOL_H_
+
+#include <atomic>
+#include <cstddef>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/synchronization/mutex.h"
+
+namespace packd {
+
+class ThreadPool {
+ public:
+  // A pool whose ParallelFor uses `num_threads` threads in all: the caller and
+  // num_threads - 1 workers. num_threads < 1 means 1.
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  // The process-wide pool used by the CPU backend. Its size is
+  // SetGlobalThreads' last value, by default the number of hardware threads.
+  static ThreadPool& Global();
+  // Replaces the global pool's size. Call it at start-up, before the pool is in
+  // use.
+  static void SetGlobalThreads(int num_threads);
+
+  int num_threads() const { return num_threads_; }
+
+  // Runs fn(0) ... fn(n - 1), each exactly once, and returns when all have
+  // finished. The calling thread takes part. If another ParallelFor is running
+  // on this pool (concurrent requests), the caller runs every piece itself
+  // instead of waiting for the workers.
+  void ParallelFor(int n, absl::FunctionRef<void(int)> fn);
+
+ private:
+  void WorkerLoop();
+  void RunPieces();
+
+  const int num_threads_;
+  std::vector<std::thread> workers_;
+  absl::Mutex busy_;  // held by the caller whose job the workers are running
+
+  absl::Mutex mu_;
+  absl::CondVar wake_;
+  absl::CondVar done_;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int pending_workers_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // The current job: read by workers after they see a new generation.
+  absl::FunctionRef<void(int)>* job_ = nullptr;
+  int job_size_ = 0;
+  std::atomic<int> next_{0};
+};
+
+}  // namespace packd
+
+#endif  // PACKD_KERNELS_THREAD_POOL_H_

@@ -1,0 +1,19 @@
+// The libtorch backend ("torch" on cpu): the seeds' NativePackOp, nonzero +
+// index_select for pack and index_copy_ into zeros for scatter. It is the
+// reference the fast backends are measured against, selectable by name.
+//
+//   RegisterTorchBackends(Registry::Global());  // done by Registry::Global()
+//   itself Pack(mask, inputs, {.impl = "torch"});
+#ifndef PACKD_KERNELS_TORCH_TORCH_BACKEND_H_
+#define PACKD_KERNELS_TORCH_TORCH_BACKEND_H_
+
+namespace packd {
+
+class Registry;
+
+// Adds the "torch" backend for cpu (not the default).
+void RegisterTorchBackends(Registry& registry);
+
+}  // namespace packd
+
+#endif  // PACKD_KERNELS_TORCH_TORCH_BACKEND_H_

@@ -1,0 +1,295 @@
+// Pack and Scatter against libtorch's boolean indexing, byte for byte, on fresh
+// random data: every dtype of x and of the mask, edge and odd shapes, tails,
+// densities, prefix masks and masks with holes, for every CPU implementation.
+#include "kernels/pack.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/registry.h"
+#include "kernels/torch/torch_interop.h"
+#include "tests/kernels/test_util.h"
+
+namespace packd {
+namespace {
+
+using testing::Concat;
+using testing::MaskKind;
+using testing::Rng;
+
+struct Case {
+  DType x_dtype;
+  DType mask_dtype;
+  int64_t B, S;
+  std::vector<int64_t> tail;
+  double density;
+  MaskKind kind;
+
+  std::string ToString() const {
+    return absl::StrCat("x ", DTypeName(x_dtype), " ",
+                        ShapeString(Concat({B, S}, tail)), ", mask ",
+                        DTypeName(mask_dtype), " ", testing::MaskKindName(kind),
+                        " density ", density);
+  }
+};
+
+#define EXPECT_SAME_BYTES(expected, actual)                               \
+  do {                                                                    \
+    std::string why_;                                                     \
+    EXPECT_TRUE(testing::SameBytes((expected), (actual), &why_)) << why_; \
+  } while (false)
+
+class PackTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  // Packs x (and a second tensor, int64 token ids, sharing the mask) with
+  // library-allocated and caller-provided outputs; scatters fresh random packed
+  // rows back; compares all of it and the metadata with torch.
+  void Check(const Case& c) {
+    SCOPED_TRACE(c.ToString());
+    Rng rng = Rng::Fresh();
+    const at::Tensor mask =
+        testing::RandomMask(rng, c.mask_dtype, c.B, c.S, c.density, c.kind);
+    const std::vector<int64_t> dense_shape = Concat({c.B, c.S}, c.tail);
+    const at::Tensor x = testing::RandomTensor(rng, c.x_dtype, dense_shape);
+    const at::Tensor ids =
+        testing::RandomTensor(rng, DType::kInt64, {c.B, c.S});
+    const at::Tensor expected_x = testing::ReferencePack(x, mask);
+    const at::Tensor expected_ids = testing::ReferencePack(ids, mask);
+    const testing::ReferenceMeta meta = testing::ReferenceMetadata(mask);
+
+    const std::vector<TensorView> inputs = {AsView(x), AsView(ids)};
+    PackOptions options;
+    options.impl = GetParam();
+    options.with_position_ids = true;
+    absl::StatusOr<PackResult> r = Pack(AsView(mask), inputs, options);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->packed.size(), 2u);
+    EXPECT_SAME_BYTES(expected_x, r->packed[0].view);
+    EXPECT_SAME_BYTES(expected_ids, r->packed[1].view);
+    EXPECT_EQ(r->cu_seqlens, meta.cu_seqlens);
+    EXPECT_EQ(r->total_active, meta.total_active);
+    EXPECT_EQ(r->max_seqlen, meta.max_seqlen);
+    EXPECT_EQ(r->position_ids, meta.position_ids);
+    EXPECT_EQ(r->last_index, meta.last_index);
+
+    at::Tensor out_x = at::empty(expected_x.sizes(), x.options());
+    at::Tensor out_ids = at::empty(expected_ids.sizes(), ids.options());
+    testing::FillCanary(out_x);
+    testing::FillCanary(out_ids);
+    const std::vector<TensorView> outputs = {AsView(out_x), AsView(out_ids)};
+    options.outputs = outputs;
+    options.with_position_ids = false;
+    absl::StatusOr<PackResult> into = Pack(AsView(mask), inputs, options);
+    ASSERT_TRUE(into.ok()) << into.status();
+    EXPECT_EQ(into->packed[0].view.data, out_x.data_ptr());
+    EXPECT_SAME_BYTES(expected_x, AsView(out_x));
+    EXPECT_SAME_BYTES(expected_ids, AsView(out_ids));
+    EXPECT_TRUE(into->position_ids.empty());
+
+    const at::Tensor packed = testing::RandomTensor(
+        rng, c.x_dtype, Concat({meta.total_active}, c.tail));
+    const at::Tensor expected_dense =
+        testing::ReferenceScatter(packed, mask, dense_shape);
+    const std::vector<TensorView> packed_views = {AsView(packed)};
+    ScatterOptions scatter_options;
+    scatter_options.impl = GetParam();
+    scatter_options.tail_shape = Shape(c.tail.begin(), c.tail.end());
+    absl::StatusOr<ScatterResult> s =
+        Scatter(AsView(mask), packed_views, scatter_options);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_SAME_BYTES(expected_dense, s->dense[0].view);
+
+    at::Tensor dense = at::empty(dense_shape, x.options());
+    testing::FillCanary(dense);
+    const std::vector<TensorView> dense_views = {AsView(dense)};
+    scatter_options.outputs = dense_views;
+    absl::StatusOr<ScatterResult> s_into =
+        Scatter(AsView(mask), packed_views, scatter_options);
+    ASSERT_TRUE(s_into.ok()) << s_into.status();
+    EXPECT_SAME_BYTES(expected_dense, AsView(dense));
+  }
+};
+
+TEST_P(PackTest, EveryDtypeOfXAndMask) {
+  for (DType x_dtype : kAllDTypes) {
+    for (DType mask_dtype : kAllDTypes) {
+      Check({x_dtype, mask_dtype, 5, 37, {3}, 0.5, MaskKind::kHoles});
+      Check({x_dtype, mask_dtype, 3, 20, {}, 0.6, MaskKind::kPrefix});
+    }
+  }
+}
+
+TEST_P(PackTest, ShapesTailsDensitiesAndMaskKinds) {
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {0, 0}, {0, 5}, {3, 0}, {1, 1}, {2, 3}, {7, 13}, {3, 1031}, {1031, 3}};
+  const std::vector<std::vector<int64_t>> tails = {{},     {1}, {3},
+                                                   {2, 5}, {0}, {4096}};
+  int i = 0;
+  for (const auto& [B, S] : shapes) {
+    for (const auto& tail : tails) {
+      for (double density : {0.0, 0.1, 0.5, 1.0}) {
+        for (MaskKind kind : {MaskKind::kPrefix, MaskKind::kHoles}) {
+          ++i;
+          DType x_dtype = kAllDTypes[i % 10];
+          // Keep the big-tail cases to a few MiB.
+          if (!tail.empty() && tail[0] == 4096 && B * S > 64)
+            x_dtype = DType::kUInt8;
+          Check(
+              {x_dtype, kAllDTypes[(i / 10) % 10], B, S, tail, density, kind});
+        }
+      }
+    }
+  }
+}
+
+// Sizes that split into several pieces across threads, through both CPU code
+// paths: the typed loop (rows of 1 to 16 bytes under fragmented masks) and one
+// copy per run.
+TEST_P(PackTest, LargeMultiThreaded) {
+  Check({DType::kInt64, DType::kBool, 1024, 1031, {}, 0.5, MaskKind::kHoles});
+  Check({DType::kInt64, DType::kBool, 64, 4096, {}, 0.1, MaskKind::kHoles});
+  Check({DType::kInt64, DType::kInt32, 64, 4096, {}, 0.5, MaskKind::kPrefix});
+  Check({DType::kFloat32, DType::kBool, 257, 1031, {4}, 0.3, MaskKind::kHoles});
+  Check(
+      {DType::kUInt8, DType::kFloat16, 1024, 1031, {3}, 0.5, MaskKind::kHoles});
+  Check(
+      {DType::kBFloat16, DType::kBool, 16, 1024, {512}, 0.3, MaskKind::kHoles});
+  Check({DType::kBFloat16,
+         DType::kBool,
+         16,
+         1024,
+         {512},
+         0.3,
+         MaskKind::kPrefix});
+  Check({DType::kBFloat16,
+         DType::kBool,
+         16,
+         1024,
+         {512},
+         1.0,
+         MaskKind::kPrefix});
+  Check(
+      {DType::kBFloat16, DType::kBool, 1, 9001, {128}, 0.9, MaskKind::kHoles});
+}
+
+// The seeds' fast paths: all active is one contiguous copy, none active moves
+// nothing.
+TEST_P(PackTest, AllActiveAndNoneActiveFastPaths) {
+  for (DType mask_dtype : {DType::kBool, DType::kFloat32, DType::kInt64}) {
+    Check({DType::kFloat32, mask_dtype, 4, 100, {2, 5}, 1.0, MaskKind::kHoles});
+    Check({DType::kFloat32, mask_dtype, 4, 100, {2, 5}, 0.0, MaskKind::kHoles});
+  }
+}
+
+TEST_P(PackTest, BackwardIsScatterOfTheGradient) {
+  // grad_x = scatter(grad_packed): autograd through torch's x[mask] gives the
+  // reference.
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kUInt8, 6, 50, 0.4, MaskKind::kHoles);
+  at::Tensor x = at::randn({6, 50, 7}, at::kDouble).set_requires_grad(true);
+  at::Tensor packed = x.index({mask.ne(0)});
+  const at::Tensor grad_packed = at::randn(packed.sizes(), at::kDouble);
+  packed.backward(grad_packed);
+  const std::vector<TensorView> grads = {AsView(grad_packed)};
+  ScatterOptions options;
+  options.impl = GetParam();
+  absl::StatusOr<ScatterResult> s = Scatter(AsView(mask), grads, options);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_SAME_BYTES(x.grad(), s->dense[0].view);
+}
+
+INSTANTIATE_TEST_SUITE_P(Impl, PackTest, ::testing::Values("span", "torch"),
+                         [](const auto& info) { return info.param; });
+
+TEST(PackMetadata, HandChecked) {
+  // Rows: two active then padding; empty; holes. Values 2, NaN and -0.0 test
+  // "nonzero is active".
+  const float nan = std::nanf("");
+  at::Tensor mask = at::tensor({2.f, 1.f, 0.f, -0.f, 0.f, -0.f, 0.f, 0.f, 0.f,
+                                nan, -0.f, 3.f})
+                        .view({3, 4});
+  at::Tensor x = at::arange(12, at::kInt).view({3, 4});
+  const std::vector<TensorView> inputs = {AsView(x)};
+  PackOptions options;
+  options.with_position_ids = true;
+  absl::StatusOr<PackResult> r = Pack(AsView(mask), inputs, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cu_seqlens, (std::vector<int64_t>{0, 2, 2, 4}));
+  EXPECT_EQ(r->total_active, 4);
+  EXPECT_EQ(r->max_seqlen, 2);
+  EXPECT_EQ(r->position_ids, (std::vector<int64_t>{0, 1, 0, 1}));
+  EXPECT_EQ(r->last_index, (std::vector<int64_t>{1, -1, 3}));
+  const int32_t* packed = static_cast<const int32_t*>(r->packed[0].view.data);
+  EXPECT_EQ(std::vector<int32_t>(packed, packed + 4),
+            (std::vector<int32_t>{0, 1, 9, 11}));
+}
+
+TEST(PackMetadata, LeftPaddedPositionsComeFromTheMask) {
+  // Left padding: position ids restart at 0 at each row's first active token,
+  // not at s.
+  at::Tensor mask =
+      at::tensor({0, 0, 1, 1, 1, 0, 1, 1, 1, 1}, at::kByte).view({2, 5});
+  at::Tensor x = at::zeros({2, 5}, at::kFloat);
+  const std::vector<TensorView> inputs = {AsView(x)};
+  PackOptions options;
+  options.with_position_ids = true;
+  absl::StatusOr<PackResult> r = Pack(AsView(mask), inputs, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->position_ids, (std::vector<int64_t>{0, 1, 2, 0, 1, 2, 3}));
+  EXPECT_EQ(r->cu_seqlens, (std::vector<int64_t>{0, 3, 7}));
+  EXPECT_EQ(r->last_index, (std::vector<int64_t>{4, 4}));
+  EXPECT_EQ(r->max_seqlen, 4);
+}
+
+TEST(PackMetadata, EmptyBatch) {
+  at::Tensor mask = at::zeros({0, 8}, at::kBool);
+  at::Tensor x = at::zeros({0, 8, 3}, at::kFloat);
+  const std::vector<TensorView> inputs = {AsView(x)};
+  absl::StatusOr<PackResult> r = Pack(AsView(mask), inputs);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cu_seqlens, (std::vector<int64_t>{0}));
+  EXPECT_EQ(r->max_seqlen, 0);
+  EXPECT_TRUE(r->last_index.empty());
+  EXPECT_EQ(r->packed[0].view.shape, (Shape{0, 3}));
+}
+
+TEST(Registry, BothImplementationsAreReachableAndAgree) {
+  EXPECT_EQ(Registry::Global().Names(DeviceKind::kCpu),
+            (std::vector<std::string>{"span", "torch"}));
+  for (const char* op : {"pack", "scatter"}) {
+    absl::StatusOr<Backend*> def = Registry::Get(op, Device::Cpu());
+    ASSERT_TRUE(def.ok()) << def.status();
+    EXPECT_EQ((*def)->name(), "span");
+    absl::StatusOr<Backend*> torch = Registry::Get(op, Device::Cpu(), "torch");
+    ASSERT_TRUE(torch.ok()) << torch.status();
+    EXPECT_EQ((*torch)->name(), "torch");
+  }
+  Rng rng = Rng::Fresh();
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t B = 1 + rng.Next() % 9, S = 1 + rng.Next() % 300;
+    const DType dtype = kAllDTypes[rng.Next() % 10];
+    const at::Tensor mask = testing::RandomMask(
+        rng, kAllDTypes[rng.Next() % 10], B, S, rng.Uniform(),
+        rng.Next() & 1 ? MaskKind::kHoles : MaskKind::kPrefix);
+    const at::Tensor x =
+        testing::RandomTensor(rng, dtype, {B, S, int64_t(rng.Next() % 5)});
+    const std::vector<TensorView> inputs = {AsView(x)};
+    PackOptions span, torch;
+    torch.impl = "torch";
+    absl::StatusOr<PackResult> a = Pack(AsView(mask), inputs, span);
+    absl::StatusOr<PackResult> b = Pack(AsView(mask), inputs, torch);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    EXPECT_EQ(a->cu_seqlens, b->cu_seqlens);
+    EXPECT_EQ(a->last_index, b->last_index);
+    const at::Tensor b_packed = AsTensor(b->packed[0].view).clone();
+    EXPECT_SAME_BYTES(b_packed, a->packed[0].view);
+  }
+}
+
+}  // namespace
+}  // namespace packd

@@ -1,0 +1,91 @@
+// The support pieces of the op library: DType, the host buffer pool and the
+// thread pool.
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/buffer.h"
+#include "kernels/dtype.h"
+#include "kernels/thread_pool.h"
+
+namespace packd {
+namespace {
+
+TEST(DType, SizesNamesAndParsing) {
+  const int64_t sizes[] = {1, 1, 1, 2, 4, 8, 2, 2, 4, 8};
+  for (int i = 0; i < 10; ++i) {
+    const DType d = kAllDTypes[i];
+    EXPECT_EQ(static_cast<int>(d), i + 1);
+    EXPECT_EQ(ItemSize(d), sizes[i]) << DTypeName(d);
+    DType parsed;
+    ASSERT_TRUE(ParseDType(DTypeName(d), &parsed));
+    EXPECT_EQ(parsed, d);
+  }
+  DType parsed;
+  EXPECT_TRUE(ParseDType("bf16", &parsed));
+  EXPECT_EQ(parsed, DType::kBFloat16);
+  EXPECT_FALSE(ParseDType("complex64", &parsed));
+  EXPECT_FALSE(IsValidDType(DType::kUnspecified));
+  EXPECT_FALSE(IsValidDType(static_cast<DType>(11)));
+  EXPECT_EQ(ItemSize(static_cast<DType>(11)), 0);
+}
+
+TEST(HostBufferPool, ReusesReturnedBlocksAndRespectsItsLimit) {
+  HostBufferPool pool(size_t{8} << 20);
+  void* first = nullptr;
+  {
+    Buffer b = pool.Acquire(3 << 20);
+    ASSERT_NE(b.data(), nullptr);
+    EXPECT_EQ(b.size(), size_t{3} << 20);
+    EXPECT_EQ(
+        reinterpret_cast<uintptr_t>(b.data()) % HostBufferPool::kAlignment, 0u);
+    std::memset(b.data(), 1, b.size());
+    first = b.data();
+  }
+  EXPECT_EQ(pool.cached_bytes(),
+            size_t{4} << 20);  // rounded up to whole 2 MiB pages
+  {
+    Buffer again = pool.Acquire(3 << 20);
+    EXPECT_EQ(again.data(), first);
+    EXPECT_EQ(pool.cached_bytes(), 0u);
+    Buffer small = pool.Acquire(100);
+    Buffer zero = pool.Acquire(0);
+    EXPECT_NE(zero.data(), nullptr);
+    Buffer moved = std::move(small);
+    EXPECT_EQ(small.data(), nullptr);
+    EXPECT_NE(moved.data(), nullptr);
+  }
+  {
+    // Over the limit: the third block is freed, not cached.
+    Buffer a = pool.Acquire(4 << 20), b = pool.Acquire(4 << 20),
+           c = pool.Acquire(4 << 20);
+  }
+  EXPECT_LE(pool.cached_bytes(), size_t{8} << 20);
+  pool.Trim();
+  EXPECT_EQ(pool.cached_bytes(), 0u);
+}
+
+TEST(ThreadPool, RunsEveryPieceOnceAlsoUnderConcurrentCallers) {
+  ThreadPool pool(4);
+  EXPECT_EQ(pool.num_threads(), 4);
+  std::vector<std::thread> callers;
+  std::atomic<int> failures{0};
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&] {
+      for (int round = 0; round < 200; ++round) {
+        const int n = 1 + round % 9;
+        std::vector<std::atomic<int>> hits(n);
+        pool.ParallelFor(n, [&](int i) { hits[i].fetch_add(1); });
+        for (auto& h : hits) failures += h.load() != 1;
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  pool.ParallelFor(0, [&](int) { ADD_FAILURE() << "no piece should run"; });
+}
+
+}  // namespace
+}  // namespace packd

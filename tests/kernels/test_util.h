@@ -1,0 +1,80 @@
+// Helpers for the kernel tests: fresh random tensors and masks of every dtype,
+// output canaries, and the libtorch reference results every packd result is
+// compared against, byte for byte.
+//
+//   Rng rng = Rng::Fresh();
+//   at::Tensor mask = RandomMask(rng, DType::kFloat32, 4, 16, 0.3,
+//   MaskKind::kHoles); at::Tensor expected = ReferencePack(x, mask);
+#ifndef PACKD_TESTS_KERNELS_TEST_UTIL_H_
+#define PACKD_TESTS_KERNELS_TEST_UTIL_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+#include "kernels/pack.h"
+#include "kernels/tensor_view.h"
+
+namespace packd::testing {
+
+// A seeded generator; Fresh() seeds from the clock and prints the seed so a
+// failure can be replayed with PACKD_TEST_SEED.
+struct Rng {
+  std::mt19937_64 engine;
+  static Rng Fresh();
+  uint64_t Next() { return engine(); }
+  double Uniform() {
+    return std::uniform_real_distribution<double>(0, 1)(engine);
+  }
+};
+
+// prefix: each row active for a random prefix (a completion, then padding),
+// about `density` of S. holes: each position active independently with
+// probability `density`.
+enum class MaskKind { kPrefix, kHoles };
+const char* MaskKindName(MaskKind kind);
+
+// A [B, S] mask of `dtype` whose active positions follow `kind` and `density`.
+// Active values are varied nonzero values (2, -1, 0.5, NaN, -inf...), inactive
+// ones are 0 and, for floats, -0.0.
+at::Tensor RandomMask(Rng& rng, DType dtype, int64_t B, int64_t S,
+                      double density, MaskKind kind);
+
+// A tensor of `shape` filled with random bytes (bool: 0 or 1), so NaN payloads
+// and -0.0 occur.
+at::Tensor RandomTensor(Rng& rng, DType dtype,
+                        const std::vector<int64_t>& shape);
+
+// x[mask != 0] and its inverse, computed by libtorch's own boolean indexing.
+at::Tensor ReferencePack(const at::Tensor& x, const at::Tensor& mask);
+at::Tensor ReferenceScatter(const at::Tensor& packed, const at::Tensor& mask,
+                            const std::vector<int64_t>& dense_shape);
+
+// Reference metadata computed with torch ops from mask != 0.
+struct ReferenceMeta {
+  std::vector<int64_t> cu_seqlens, position_ids, last_index;
+  int64_t total_active = 0, max_seqlen = 0;
+};
+ReferenceMeta ReferenceMetadata(const at::Tensor& mask);
+
+// True when both tensors have the same shape and dtype and identical bytes;
+// otherwise false and `why` says where they first differ.
+bool SameBytes(const at::Tensor& expected, const TensorView& actual,
+               std::string* why);
+
+// Fills `t` with the canary byte so that an element the op never writes is
+// caught.
+constexpr uint8_t kCanary = 0xA5;
+void FillCanary(at::Tensor& t);
+
+std::vector<int64_t> Concat(std::vector<int64_t> head,
+                            const std::vector<int64_t>& tail);
+
+}  // namespace packd::testing
+
+#endif  // PACKD_TESTS_KERNELS_TEST_UTIL_H_
