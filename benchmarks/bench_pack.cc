@@ -1,1 +1,484 @@
-int main() { return 0; }
+// bench_pack: the packd kernels against their limit and their peers, in one run
+// on the same data.
+//
+//   bench_pack --smoke
+//   bench_pack --dtype=bfloat16 --num-prompts=2 --g-sizes=8
+//   --completion-lens=1024 \
+//       --hidden-dim=4096 --vocab-sizes=32768 --mask-densities=0.1,0.3,1.0
+//       --json=out.json
+//
+// Every row is a median over --repeats runs after a warm-up. Ratios compare
+// with the limit, a memcpy of the same bytes into a touched buffer split across
+// the same threads packd uses, and with libtorch's x[mask] / nonzero +
+// index_select / index_copy_ (the seeds' NativePackOp).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorIndexing.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/pack.h"
+#include "kernels/thread_pool.h"
+#include "kernels/torch/torch_interop.h"
+
+ABSL_FLAG(bool, smoke, false,
+          "Tiny shapes and few repeats; checks results against torch");
+ABSL_FLAG(std::string, device, "cpu", "Device to pack on");
+ABSL_FLAG(std::string, dtype, "bfloat16", "dtype of the hidden states");
+ABSL_FLAG(int, num_prompts, 2, "Prompts per batch");
+ABSL_FLAG(std::string, g_sizes, "8",
+          "Completions per prompt (comma-separated); B = prompts * g");
+ABSL_FLAG(std::string, completion_lens, "1024",
+          "Sequence lengths S (comma-separated)");
+ABSL_FLAG(int, hidden_dim, 4096, "Hidden size: the tail of the hidden states");
+ABSL_FLAG(std::string, vocab_sizes, "32768,151936",
+          "Vocabulary sizes for the memory columns");
+ABSL_FLAG(std::string, mask_densities, "0.1,0.3,1.0",
+          "Fractions of active positions");
+ABSL_FLAG(std::string, mask_kinds, "prefix,random",
+          "prefix: a completion then padding per row; random: positions active "
+          "independently");
+ABSL_FLAG(std::string, token_densities, "0.1,0.5,1.0",
+          "Densities for the [64, 4096] int64 token-id case; empty to skip it");
+ABSL_FLAG(
+    int, threads, 0,
+    "CPU threads for packd and the memcpy limit (0: all hardware threads)");
+ABSL_FLAG(int, repeats, 20, "Timed runs per row (the median is reported)");
+ABSL_FLAG(std::string, json, "", "Also write the rows as JSON to this file");
+
+namespace packd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Row {
+  std::string op, impl, mask, dtype, memory;
+  int64_t B = 0, S = 0, tail_bytes = 0, active_rows = 0, bytes_moved = 0;
+  double density = 0, median_ms = 0, gbps = 0, vs_limit = 0;
+};
+
+double MedianMs(int repeats, const std::function<void()>& fn) {
+  fn();  // warm-up: pools, page tables, caches
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return ms[ms.size() / 2];
+}
+
+std::vector<double> ParseDoubles(const std::string& text) {
+  std::vector<double> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    double v = 0;
+    if (!absl::SimpleAtod(part, &v)) {
+      std::fprintf(stderr, "bench_pack: \"%s\" is not a number\n",
+                   std::string(part).c_str());
+      std::exit(2);
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+std::vector<int64_t> ParseInts(const std::string& text) {
+  std::vector<int64_t> out;
+  for (double v : ParseDoubles(text)) out.push_back(static_cast<int64_t>(v));
+  return out;
+}
+
+// [B, S] bool mask: prefix rows have a completion of random length around
+// density * S then padding; random rows have each position active with
+// probability density.
+at::Tensor MakeMask(std::mt19937_64& rng, int64_t B, int64_t S, double density,
+                    bool prefix) {
+  at::Tensor mask = at::zeros({B, S}, at::kBool);
+  bool* m = mask.data_ptr<bool>();
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int64_t b = 0; b < B; ++b) {
+    if (prefix) {
+      // Lengths vary by row but keep the requested overall density.
+      const double f =
+          density >= 1.0 ? 1.0 : std::min(1.0, density * (0.5 + u(rng)));
+      const int64_t len = static_cast<int64_t>(f * S);
+      std::fill(m + b * S, m + b * S + len, true);
+    } else {
+      for (int64_t s = 0; s < S; ++s) m[b * S + s] = u(rng) < density;
+    }
+  }
+  return mask;
+}
+
+class Bench {
+ public:
+  Bench(int repeats, bool check) : repeats_(repeats), check_(check) {}
+
+  // Pack and scatter rows for one x and mask.
+  void Run(const at::Tensor& x, const at::Tensor& mask,
+           const std::string& mask_kind, double density) {
+    const int64_t B = x.size(0), S = x.size(1);
+    const TensorView mask_view = AsView(mask);
+    const std::vector<TensorView> inputs = {AsView(x)};
+    const int64_t rows = mask.sum().item<int64_t>();
+    const int64_t row_bytes = B * S == 0 ? 0 : x.nbytes() / (B * S);
+    const int64_t packed_bytes = rows * row_bytes;
+    const int64_t dense_bytes = x.nbytes();
+    Row base;
+    base.mask = mask_kind;
+    base.dtype = DTypeName(FromScalarType(x.scalar_type()));
+    base.B = B;
+    base.S = S;
+    base.tail_bytes = row_bytes;
+    base.density = density;
+    base.active_rows = rows;
+
+    // ---- pack: bytes moved = the active rows, read once and written once.
+    base.op = "pack";
+    base.bytes_moved = packed_bytes;
+    at::Tensor src_copy =
+        x.flatten().view(at::kByte).narrow(0, 0, packed_bytes).clone();
+    at::Tensor touched =
+        at::empty({std::max<int64_t>(packed_bytes, 1)}, at::kByte);
+    std::memset(touched.data_ptr(), 0, touched.nbytes());
+    const double limit = Add(
+        base, "memcpy (limit)", "caller buffer, touched",
+        [&] {
+          ParallelCopy(touched.data_ptr(), src_copy.data_ptr(), packed_bytes);
+        },
+        0);
+    at::Tensor out = at::empty(x.index({mask}).sizes(), x.options());
+    std::memset(out.data_ptr(), 0, out.nbytes());
+    const std::vector<TensorView> outputs = {AsView(out)};
+    PackOptions into;
+    into.outputs = outputs;
+    Add(
+        base, "packd", "caller buffer, touched",
+        [&] { Check(Pack(mask_view, inputs, into)); }, limit);
+    Add(
+        base, "packd end to end", "packd host pool (warm after first call)",
+        [&] { Check(Pack(mask_view, inputs)); }, limit);
+    Add(
+        base, "torch x[mask]", "torch allocator, fresh each call",
+        [&] { at::Tensor r = x.index({mask}); }, limit);
+    Add(
+        base, "torch nonzero+index_select", "torch allocator, fresh each call",
+        [&] {
+          at::Tensor r = x.flatten(0, 1).index_select(
+              0, mask.flatten().nonzero().squeeze(1));
+        },
+        limit);
+    if (check_) Verify(x.index({mask}), AsView(out), "pack");
+
+    // ---- scatter: bytes moved = the whole dense output, active rows copied
+    // and the rest zeroed.
+    base.op = "scatter";
+    base.bytes_moved = dense_bytes;
+    const at::Tensor packed = x.index({mask});
+    const std::vector<TensorView> packed_views = {AsView(packed)};
+    at::Tensor dense_src =
+        at::empty({std::max<int64_t>(dense_bytes, 1)}, at::kByte);
+    at::Tensor dense_dst =
+        at::empty({std::max<int64_t>(dense_bytes, 1)}, at::kByte);
+    std::memset(dense_src.data_ptr(), 1, dense_src.nbytes());
+    std::memset(dense_dst.data_ptr(), 0, dense_dst.nbytes());
+    const double scatter_limit = Add(
+        base, "memcpy (limit)", "caller buffer, touched",
+        [&] {
+          ParallelCopy(dense_dst.data_ptr(), dense_src.data_ptr(), dense_bytes);
+        },
+        0);
+    at::Tensor dense = at::empty(x.sizes(), x.options());
+    std::memset(dense.data_ptr(), 0xA5, dense.nbytes());
+    const std::vector<TensorView> dense_views = {AsView(dense)};
+    ScatterOptions scatter_into;
+    scatter_into.outputs = dense_views;
+    Add(
+        base, "packd", "caller buffer, touched",
+        [&] { Check(Scatter(mask_view, packed_views, scatter_into)); },
+        scatter_limit);
+    Add(
+        base, "packd end to end", "packd host pool (warm after first call)",
+        [&] { Check(Scatter(mask_view, packed_views)); }, scatter_limit);
+    Add(
+        base, "torch index_copy_", "torch zeros, fresh each call",
+        [&] {
+          at::Tensor d = at::zeros(x.sizes(), x.options());
+          d.flatten(0, 1).index_copy_(0, mask.flatten().nonzero().squeeze(1),
+                                      packed);
+        },
+        scatter_limit);
+    if (check_) {
+      at::Tensor expected = at::zeros(x.sizes(), x.options());
+      expected.index_put_({mask}, packed);
+      Verify(expected, AsView(dense), "scatter");
+    }
+  }
+
+  void Print() const {
+    std::printf("%-7s %-27s %-6s %-8s %5s %11s %5s %7s %9s %9s %8s %7s  %s\n",
+                "op", "impl", "mask", "dtype", "B", "S", "dens", "rows", "MiB",
+                "ms", "GB/s", "x limit", "output memory");
+    for (const Row& r : rows_) {
+      std::printf(
+          "%-7s %-27s %-6s %-8s %5lld %11s %5.2f %7lld %9.2f %9.3f %8.2f %7.2f "
+          " %s\n",
+          r.op.c_str(), r.impl.c_str(), r.mask.c_str(), r.dtype.c_str(),
+          static_cast<long long>(r.B),
+          absl::StrFormat("%d x %dB", r.S, r.tail_bytes).c_str(), r.density,
+          static_cast<long long>(r.active_rows), r.bytes_moved / 1048576.0,
+          r.median_ms, r.gbps, r.vs_limit, r.memory.c_str());
+    }
+  }
+
+  // Ratios of packd to its peers, per configuration, as the targets state them.
+  void PrintRatios() const {
+    std::printf(
+        "\nratios per configuration (packd end to end / torch is a speed-up: "
+        "higher is "
+        "better)\n");
+    std::printf("%-7s %-6s %-8s %11s %5s %10s %10s %14s %14s\n", "op", "mask",
+                "dtype", "S x row", "dens", "touched/", "e2e/", "e2e/torch",
+                "e2e/torch");
+    std::printf("%-7s %-6s %-8s %11s %5s %10s %10s %14s %14s\n", "", "", "", "",
+                "", "memcpy", "memcpy", "x[mask]|copy_", "index_select");
+    for (size_t i = 0; i < rows_.size(); ++i) {
+      const Row& limit = rows_[i];
+      if (limit.impl != "memcpy (limit)") continue;
+      double touched = 0, e2e = 0, torch_a = 0, torch_b = 0;
+      for (size_t j = i + 1;
+           j < rows_.size() && rows_[j].impl != "memcpy (limit)"; ++j) {
+        const Row& r = rows_[j];
+        if (r.impl == "packd") touched = r.median_ms;
+        if (r.impl == "packd end to end") e2e = r.median_ms;
+        if (r.impl == "torch x[mask]" || r.impl == "torch index_copy_")
+          torch_a = r.median_ms;
+        if (r.impl == "torch nonzero+index_select") torch_b = r.median_ms;
+      }
+      auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+      std::printf(
+          "%-7s %-6s %-8s %11s %5.2f %10.2f %10.2f %14.2f %14s\n",
+          limit.op.c_str(), limit.mask.c_str(), limit.dtype.c_str(),
+          absl::StrFormat("%d x %dB", limit.S, limit.tail_bytes).c_str(),
+          limit.density, ratio(limit.median_ms, touched),
+          ratio(limit.median_ms, e2e), ratio(torch_a, e2e),
+          torch_b > 0 ? absl::StrFormat("%.2f", ratio(torch_b, e2e)).c_str()
+                      : "-");
+    }
+  }
+
+  void WriteJson(const std::string& path) const {
+    std::ofstream f(path);
+    f << "[\n";
+    for (size_t i = 0; i < rows_.size(); ++i) {
+      const Row& r = rows_[i];
+      f << absl::StrFormat(
+          "  {\"op\": \"%s\", \"impl\": \"%s\", \"mask\": \"%s\", \"dtype\": "
+          "\"%s\", \"B\": %d, "
+          "\"S\": %d, \"tail_bytes\": %d, \"density\": %g, \"active_rows\": "
+          "%d, "
+          "\"bytes_moved\": %d, \"median_ms\": %.4f, \"gbps\": %.3f, "
+          "\"memory\": \"%s\"}%s\n",
+          r.op, r.impl, r.mask, r.dtype, r.B, r.S, r.tail_bytes, r.density,
+          r.active_rows, r.bytes_moved, r.median_ms, r.gbps, r.memory,
+          i + 1 < rows_.size() ? "," : "");
+    }
+    f << "]\n";
+  }
+
+  int failures() const { return failures_; }
+
+ private:
+  double Add(Row row, const std::string& impl, const std::string& memory,
+             const std::function<void()>& fn, double limit_ms) {
+    row.impl = impl;
+    row.memory = memory;
+    row.median_ms = MedianMs(repeats_, fn);
+    row.gbps = row.median_ms > 0 ? row.bytes_moved / (row.median_ms * 1e6) : 0;
+    row.vs_limit =
+        row.median_ms > 0 && limit_ms > 0 ? limit_ms / row.median_ms : 1.0;
+    rows_.push_back(row);
+    return row.median_ms;
+  }
+
+  template <typename T>
+  void Check(const absl::StatusOr<T>& r) {
+    if (!r.ok()) {
+      std::fprintf(stderr, "bench_pack: %s\n", r.status().ToString().c_str());
+      std::exit(1);
+    }
+  }
+
+  void Verify(const at::Tensor& expected, const TensorView& actual,
+              const char* what) {
+    if (expected.nbytes() != actual.nbytes() ||
+        std::memcmp(expected.data_ptr(), actual.data, expected.nbytes()) != 0) {
+      std::fprintf(stderr, "bench_pack: %s result differs from torch\n", what);
+      ++failures_;
+    }
+  }
+
+  const int repeats_;
+  const bool check_;
+  std::vector<Row> rows_;
+  int failures_ = 0;
+};
+
+// The seed's memory columns: logits for every position against
+// pack-before-projection.
+void PrintMemory(int64_t B, int64_t S, int64_t hidden, int64_t itemsize,
+                 int64_t active, const std::vector<int64_t>& vocab_sizes,
+                 double density) {
+  for (int64_t V : vocab_sizes) {
+    const double dense = static_cast<double>(B) * S * V * itemsize;
+    const double plan =
+        (B + 1) * 8.0 + active * 8.0;  // cu_seqlens + row indices
+    const double packed = active * hidden * itemsize +
+                          static_cast<double>(active) * V * itemsize + plan;
+    std::printf(
+        "memory  B=%lld S=%lld density %.2f V=%lld: dense logits %.1f MiB, "
+        "pack-before-projection %.1f MiB (%.2fx)\n",
+        static_cast<long long>(B), static_cast<long long>(S), density,
+        static_cast<long long>(V), dense / 1048576, packed / 1048576,
+        packed > 0 ? dense / packed : 0.0);
+  }
+}
+
+// The seed spells flags with hyphens (--num-prompts); abseil names them with
+// underscores. Accept both by rewriting the name part of each --flag before
+// parsing.
+std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) != 0) continue;
+    const size_t end = std::min(a.find('='), a.size());
+    std::replace(a.begin() + 2, a.begin() + end, '-', '_');
+  }
+  return args;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Benchmarks packd's pack and scatter against memcpy and libtorch");
+  std::vector<std::string> args = UnderscoreFlagNames(argc, argv);
+  std::vector<char*> arg_ptrs;
+  for (std::string& a : args) arg_ptrs.push_back(a.data());
+  absl::ParseCommandLine(static_cast<int>(arg_ptrs.size()), arg_ptrs.data());
+  const bool smoke = absl::GetFlag(FLAGS_smoke);
+  if (absl::GetFlag(FLAGS_threads) > 0)
+    ThreadPool::SetGlobalThreads(absl::GetFlag(FLAGS_threads));
+
+  absl::StatusOr<Device> device =
+      ParseDevice(absl::GetFlag(FLAGS_device), "--device");
+  if (!device.ok()) {
+    std::fprintf(stderr, "bench_pack: %s\n",
+                 device.status().ToString().c_str());
+    return 2;
+  }
+  if (device->kind != DeviceKind::kCpu) {
+    std::fprintf(
+        stderr,
+        "bench_pack: --device=%s: this benchmark measures the CPU backend\n",
+        device->ToString().c_str());
+    return 2;
+  }
+  DType dtype;
+  if (!ParseDType(absl::GetFlag(FLAGS_dtype), &dtype)) {
+    std::fprintf(stderr, "bench_pack: --dtype=%s is not a dtype\n",
+                 absl::GetFlag(FLAGS_dtype).c_str());
+    return 2;
+  }
+  int64_t prompts = absl::GetFlag(FLAGS_num_prompts);
+  std::vector<int64_t> g_sizes = ParseInts(absl::GetFlag(FLAGS_g_sizes));
+  std::vector<int64_t> lens = ParseInts(absl::GetFlag(FLAGS_completion_lens));
+  int64_t hidden = absl::GetFlag(FLAGS_hidden_dim);
+  std::vector<int64_t> vocab = ParseInts(absl::GetFlag(FLAGS_vocab_sizes));
+  std::vector<double> densities =
+      ParseDoubles(absl::GetFlag(FLAGS_mask_densities));
+  std::vector<double> token_densities =
+      ParseDoubles(absl::GetFlag(FLAGS_token_densities));
+  int64_t token_rows = 64, token_len = 4096;
+  int repeats = absl::GetFlag(FLAGS_repeats);
+  if (smoke) {
+    prompts = 2;
+    g_sizes = {2};
+    lens = {64};
+    hidden = 64;
+    vocab = {128};
+    token_rows = 8;
+    token_len = 128;
+    repeats = 2;
+  }
+  std::vector<std::string> kinds =
+      absl::StrSplit(absl::GetFlag(FLAGS_mask_kinds), ',', absl::SkipEmpty());
+
+  std::printf(
+      "bench_pack: device %s, %d threads, %d repeats (median), libtorch %d "
+      "thread(s)\n",
+      device->ToString().c_str(), ThreadPool::Global().num_threads(), repeats,
+      at::get_num_threads());
+  std::mt19937_64 rng(42);
+  Bench bench(repeats, /*check=*/true);
+  for (int64_t g : g_sizes) {
+    for (int64_t S : lens) {
+      const int64_t B = prompts * g;
+      const at::Tensor x = at::randint(-1000, 1000, {B, S, hidden}, at::kFloat)
+                               .to(ToScalarType(dtype));
+      for (const std::string& kind : kinds) {
+        for (double density : densities) {
+          const at::Tensor mask =
+              MakeMask(rng, B, S, density, kind == "prefix");
+          bench.Run(x, mask, kind, density);
+          PrintMemory(B, S, hidden, ItemSize(dtype), mask.sum().item<int64_t>(),
+                      vocab, density);
+        }
+      }
+    }
+  }
+  // Token ids: 8-byte rows, where one memcpy per run is the wrong tool under a
+  // random mask.
+  const at::Tensor ids =
+      at::randint(0, 1 << 30, {token_rows, token_len}, at::kLong);
+  for (const std::string& kind : kinds) {
+    for (double density : token_densities) {
+      bench.Run(ids,
+                MakeMask(rng, token_rows, token_len, density, kind == "prefix"),
+                kind, density);
+    }
+  }
+  std::printf("\n");
+  bench.Print();
+  bench.PrintRatios();
+  if (!absl::GetFlag(FLAGS_json).empty())
+    bench.WriteJson(absl::GetFlag(FLAGS_json));
+  if (bench.failures() > 0) {
+    std::fprintf(stderr, "bench_pack: %d result(s) differ from torch\n",
+                 bench.failures());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace packd
+
+int main(int argc, char** argv) { return packd::Main(argc, argv); }

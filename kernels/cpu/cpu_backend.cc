@@ -73,31 +73,70 @@ void CpuPlan::BuildRuns() const {
   }
 }
 
-// Scans one mask of element type U. `magnitude` keeps the bits that make a
-// value nonzero: all of them for integers, all but the sign for floats (so -0.0
-// is inactive and NaN is active).
+// Index of the last nonzero byte in [0, n), or -1.
+int64_t LastNonzero(const uint8_t* a, int64_t n) {
+  int64_t i = n;
+  while (i >= 8 && Load64(a + i - 8) == 0) i -= 8;
+  while (i > 0 && a[i - 1] == 0) --i;
+  return i - 1;
+}
+
+// Scans rows [b0, b1) of a mask of element type U into plan.active, the per-row
+// counts (in cu_seqlens[b + 1], summed later) and last_index; returns how many
+// runs start in those rows. `magnitude` keeps the bits that make a value
+// nonzero: all of them for integers, all but the sign for floats (so -0.0 is
+// inactive and NaN is active). The inner loops have no branches and vectorise.
 template <typename U>
-void ScanMask(const U* m, U magnitude, CpuPlan& plan) {
+int64_t ScanRows(const U* m, U magnitude, CpuPlan& plan, int64_t b0,
+                 int64_t b1) {
   const int64_t S = plan.seq;
-  uint8_t prev = 0;
   int64_t runs = 0;
-  for (int64_t b = 0; b < plan.batch; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const U* row = m + b * S;
     uint8_t* act = plan.active.data() + b * S;
     int64_t count = 0;
-    int64_t last = -1;
     for (int64_t s = 0; s < S; ++s) {
       const uint8_t a = (row[s] & magnitude) != 0;
       act[s] = a;
       count += a;
-      last = a ? s : last;
-      runs += a & (prev ^ 1);
-      prev = a;
     }
-    plan.cu_seqlens[b + 1] = plan.cu_seqlens[b] + count;
-    plan.last_index[b] = last;
+    plan.cu_seqlens[b + 1] = count;
+    plan.last_index[b] = count == 0 ? -1 : LastNonzero(act, S);
+    if (count == 0) continue;
+    // A run starts at each active position whose predecessor, which for s = 0
+    // is the previous row's last position, is inactive.
+    const uint8_t starts_row =
+        act[0] & (b == 0 || (m[b * S - 1] & magnitude) == 0);
+    if (count == S) {
+      runs += starts_row;
+      continue;
+    }
+    int64_t starts = starts_row;
+    for (int64_t s = 1; s < S; ++s) starts += act[s] & (act[s - 1] ^ 1);
+    runs += starts;
   }
-  plan.num_runs = runs;
+  return runs;
+}
+
+// Rows of the mask per scan piece: below this many positions one thread scans
+// faster.
+constexpr int64_t kMinPositionsPerScanPiece = int64_t{1} << 17;
+
+template <typename U>
+void ScanMask(const U* m, U magnitude, CpuPlan& plan) {
+  const int64_t positions = plan.batch * plan.seq;
+  const int n = static_cast<int>(std::min<int64_t>(
+      {ThreadPool::Global().num_threads(), plan.batch,
+       std::max<int64_t>(1, positions / kMinPositionsPerScanPiece)}));
+  std::vector<int64_t> runs(std::max(n, 1), 0);
+  ThreadPool::Global().ParallelFor(n, [&](int i) {
+    runs[i] = ScanRows(m, magnitude, plan, plan.batch * i / n,
+                       plan.batch * (i + 1) / n);
+  });
+  for (int64_t b = 0; b < plan.batch; ++b)
+    plan.cu_seqlens[b + 1] += plan.cu_seqlens[b];
+  plan.num_runs = 0;
+  for (int64_t r : runs) plan.num_runs += r;
 }
 
 // The number of pieces to split `bytes` of work into.

@@ -162,7 +162,7 @@ bool SameBytes(const at::Tensor& expected_in, const TensorView& actual,
 }
 
 void FillCanary(at::Tensor& t) {
-  std::memset(t.data_ptr(), kCanary, t.nbytes());
+  if (t.nbytes() > 0) std::memset(t.data_ptr(), kCanary, t.nbytes());
 }
 
 std::vector<int64_t> Concat(std::vector<int64_t> head,
