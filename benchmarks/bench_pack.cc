@@ -343,21 +343,19 @@ class Bench {
 
 // The seed's memory columns: logits for every position against
 // pack-before-projection.
-void PrintMemory(int64_t B, int64_t S, int64_t hidden, int64_t itemsize,
-                 int64_t active, const std::vector<int64_t>& vocab_sizes,
-                 double density) {
+void AddMemoryLines(int64_t B, int64_t S, int64_t hidden, int64_t itemsize,
+                    int64_t active, const std::vector<int64_t>& vocab_sizes,
+                    const std::string& kind, double density,
+                    std::vector<std::string>* lines) {
   for (int64_t V : vocab_sizes) {
     const double dense = static_cast<double>(B) * S * V * itemsize;
-    const double plan =
-        (B + 1) * 8.0 + active * 8.0;  // cu_seqlens + row indices
+    const double plan = (B + 1) * 8.0 + active * 8.0;  // cu_seqlens + indices
     const double packed = active * hidden * itemsize +
                           static_cast<double>(active) * V * itemsize + plan;
-    std::printf(
-        "memory  B=%lld S=%lld density %.2f V=%lld: dense logits %.1f MiB, "
-        "pack-before-projection %.1f MiB (%.2fx)\n",
-        static_cast<long long>(B), static_cast<long long>(S), density,
-        static_cast<long long>(V), dense / 1048576, packed / 1048576,
-        packed > 0 ? dense / packed : 0.0);
+    lines->push_back(
+        absl::StrFormat("%-6s %5d %5d %5.2f %7d %8d %14.1f %14.1f %8.2f", kind,
+                        B, S, density, active, V, dense / 1048576,
+                        packed / 1048576, packed > 0 ? dense / packed : 0.0));
   }
 }
 
@@ -438,6 +436,7 @@ int Main(int argc, char** argv) {
       at::get_num_threads());
   std::mt19937_64 rng(42);
   Bench bench(repeats, /*check=*/true);
+  std::vector<std::string> memory_lines;
   for (int64_t g : g_sizes) {
     for (int64_t S : lens) {
       const int64_t B = prompts * g;
@@ -448,8 +447,9 @@ int Main(int argc, char** argv) {
           const at::Tensor mask =
               MakeMask(rng, B, S, density, kind == "prefix");
           bench.Run(x, mask, kind, density);
-          PrintMemory(B, S, hidden, ItemSize(dtype), mask.sum().item<int64_t>(),
-                      vocab, density);
+          AddMemoryLines(B, S, hidden, ItemSize(dtype),
+                         mask.sum().item<int64_t>(), vocab, kind, density,
+                         &memory_lines);
         }
       }
     }
@@ -468,6 +468,14 @@ int Main(int argc, char** argv) {
   std::printf("\n");
   bench.Print();
   bench.PrintRatios();
+  std::printf(
+      "\nmemory: logits for every position (B*S*V) against "
+      "pack-before-projection "
+      "(packed hidden + N*V logits + plan)\n");
+  std::printf("%-6s %5s %5s %5s %7s %8s %14s %14s %8s\n", "mask", "B", "S",
+              "dens", "N", "V", "dense MiB", "packed MiB", "saving");
+  for (const std::string& line : memory_lines)
+    std::printf("%s\n", line.c_str());
   if (!absl::GetFlag(FLAGS_json).empty())
     bench.WriteJson(absl::GetFlag(FLAGS_json));
   if (bench.failures() > 0) {
