@@ -58,8 +58,8 @@ ByteRange RangeOf(const TensorView& t) {
 // the op reads.
 absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
     Backend& backend, absl::Span<const TensorView> outputs,
-    absl::Span<const TensorView> sources, const std::vector<Shape>& shapes,
-    const TensorView& mask) {
+    const OutputAllocator& allocate, absl::Span<const TensorView> sources,
+    const std::vector<Shape>& shapes, const TensorView& mask) {
   std::vector<Tensor> results(sources.size());
   if (outputs.empty()) {
     for (size_t i = 0; i < sources.size(); ++i) {
@@ -70,9 +70,13 @@ absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
       PACKD_ASSIGN_OR_RETURN(
           int64_t bytes,
           ByteSize(v.dtype, v.shape, absl::StrCat("result[", i, "]")));
-      PACKD_ASSIGN_OR_RETURN(results[i].storage,
-                             backend.Allocate(bytes, mask.device));
-      v.data = results[i].storage.data();
+      if (allocate) {
+        PACKD_ASSIGN_OR_RETURN(v.data, allocate(i, bytes));
+      } else {
+        PACKD_ASSIGN_OR_RETURN(results[i].storage,
+                               backend.Allocate(bytes, mask.device));
+        v.data = results[i].storage.data();
+      }
     }
     return results;
   }
@@ -152,8 +156,8 @@ absl::StatusOr<PackResult> Pack(const TensorView& mask,
   }
   PackResult result;
   PACKD_ASSIGN_OR_RETURN(
-      result.packed,
-      PrepareOutputs(*backend, options.outputs, inputs, shapes, mask));
+      result.packed, PrepareOutputs(*backend, options.outputs, options.allocate,
+                                    inputs, shapes, mask));
   for (size_t i = 0; i < inputs.size(); ++i) {
     PACKD_RETURN_IF_ERROR(
         backend->Gather(*plan, inputs[i], result.packed[i].view));
@@ -224,8 +228,9 @@ absl::StatusOr<ScatterResult> Scatter(const TensorView& mask,
     shapes.push_back(std::move(s));
   }
   ScatterResult result;
-  PACKD_ASSIGN_OR_RETURN(result.dense, PrepareOutputs(*backend, options.outputs,
-                                                      packed, shapes, mask));
+  PACKD_ASSIGN_OR_RETURN(
+      result.dense, PrepareOutputs(*backend, options.outputs, options.allocate,
+                                   packed, shapes, mask));
   for (size_t i = 0; i < packed.size(); ++i) {
     PACKD_RETURN_IF_ERROR(
         backend->Scatter(*plan, packed[i], result.dense[i].view));

@@ -10,6 +10,7 @@
 #define PACKD_KERNELS_PACK_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,6 +30,14 @@ struct Tensor {
   Buffer storage;
 };
 
+// Where a caller wants result `index` (`bytes` bytes on the call's device)
+// written, asked after the mask scan when result sizes are known. Returns a
+// pointer to at least `bytes` bytes that stay valid until the call returns and
+// overlap no input, or an error that the call then returns, having written
+// nothing.
+using OutputAllocator =
+    std::function<absl::StatusOr<void*>(size_t index, int64_t bytes)>;
+
 struct PackOptions {
   // Implementation name ("span", "torch", ...); empty selects the device's
   // default.
@@ -39,6 +48,9 @@ struct PackOptions {
   // input, of shape [total_active, *tail] and the input's dtype and device,
   // overlapping no input and no other output; results are written there.
   absl::Span<const TensorView> outputs;
+  // When set and `outputs` is empty, results go where it says; their
+  // `storage` stays empty.
+  OutputAllocator allocate;
 };
 
 struct PackResult {
@@ -57,6 +69,7 @@ struct ScatterOptions {
   // Empty, or one [B, S, *tail] view per packed input (same rules as
   // PackOptions::outputs).
   absl::Span<const TensorView> outputs;
+  OutputAllocator allocate;
 };
 
 struct ScatterResult {

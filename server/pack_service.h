@@ -1,0 +1,92 @@
+// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API. It decodes and
+// validates each request, runs the kernels with the request's bytes read in place and results
+// written straight into the response, and tracks calls in flight so that shutdown can drain them.
+//
+//   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
+//   builder.RegisterService(&service);
+#ifndef PACKD_SERVER_PACK_SERVICE_H_
+#define PACKD_SERVER_PACK_SERVICE_H_
+
+#include <cstdint>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/tensor_view.h"
+#include "packd/v1/pack_service.grpc.pb.h"
+
+namespace packd {
+
+struct ServiceOptions {
+  Device default_device;
+  // Largest request or response, in bytes (--max_message_bytes).
+  int64_t max_message_bytes = int64_t{1} << 30;
+  // Test hook: each Pack and Scatter call waits this long before working.
+  absl::Duration testonly_call_delay = absl::ZeroDuration();
+};
+
+class PackServiceImpl final : public v1::PackService::CallbackService {
+ public:
+  explicit PackServiceImpl(ServiceOptions options) : options_(options) {}
+
+  // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted finish.
+  void StartDraining();
+  // Waits until no admitted call is running or `deadline` passes. Returns true when none is.
+  bool WaitForIdle(absl::Time deadline);
+
+  grpc::ServerUnaryReactor* Pack(grpc::CallbackServerContext* context,
+                                 const v1::PackRequest* request,
+                                 v1::PackResponse* response) override;
+  grpc::ServerUnaryReactor* Scatter(grpc::CallbackServerContext* context,
+                                    const v1::ScatterRequest* request,
+                                    v1::ScatterResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterSystemRegion(
+      grpc::CallbackServerContext* context,
+      const v1::RegisterSystemRegionRequest* request,
+      v1::RegisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterDeviceRegion(
+      grpc::CallbackServerContext* context,
+      const v1::RegisterDeviceRegionRequest* request,
+      v1::RegisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(
+      grpc::CallbackServerContext* context,
+      const v1::UnregisterRegionRequest* request,
+      v1::UnregisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* ListRegions(
+      grpc::CallbackServerContext* context,
+      const v1::ListRegionsRequest* request,
+      v1::ListRegionsResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(
+      grpc::CallbackServerContext* context,
+      const v1::GetServerInfoRequest* request,
+      v1::ServerInfo* response) override;
+
+  // The work behind the RPCs, callable without gRPC (the start-up self-check uses DoPack).
+  absl::Status DoPack(const v1::PackRequest& request,
+                      v1::PackResponse* response);
+  absl::Status DoScatter(const v1::ScatterRequest& request,
+                         v1::ScatterResponse* response);
+
+ private:
+  // Admits a call unless draining; every admitted call must be released.
+  bool Admit();
+  void Release();
+  // Runs `work` as an admitted call and finishes the reactor with its status.
+  template <typename Work>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
+                                  Work&& work);
+
+  absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
+  absl::Status CheckSize(const char* what, size_t bytes) const;
+
+  const ServiceOptions options_;
+  absl::Mutex mu_;
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_PACK_SERVICE_H_

@@ -1,0 +1,110 @@
+#include "server/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <climits>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/registry.h"
+#include "kernels/status_macros.h"
+#include "server/log.h"
+
+namespace packd {
+namespace {
+
+// Packs a small, known batch through the service path and checks every byte.
+absl::Status SelfCheck(PackServiceImpl& service, const Device& device) {
+  v1::PackRequest request;
+  request.set_device(device.ToString());
+  v1::Tensor* mask = request.mutable_mask();
+  mask->set_dtype(v1::DTYPE_BOOL);
+  mask->add_shape(2);
+  mask->add_shape(3);
+  mask->set_data(std::string("\1\0\1\0\0\1", 6));
+  v1::Tensor* x = request.add_inputs();
+  x->set_dtype(v1::DTYPE_UINT8);
+  x->add_shape(2);
+  x->add_shape(3);
+  x->add_shape(2);
+  x->set_data("aAbBcCdDeEfF");
+  request.set_with_position_ids(true);
+  v1::PackResponse response;
+  absl::Status status = service.DoPack(request, &response);
+  if (!status.ok()) return status;
+  if (response.packed_size() != 1 || response.packed(0).data() != "aAcCfF" ||
+      response.total_active() != 3 || response.cu_seqlens_size() != 3 ||
+      response.cu_seqlens(1) != 2 || response.max_seqlen() != 2 ||
+      response.last_index(0) != 2 || response.last_index(1) != 2 ||
+      response.position_ids(1) != 1) {
+    return absl::InternalError(absl::StrCat(
+        "self-check pack on ", device.ToString(),
+        " returned a wrong result: ", response.ShortDebugString()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
+    const ServerOptions& options) {
+  PACKD_RETURN_IF_ERROR(
+      Registry::Get("pack", options.service.default_device).status());
+
+  std::unique_ptr<PackdServer> server(new PackdServer(options));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
+                           &port);
+  // gRPC refuses messages over its own limit with its own message; set it
+  // above ours so that the service can name --max_message_bytes instead.
+  const int64_t grpc_limit =
+      std::min<int64_t>(INT_MAX, 2 * options.service.max_message_bytes);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(grpc_limit));
+  builder.SetMaxSendMessageSize(static_cast<int>(grpc_limit));
+  builder.RegisterService(&server->service_);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen,
+                     " (--listen): address in use or not valid"));
+  }
+  if (absl::StartsWith(options.listen, "unix:")) {
+    server->address_ = options.listen;
+  } else {
+    server->address_ = absl::StrCat(
+        options.listen.substr(0, options.listen.rfind(':')), ":", port);
+  }
+  grpc::HealthCheckServiceInterface* health =
+      server->server_->GetHealthCheckService();
+  health->SetServingStatus(kReadinessService, false);
+  absl::Status check =
+      SelfCheck(server->service_, options.service.default_device);
+  if (!check.ok()) {
+    server->server_->Shutdown();
+    return check;
+  }
+  health->SetServingStatus(kReadinessService, true);
+  return server;
+}
+
+void PackdServer::Drain() {
+  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  service_.StartDraining();
+  Log(absl::StrCat("draining: readiness NOT_SERVING, new calls UNAVAILABLE, "
+                   "waiting up to ",
+                   absl::FormatDuration(options_.drain),
+                   " for calls in flight"));
+  const bool idle = service_.WaitForIdle(absl::Now() + options_.drain);
+  if (!idle) Log("drain time is up: cancelling the calls still running");
+  server_->Shutdown(
+      absl::ToChronoTime(absl::Now() + absl::Milliseconds(idle ? 1000 : 100)));
+}
+
+void PackdServer::Wait() { server_->Wait(); }
+
+}  // namespace packd

@@ -1,0 +1,61 @@
+// PackdServer: the packd process's gRPC server — PackService, health, reflection — and its
+// lifecycle: start-up self-check before readiness, drain on shutdown.
+//
+//   PACKD_ASSIGN_OR_RETURN(auto server, PackdServer::Start(options));
+//   server->Drain();  // from the signal thread; Wait() then returns
+#ifndef PACKD_SERVER_SERVER_H_
+#define PACKD_SERVER_SERVER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/pack_service.h"
+
+namespace packd {
+
+struct ServerOptions {
+  // "HOST:PORT" (port 0 picks a free one) or "unix:PATH".
+  std::string listen = "127.0.0.1:50051";
+  ServiceOptions service;
+  absl::Duration drain = absl::Seconds(30);
+};
+
+// The readiness service name for grpc.health.v1.
+inline constexpr char kReadinessService[] = "packd.v1.PackService";
+
+class PackdServer {
+ public:
+  // Checks the default device, listens, runs a self-check pack on the default device, then
+  // reports SERVING. FAILED_PRECONDITION when the device is not available; UNAVAILABLE when the
+  // address cannot be bound; INTERNAL when the self-check fails.
+  static absl::StatusOr<std::unique_ptr<PackdServer>> Start(
+      const ServerOptions& options);
+
+  // The address actually bound ("127.0.0.1:43123", "unix:/run/packd.sock").
+  const std::string& address() const { return address_; }
+
+  // Readiness NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the drain time,
+  // then the server shuts down and Wait() returns. Call it once.
+  void Drain();
+
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  PackdServer(const ServerOptions& options)
+      : options_(options), service_(options.service) {}
+
+  const ServerOptions options_;
+  PackServiceImpl service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_SERVER_H_
