@@ -74,10 +74,11 @@ int main(int argc, char** argv) {
     packd::Log(absl::StrCat("cannot start: ", server.status().ToString()));
     return 1;
   }
-  packd::Log(absl::StrCat(
-      "listening on ", (*server)->address(), ", device ", device->ToString(),
-      ", ", packd::ThreadPool::Global().num_threads(), " threads, messages up to ",
-      options.service.max_message_bytes, " bytes"));
+  packd::Log(absl::StrCat("listening on ", (*server)->address(), ", device ",
+                          device->ToString(), ", ",
+                          packd::ThreadPool::Global().num_threads(),
+                          " threads, messages up to ",
+                          options.service.max_message_bytes, " bytes"));
 
   std::thread signal_thread([&] {
     int signal = 0;

@@ -20,7 +20,8 @@
 namespace packd {
 namespace {
 
-// A field's decoded inline tensors, named as the request names them ("inputs[2]").
+// A field's decoded inline tensors, named as the request names them
+// ("inputs[2]").
 absl::StatusOr<std::vector<TensorView>> DecodeAll(
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
     absl::string_view field) {
@@ -43,13 +44,13 @@ absl::Status NoHandles(int outputs) {
 }
 
 // Writes result i into the i-th tensor of a response field, sized once the mask
-// scan has counted the active rows: the kernels write packed bytes straight into
-// the response. The running total is checked against the message limit first.
+// scan has counted the active rows: the kernels write packed bytes straight
+// into the response. The running total is checked against the message limit
+// first.
 template <typename Field>
 OutputAllocator IntoResponse(Field* field, int64_t limit, int64_t reserved) {
-  return [field, limit, used = reserved](size_t index,
-                                         int64_t bytes) mutable
-             -> absl::StatusOr<void*> {
+  return [field, limit, used = reserved](
+             size_t index, int64_t bytes) mutable -> absl::StatusOr<void*> {
     used += bytes;
     if (used > limit) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -74,9 +75,8 @@ void PackServiceImpl::StartDraining() {
 
 bool PackServiceImpl::WaitForIdle(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return in_flight_ == 0;
-  };
+  auto idle = [this]()
+                  ABSL_SHARED_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
   return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
 
@@ -118,9 +118,9 @@ absl::StatusOr<Device> PackServiceImpl::ResolveDevice(
   if (device.kind != DeviceKind::kCpu) {
     // Inline tensors arrive in host memory; other devices need their backend.
     PACKD_RETURN_IF_ERROR(Registry::Get("pack", device).status());
-    return absl::FailedPreconditionError(absl::StrCat(
-        "device ", device.ToString(),
-        " cannot take inline tensors on this server yet"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("device ", device.ToString(),
+                     " cannot take inline tensors on this server yet"));
   }
   return device;
 }
@@ -227,22 +227,23 @@ grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* context,
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status(
       grpc::StatusCode::UNIMPLEMENTED,
-      absl::StrCat(rpc, ": tensor handles (regions) are not available in this "
-                        "version of packd; send tensors inline")));
+      absl::StrCat(rpc,
+                   ": tensor handles (regions) are not available in this "
+                   "version of packd; send tensors inline")));
   return reactor;
 }
 
 }  // namespace
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterSystemRegion(
-    grpc::CallbackServerContext* context, const v1::RegisterSystemRegionRequest*,
-    v1::RegisterRegionResponse*) {
+    grpc::CallbackServerContext* context,
+    const v1::RegisterSystemRegionRequest*, v1::RegisterRegionResponse*) {
   return Unimplemented(context, "RegisterSystemRegion");
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(
-    grpc::CallbackServerContext* context, const v1::RegisterDeviceRegionRequest*,
-    v1::RegisterRegionResponse*) {
+    grpc::CallbackServerContext* context,
+    const v1::RegisterDeviceRegionRequest*, v1::RegisterRegionResponse*) {
   return Unimplemented(context, "RegisterDeviceRegion");
 }
 

@@ -1,6 +1,7 @@
-// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API. It decodes and
-// validates each request, runs the kernels with the request's bytes read in place and results
-// written straight into the response, and tracks calls in flight so that shutdown can drain them.
+// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API. It
+// decodes and validates each request, runs the kernels with the request's bytes
+// read in place and results written straight into the response, and tracks
+// calls in flight so that shutdown can drain them.
 //
 //   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
 //   builder.RegisterService(&service);
@@ -31,9 +32,11 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
  public:
   explicit PackServiceImpl(ServiceOptions options) : options_(options) {}
 
-  // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted finish.
+  // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted
+  // finish.
   void StartDraining();
-  // Waits until no admitted call is running or `deadline` passes. Returns true when none is.
+  // Waits until no admitted call is running or `deadline` passes. Returns true
+  // when none is.
   bool WaitForIdle(absl::Time deadline);
 
   grpc::ServerUnaryReactor* Pack(grpc::CallbackServerContext* context,
@@ -63,7 +66,8 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
       const v1::GetServerInfoRequest* request,
       v1::ServerInfo* response) override;
 
-  // The work behind the RPCs, callable without gRPC (the start-up self-check uses DoPack).
+  // The work behind the RPCs, callable without gRPC (the start-up self-check
+  // uses DoPack).
   absl::Status DoPack(const v1::PackRequest& request,
                       v1::PackResponse* response);
   absl::Status DoScatter(const v1::ScatterRequest& request,

@@ -95,10 +95,10 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
 void PackdServer::Drain() {
   server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
   service_.StartDraining();
-  Log(absl::StrCat("draining: readiness NOT_SERVING, new calls UNAVAILABLE, "
-                   "waiting up to ",
-                   absl::FormatDuration(options_.drain),
-                   " for calls in flight"));
+  Log(absl::StrCat(
+      "draining: readiness NOT_SERVING, new calls UNAVAILABLE, "
+      "waiting up to ",
+      absl::FormatDuration(options_.drain), " for calls in flight"));
   const bool idle = service_.WaitForIdle(absl::Now() + options_.drain);
   if (!idle) Log("drain time is up: cancelling the calls still running");
   server_->Shutdown(

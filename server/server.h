@@ -1,5 +1,6 @@
-// PackdServer: the packd process's gRPC server — PackService, health, reflection — and its
-// lifecycle: start-up self-check before readiness, drain on shutdown.
+// PackdServer: the packd process's gRPC server — PackService, health,
+// reflection — and its lifecycle: start-up self-check before readiness, drain
+// on shutdown.
 //
 //   PACKD_ASSIGN_OR_RETURN(auto server, PackdServer::Start(options));
 //   server->Drain();  // from the signal thread; Wait() then returns
@@ -30,17 +31,19 @@ inline constexpr char kReadinessService[] = "packd.v1.PackService";
 
 class PackdServer {
  public:
-  // Checks the default device, listens, runs a self-check pack on the default device, then
-  // reports SERVING. FAILED_PRECONDITION when the device is not available; UNAVAILABLE when the
-  // address cannot be bound; INTERNAL when the self-check fails.
+  // Checks the default device, listens, runs a self-check pack on the default
+  // device, then reports SERVING. FAILED_PRECONDITION when the device is not
+  // available; UNAVAILABLE when the address cannot be bound; INTERNAL when the
+  // self-check fails.
   static absl::StatusOr<std::unique_ptr<PackdServer>> Start(
       const ServerOptions& options);
 
   // The address actually bound ("127.0.0.1:43123", "unix:/run/packd.sock").
   const std::string& address() const { return address_; }
 
-  // Readiness NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the drain time,
-  // then the server shuts down and Wait() returns. Call it once.
+  // Readiness NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within
+  // the drain time, then the server shuts down and Wait() returns. Call it
+  // once.
   void Drain();
 
   // Blocks until the server has shut down.

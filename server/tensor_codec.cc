@@ -32,10 +32,10 @@ absl::StatusOr<TensorView> DecodeInlineTensor(const v1::Tensor& tensor,
   }
   const std::string& data = tensor.data();
   if (static_cast<int64_t>(data.size()) != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".data has ", data.size(), " bytes but shape ",
-        ShapeString(view.shape), " of ", DTypeName(view.dtype), " needs ",
-        bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".data has ", data.size(), " bytes but shape ",
+                     ShapeString(view.shape), " of ", DTypeName(view.dtype),
+                     " needs ", bytes));
   }
   // The kernels only read inputs; the cast is the usual DLPack-style one.
   view.data = bytes == 0 ? nullptr : const_cast<char*>(data.data());

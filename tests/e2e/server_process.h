@@ -1,0 +1,60 @@
+// ServerProcess: the real packd binary, started on a free loopback port for a
+// test, with its log captured; and helpers to call it.
+//
+//   auto server = ServerProcess::Start({"--max_message_bytes=1048576"});
+//   auto stub = packd::v1::PackService::NewStub(server->Channel());
+#ifndef PACKD_TESTS_E2E_SERVER_PROCESS_H_
+#define PACKD_TESTS_E2E_SERVER_PROCESS_H_
+
+#include <grpcpp/grpcpp.h>
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace packd::testing {
+
+class ServerProcess {
+ public:
+  // Starts PACKD_BINARY with --listen=127.0.0.1:0 and `flags`, and waits (up to
+  // 60 s) until it logs where it listens. Returns null, with the log printed,
+  // if it exits or never says.
+  static std::unique_ptr<ServerProcess> Start(
+      const std::vector<std::string>& flags = {});
+  ~ServerProcess();
+
+  const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
+  // A channel that sends and receives messages up to 1 GiB.
+  std::shared_ptr<grpc::Channel> Channel() const;
+
+  void Signal(int signal);
+  // Waits for the process to exit (up to `timeout`) and returns its exit code,
+  // or -1 if it was killed by a signal or did not exit in time.
+  int Wait(absl::Duration timeout = absl::Seconds(60));
+  // Everything the server has logged so far.
+  std::string Log() const;
+
+ private:
+  ServerProcess() = default;
+
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  std::string address_;
+  std::thread reader_;
+  mutable absl::Mutex mu_;
+  std::string log_ ABSL_GUARDED_BY(mu_);
+};
+
+// grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... or the RPC's error text.
+std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel,
+                         const std::string& service);
+
+}  // namespace packd::testing
+
+#endif  // PACKD_TESTS_E2E_SERVER_PROCESS_H_

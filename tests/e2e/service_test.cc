@@ -1,0 +1,435 @@
+// End to end: the real packd binary on a loopback port, called through the
+// generated C++ stub. Results are compared byte for byte with libtorch; every
+// error path is checked for its code and message, and the server must keep
+// serving after each.
+#include <ATen/ATen.h>
+#include <signal.h>
+
+#include <future>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/torch/torch_interop.h"
+#include "packd/v1/pack_service.grpc.pb.h"
+#include "tests/e2e/server_process.h"
+#include "tests/kernels/test_util.h"
+
+namespace packd {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::MaskKind;
+using testing::Rng;
+using testing::ServerProcess;
+
+v1::Tensor ToProto(const at::Tensor& t_in) {
+  const at::Tensor t = t_in.contiguous();
+  v1::Tensor out;
+  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
+  for (int64_t d : t.sizes()) out.add_shape(d);
+  out.set_data(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  return out;
+}
+
+// True when `actual` has expected's dtype, shape and bytes.
+::testing::AssertionResult SameTensor(const at::Tensor& expected_in,
+                                      const v1::Tensor& actual) {
+  const at::Tensor expected = expected_in.contiguous();
+  if (actual.dtype() !=
+      static_cast<int>(FromScalarType(expected.scalar_type()))) {
+    return ::testing::AssertionFailure()
+           << "dtype " << v1::DType_Name(actual.dtype());
+  }
+  std::vector<int64_t> shape(actual.shape().begin(), actual.shape().end());
+  if (shape != expected.sizes().vec()) {
+    return ::testing::AssertionFailure()
+           << "shape " << ShapeString(shape)
+           << " != " << ShapeString(expected.sizes().vec());
+  }
+  if (actual.data().size() != static_cast<size_t>(expected.nbytes()) ||
+      (expected.nbytes() > 0 &&
+       memcmp(actual.data().data(), expected.data_ptr(), expected.nbytes()) !=
+           0)) {
+    return ::testing::AssertionFailure() << "bytes differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = ServerProcess::Start().release();
+    ASSERT_NE(server_, nullptr);
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::PackService::NewStub(server_->Channel());
+  }
+
+  grpc::Status CallPack(const v1::PackRequest& request,
+                        v1::PackResponse* response) {
+    grpc::ClientContext context;
+    return stub_->Pack(&context, request, response);
+  }
+  grpc::Status CallScatter(const v1::ScatterRequest& request,
+                           v1::ScatterResponse* response) {
+    grpc::ClientContext context;
+    return stub_->Scatter(&context, request, response);
+  }
+
+  // A small valid request; after every error the server must still answer it.
+  void ExpectStillServing() {
+    v1::PackRequest request;
+    *request.mutable_mask() = ToProto(at::ones({2, 3}, at::kByte));
+    *request.add_inputs() = ToProto(at::arange(6, at::kInt).view({2, 3}));
+    v1::PackResponse response;
+    grpc::Status status = CallPack(request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.total_active(), 6);
+  }
+
+  void ExpectPackError(const v1::PackRequest& request, grpc::StatusCode code,
+                       const std::string& text) {
+    v1::PackResponse response;
+    grpc::Status status = CallPack(request, &response);
+    EXPECT_EQ(status.error_code(), code) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(text));
+    ExpectStillServing();
+  }
+
+  void ExpectScatterError(const v1::ScatterRequest& request,
+                          grpc::StatusCode code, const std::string& text) {
+    v1::ScatterResponse response;
+    grpc::Status status = CallScatter(request, &response);
+    EXPECT_EQ(status.error_code(), code) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(text));
+    ExpectStillServing();
+  }
+
+  static ServerProcess* server_;
+  std::unique_ptr<v1::PackService::Stub> stub_;
+};
+
+ServerProcess* ServiceTest::server_ = nullptr;
+
+TEST_F(ServiceTest, PackSeveralTensorsPerCallEveryDtypeEveryMaskDtype) {
+  Rng rng = Rng::Fresh();
+  for (int m = 0; m < 10; ++m) {
+    const DType mask_dtype = kAllDTypes[m];
+    const int64_t B = 1 + rng.Next() % 6, S = 1 + rng.Next() % 200;
+    const at::Tensor mask =
+        testing::RandomMask(rng, mask_dtype, B, S, rng.Uniform(),
+                            m % 2 ? MaskKind::kHoles : MaskKind::kPrefix);
+    v1::PackRequest request;
+    *request.mutable_mask() = ToProto(mask);
+    request.set_with_position_ids(true);
+    std::vector<at::Tensor> inputs;
+    for (int i = 0; i < 10; ++i) {
+      const std::vector<int64_t> shape =
+          i % 3 == 0 ? std::vector<int64_t>{B, S}
+                     : std::vector<int64_t>{B, S, 1 + int64_t(rng.Next() % 5)};
+      inputs.push_back(
+          testing::RandomTensor(rng, kAllDTypes[(i + m) % 10], shape));
+      *request.add_inputs() = ToProto(inputs.back());
+    }
+    v1::PackResponse response;
+    grpc::Status status = CallPack(request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(response.packed_size(), 10);
+    for (int i = 0; i < 10; ++i) {
+      EXPECT_TRUE(SameTensor(testing::ReferencePack(inputs[i], mask),
+                             response.packed(i)))
+          << "inputs[" << i << "] with a " << DTypeName(mask_dtype) << " mask";
+    }
+    const testing::ReferenceMeta meta = testing::ReferenceMetadata(mask);
+    EXPECT_EQ(std::vector<int64_t>(response.cu_seqlens().begin(),
+                                   response.cu_seqlens().end()),
+              meta.cu_seqlens);
+    EXPECT_EQ(response.total_active(), meta.total_active);
+    EXPECT_EQ(response.max_seqlen(), meta.max_seqlen);
+    EXPECT_EQ(std::vector<int64_t>(response.position_ids().begin(),
+                                   response.position_ids().end()),
+              meta.position_ids);
+    EXPECT_EQ(std::vector<int64_t>(response.last_index().begin(),
+                                   response.last_index().end()),
+              meta.last_index);
+  }
+}
+
+TEST_F(ServiceTest, ScatterSeveralTensorsPerCallEveryDtypeEveryMaskDtype) {
+  Rng rng = Rng::Fresh();
+  for (int m = 0; m < 10; ++m) {
+    const int64_t B = 1 + rng.Next() % 6, S = 1 + rng.Next() % 200;
+    const at::Tensor mask =
+        testing::RandomMask(rng, kAllDTypes[m], B, S, rng.Uniform(),
+                            m % 2 ? MaskKind::kPrefix : MaskKind::kHoles);
+    const int64_t total = mask.ne(0).sum().item<int64_t>();
+    v1::ScatterRequest request;
+    *request.mutable_mask() = ToProto(mask);
+    request.mutable_tail_shape()->add_dims(3);
+    std::vector<at::Tensor> packed;
+    for (int i = 0; i < 10; ++i) {
+      packed.push_back(
+          testing::RandomTensor(rng, kAllDTypes[(i + m) % 10], {total, 3}));
+      *request.add_packed() = ToProto(packed.back());
+    }
+    v1::ScatterResponse response;
+    grpc::Status status = CallScatter(request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(response.dense_size(), 10);
+    for (int i = 0; i < 10; ++i) {
+      EXPECT_TRUE(
+          SameTensor(testing::ReferenceScatter(packed[i], mask, {B, S, 3}),
+                     response.dense(i)))
+          << "packed[" << i << "]";
+    }
+  }
+}
+
+TEST_F(ServiceTest, ThirtyTwoMebibyteRequestOverGrpcsDefaultLimit) {
+  Rng rng = Rng::Fresh();
+  const at::Tensor x =
+      testing::RandomTensor(rng, DType::kFloat32, {8, 1024, 1024});
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 8, 1024, 0.7, MaskKind::kHoles);
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);
+  ASSERT_GT(request.ByteSizeLong(), 32u << 20);
+  v1::PackResponse response;
+  grpc::Status status = CallPack(request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(SameTensor(testing::ReferencePack(x, mask), response.packed(0)));
+}
+
+TEST_F(ServiceTest, MalformedPackRequestsAreInvalidArgument) {
+  const at::Tensor mask =
+      at::tensor({1, 0, 1, 1, 0, 0, 1, 1}, at::kByte).view({2, 4});
+  const at::Tensor x = at::zeros({2, 4, 3}, at::kFloat);
+  v1::PackRequest good;
+  *good.mutable_mask() = ToProto(mask);
+  *good.add_inputs() = ToProto(x);
+  const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
+
+  v1::PackRequest r = good;
+  r.clear_mask();
+  ExpectPackError(r, kInvalid, "mask is missing");
+  r = good;
+  r.mutable_mask()->add_shape(1);
+  ExpectPackError(r, kInvalid, "mask.shape [2, 4, 1] must have rank 2");
+  r = good;
+  *r.mutable_mask() = ToProto(at::ones({8}, at::kByte));
+  ExpectPackError(r, kInvalid, "mask.shape [8] must have rank 2 ([B, S])");
+  r = good;
+  r.clear_inputs();
+  ExpectPackError(r, kInvalid, "inputs is empty");
+  r = good;
+  r.mutable_inputs(0)->set_dtype(v1::DTYPE_UNSPECIFIED);
+  ExpectPackError(r, kInvalid,
+                  "inputs[0].dtype DTYPE_UNSPECIFIED is not a supported dtype");
+  r = good;
+  r.mutable_inputs(0)->set_dtype(static_cast<v1::DType>(42));
+  ExpectPackError(r, kInvalid, "inputs[0].dtype 42 is not a supported dtype");
+  r = good;
+  r.mutable_inputs(0)->set_data("12345");
+  ExpectPackError(
+      r, kInvalid,
+      "inputs[0].data has 5 bytes but shape [2, 4, 3] of float32 needs 96");
+  r = good;
+  r.mutable_inputs(0)->set_shape(2, -3);
+  ExpectPackError(r, kInvalid,
+                  "inputs[0].shape [2, 4, -3] has a negative dim at index 2");
+  r = good;
+  r.mutable_inputs(0)->set_shape(2, int64_t{1} << 62);
+  r.mutable_inputs(0)->add_shape(int64_t{1} << 62);
+  ExpectPackError(r, kInvalid, "has more elements than int64 can count");
+  r = good;
+  *r.add_inputs() = ToProto(at::zeros({2, 3, 4}, at::kFloat));
+  ExpectPackError(
+      r, kInvalid,
+      "inputs[1].shape [2, 3, 4] does not start with mask shape [2, 4]");
+  r = good;
+  r.set_device("gpu:0");
+  ExpectPackError(r, kInvalid, "device \"gpu:0\" is not a device");
+  r = good;
+  r.set_device("cuda:x");
+  ExpectPackError(r, kInvalid, "device \"cuda:x\" is not a device");
+}
+
+TEST_F(ServiceTest, AbsentDevicesAndHandlesAreFailedPrecondition) {
+  v1::PackRequest r;
+  *r.mutable_mask() = ToProto(at::ones({2, 3}, at::kBool));
+  *r.add_inputs() = ToProto(at::zeros({2, 3}, at::kFloat));
+  r.set_device("cuda:0");
+  ExpectPackError(r, grpc::StatusCode::FAILED_PRECONDITION,
+                  "cuda:0 is not available");
+  r.set_device("hip:1");
+  ExpectPackError(r, grpc::StatusCode::FAILED_PRECONDITION,
+                  "hip:1 is not available");
+  r.set_device("");
+  v1::RegionSlice* out = r.add_outputs();
+  out->set_region("out");
+  out->set_byte_size(24);
+  ExpectPackError(r, grpc::StatusCode::FAILED_PRECONDITION,
+                  "tensor handles are not enabled");
+  r.clear_outputs();
+  r.mutable_inputs(0)->mutable_region()->set_region("hidden");
+  ExpectPackError(r, grpc::StatusCode::FAILED_PRECONDITION,
+                  "inputs[0] is a region handle (\"hidden\")");
+}
+
+TEST_F(ServiceTest, MalformedScatterRequestsAreInvalidArgument) {
+  const at::Tensor mask =
+      at::tensor({1, 0, 1, 1, 0, 0, 1, 1}, at::kByte).view({2, 4});
+  v1::ScatterRequest good;
+  *good.mutable_mask() = ToProto(mask);
+  *good.add_packed() = ToProto(at::zeros({5, 3}, at::kFloat));
+  v1::ScatterRequest r = good;
+  *r.mutable_packed(0) = ToProto(at::zeros({4, 3}, at::kFloat));
+  ExpectScatterError(
+      r, grpc::StatusCode::INVALID_ARGUMENT,
+      "packed[0].shape [4, 3] has 4 rows but the mask has 5 active positions");
+  r = good;
+  r.mutable_tail_shape()->add_dims(4);
+  ExpectScatterError(r, grpc::StatusCode::INVALID_ARGUMENT,
+                     "tail_shape [4] does not match packed[0].shape[1:] [3]");
+  r = good;
+  *r.mutable_packed(0) = ToProto(at::zeros({}, at::kFloat));
+  ExpectScatterError(r, grpc::StatusCode::INVALID_ARGUMENT,
+                     "packed[0].shape [] must have rank 1 or more");
+  r = good;
+  r.clear_packed();
+  ExpectScatterError(r, grpc::StatusCode::INVALID_ARGUMENT, "packed is empty");
+  // A valid one returns the right dense result.
+  v1::ScatterResponse response;
+  ASSERT_TRUE(CallScatter(good, &response).ok());
+  EXPECT_TRUE(SameTensor(at::zeros({2, 4, 3}, at::kFloat), response.dense(0)));
+}
+
+TEST_F(ServiceTest, RegionRpcsAreUnimplementedAndServerInfoAnswers) {
+  grpc::ClientContext c1;
+  v1::RegisterSystemRegionRequest reg;
+  v1::RegisterRegionResponse reg_response;
+  EXPECT_EQ(stub_->RegisterSystemRegion(&c1, reg, &reg_response).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  grpc::ClientContext c2;
+  v1::ListRegionsResponse list;
+  EXPECT_EQ(
+      stub_->ListRegions(&c2, v1::ListRegionsRequest(), &list).error_code(),
+      grpc::StatusCode::UNIMPLEMENTED);
+  grpc::ClientContext c3;
+  v1::ServerInfo info;
+  ASSERT_TRUE(
+      stub_->GetServerInfo(&c3, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.default_device(), "cpu");
+  EXPECT_EQ(info.max_message_bytes(), uint64_t{1} << 30);
+  ASSERT_GE(info.devices_size(), 1);
+  EXPECT_EQ(info.devices(0).name(), "cpu");
+  EXPECT_GT(info.devices(0).memory_bytes(), 0u);
+  EXPECT_FALSE(info.shared_memory_enabled());
+  ExpectStillServing();
+}
+
+TEST_F(ServiceTest, HealthIsServingForLivenessAndReadiness) {
+  EXPECT_EQ(testing::HealthStatus(server_->Channel(), ""), "SERVING");
+  EXPECT_EQ(testing::HealthStatus(server_->Channel(), "packd.v1.PackService"),
+            "SERVING");
+}
+
+TEST(ServiceLimits, OversizedRequestsAndResponsesAreResourceExhausted) {
+  auto server = ServerProcess::Start({"--max_message_bytes=1048576"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  Rng rng = Rng::Fresh();
+
+  v1::PackRequest big;
+  *big.mutable_mask() = ToProto(at::ones({4, 64}, at::kBool));
+  *big.add_inputs() =
+      ToProto(testing::RandomTensor(rng, DType::kFloat32, {4, 64, 1024}));
+  v1::PackResponse response;
+  grpc::ClientContext c1;
+  grpc::Status status = stub->Pack(&c1, big, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(
+      status.error_message(),
+      HasSubstr(
+          "over the server's limit of 1048576 bytes (--max_message_bytes)"));
+
+  // A small request whose result would be too large.
+  at::Tensor mask = at::zeros({64, 1024}, at::kBool);
+  mask[0][0] = true;
+  v1::ScatterRequest scatter;
+  *scatter.mutable_mask() = ToProto(mask);
+  *scatter.add_packed() = ToProto(at::zeros({1, 16}, at::kFloat));
+  v1::ScatterResponse scatter_response;
+  grpc::ClientContext c2;
+  status = stub->Scatter(&c2, scatter, &scatter_response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("the response would hold at least"));
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_message_bytes"));
+
+  // Still serving.
+  v1::PackRequest small;
+  *small.mutable_mask() = ToProto(at::ones({1, 2}, at::kBool));
+  *small.add_inputs() = ToProto(at::zeros({1, 2}, at::kFloat));
+  grpc::ClientContext c3;
+  EXPECT_TRUE(stub->Pack(&c3, small, &response).ok());
+}
+
+TEST(ServiceShutdown, SigtermDrainsACallInFlightAndExitsZero) {
+  // Every call waits 1.5 s inside the server, so the SIGTERM lands while it
+  // runs.
+  auto server = ServerProcess::Start(
+      {"--testonly_call_delay_ms=1500", "--drain_seconds=30"});
+  ASSERT_NE(server, nullptr);
+  Rng rng = Rng::Fresh();
+  const at::Tensor x =
+      testing::RandomTensor(rng, DType::kBFloat16, {16, 512, 1024});
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 16, 512, 0.3, MaskKind::kPrefix);
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);  // 16 MiB
+  auto channel = server->Channel();
+  auto in_flight = std::async(std::launch::async, [&] {
+    auto stub = v1::PackService::NewStub(channel);
+    grpc::ClientContext context;
+    v1::PackResponse response;
+    grpc::Status status = stub->Pack(&context, request, &response);
+    return std::make_pair(status, response);
+  });
+  absl::SleepFor(absl::Milliseconds(900));
+  EXPECT_EQ(testing::HealthStatus(channel, "packd.v1.PackService"), "SERVING");
+  server->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(testing::HealthStatus(channel, "packd.v1.PackService"),
+            "NOT_SERVING");
+  {
+    auto stub = v1::PackService::NewStub(channel);
+    grpc::ClientContext context;
+    v1::PackResponse response;
+    grpc::Status status = stub->Pack(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << status.error_message();
+  }
+  auto [status, response] = in_flight.get();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(SameTensor(testing::ReferencePack(x, mask), response.packed(0)));
+  EXPECT_EQ(server->Wait(), 0) << server->Log();
+  EXPECT_THAT(server->Log(), HasSubstr("draining"));
+}
+
+TEST(ServiceStartup, AbsentDefaultDeviceFailsClearly) {
+  EXPECT_EQ(ServerProcess::Start({"--device=cuda:0"}), nullptr);
+}
+
+}  // namespace
+}  // namespace packd
