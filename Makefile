@@ -1,6 +1,6 @@
 # The two commands a newcomer needs:
 #   make test   install dependencies, build (Release) and run every test
-#   make run    build, then start packd
+#   make run    build, then start packd on 127.0.0.1:50051 (CPU)
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 CMAKE_FLAGS ?=
@@ -23,12 +23,7 @@ test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 
 run: build
-	@if [ -x $(BUILD_DIR)/bin/packd ]; then \
-	  exec $(BUILD_DIR)/bin/packd --listen=127.0.0.1:50051 --device=cpu; \
-	else \
-	  echo "make run: the op library and bench_pack are built in $(BUILD_DIR)/bin;"; \
-	  echo "the packd server is not part of this build yet, so there is nothing to start."; \
-	fi
+	$(BUILD_DIR)/bin/packd --listen=127.0.0.1:50051 --device=cpu
 
 bench: build
 	$(BUILD_DIR)/bin/bench_pack
