@@ -36,6 +36,13 @@ class MaskPlan {
   bool all_active() const { return total_active() == batch * seq; }
 };
 
+// Device memory another process exported, opened in this one: `owner` closes it
+// when the last holder lets go.
+struct DeviceMapping {
+  void* base = nullptr;
+  std::shared_ptr<void> owner;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -66,6 +73,13 @@ class Backend {
   // Returns `bytes` of uninitialised memory on `device` for a result.
   // RESOURCE_EXHAUSTED when the device is out of memory.
   virtual absl::StatusOr<Buffer> Allocate(int64_t bytes, const Device& device);
+
+  // Opens `byte_size` bytes of device memory exported by another process with
+  // an IPC handle (cudaIpcMemHandle_t / hipIpcMemHandle_t, 64 bytes). The
+  // default answers FAILED_PRECONDITION: only GPU backends can.
+  virtual absl::StatusOr<DeviceMapping> OpenIpcMemory(absl::string_view handle,
+                                                      const Device& device,
+                                                      uint64_t byte_size);
 };
 
 }  // namespace packd

@@ -53,9 +53,35 @@ ByteRange RangeOf(const TensorView& t) {
   return ByteRange{static_cast<const char*>(t.data), t.nbytes()};
 }
 
-// Validates caller-provided outputs against the expected shapes (inputs'
-// dtypes), or, when there are none, allocates them. `readers` are every tensor
-// the op reads.
+// INVALID_ARGUMENT when result i's memory overlaps the mask, an input or an
+// earlier result: the kernels read inputs while they write results.
+absl::Status CheckNoOverlap(const std::vector<Tensor>& results, size_t i,
+                            absl::Span<const TensorView> sources,
+                            const TensorView& mask) {
+  const std::string field = absl::StrCat("outputs[", i, "]");
+  const ByteRange range = RangeOf(results[i].view);
+  if (range.Overlaps(RangeOf(mask))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " overlaps the mask"));
+  }
+  for (size_t j = 0; j < sources.size(); ++j) {
+    if (range.Overlaps(RangeOf(sources[j]))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " overlaps input ", j));
+    }
+  }
+  for (size_t j = 0; j < i; ++j) {
+    if (range.Overlaps(RangeOf(results[j].view))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " overlaps outputs[", j, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Validates caller-provided outputs against the expected shapes (the sources'
+// dtypes), or places results where `allocate` says, or has the backend allocate
+// them.
 absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
     Backend& backend, absl::Span<const TensorView> outputs,
     const OutputAllocator& allocate, absl::Span<const TensorView> sources,
@@ -72,6 +98,7 @@ absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
           ByteSize(v.dtype, v.shape, absl::StrCat("result[", i, "]")));
       if (allocate) {
         PACKD_ASSIGN_OR_RETURN(v.data, allocate(i, bytes));
+        PACKD_RETURN_IF_ERROR(CheckNoOverlap(results, i, sources, mask));
       } else {
         PACKD_ASSIGN_OR_RETURN(results[i].storage,
                                backend.Allocate(bytes, mask.device));
@@ -99,24 +126,8 @@ absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
                        " but the result is ", ShapeString(shapes[i])));
     }
     PACKD_RETURN_IF_ERROR(ValidateTensor(out, field, mask.device).status());
-    const ByteRange range = RangeOf(out);
-    if (range.Overlaps(RangeOf(mask))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, " overlaps the mask"));
-    }
-    for (size_t j = 0; j < sources.size(); ++j) {
-      if (range.Overlaps(RangeOf(sources[j]))) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, " overlaps input ", j));
-      }
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (range.Overlaps(RangeOf(outputs[j]))) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, " overlaps outputs[", j, "]"));
-      }
-    }
     results[i].view = out;
+    PACKD_RETURN_IF_ERROR(CheckNoOverlap(results, i, sources, mask));
   }
   return results;
 }

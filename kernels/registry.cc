@@ -27,6 +27,13 @@ absl::StatusOr<Buffer> Backend::Allocate(int64_t bytes, const Device& device) {
   return HostBufferPool::Global().Acquire(static_cast<size_t>(bytes));
 }
 
+absl::StatusOr<DeviceMapping> Backend::OpenIpcMemory(absl::string_view,
+                                                     const Device& device,
+                                                     uint64_t) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "backend ", name(), " cannot open IPC memory on ", device.ToString()));
+}
+
 Registry& Registry::Global() {
   static Registry* registry = [] {
     auto* r = new Registry;

@@ -31,6 +31,11 @@ ABSL_FLAG(int, threads, 0,
           "CPU threads that split large copies (0: all hardware threads)");
 ABSL_FLAG(int, drain_seconds, 30,
           "On SIGTERM, how long calls in flight may take to finish");
+ABSL_FLAG(std::string, shared_memory, "auto",
+          "Tensor handles (shared-memory regions): on, off, or auto (on only "
+          "for loopback and unix-socket listeners)");
+ABSL_FLAG(std::string, shm_key_prefix, "/packd",
+          "Every shared-memory key a client registers must start with this");
 ABSL_FLAG(int, testonly_call_delay_ms, 0,
           "For tests only: delay every Pack and Scatter call by this long");
 
@@ -62,6 +67,17 @@ int main(int argc, char** argv) {
     packd::Log("--max_message_bytes must be positive");
     return 2;
   }
+  const std::string shm = absl::GetFlag(FLAGS_shared_memory);
+  if (shm == "on") {
+    options.service.regions.enabled = true;
+  } else if (shm == "auto") {
+    options.service.regions.enabled = packd::IsNodeLocal(options.listen);
+  } else if (shm != "off") {
+    packd::Log(
+        absl::StrCat("--shared_memory=", shm, " must be auto, on or off"));
+    return 2;
+  }
+  options.service.regions.key_prefix = absl::GetFlag(FLAGS_shm_key_prefix);
   options.service.testonly_call_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_testonly_call_delay_ms));
   options.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
@@ -74,11 +90,15 @@ int main(int argc, char** argv) {
     packd::Log(absl::StrCat("cannot start: ", server.status().ToString()));
     return 1;
   }
-  packd::Log(absl::StrCat("listening on ", (*server)->address(), ", device ",
-                          device->ToString(), ", ",
-                          packd::ThreadPool::Global().num_threads(),
-                          " threads, messages up to ",
-                          options.service.max_message_bytes, " bytes"));
+  packd::Log(absl::StrCat(
+      "listening on ", (*server)->address(), ", device ", device->ToString(),
+      ", ", packd::ThreadPool::Global().num_threads(),
+      " threads, messages up to ", options.service.max_message_bytes,
+      " bytes, shared memory ",
+      options.service.regions.enabled
+          ? absl::StrCat("on (keys under ", options.service.regions.key_prefix,
+                         ")")
+          : "off"));
 
   std::thread signal_thread([&] {
     int signal = 0;

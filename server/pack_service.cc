@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
@@ -20,33 +21,10 @@
 namespace packd {
 namespace {
 
-// A field's decoded inline tensors, named as the request names them
-// ("inputs[2]").
-absl::StatusOr<std::vector<TensorView>> DecodeAll(
-    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-    absl::string_view field) {
-  std::vector<TensorView> views;
-  views.reserve(tensors.size());
-  for (int i = 0; i < tensors.size(); ++i) {
-    PACKD_ASSIGN_OR_RETURN(
-        TensorView v,
-        DecodeInlineTensor(tensors[i], absl::StrCat(field, "[", i, "]")));
-    views.push_back(std::move(v));
-  }
-  return views;
-}
-
-absl::Status NoHandles(int outputs) {
-  if (outputs == 0) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      "outputs names region slices, but tensor handles are not enabled on "
-      "this server; leave outputs empty to get results inline");
-}
-
-// Writes result i into the i-th tensor of a response field, sized once the mask
-// scan has counted the active rows: the kernels write packed bytes straight
-// into the response. The running total is checked against the message limit
-// first.
+// Writes result i into the i-th tensor of a response field, sized once the
+// mask scan has counted the active rows: the kernels write packed bytes
+// straight into the response. The running total is checked against the
+// message limit first.
 template <typename Field>
 OutputAllocator IntoResponse(Field* field, int64_t limit, int64_t reserved) {
   return [field, limit, used = reserved](
@@ -135,34 +113,104 @@ absl::Status PackServiceImpl::CheckSize(const char* what, size_t bytes) const {
       " bytes (--max_message_bytes); split the batch or use tensor handles"));
 }
 
+absl::StatusOr<std::vector<TensorView>> PackServiceImpl::DecodeAll(
+    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
+    absl::string_view field, const Device& device,
+    std::vector<std::shared_ptr<Region>>* held) const {
+  std::vector<TensorView> views;
+  views.reserve(tensors.size());
+  for (int i = 0; i < tensors.size(); ++i) {
+    PACKD_ASSIGN_OR_RETURN(
+        TensorView v, DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"),
+                                   &regions_, held));
+    // Inline bytes and system regions are host memory; the call's device
+    // decides where they are packed.
+    if (v.device.kind == DeviceKind::kCpu) v.device = device;
+    views.push_back(std::move(v));
+  }
+  return views;
+}
+
+template <typename Field>
+absl::StatusOr<OutputAllocator> PackServiceImpl::ResultPlacement(
+    const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
+    int num_results, Field* inline_results, int64_t reserved,
+    std::vector<ResolvedSlice>* slices) const {
+  if (outputs.empty()) {
+    return IntoResponse(inline_results, options_.max_message_bytes, reserved);
+  }
+  if (outputs.size() != num_results) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "outputs has ", outputs.size(), " slices but there are ", num_results,
+        " tensors: give one slice per tensor, or none for inline results"));
+  }
+  for (int i = 0; i < outputs.size(); ++i) {
+    PACKD_ASSIGN_OR_RETURN(
+        ResolvedSlice slice,
+        regions_.Resolve(outputs[i], absl::StrCat("outputs[", i, "]")));
+    slices->push_back(std::move(slice));
+  }
+  return OutputAllocator(
+      [slices](size_t i, int64_t bytes) -> absl::StatusOr<void*> {
+        const ResolvedSlice& slice = (*slices)[i];
+        if (static_cast<uint64_t>(bytes) > slice.byte_size) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("outputs[", i, "] has ", slice.byte_size,
+                           " bytes but the result needs ", bytes, " bytes"));
+        }
+        return static_cast<void*>(slice.data);
+      });
+}
+
+template <typename Field>
+void PackServiceImpl::EncodeResults(
+    const std::vector<Tensor>& results,
+    const std::vector<ResolvedSlice>& slices,
+    const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
+    Field* field) const {
+  for (size_t i = 0; i < results.size(); ++i) {
+    while (field->size() <= static_cast<int>(i)) field->Add();
+    v1::Tensor* out = &(*field)[i];
+    EncodeTensorHeader(results[i].view, out);
+    if (!slices.empty()) {
+      v1::RegionSlice* written = out->mutable_region();
+      written->set_region(outputs[i].region());
+      written->set_offset(outputs[i].offset());
+      written->set_byte_size(results[i].view.nbytes());
+    }
+  }
+}
+
 absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
                                      v1::PackResponse* response) {
   PACKD_RETURN_IF_ERROR(CheckSize("request", request.ByteSizeLong()));
   PACKD_ASSIGN_OR_RETURN(Device device, ResolveDevice(request.device()));
-  PACKD_RETURN_IF_ERROR(NoHandles(request.outputs_size()));
   if (!request.has_mask()) {
     return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
   }
-  PACKD_ASSIGN_OR_RETURN(TensorView mask,
-                         DecodeInlineTensor(request.mask(), "mask"));
+  std::vector<std::shared_ptr<Region>>
+      held;  // regions stay mapped until return
+  PACKD_ASSIGN_OR_RETURN(
+      TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
+  if (mask.device.kind == DeviceKind::kCpu) mask.device = device;
   PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> inputs,
-                         DecodeAll(request.inputs(), "inputs"));
-  mask.device = device;
-  for (TensorView& v : inputs) v.device = device;
+                         DecodeAll(request.inputs(), "inputs", device, &held));
 
   PackOptions options;
   options.with_position_ids = request.with_position_ids();
   // Room for cu_seqlens and last_index (at most 10 bytes per varint).
   const int64_t metadata =
       mask.shape.size() == 2 ? 20 * (mask.shape[0] + 1) : 0;
-  options.allocate = IntoResponse(response->mutable_packed(),
-                                  options_.max_message_bytes, metadata);
+  std::vector<ResolvedSlice> slices;
+  PACKD_ASSIGN_OR_RETURN(
+      options.allocate,
+      ResultPlacement(request.outputs(), request.inputs_size(),
+                      response->mutable_packed(), metadata, &slices));
   PACKD_ASSIGN_OR_RETURN(PackResult result,
                          ::packd::Pack(mask, inputs, options));
 
-  for (size_t i = 0; i < result.packed.size(); ++i) {
-    EncodeTensorHeader(result.packed[i].view, response->mutable_packed(i));
-  }
+  EncodeResults(result.packed, slices, request.outputs(),
+                response->mutable_packed());
   response->mutable_cu_seqlens()->Assign(result.cu_seqlens.begin(),
                                          result.cu_seqlens.end());
   response->set_total_active(result.total_active);
@@ -180,29 +228,30 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
                                         v1::ScatterResponse* response) {
   PACKD_RETURN_IF_ERROR(CheckSize("request", request.ByteSizeLong()));
   PACKD_ASSIGN_OR_RETURN(Device device, ResolveDevice(request.device()));
-  PACKD_RETURN_IF_ERROR(NoHandles(request.outputs_size()));
   if (!request.has_mask()) {
     return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
   }
-  PACKD_ASSIGN_OR_RETURN(TensorView mask,
-                         DecodeInlineTensor(request.mask(), "mask"));
+  std::vector<std::shared_ptr<Region>> held;
+  PACKD_ASSIGN_OR_RETURN(
+      TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
+  if (mask.device.kind == DeviceKind::kCpu) mask.device = device;
   PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> packed,
-                         DecodeAll(request.packed(), "packed"));
-  mask.device = device;
-  for (TensorView& v : packed) v.device = device;
+                         DecodeAll(request.packed(), "packed", device, &held));
 
   ScatterOptions options;
   if (request.has_tail_shape()) {
     options.tail_shape.emplace(request.tail_shape().dims().begin(),
                                request.tail_shape().dims().end());
   }
-  options.allocate =
-      IntoResponse(response->mutable_dense(), options_.max_message_bytes, 0);
+  std::vector<ResolvedSlice> slices;
+  PACKD_ASSIGN_OR_RETURN(
+      options.allocate,
+      ResultPlacement(request.outputs(), request.packed_size(),
+                      response->mutable_dense(), 0, &slices));
   PACKD_ASSIGN_OR_RETURN(ScatterResult result,
                          ::packd::Scatter(mask, packed, options));
-  for (size_t i = 0; i < result.dense.size(); ++i) {
-    EncodeTensorHeader(result.dense[i].view, response->mutable_dense(i));
-  }
+  EncodeResults(result.dense, slices, request.outputs(),
+                response->mutable_dense());
   absl::Status size = CheckSize("response", response->ByteSizeLong());
   if (!size.ok()) response->Clear();
   return size;
@@ -222,14 +271,10 @@ grpc::ServerUnaryReactor* PackServiceImpl::Scatter(
 
 namespace {
 
-grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* context,
-                                        const char* rpc) {
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
+                                 const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status(
-      grpc::StatusCode::UNIMPLEMENTED,
-      absl::StrCat(rpc,
-                   ": tensor handles (regions) are not available in this "
-                   "version of packd; send tensors inline")));
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 
@@ -237,26 +282,61 @@ grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* context,
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterSystemRegion(
     grpc::CallbackServerContext* context,
-    const v1::RegisterSystemRegionRequest*, v1::RegisterRegionResponse*) {
-  return Unimplemented(context, "RegisterSystemRegion");
+    const v1::RegisterSystemRegionRequest* request,
+    v1::RegisterRegionResponse*) {
+  return Finish(context, regions_.RegisterSystem(
+                             request->name(), request->key(), request->offset(),
+                             request->byte_size()));
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(
     grpc::CallbackServerContext* context,
-    const v1::RegisterDeviceRegionRequest*, v1::RegisterRegionResponse*) {
-  return Unimplemented(context, "RegisterDeviceRegion");
+    const v1::RegisterDeviceRegionRequest* request,
+    v1::RegisterRegionResponse*) {
+  auto work = [&]() -> absl::Status {
+    PACKD_RETURN_IF_ERROR(regions_.CheckEnabled());
+    PACKD_RETURN_IF_ERROR(RegionRegistry::ValidateName(request->name()));
+    PACKD_ASSIGN_OR_RETURN(Device device, ParseDevice(request->device()));
+    if (device.kind == DeviceKind::kCpu) {
+      return absl::InvalidArgumentError(
+          "device regions live on cuda:N or hip:N; register host memory with "
+          "RegisterSystemRegion");
+    }
+    if (request->ipc_handle().size() != 64) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ipc_handle has ", request->ipc_handle().size(),
+          " bytes; a cudaIpcMemHandle_t / hipIpcMemHandle_t has 64"));
+    }
+    if (request->byte_size() == 0) {
+      return absl::InvalidArgumentError("byte_size must be positive");
+    }
+    PACKD_ASSIGN_OR_RETURN(Backend * backend, Registry::Get("pack", device));
+    PACKD_ASSIGN_OR_RETURN(DeviceMapping mapping,
+                           backend->OpenIpcMemory(request->ipc_handle(), device,
+                                                  request->byte_size()));
+    return regions_.RegisterDevice(
+        request->name(), device, static_cast<char*>(mapping.base),
+        request->byte_size(), std::move(mapping.owner));
+  };
+  return Finish(context, work());
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::UnregisterRegion(
-    grpc::CallbackServerContext* context, const v1::UnregisterRegionRequest*,
-    v1::UnregisterRegionResponse*) {
-  return Unimplemented(context, "UnregisterRegion");
+    grpc::CallbackServerContext* context,
+    const v1::UnregisterRegionRequest* request, v1::UnregisterRegionResponse*) {
+  return Finish(context, regions_.Unregister(request->name()));
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::ListRegions(
     grpc::CallbackServerContext* context, const v1::ListRegionsRequest*,
-    v1::ListRegionsResponse*) {
-  return Unimplemented(context, "ListRegions");
+    v1::ListRegionsResponse* response) {
+  if (absl::Status s = regions_.CheckEnabled(); !s.ok()) {
+    return Finish(context, s);
+  }
+  for (v1::RegionInfo& info : regions_.List()) {
+    *response->add_regions() = std::move(info);
+  }
+  return Finish(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
@@ -270,7 +350,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
                         static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
   response->set_default_device(options_.default_device.ToString());
   response->set_max_message_bytes(options_.max_message_bytes);
-  response->set_shared_memory_enabled(false);
+  response->set_shared_memory_enabled(regions_.enabled());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

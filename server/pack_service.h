@@ -9,14 +9,18 @@
 #define PACKD_SERVER_PACK_SERVICE_H_
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/pack.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "server/regions.h"
 
 namespace packd {
 
@@ -24,13 +28,16 @@ struct ServiceOptions {
   Device default_device;
   // Largest request or response, in bytes (--max_message_bytes).
   int64_t max_message_bytes = int64_t{1} << 30;
+  // Tensor handles: whether they are enabled, and the shared-memory key prefix.
+  RegionOptions regions;
   // Test hook: each Pack and Scatter call waits this long before working.
   absl::Duration testonly_call_delay = absl::ZeroDuration();
 };
 
 class PackServiceImpl final : public v1::PackService::CallbackService {
  public:
-  explicit PackServiceImpl(ServiceOptions options) : options_(options) {}
+  explicit PackServiceImpl(ServiceOptions options)
+      : options_(options), regions_(options.regions) {}
 
   // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted
   // finish.
@@ -85,7 +92,28 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
   absl::Status CheckSize(const char* what, size_t bytes) const;
 
+  // Decodes the request's tensors of one repeated field ("inputs", "packed").
+  absl::StatusOr<std::vector<TensorView>> DecodeAll(
+      const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
+      absl::string_view field, const Device& device,
+      std::vector<std::shared_ptr<Region>>* held) const;
+  // Where results go: region slices named by `outputs`, or the response's
+  // inline tensors `inline_results`.
+  template <typename Field>
+  absl::StatusOr<OutputAllocator> ResultPlacement(
+      const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
+      int num_results, Field* inline_results, int64_t reserved,
+      std::vector<ResolvedSlice>* slices) const;
+  // Sets each result tensor's header, and its region when written to one.
+  template <typename Field>
+  void EncodeResults(
+      const std::vector<Tensor>& results,
+      const std::vector<ResolvedSlice>& slices,
+      const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
+      Field* field) const;
+
   const ServiceOptions options_;
+  RegionRegistry regions_;
   absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -48,6 +48,13 @@ absl::Status SelfCheck(PackServiceImpl& service, const Device& device) {
 
 }  // namespace
 
+bool IsNodeLocal(const std::string& listen) {
+  if (absl::StartsWith(listen, "unix:")) return true;
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  return absl::StartsWith(host, "127.") || host == "localhost" ||
+         host == "[::1]";
+}
+
 absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     const ServerOptions& options) {
   PACKD_RETURN_IF_ERROR(

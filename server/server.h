@@ -26,6 +26,10 @@ struct ServerOptions {
   absl::Duration drain = absl::Seconds(30);
 };
 
+// True for listeners only this node can reach: unix sockets and loopback
+// addresses (127.0.0.0/8, localhost, [::1]).
+bool IsNodeLocal(const std::string& listen);
+
 // The readiness service name for grpc.health.v1.
 inline constexpr char kReadinessService[] = "packd.v1.PackService";
 

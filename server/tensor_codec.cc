@@ -7,8 +7,9 @@
 
 namespace packd {
 
-absl::StatusOr<TensorView> DecodeInlineTensor(const v1::Tensor& tensor,
-                                              absl::string_view field) {
+absl::StatusOr<TensorView> DecodeTensor(
+    const v1::Tensor& tensor, absl::string_view field,
+    const RegionRegistry* regions, std::vector<std::shared_ptr<Region>>* held) {
   TensorView view;
   view.dtype = static_cast<DType>(tensor.dtype());
   if (!IsValidDType(view.dtype)) {
@@ -21,14 +22,26 @@ absl::StatusOr<TensorView> DecodeInlineTensor(const v1::Tensor& tensor,
   view.shape.assign(tensor.shape().begin(), tensor.shape().end());
   PACKD_ASSIGN_OR_RETURN(int64_t bytes,
                          ByteSize(view.dtype, view.shape, field));
-  switch (tensor.storage_case()) {
-    case v1::Tensor::kRegion:
-      return absl::FailedPreconditionError(absl::StrCat(
-          field, " is a region handle (\"", tensor.region().region(),
-          "\"), but tensor handles are not enabled on this server"));
-    case v1::Tensor::kData:
-    case v1::Tensor::STORAGE_NOT_SET:
-      break;
+  if (tensor.storage_case() == v1::Tensor::kRegion) {
+    if (regions == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field,
+                       " is a region handle, but this call takes "
+                       "only inline tensors"));
+    }
+    const std::string slice_field = absl::StrCat(field, ".region");
+    PACKD_ASSIGN_OR_RETURN(ResolvedSlice slice,
+                           regions->Resolve(tensor.region(), slice_field));
+    if (slice.byte_size != static_cast<uint64_t>(bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(slice_field, " has ", slice.byte_size,
+                       " bytes but shape ", ShapeString(view.shape), " of ",
+                       DTypeName(view.dtype), " needs ", bytes));
+    }
+    view.data = slice.data;
+    view.device = slice.region->device();
+    held->push_back(std::move(slice.region));
+    return view;
   }
   const std::string& data = tensor.data();
   if (static_cast<int64_t>(data.size()) != bytes) {

@@ -263,7 +263,7 @@ TEST_F(ServiceTest, MalformedPackRequestsAreInvalidArgument) {
   ExpectPackError(r, kInvalid, "device \"cuda:x\" is not a device");
 }
 
-TEST_F(ServiceTest, AbsentDevicesAndHandlesAreFailedPrecondition) {
+TEST_F(ServiceTest, AbsentDevicesAreFailedPreconditionAndRegionsNotFound) {
   v1::PackRequest r;
   *r.mutable_mask() = ToProto(at::ones({2, 3}, at::kBool));
   *r.add_inputs() = ToProto(at::zeros({2, 3}, at::kFloat));
@@ -277,12 +277,12 @@ TEST_F(ServiceTest, AbsentDevicesAndHandlesAreFailedPrecondition) {
   v1::RegionSlice* out = r.add_outputs();
   out->set_region("out");
   out->set_byte_size(24);
-  ExpectPackError(r, grpc::StatusCode::FAILED_PRECONDITION,
-                  "tensor handles are not enabled");
+  ExpectPackError(r, grpc::StatusCode::NOT_FOUND,
+                  "outputs[0]: region \"out\" is not registered");
   r.clear_outputs();
   r.mutable_inputs(0)->mutable_region()->set_region("hidden");
-  ExpectPackError(r, grpc::StatusCode::FAILED_PRECONDITION,
-                  "inputs[0] is a region handle (\"hidden\")");
+  ExpectPackError(r, grpc::StatusCode::NOT_FOUND,
+                  "inputs[0].region: region \"hidden\" is not registered");
 }
 
 TEST_F(ServiceTest, MalformedScatterRequestsAreInvalidArgument) {
@@ -313,27 +313,17 @@ TEST_F(ServiceTest, MalformedScatterRequestsAreInvalidArgument) {
   EXPECT_TRUE(SameTensor(at::zeros({2, 4, 3}, at::kFloat), response.dense(0)));
 }
 
-TEST_F(ServiceTest, RegionRpcsAreUnimplementedAndServerInfoAnswers) {
-  grpc::ClientContext c1;
-  v1::RegisterSystemRegionRequest reg;
-  v1::RegisterRegionResponse reg_response;
-  EXPECT_EQ(stub_->RegisterSystemRegion(&c1, reg, &reg_response).error_code(),
-            grpc::StatusCode::UNIMPLEMENTED);
-  grpc::ClientContext c2;
-  v1::ListRegionsResponse list;
-  EXPECT_EQ(
-      stub_->ListRegions(&c2, v1::ListRegionsRequest(), &list).error_code(),
-      grpc::StatusCode::UNIMPLEMENTED);
-  grpc::ClientContext c3;
+TEST_F(ServiceTest, ServerInfoAnswers) {
+  grpc::ClientContext context;
   v1::ServerInfo info;
   ASSERT_TRUE(
-      stub_->GetServerInfo(&c3, v1::GetServerInfoRequest(), &info).ok());
+      stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
   EXPECT_EQ(info.default_device(), "cpu");
   EXPECT_EQ(info.max_message_bytes(), uint64_t{1} << 30);
   ASSERT_GE(info.devices_size(), 1);
   EXPECT_EQ(info.devices(0).name(), "cpu");
   EXPECT_GT(info.devices(0).memory_bytes(), 0u);
-  EXPECT_FALSE(info.shared_memory_enabled());
+  EXPECT_TRUE(info.shared_memory_enabled());  // loopback listener, auto
   ExpectStillServing();
 }
 

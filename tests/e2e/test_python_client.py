@@ -167,12 +167,14 @@ def test_errors_carry_documented_codes(stub, mutate, code, text):
     assert ok.total_active == 8
 
 
-def test_region_rpcs_unimplemented_and_server_info(stub):
+def test_regions_and_server_info(stub):
+    assert list(stub.ListRegions(pb.ListRegionsRequest()).regions) == []
     with pytest.raises(grpc.RpcError) as err:
-        stub.ListRegions(pb.ListRegionsRequest())
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(name="absent"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     info = stub.GetServerInfo(pb.GetServerInfoRequest())
     assert info.default_device == "cpu" and info.devices[0].name == "cpu"
+    assert info.shared_memory_enabled
 
 
 def test_health_and_reflection(channel):

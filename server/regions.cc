@@ -1,0 +1,219 @@
+#include "server/regions.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace packd {
+
+absl::Status RegionRegistry::ValidateName(absl::string_view name) {
+  if (name.empty() || name.size() > kMaxNameLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region name \"", name.substr(0, 64), "\" must have 1 to ",
+                     kMaxNameLength, " characters, not ", name.size()));
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+                    c == '-' || c == ':' || c == '/';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("region name \"", name,
+                       "\" may hold only letters, digits and . _ - : /"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RegionRegistry::ValidateKey(absl::string_view key,
+                                         absl::string_view prefix) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("key \"", key, "\" is not a shared-memory name: ", why));
+  };
+  if (key.size() < 2 || key[0] != '/')
+    return bad("it must be \"/\" then a name");
+  if (key.size() > 255) return bad("it is longer than 255 characters");
+  const absl::string_view rest = key.substr(1);
+  if (rest == "." || rest == "..") return bad("\".\" and \"..\" are not names");
+  for (char c : rest) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
+    if (!ok)
+      return bad("only letters, digits, '.', '_' and '-' may follow '/'");
+  }
+  if (!absl::StartsWith(key, prefix)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key \"", key, "\" does not start with the server's key prefix \"",
+        prefix, "\" (--shm_key_prefix)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RegionRegistry::CheckEnabled() const {
+  if (options_.enabled) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "tensor handles are disabled on this server (--shared_memory=off, or "
+      "auto on a listener that is not loopback or a unix socket); send "
+      "tensors inline");
+}
+
+absl::Status RegionRegistry::RegisterSystem(const std::string& name,
+                                            const std::string& key,
+                                            uint64_t offset,
+                                            uint64_t byte_size) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (absl::Status s = ValidateName(name); !s.ok()) return s;
+  if (absl::Status s = ValidateKey(key, options_.key_prefix); !s.ok()) return s;
+  if (byte_size == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region \"", name, "\": byte_size must be positive"));
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(offset, byte_size, &end) ||
+      end > static_cast<uint64_t>(INT64_MAX)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region \"", name, "\": offset ", offset, " + byte_size ",
+                     byte_size, " overflows"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (regions_.contains(name)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("region \"", name, "\" is already registered"));
+    }
+  }
+  const int fd = shm_open(key.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    const int err = errno;
+    const std::string why = absl::StrCat("cannot open shared memory \"", key,
+                                         "\": ", std::strerror(err));
+    if (err == ENOENT) return absl::NotFoundError(why);
+    if (err == EACCES) return absl::PermissionDeniedError(why);
+    return absl::InvalidArgumentError(why);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::InternalError(
+        absl::StrCat("fstat of \"", key, "\": ", std::strerror(err)));
+  }
+  if (end > static_cast<uint64_t>(st.st_size)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region \"", name, "\": [", offset, ", ", end, ") passes the end of \"",
+        key, "\", which has ", st.st_size, " bytes"));
+  }
+  // mmap offsets must be page-aligned: map from the page holding `offset`.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t map_offset = offset / page * page;
+  const size_t map_length = static_cast<size_t>(end - map_offset);
+  void* mapped = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED,
+                      fd, static_cast<off_t>(map_offset));
+  const int err = errno;
+  close(fd);  // the mapping keeps the object alive; no descriptor is left open
+  if (mapped == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of \"", key, "\": ", std::strerror(err)));
+  }
+  std::shared_ptr<void> mapping(
+      mapped, [map_length](void* p) { munmap(p, map_length); });
+  char* base = static_cast<char*>(mapped) + (offset - map_offset);
+  return Add(std::make_shared<Region>(name, "system", Device::Cpu(), base,
+                                      byte_size, std::move(mapping)));
+}
+
+absl::Status RegionRegistry::RegisterDevice(const std::string& name,
+                                            Device device, char* base,
+                                            uint64_t byte_size,
+                                            std::shared_ptr<void> mapping) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (absl::Status s = ValidateName(name); !s.ok()) return s;
+  return Add(std::make_shared<Region>(name, "device", device, base, byte_size,
+                                      std::move(mapping)));
+}
+
+absl::Status RegionRegistry::Add(std::shared_ptr<Region> region) {
+  absl::MutexLock lock(&mu_);
+  const std::string name = region->name();
+  if (!regions_.emplace(name, std::move(region)).second) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("region \"", name, "\" is already registered"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RegionRegistry::Unregister(const std::string& name) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  std::shared_ptr<Region> region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(name);
+    if (it == regions_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("region \"", name, "\" is not registered"));
+    }
+    region = std::move(it->second);
+    regions_.erase(it);
+  }
+  // Unmapped here, or when the last call using it ends.
+  return absl::OkStatus();
+}
+
+std::vector<v1::RegionInfo> RegionRegistry::List() const {
+  std::vector<v1::RegionInfo> out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, region] : regions_) {
+      v1::RegionInfo info;
+      info.set_name(name);
+      info.set_kind(region->kind());
+      info.set_byte_size(region->byte_size());
+      info.set_device(region->device().ToString());
+      out.push_back(std::move(info));
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.name() < b.name(); });
+  return out;
+}
+
+absl::StatusOr<ResolvedSlice> RegionRegistry::Resolve(
+    const v1::RegionSlice& slice, absl::string_view field) const {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  std::shared_ptr<Region> region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(slice.region());
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          field, ": region \"", slice.region(), "\" is not registered"));
+    }
+    region = it->second;
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(slice.offset(), slice.byte_size(), &end) ||
+      end > region->byte_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": slice [", slice.offset(), ", +",
+                     slice.byte_size(), ") passes the end of region \"",
+                     slice.region(), "\" (", region->byte_size(), " bytes)"));
+  }
+  ResolvedSlice out;
+  out.data = region->base() + slice.offset();
+  out.offset = slice.offset();
+  out.byte_size = slice.byte_size();
+  out.region = std::move(region);
+  return out;
+}
+
+}  // namespace packd

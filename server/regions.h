@@ -1,0 +1,126 @@
+// Regions: the tensor handles of packd. A region is a named, registered span of
+// memory the client shares with the server — a POSIX shared-memory object on
+// this node, or GPU memory exported with an IPC handle — so that large tensors
+// never cross the gRPC byte stream.
+//
+//   RegionRegistry regions({.enabled = true, .key_prefix = "/packd"});
+//   PACKD_RETURN_IF_ERROR(regions.RegisterSystem("hidden", "/packd_w0", 0, 128
+//   << 20)); PACKD_ASSIGN_OR_RETURN(ResolvedSlice s, regions.Resolve(slice,
+//   "inputs[0]"));
+#ifndef PACKD_SERVER_REGIONS_H_
+#define PACKD_SERVER_REGIONS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/tensor_view.h"
+#include "packd/v1/pack_service.pb.h"
+
+namespace packd {
+
+// One registered mapping. Calls that use it hold a shared_ptr, so unregistering
+// a region in use defers its unmap until the last such call ends.
+class Region {
+ public:
+  Region(std::string name, std::string kind, Device device, char* base,
+         uint64_t byte_size, std::shared_ptr<void> mapping)
+      : name_(std::move(name)),
+        kind_(std::move(kind)),
+        device_(device),
+        base_(base),
+        byte_size_(byte_size),
+        mapping_(std::move(mapping)) {}
+
+  const std::string& name() const { return name_; }
+  const std::string& kind() const { return kind_; }  // "system" or "device"
+  const Device& device() const { return device_; }
+  char* base() const { return base_; }
+  uint64_t byte_size() const { return byte_size_; }
+
+ private:
+  const std::string name_;
+  const std::string kind_;
+  const Device device_;
+  char* const base_;
+  const uint64_t byte_size_;
+  const std::shared_ptr<void> mapping_;  // unmaps when the last holder lets go
+};
+
+// A slice resolved to memory, holding its region alive.
+struct ResolvedSlice {
+  std::shared_ptr<Region> region;
+  char* data = nullptr;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+};
+
+struct RegionOptions {
+  // Whether tensor handles are allowed at all (--shared_memory).
+  bool enabled = false;
+  // Every system region key must start with this (--shm_key_prefix).
+  std::string key_prefix = "/packd";
+};
+
+class RegionRegistry {
+ public:
+  static constexpr size_t kMaxNameLength = 256;
+
+  explicit RegionRegistry(RegionOptions options)
+      : options_(std::move(options)) {}
+
+  bool enabled() const { return options_.enabled; }
+  // OK when handles are enabled; FAILED_PRECONDITION saying how to enable them.
+  absl::Status CheckEnabled() const;
+
+  // Maps [offset, offset + byte_size) of the shared-memory object `key`,
+  // read-write. FAILED_PRECONDITION when handles are disabled; INVALID_ARGUMENT
+  // for a bad name or key, a key outside the prefix, a zero size, or a range
+  // past the object's end (or overflowing); NOT_FOUND when no such object
+  // exists; ALREADY_EXISTS when the name is taken.
+  absl::Status RegisterSystem(const std::string& name, const std::string& key,
+                              uint64_t offset, uint64_t byte_size);
+
+  // Adds an already opened device mapping (the GPU backend opens IPC handles).
+  absl::Status RegisterDevice(const std::string& name, Device device,
+                              char* base, uint64_t byte_size,
+                              std::shared_ptr<void> mapping);
+
+  // NOT_FOUND when the name is not registered. The memory is unmapped once no
+  // call uses it.
+  absl::Status Unregister(const std::string& name);
+
+  std::vector<v1::RegionInfo> List() const;
+
+  // Checks `slice` against its region, overflow-safe, before any byte moves.
+  // FAILED_PRECONDITION when handles are disabled; NOT_FOUND for an
+  // unregistered region; INVALID_ARGUMENT naming `field` when the slice passes
+  // the region's end.
+  absl::StatusOr<ResolvedSlice> Resolve(const v1::RegionSlice& slice,
+                                        absl::string_view field) const;
+
+  // OK for a name packd accepts: 1 to 256 characters from letters, digits and
+  // ._-:/
+  static absl::Status ValidateName(absl::string_view name);
+  // OK for a POSIX shared-memory name: "/" then letters, digits, '.', '_', '-'
+  // (not "." or ".."), at most 255 characters, starting with `prefix`.
+  static absl::Status ValidateKey(absl::string_view key,
+                                  absl::string_view prefix);
+
+ private:
+  absl::Status Add(std::shared_ptr<Region> region);
+
+  const RegionOptions options_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Region>> regions_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_REGIONS_H_
