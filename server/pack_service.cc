@@ -80,13 +80,16 @@ grpc::ServerUnaryReactor* PackServiceImpl::Serve(
                                  "replica"));
     return reactor;
   }
-  if (options_.testonly_call_delay > absl::ZeroDuration()) {
-    absl::SleepFor(options_.testonly_call_delay);
-  }
   const absl::Status status = work();
   Release();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
+}
+
+void PackServiceImpl::TestonlyDelay() const {
+  if (options_.testonly_call_delay > absl::ZeroDuration()) {
+    absl::SleepFor(options_.testonly_call_delay);
+  }
 }
 
 absl::StatusOr<Device> PackServiceImpl::ResolveDevice(
@@ -206,6 +209,7 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.inputs_size(),
                       response->mutable_packed(), metadata, &slices));
+  TestonlyDelay();
   PACKD_ASSIGN_OR_RETURN(PackResult result,
                          ::packd::Pack(mask, inputs, options));
 
@@ -248,6 +252,7 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.packed_size(),
                       response->mutable_dense(), 0, &slices));
+  TestonlyDelay();
   PACKD_ASSIGN_OR_RETURN(ScatterResult result,
                          ::packd::Scatter(mask, packed, options));
   EncodeResults(result.dense, slices, request.outputs(),

@@ -30,7 +30,8 @@ struct ServiceOptions {
   int64_t max_message_bytes = int64_t{1} << 30;
   // Tensor handles: whether they are enabled, and the shared-memory key prefix.
   RegionOptions regions;
-  // Test hook: each Pack and Scatter call waits this long before working.
+  // Test hook: each Pack and Scatter call waits this long once its tensors are
+  // decoded.
   absl::Duration testonly_call_delay = absl::ZeroDuration();
 };
 
@@ -89,6 +90,8 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
                                   Work&& work);
 
+  // The test hook: holds a decoded call (its regions resolved) in flight.
+  void TestonlyDelay() const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
   absl::Status CheckSize(const char* what, size_t bytes) const;
 

@@ -1,0 +1,406 @@
+// Tensor handles end to end: this test process is the client that creates
+// shared-memory segments, registers them with the real packd, packs from them
+// and into them, and checks every byte against torch; every bounds, overflow,
+// key, prefix and name error; unregister while a call is in flight; no
+// descriptor or mapping left behind in the server.
+#include <ATen/ATen.h>
+#include <dirent.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/torch/torch_interop.h"
+#include "packd/v1/pack_service.grpc.pb.h"
+#include "tests/e2e/server_process.h"
+#include "tests/e2e/shm_segment.h"
+#include "tests/kernels/test_util.h"
+
+namespace packd {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::MaskKind;
+using testing::Rng;
+using testing::ServerProcess;
+using testing::ShmSegment;
+
+v1::Tensor Header(const at::Tensor& t) {
+  v1::Tensor out;
+  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
+  for (int64_t d : t.sizes()) out.add_shape(d);
+  return out;
+}
+
+v1::Tensor InRegion(const at::Tensor& t, const std::string& region,
+                    uint64_t offset) {
+  v1::Tensor out = Header(t);
+  v1::RegionSlice* slice = out.mutable_region();
+  slice->set_region(region);
+  slice->set_offset(offset);
+  slice->set_byte_size(t.nbytes());
+  return out;
+}
+
+v1::Tensor Inline(const at::Tensor& t) {
+  v1::Tensor out = Header(t);
+  out.set_data(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  return out;
+}
+
+v1::RegionSlice Slice(const std::string& region, uint64_t offset,
+                      uint64_t bytes) {
+  v1::RegionSlice s;
+  s.set_region(region);
+  s.set_offset(offset);
+  s.set_byte_size(bytes);
+  return s;
+}
+
+// Copies `t` into the segment at `offset`.
+void Put(const ShmSegment& seg, uint64_t offset, const at::Tensor& t) {
+  std::memcpy(seg.data() + offset, t.data_ptr(), t.nbytes());
+}
+
+bool BytesEqual(const at::Tensor& expected, const char* actual) {
+  return expected.nbytes() == 0 || std::memcmp(expected.contiguous().data_ptr(),
+                                               actual, expected.nbytes()) == 0;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Descriptors of `pid` that point at `key`'s shared-memory file.
+int OpenDescriptorsTo(pid_t pid, const std::string& key) {
+  const std::string dir = absl::StrCat("/proc/", pid, "/fd");
+  int count = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      char target[512];
+      const ssize_t n = readlink(absl::StrCat(dir, "/", e->d_name).c_str(),
+                                 target, sizeof(target) - 1);
+      if (n > 0 &&
+          std::string(target, n).find(key.substr(1)) != std::string::npos) {
+        ++count;
+      }
+    }
+    closedir(d);
+  }
+  return count;
+}
+
+class RegionsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = ServerProcess::Start({"--shm_key_prefix=/packd_test"});
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::PackService::NewStub(server_->Channel());
+  }
+
+  grpc::Status Register(const std::string& name, const std::string& key,
+                        uint64_t offset, uint64_t bytes) {
+    v1::RegisterSystemRegionRequest r;
+    r.set_name(name);
+    r.set_key(key);
+    r.set_offset(offset);
+    r.set_byte_size(bytes);
+    grpc::ClientContext context;
+    v1::RegisterRegionResponse response;
+    return stub_->RegisterSystemRegion(&context, r, &response);
+  }
+  grpc::Status Unregister(const std::string& name) {
+    v1::UnregisterRegionRequest r;
+    r.set_name(name);
+    grpc::ClientContext context;
+    v1::UnregisterRegionResponse response;
+    return stub_->UnregisterRegion(&context, r, &response);
+  }
+  grpc::Status CallPack(const v1::PackRequest& r, v1::PackResponse* out) {
+    grpc::ClientContext context;
+    return stub_->Pack(&context, r, out);
+  }
+  void ExpectError(const grpc::Status& status, grpc::StatusCode code,
+                   const std::string& text) {
+    EXPECT_EQ(status.error_code(), code) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(text));
+    // The server keeps serving.
+    v1::PackRequest ok;
+    const at::Tensor m = at::ones({1, 2}, at::kBool);
+    *ok.mutable_mask() = Inline(m);
+    *ok.add_inputs() = Inline(m);
+    v1::PackResponse response;
+    EXPECT_TRUE(CallPack(ok, &response).ok());
+  }
+
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<v1::PackService::Stub> stub_;
+};
+
+TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 8, S = 300, H = 64;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kFloat32, B, S, 0.4, MaskKind::kHoles);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, H});
+  const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
+  ShmSegment seg(64 << 20);
+  const uint64_t x_at = 4096 + 3;  // odd offsets: slices need no alignment
+  const uint64_t ids_at = x_at + x.nbytes();
+  const uint64_t out_at = 16 << 20, ids_out_at = 32 << 20 | 5;
+  Put(seg, x_at, x);
+  Put(seg, ids_at, ids);
+  std::memset(seg.data() + out_at, 0xA5, 16 << 20);
+  // Registered at an offset into the object: slices are relative to it.
+  ASSERT_TRUE(Register("w0", seg.key(), 1024, seg.size() - 1024).ok());
+
+  v1::PackRequest request;
+  *request.mutable_mask() = Inline(mask);  // inline and region tensors mix
+  *request.add_inputs() = InRegion(x, "w0", x_at - 1024);
+  *request.add_inputs() = InRegion(ids, "w0", ids_at - 1024);
+  *request.add_outputs() = Slice("w0", out_at - 1024, 16 << 20);
+  *request.add_outputs() = Slice("w0", ids_out_at - 1024, 1 << 20);
+  request.set_with_position_ids(true);
+  v1::PackResponse response;
+  grpc::Status status = CallPack(request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  const at::Tensor expected_x = testing::ReferencePack(x, mask);
+  const at::Tensor expected_ids = testing::ReferencePack(ids, mask);
+  EXPECT_TRUE(BytesEqual(expected_x, seg.data() + out_at));
+  EXPECT_TRUE(BytesEqual(expected_ids, seg.data() + ids_out_at));
+  // Past the result the canary is intact.
+  EXPECT_EQ(static_cast<uint8_t>(seg.data()[out_at + expected_x.nbytes()]),
+            0xA5);
+  ASSERT_EQ(response.packed_size(), 2);
+  EXPECT_TRUE(response.packed(0).data().empty());
+  EXPECT_EQ(response.packed(0).region().region(), "w0");
+  EXPECT_EQ(response.packed(0).region().offset(), out_at - 1024);
+  EXPECT_EQ(response.packed(0).region().byte_size(),
+            static_cast<uint64_t>(expected_x.nbytes()));
+  EXPECT_EQ(response.packed(0).shape(0), expected_x.size(0));
+  EXPECT_EQ(response.total_active(), expected_x.size(0));
+
+  // Scatter the packed rows back, reading and writing the region.
+  v1::ScatterRequest scatter;
+  *scatter.mutable_mask() = Inline(mask);
+  v1::Tensor packed = Header(expected_x);
+  *packed.mutable_region() = response.packed(0).region();
+  *scatter.add_packed() = packed;
+  *scatter.add_outputs() = Slice("w0", (48 << 20) - 1024, x.nbytes());
+  grpc::ClientContext context;
+  v1::ScatterResponse dense;
+  status = stub_->Scatter(&context, scatter, &dense);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(BytesEqual(testing::ReferenceScatter(expected_x, mask, {B, S, H}),
+                         seg.data() + (48 << 20)));
+
+  grpc::ClientContext list_context;
+  v1::ListRegionsResponse list;
+  ASSERT_TRUE(
+      stub_->ListRegions(&list_context, v1::ListRegionsRequest(), &list).ok());
+  ASSERT_EQ(list.regions_size(), 1);
+  EXPECT_EQ(list.regions(0).name(), "w0");
+  EXPECT_EQ(list.regions(0).kind(), "system");
+  EXPECT_EQ(list.regions(0).byte_size(), seg.size() - 1024);
+  EXPECT_EQ(list.regions(0).device(), "cpu");
+}
+
+TEST_F(RegionsTest, RegistrationErrors) {
+  ShmSegment seg(1 << 20);
+  const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
+  ExpectError(Register("", seg.key(), 0, 10), kInvalid,
+              "must have 1 to 256 characters");
+  ExpectError(Register(std::string(300, 'a'), seg.key(), 0, 10), kInvalid,
+              "must have 1 to 256 characters, not 300");
+  ExpectError(Register("a b", seg.key(), 0, 10), kInvalid,
+              "may hold only letters");
+  ExpectError(Register("r", "packd_test_x", 0, 10), kInvalid,
+              "is not a shared-memory name");
+  ExpectError(Register("r", "/packd_test/x", 0, 10), kInvalid,
+              "only letters, digits");
+  ExpectError(Register("r", "/..", 0, 10), kInvalid, "\"..\" are not names");
+  ExpectError(Register("r", "/other_name", 0, 10), kInvalid,
+              "does not start with the server's key prefix \"/packd_test\"");
+  ExpectError(Register("r", "/packd_test_absent", 0, 10),
+              grpc::StatusCode::NOT_FOUND, "cannot open shared memory");
+  ExpectError(Register("r", seg.key(), 0, 0), kInvalid,
+              "byte_size must be positive");
+  ExpectError(Register("r", seg.key(), 1, 1 << 20), kInvalid,
+              "passes the end of");
+  ExpectError(Register("r", seg.key(), UINT64_MAX - 5, 10), kInvalid,
+              "overflows");
+  ASSERT_TRUE(Register("r", seg.key(), 0, 1 << 20).ok());
+  ExpectError(Register("r", seg.key(), 0, 10), grpc::StatusCode::ALREADY_EXISTS,
+              "region \"r\" is already registered");
+  ExpectError(Unregister("nope"), grpc::StatusCode::NOT_FOUND,
+              "region \"nope\" is not registered");
+  EXPECT_TRUE(Unregister("r").ok());
+  ExpectError(Unregister("r"), grpc::StatusCode::NOT_FOUND,
+              "is not registered");
+}
+
+TEST_F(RegionsTest, SliceErrors) {
+  ShmSegment seg(1 << 20);
+  ASSERT_TRUE(Register("r", seg.key(), 0, 1 << 20).ok());
+  const at::Tensor mask = at::ones({2, 4}, at::kBool);
+  const at::Tensor x = at::zeros({2, 4, 16}, at::kFloat);  // 512 bytes
+  v1::PackRequest good;
+  *good.mutable_mask() = Inline(mask);
+  *good.add_inputs() = InRegion(x, "r", 0);
+  const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
+
+  v1::PackRequest r = good;
+  r.mutable_inputs(0)->mutable_region()->set_offset((1 << 20) - 100);
+  v1::PackResponse response;
+  ExpectError(
+      CallPack(r, &response), kInvalid,
+      "inputs[0].region: slice [1048476, +512) passes the end of region \"r\"");
+  r = good;
+  r.mutable_inputs(0)->mutable_region()->set_offset(UINT64_MAX - 10);
+  ExpectError(CallPack(r, &response), kInvalid, "passes the end of region");
+  r = good;
+  r.mutable_inputs(0)->mutable_region()->set_byte_size(500);
+  ExpectError(CallPack(r, &response), kInvalid,
+              "inputs[0].region has 500 bytes but shape [2, 4, 16] of float32 "
+              "needs 512");
+  r = good;
+  *r.add_outputs() = Slice("r", 4096, 100);
+  ExpectError(CallPack(r, &response), kInvalid,
+              "outputs[0] has 100 bytes but the result needs 512 bytes");
+  r = good;
+  *r.add_outputs() = Slice("r", 256, 512);
+  ExpectError(CallPack(r, &response), kInvalid, "outputs[0] overlaps input 0");
+  r = good;
+  *r.add_outputs() = Slice("r", 4096, 512);
+  *r.add_outputs() = Slice("r", 8192, 512);
+  ExpectError(CallPack(r, &response), kInvalid,
+              "outputs has 2 slices but there are 1 tensors");
+  r = good;
+  *r.add_outputs() = Slice("r", (1 << 20) - 10, 512);
+  ExpectError(CallPack(r, &response), kInvalid,
+              "outputs[0]: slice [1048566, +512) passes the end");
+}
+
+TEST(RegionsLifetime, UnregisterDuringACallDefersTheUnmap) {
+  auto server = ServerProcess::Start(
+      {"--shm_key_prefix=/packd_test", "--testonly_call_delay_ms=1000"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 4, 256, 0.5, MaskKind::kPrefix);
+  const at::Tensor x =
+      testing::RandomTensor(rng, DType::kFloat16, {4, 256, 32});
+  ShmSegment seg(1 << 20);
+  Put(seg, 0, x);
+  const std::string maps = absl::StrCat("/proc/", server->pid(), "/maps");
+  {
+    v1::RegisterSystemRegionRequest reg;
+    reg.set_name("r");
+    reg.set_key(seg.key());
+    reg.set_byte_size(seg.size());
+    grpc::ClientContext context;
+    v1::RegisterRegionResponse reg_response;
+    ASSERT_TRUE(stub->RegisterSystemRegion(&context, reg, &reg_response).ok());
+  }
+  EXPECT_THAT(ReadFile(maps), HasSubstr(seg.key()));
+  EXPECT_EQ(OpenDescriptorsTo(server->pid(), seg.key()), 0);
+
+  v1::PackRequest request;
+  *request.mutable_mask() = Inline(mask);
+  *request.add_inputs() = InRegion(x, "r", 0);
+  *request.add_outputs() = Slice("r", 512 << 10, 512 << 10);
+  auto in_flight = std::async(std::launch::async, [&] {
+    grpc::ClientContext context;
+    v1::PackResponse response;
+    return stub->Pack(&context, request, &response);
+  });
+  absl::SleepFor(absl::Milliseconds(400));
+  {
+    v1::UnregisterRegionRequest unreg;
+    unreg.set_name("r");
+    grpc::ClientContext context;
+    v1::UnregisterRegionResponse unreg_response;
+    ASSERT_TRUE(stub->UnregisterRegion(&context, unreg, &unreg_response).ok());
+  }
+  // Still mapped: the call holds it.
+  EXPECT_THAT(ReadFile(maps), HasSubstr(seg.key()));
+  const grpc::Status status = in_flight.get();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(
+      BytesEqual(testing::ReferencePack(x, mask), seg.data() + (512 << 10)));
+  // Gone once the call ended: no mapping, no descriptor.
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_THAT(ReadFile(maps), ::testing::Not(HasSubstr(seg.key())));
+  EXPECT_EQ(OpenDescriptorsTo(server->pid(), seg.key()), 0);
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(), 0);
+}
+
+TEST(RegionsDisabled, HandlesAreFailedPreconditionWhenOff) {
+  auto server = ServerProcess::Start({"--shared_memory=off"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  ShmSegment seg(4096, "/packd");
+  v1::RegisterSystemRegionRequest reg;
+  reg.set_name("r");
+  reg.set_key(seg.key());
+  reg.set_byte_size(4096);
+  grpc::ClientContext c1;
+  v1::RegisterRegionResponse reg_response;
+  grpc::Status status = stub->RegisterSystemRegion(&c1, reg, &reg_response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("tensor handles are disabled"));
+  grpc::ClientContext c2;
+  v1::ListRegionsResponse list;
+  EXPECT_EQ(
+      stub->ListRegions(&c2, v1::ListRegionsRequest(), &list).error_code(),
+      grpc::StatusCode::FAILED_PRECONDITION);
+  v1::PackRequest request;
+  const at::Tensor m = at::ones({1, 2}, at::kBool);
+  *request.mutable_mask() = Inline(m);
+  *request.add_inputs() = InRegion(m, "r", 0);
+  grpc::ClientContext c3;
+  v1::PackResponse response;
+  status = stub->Pack(&c3, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  grpc::ClientContext c4;
+  v1::ServerInfo info;
+  ASSERT_TRUE(stub->GetServerInfo(&c4, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_FALSE(info.shared_memory_enabled());
+}
+
+TEST(RegionsDevice, DeviceRegionsNeedAGpuBackend) {
+  auto server = ServerProcess::Start();
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  v1::RegisterDeviceRegionRequest reg;
+  reg.set_name("g");
+  reg.set_device("cuda:0");
+  reg.set_ipc_handle(std::string(64, '\0'));
+  reg.set_byte_size(1 << 20);
+  grpc::ClientContext c1;
+  v1::RegisterRegionResponse response;
+  grpc::Status status = stub->RegisterDeviceRegion(&c1, reg, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << status.error_message();
+  reg.set_ipc_handle("short");
+  grpc::ClientContext c2;
+  status = stub->RegisterDeviceRegion(&c2, reg, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("ipc_handle has 5 bytes"));
+}
+
+}  // namespace
+}  // namespace packd

@@ -1,0 +1,143 @@
+// RegionRegistry in-process: every registered mapping is gone from
+// /proc/self/maps, and no descriptor is left in /proc/self/fd, after unregister
+// and after the registry is destroyed (server shutdown); slices are
+// bounds-checked with overflow-safe arithmetic.
+#include "server/regions.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/shm_segment.h"
+
+namespace packd {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using testing::ShmSegment;
+
+std::string SelfMaps() {
+  std::ifstream f("/proc/self/maps");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+int SelfDescriptors() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d) != nullptr) ++n;
+    closedir(d);
+  }
+  return n;
+}
+
+v1::RegionSlice Slice(const std::string& region, uint64_t offset,
+                      uint64_t bytes) {
+  v1::RegionSlice s;
+  s.set_region(region);
+  s.set_offset(offset);
+  s.set_byte_size(bytes);
+  return s;
+}
+
+// The segment's own mapping in this process must not be mistaken for the
+// registry's: count occurrences of the key in the maps.
+int Mappings(const std::string& key) {
+  const std::string maps = SelfMaps();
+  int n = 0;
+  for (size_t at = maps.find(key); at != std::string::npos;
+       at = maps.find(key, at + 1))
+    ++n;
+  return n;
+}
+
+TEST(RegionRegistry, UnregisterAndDestructionUnmapAndCloseEverything) {
+  ShmSegment a(1 << 20), b(3 << 20);
+  const int fds_before = SelfDescriptors();
+  const int a_before = Mappings(a.key()), b_before = Mappings(b.key());
+  {
+    RegionRegistry regions({/*enabled=*/true, "/packd_test"});
+    ASSERT_TRUE(regions.RegisterSystem("a", a.key(), 4096 + 7, 8192).ok());
+    ASSERT_TRUE(regions.RegisterSystem("b", b.key(), 0, 3 << 20).ok());
+    EXPECT_EQ(Mappings(a.key()), a_before + 1);
+    EXPECT_EQ(Mappings(b.key()), b_before + 1);
+    EXPECT_EQ(SelfDescriptors(), fds_before);
+
+    // Bytes written through the registry land at the registered offset.
+    absl::StatusOr<ResolvedSlice> s =
+        regions.Resolve(Slice("a", 1, 4), "inputs[0]");
+    ASSERT_TRUE(s.ok()) << s.status();
+    std::memcpy(s->data, "abcd", 4);
+    EXPECT_EQ(std::string(a.data() + 4096 + 8, 4), "abcd");
+
+    // A slice held by a call keeps the mapping after unregister.
+    ASSERT_TRUE(regions.Unregister("a").ok());
+    EXPECT_EQ(Mappings(a.key()), a_before + 1);
+    s = absl::StatusOr<ResolvedSlice>(absl::CancelledError());
+    EXPECT_EQ(Mappings(a.key()), a_before);
+    EXPECT_EQ(regions.Resolve(Slice("a", 0, 1), "x").status().code(),
+              absl::StatusCode::kNotFound);
+  }
+  // "b" was still registered when the registry went away.
+  EXPECT_EQ(Mappings(b.key()), b_before);
+  EXPECT_EQ(SelfDescriptors(), fds_before);
+}
+
+TEST(RegionRegistry, SlicesAreBoundsCheckedWithoutOverflow) {
+  ShmSegment seg(1 << 16);
+  RegionRegistry regions({true, "/packd_test"});
+  ASSERT_TRUE(regions.RegisterSystem("r", seg.key(), 0, 1 << 16).ok());
+  EXPECT_TRUE(regions.Resolve(Slice("r", 0, 1 << 16), "f").ok());
+  EXPECT_TRUE(regions.Resolve(Slice("r", 1 << 16, 0), "f").ok());
+  for (auto [offset, bytes] : {std::pair<uint64_t, uint64_t>{1, 1 << 16},
+                               {1 << 16, 1},
+                               {UINT64_MAX, 2},
+                               {2, UINT64_MAX}}) {
+    absl::StatusOr<ResolvedSlice> s =
+        regions.Resolve(Slice("r", offset, bytes), "outputs[3]");
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument)
+        << offset << "+" << bytes;
+    EXPECT_THAT(std::string(s.status().message()),
+                HasSubstr("outputs[3]: slice"));
+  }
+  auto list = regions.List();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].name(), "r");
+}
+
+TEST(RegionRegistry, KeysAndNames) {
+  EXPECT_TRUE(RegionRegistry::ValidateKey("/packd_a-1.b", "/packd").ok());
+  for (const char* bad :
+       {"", "/", "packd", "/packd/x", "/packd x", "/.", "/.."}) {
+    EXPECT_EQ(RegionRegistry::ValidateKey(bad, "/").code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_THAT(
+      std::string(RegionRegistry::ValidateKey("/other", "/packd").message()),
+      HasSubstr("--shm_key_prefix"));
+  EXPECT_TRUE(RegionRegistry::ValidateName("worker-3/hidden:0").ok());
+  EXPECT_FALSE(RegionRegistry::ValidateName("").ok());
+  EXPECT_FALSE(RegionRegistry::ValidateName(std::string(257, 'x')).ok());
+  EXPECT_FALSE(RegionRegistry::ValidateName("tab\there").ok());
+}
+
+TEST(RegionRegistry, DisabledRefusesEverything) {
+  RegionRegistry regions({false, "/packd"});
+  EXPECT_EQ(regions.RegisterSystem("r", "/packd_x", 0, 1).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(regions.Resolve(Slice("r", 0, 1), "f").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(regions.Unregister("r").code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace packd
