@@ -1,0 +1,247 @@
+// bench_service: the Pack RPC, inline and through shared-memory tensor handles,
+// against the in-process kernel on the same data, in one run.
+//
+//   bench_service                      # [16, 1024, 4096] bf16, density 0.3
+//   (128 MiB) bench_service --smoke              # tiny, for ctest
+//
+// The server runs in this process on a loopback port, so the RPCs take the real
+// gRPC path.
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/pack.h"
+#include "kernels/torch/torch_interop.h"
+#include "packd/v1/pack_service.grpc.pb.h"
+#include "server/server.h"
+
+ABSL_FLAG(bool, smoke, false, "Tiny batch and few repeats");
+ABSL_FLAG(int64_t, batch, 16, "B");
+ABSL_FLAG(int64_t, seq, 1024, "S");
+ABSL_FLAG(int64_t, hidden, 4096, "Hidden size (bf16)");
+ABSL_FLAG(double, density, 0.3, "Fraction of active positions (prefix masks)");
+ABSL_FLAG(int, repeats, 10, "Timed calls per row (median reported)");
+ABSL_FLAG(std::string, json, "", "Also write the rows as JSON to this file");
+
+namespace packd {
+namespace {
+
+double MedianMs(int repeats, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(
+                     std::chrono::steady_clock::now() - t0)
+                     .count());
+  }
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return ms[ms.size() / 2];
+}
+
+void Check(const grpc::Status& status, const char* what) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "bench_service: %s: %s\n", what,
+                 status.error_message().c_str());
+    std::exit(1);
+  }
+}
+
+v1::Tensor Header(const at::Tensor& t) {
+  v1::Tensor out;
+  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
+  for (int64_t d : t.sizes()) out.add_shape(d);
+  return out;
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  int64_t B = absl::GetFlag(FLAGS_batch), S = absl::GetFlag(FLAGS_seq),
+          H = absl::GetFlag(FLAGS_hidden);
+  int repeats = absl::GetFlag(FLAGS_repeats);
+  const double density = absl::GetFlag(FLAGS_density);
+  if (absl::GetFlag(FLAGS_smoke)) {
+    B = 2, S = 64, H = 64, repeats = 2;
+  }
+
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.service.regions.enabled = true;
+  options.service.regions.key_prefix = "/packd_bench";
+  auto server = PackdServer::Start(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "bench_service: %s\n",
+                 server.status().ToString().c_str());
+    return 1;
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  auto stub = v1::PackService::NewStub(grpc::CreateCustomChannel(
+      (*server)->address(), grpc::InsecureChannelCredentials(), args));
+
+  // Data: x in a shared-memory segment, results written to a second part of it.
+  const at::Tensor x =
+      at::randint(-1000, 1000, {B, S, H}, at::kFloat).to(at::kBFloat16);
+  at::Tensor mask = at::zeros({B, S}, at::kBool);
+  std::mt19937_64 rng(7);
+  for (int64_t b = 0; b < B; ++b) {
+    const double f = std::min(
+        1.0, density * (0.5 + std::uniform_real_distribution<>(0, 1)(rng)));
+    mask[b].narrow(0, 0, static_cast<int64_t>(f * S)).fill_(true);
+  }
+  const int64_t x_bytes = x.nbytes();
+  const std::string key = absl::StrCat("/packd_bench_", getpid());
+  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 || ftruncate(fd, 2 * x_bytes) != 0) {
+    std::perror("bench_service: shm");
+    return 1;
+  }
+  char* seg = static_cast<char*>(
+      mmap(nullptr, 2 * x_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  std::memcpy(seg, x.data_ptr(), x_bytes);
+  std::memset(seg + x_bytes, 0, x_bytes);
+
+  v1::RegisterSystemRegionRequest reg;
+  reg.set_name("bench");
+  reg.set_key(key);
+  reg.set_byte_size(2 * x_bytes);
+  {
+    grpc::ClientContext c;
+    v1::RegisterRegionResponse r;
+    Check(stub->RegisterSystemRegion(&c, reg, &r), "RegisterSystemRegion");
+  }
+
+  v1::Tensor mask_proto = Header(mask);
+  mask_proto.set_data(static_cast<const char*>(mask.data_ptr()), mask.nbytes());
+  v1::PackRequest inline_request;
+  *inline_request.mutable_mask() = mask_proto;
+  v1::Tensor* in = inline_request.add_inputs();
+  *in = Header(x);
+  in->set_data(static_cast<const char*>(x.data_ptr()), x_bytes);
+
+  v1::PackRequest shm_request;
+  *shm_request.mutable_mask() = mask_proto;
+  v1::Tensor* handle = shm_request.add_inputs();
+  *handle = Header(x);
+  handle->mutable_region()->set_region("bench");
+  handle->mutable_region()->set_byte_size(x_bytes);
+  v1::RegionSlice* out = shm_request.add_outputs();
+  out->set_region("bench");
+  out->set_offset(x_bytes);
+  out->set_byte_size(x_bytes);
+
+  const int64_t active = mask.sum().item<int64_t>();
+  const int64_t packed_bytes = active * H * 2;
+  at::Tensor touched = at::zeros({active, H}, at::kBFloat16);
+  const std::vector<TensorView> inputs = {AsView(x)};
+  const std::vector<TensorView> outputs = {AsView(touched)};
+  PackOptions into;
+  into.outputs = outputs;
+
+  struct Row {
+    std::string name, memory;
+    double ms;
+  };
+  std::vector<Row> rows;
+  rows.push_back({"in-process kernel (packd::Pack)", "caller buffer, touched",
+                  MedianMs(repeats, [&] {
+                    if (!Pack(AsView(mask), inputs, into).ok()) std::exit(1);
+                  })});
+  // The same kernel on the segment's pages (4 KiB shmem pages unless the
+  // system enables shmem huge pages), which is what the server works on.
+  TensorView x_in_shm = AsView(x);
+  x_in_shm.data = seg;
+  TensorView out_in_shm = AsView(touched);
+  out_in_shm.data = seg + x_bytes;
+  const std::vector<TensorView> shm_inputs = {x_in_shm};
+  const std::vector<TensorView> shm_outputs = {out_in_shm};
+  PackOptions into_shm;
+  into_shm.outputs = shm_outputs;
+  rows.push_back({"in-process kernel on the segment", "output in the segment",
+                  MedianMs(repeats, [&] {
+                    if (!Pack(AsView(mask), shm_inputs, into_shm).ok())
+                      std::exit(1);
+                  })});
+  rows.push_back({"Pack RPC, shared-memory handles", "output region slice",
+                  MedianMs(repeats, [&] {
+                    grpc::ClientContext c;
+                    v1::PackResponse r;
+                    Check(stub->Pack(&c, shm_request, &r), "Pack (handles)");
+                  })});
+  rows.push_back({"Pack RPC, inline bytes", "response message",
+                  MedianMs(std::max(2, repeats / 3), [&] {
+                    grpc::ClientContext c;
+                    v1::PackResponse r;
+                    Check(stub->Pack(&c, inline_request, &r), "Pack (inline)");
+                  })});
+  // The handle path must have produced the same bytes as the kernel.
+  const bool same =
+      std::memcmp(seg + x_bytes, touched.data_ptr(), packed_bytes) == 0;
+
+  std::printf(
+      "bench_service: x [%lld, %lld, %lld] bf16 (%.1f MiB), prefix mask "
+      "density %.2f, "
+      "%lld active rows (%.1f MiB packed), median of %d\n\n",
+      (long long)B, (long long)S, (long long)H, x_bytes / 1048576.0, density,
+      (long long)active, packed_bytes / 1048576.0, repeats);
+  std::printf("%-34s %10s %10s %14s  %s\n", "path", "ms", "GB/s",
+              "x in-process", "result memory");
+  for (const Row& r : rows) {
+    std::printf("%-34s %10.3f %10.2f %14.3f  %s\n", r.name.c_str(), r.ms,
+                packed_bytes / (r.ms * 1e6), rows[0].ms / r.ms,
+                r.memory.c_str());
+  }
+  std::printf("\nshared memory / in-process throughput: %.2f (target >= 0.8)\n",
+              rows[0].ms / rows[2].ms);
+  std::printf("shared memory / in-process on the same pages: %.2f\n",
+              rows[1].ms / rows[2].ms);
+  std::printf("shared memory / inline speed-up:        %.1fx (target >= 20)\n",
+              rows[3].ms / rows[2].ms);
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    std::ofstream f(absl::GetFlag(FLAGS_json));
+    f << "[\n";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      f << absl::StrFormat(
+          "  {\"path\": \"%s\", \"B\": %d, \"S\": %d, \"hidden\": %d, "
+          "\"density\": %g, "
+          "\"active_rows\": %d, \"bytes_moved\": %d, \"median_ms\": %.4f}%s\n",
+          rows[i].name, B, S, H, density, active, packed_bytes, rows[i].ms,
+          i + 1 < rows.size() ? "," : "");
+    }
+    f << "]\n";
+  }
+  munmap(seg, 2 * x_bytes);
+  shm_unlink(key.c_str());
+  (*server)->Drain();
+  (*server)->Wait();
+  if (!same) {
+    std::fprintf(
+        stderr,
+        "bench_service: the handle path's result differs from the kernel's\n");
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace packd
+
+int main(int argc, char** argv) { return packd::Main(argc, argv); }
