@@ -393,10 +393,11 @@ int Main(int argc, char** argv) {
     return 2;
   }
   if (device->kind != DeviceKind::kCpu) {
-    std::fprintf(
-        stderr,
-        "bench_pack: --device=%s: this benchmark measures the CPU backend\n",
-        device->ToString().c_str());
+    std::fprintf(stderr,
+                 "bench_pack: --device=%s: this benchmark measures the CPU "
+                 "backend; GPU kernels are measured by "
+                 "tests/gpu/run_gpu_checks.sh\n",
+                 device->ToString().c_str());
     return 2;
   }
   DType dtype;

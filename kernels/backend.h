@@ -74,6 +74,14 @@ class Backend {
   // RESOURCE_EXHAUSTED when the device is out of memory.
   virtual absl::StatusOr<Buffer> Allocate(int64_t bytes, const Device& device);
 
+  // Synchronous copies between host memory and memory on `device` (of this
+  // backend's kind); INTERNAL with the runtime's message on failure. The CPU
+  // default is memcpy.
+  virtual absl::Status CopyToDevice(void* dst, const void* src, int64_t bytes,
+                                    const Device& device);
+  virtual absl::Status CopyToHost(void* dst, const void* src, int64_t bytes,
+                                  const Device& device);
+
   // Opens `byte_size` bytes of device memory exported by another process with
   // an IPC handle (cudaIpcMemHandle_t / hipIpcMemHandle_t, 64 bytes). The
   // default answers FAILED_PRECONDITION: only GPU backends can.

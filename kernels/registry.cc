@@ -1,11 +1,15 @@
 #include "kernels/registry.h"
 
+#include <cstring>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/cpu/cpu_backend.h"
+#if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
+#include "kernels/gpu/gpu_backend.h"
+#endif
 #ifdef PACKD_HAVE_TORCH
 #include "kernels/torch/torch_backend.h"
 #endif
@@ -34,12 +38,27 @@ absl::StatusOr<DeviceMapping> Backend::OpenIpcMemory(absl::string_view,
       "backend ", name(), " cannot open IPC memory on ", device.ToString()));
 }
 
+absl::Status Backend::CopyToDevice(void* dst, const void* src, int64_t bytes,
+                                   const Device&) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Backend::CopyToHost(void* dst, const void* src, int64_t bytes,
+                                 const Device&) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
 Registry& Registry::Global() {
   static Registry* registry = [] {
     auto* r = new Registry;
     RegisterCpuBackends(*r);
 #ifdef PACKD_HAVE_TORCH
     RegisterTorchBackends(*r);
+#endif
+#if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
+    RegisterGpuBackends(*r);
 #endif
     return r;
   }();

@@ -12,6 +12,7 @@
 #include "kernels/pack.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
+#include "server/device_staging.h"
 #include "server/tensor_codec.h"
 
 #ifndef PACKD_VERSION
@@ -96,14 +97,25 @@ absl::StatusOr<Device> PackServiceImpl::ResolveDevice(
     const std::string& text) const {
   if (text.empty()) return options_.default_device;
   PACKD_ASSIGN_OR_RETURN(Device device, ParseDevice(text, "device"));
-  if (device.kind != DeviceKind::kCpu) {
-    // Inline tensors arrive in host memory; other devices need their backend.
-    PACKD_RETURN_IF_ERROR(Registry::Get("pack", device).status());
-    return absl::FailedPreconditionError(
-        absl::StrCat("device ", device.ToString(),
-                     " cannot take inline tensors on this server yet"));
-  }
+  // FAILED_PRECONDITION here when the build or the machine lacks the device.
+  PACKD_RETURN_IF_ERROR(Registry::Get("pack", device).status());
   return device;
+}
+
+absl::StatusOr<std::optional<DeviceStaging>> PackServiceImpl::Stage(
+    const Device& device, TensorView* mask, std::vector<TensorView>* tensors,
+    const std::vector<ResolvedSlice>& slices, OutputAllocator* allocate) const {
+  std::optional<DeviceStaging> staging;
+  if (device.kind == DeviceKind::kCpu) return staging;
+  PACKD_ASSIGN_OR_RETURN(Backend * backend, Registry::Get("pack", device));
+  staging.emplace(backend, device);
+  PACKD_RETURN_IF_ERROR(staging->Upload(mask));
+  for (TensorView& t : *tensors) PACKD_RETURN_IF_ERROR(staging->Upload(&t));
+  *allocate = staging->Wrap(std::move(*allocate), [&slices](size_t i) {
+    return slices.empty() ||
+           slices[i].region->device().kind == DeviceKind::kCpu;
+  });
+  return staging;
 }
 
 absl::Status PackServiceImpl::CheckSize(const char* what, size_t bytes) const {
@@ -126,9 +138,6 @@ absl::StatusOr<std::vector<TensorView>> PackServiceImpl::DecodeAll(
     PACKD_ASSIGN_OR_RETURN(
         TensorView v, DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"),
                                    &regions_, held));
-    // Inline bytes and system regions are host memory; the call's device
-    // decides where they are packed.
-    if (v.device.kind == DeviceKind::kCpu) v.device = device;
     views.push_back(std::move(v));
   }
   return views;
@@ -195,7 +204,6 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
       held;  // regions stay mapped until return
   PACKD_ASSIGN_OR_RETURN(
       TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
-  if (mask.device.kind == DeviceKind::kCpu) mask.device = device;
   PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> inputs,
                          DecodeAll(request.inputs(), "inputs", device, &held));
 
@@ -209,9 +217,13 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.inputs_size(),
                       response->mutable_packed(), metadata, &slices));
+  PACKD_ASSIGN_OR_RETURN(
+      std::optional<DeviceStaging> staging,
+      Stage(device, &mask, &inputs, slices, &options.allocate));
   TestonlyDelay();
   PACKD_ASSIGN_OR_RETURN(PackResult result,
                          ::packd::Pack(mask, inputs, options));
+  if (staging.has_value()) PACKD_RETURN_IF_ERROR(staging->Download());
 
   EncodeResults(result.packed, slices, request.outputs(),
                 response->mutable_packed());
@@ -238,7 +250,6 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
   std::vector<std::shared_ptr<Region>> held;
   PACKD_ASSIGN_OR_RETURN(
       TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
-  if (mask.device.kind == DeviceKind::kCpu) mask.device = device;
   PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> packed,
                          DecodeAll(request.packed(), "packed", device, &held));
 
@@ -252,9 +263,13 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.packed_size(),
                       response->mutable_dense(), 0, &slices));
+  PACKD_ASSIGN_OR_RETURN(
+      std::optional<DeviceStaging> staging,
+      Stage(device, &mask, &packed, slices, &options.allocate));
   TestonlyDelay();
   PACKD_ASSIGN_OR_RETURN(ScatterResult result,
                          ::packd::Scatter(mask, packed, options));
+  if (staging.has_value()) PACKD_RETURN_IF_ERROR(staging->Download());
   EncodeResults(result.dense, slices, request.outputs(),
                 response->mutable_dense());
   absl::Status size = CheckSize("response", response->ByteSizeLong());
@@ -353,6 +368,15 @@ grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
   cpu->set_kind("cpu");
   cpu->set_memory_bytes(static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
                         static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
+  for (DeviceKind kind : {DeviceKind::kCuda, DeviceKind::kHip}) {
+    for (int i = 0; i < 64; ++i) {
+      const Device gpu{kind, i};
+      if (!Registry::Get("pack", gpu).ok()) break;
+      v1::DeviceInfo* info = response->add_devices();
+      info->set_name(gpu.ToString());
+      info->set_kind(kind == DeviceKind::kCuda ? "cuda" : "hip");
+    }
+  }
   response->set_default_device(options_.default_device.ToString());
   response->set_max_message_bytes(options_.max_message_bytes);
   response->set_shared_memory_enabled(regions_.enabled());

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -20,6 +21,7 @@
 #include "kernels/pack.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "server/device_staging.h"
 #include "server/regions.h"
 
 namespace packd {
@@ -92,6 +94,12 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
 
   // The test hook: holds a decoded call (its regions resolved) in flight.
   void TestonlyDelay() const;
+  // For a call on a GPU: copies the host tensors there and wraps `allocate`
+  // so that host-bound results are staged; empty for a CPU call.
+  absl::StatusOr<std::optional<DeviceStaging>> Stage(
+      const Device& device, TensorView* mask, std::vector<TensorView>* tensors,
+      const std::vector<ResolvedSlice>& slices,
+      OutputAllocator* allocate) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
   absl::Status CheckSize(const char* what, size_t bytes) const;
 

@@ -1,0 +1,311 @@
+// GPU pack kernels: mask scan (tile counts -> scan -> cu_seqlens, last_index
+// and the row index) and row gather / scatter, templated on the copy width (1,
+// 2, 4, 8 or 16 bytes). Built by nvcc for CUDA and by hipcc for ROCm from this
+// one source through gpu_runtime.h.
+#include <algorithm>
+
+#include "kernels/gpu/gpu_kernels.h"
+
+namespace packd::gpu {
+namespace {
+
+constexpr int kScanThreads = 1024;
+constexpr int kCopyThreads = 256;
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+
+int64_t Blocks(int64_t work, int64_t per_block) {
+  return std::max<int64_t>(
+      1, std::min(kMaxBlocks, (work + per_block - 1) / per_block));
+}
+
+// Whether mask element i is nonzero, read byte by byte so that any alignment
+// works. For floats the sign bit (top bit of the last byte, little-endian) does
+// not count: -0.0 is inactive.
+__device__ __forceinline__ bool IsActive(const unsigned char* mask, int width,
+                                         bool is_float, int64_t i) {
+  const unsigned char* p = mask + i * width;
+  unsigned int acc = 0;
+  for (int j = 0; j < width - 1; ++j) acc |= p[j];
+  acc |= p[width - 1] & (is_float ? 0x7Fu : 0xFFu);
+  return acc != 0;
+}
+
+// Block-wide inclusive scan of one value per thread (Hillis-Steele in shared
+// memory); every thread gets its inclusive prefix, and `total` the block's sum.
+template <int kThreads>
+__device__ int64_t BlockInclusiveScan(int64_t v, int64_t* shared,
+                                      int64_t* total) {
+  const int t = threadIdx.x;
+  shared[t] = v;
+  __syncthreads();
+  for (int offset = 1; offset < kThreads; offset <<= 1) {
+    const int64_t add = t >= offset ? shared[t - offset] : 0;
+    __syncthreads();
+    shared[t] += add;
+    __syncthreads();
+  }
+  const int64_t out = shared[t];
+  *total = shared[kThreads - 1];
+  __syncthreads();
+  return out;
+}
+
+// One block per tile (kTile positions of one row): its active count and last
+// active s.
+__global__ void TileCountsKernel(MaskScan scan) {
+  __shared__ int64_t shared[kTile];
+  const int64_t tiles_per_row = TilesPerRow(scan.seq);
+  const int64_t tiles = scan.batch * tiles_per_row;
+  const auto* mask = static_cast<const unsigned char*>(scan.mask);
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t b = tile / tiles_per_row;
+    const int64_t s = (tile % tiles_per_row) * kTile + threadIdx.x;
+    const bool active =
+        s < scan.seq &&
+        IsActive(mask, scan.width, scan.is_float, b * scan.seq + s);
+    int64_t count = 0;
+    BlockInclusiveScan<kTile>(active ? 1 : 0, shared, &count);
+    // The largest active s: reuse the scan buffer as a max reduction.
+    shared[threadIdx.x] = active ? s : -1;
+    __syncthreads();
+    for (int half = kTile / 2; half > 0; half >>= 1) {
+      if (threadIdx.x < half) {
+        shared[threadIdx.x] =
+            max(shared[threadIdx.x], shared[threadIdx.x + half]);
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      scan.tile_counts[tile] = count;
+      scan.tile_last[tile] = shared[0];
+    }
+    __syncthreads();
+  }
+}
+
+// One block: tile_offsets = exclusive prefix sums of tile_counts,
+// tile_offsets[tiles] = total.
+__global__ void ScanTilesKernel(MaskScan scan) {
+  __shared__ int64_t shared[kScanThreads];
+  const int64_t tiles = scan.batch * TilesPerRow(scan.seq);
+  int64_t carry = 0;
+  for (int64_t base = 0; base < tiles; base += kScanThreads) {
+    const int64_t i = base + threadIdx.x;
+    const int64_t v = i < tiles ? scan.tile_counts[i] : 0;
+    int64_t chunk = 0;
+    const int64_t inclusive =
+        BlockInclusiveScan<kScanThreads>(v, shared, &chunk);
+    if (i < tiles) scan.tile_offsets[i] = carry + inclusive - v;
+    carry += chunk;
+  }
+  if (threadIdx.x == 0) scan.tile_offsets[tiles] = carry;
+}
+
+// cu_seqlens and last_index per row from the tiles.
+__global__ void RowMetaKernel(MaskScan scan) {
+  const int64_t tiles_per_row = TilesPerRow(scan.seq);
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+       b <= scan.batch; b += int64_t(gridDim.x) * blockDim.x) {
+    scan.cu_seqlens[b] = scan.tile_offsets[b * tiles_per_row];
+    if (b == scan.batch) continue;
+    int64_t last = -1;
+    for (int64_t t = 0; t < tiles_per_row; ++t) {
+      last = max(last, scan.tile_last[b * tiles_per_row + t]);
+    }
+    scan.last_index[b] = last;
+  }
+}
+
+// One block per tile: each active position writes its flattened index at its
+// packed row.
+__global__ void BuildIndexKernel(MaskScan scan) {
+  __shared__ int64_t shared[kTile];
+  const int64_t tiles_per_row = TilesPerRow(scan.seq);
+  const int64_t tiles = scan.batch * tiles_per_row;
+  const auto* mask = static_cast<const unsigned char*>(scan.mask);
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t b = tile / tiles_per_row;
+    const int64_t s = (tile % tiles_per_row) * kTile + threadIdx.x;
+    const int64_t p = b * scan.seq + s;
+    const bool active =
+        s < scan.seq && IsActive(mask, scan.width, scan.is_float, p);
+    int64_t total = 0;
+    const int64_t inclusive =
+        BlockInclusiveScan<kTile>(active ? 1 : 0, shared, &total);
+    if (active) scan.index[scan.tile_offsets[tile] + inclusive - 1] = p;
+  }
+}
+
+// Rows of `row_bytes` as `V` vectors; a group of `threads_per_row` threads
+// copies one row.
+template <typename V>
+__global__ void GatherKernel(const char* src, char* dst, const int64_t* index,
+                             int64_t rows, int64_t row_bytes,
+                             int threads_per_row) {
+  const int64_t nvec = row_bytes / sizeof(V);
+  const int group = threadIdx.x / threads_per_row;
+  const int lane = threadIdx.x % threads_per_row;
+  const int rows_per_block = blockDim.x / threads_per_row;
+  for (int64_t k = int64_t(blockIdx.x) * rows_per_block + group; k < rows;
+       k += int64_t(gridDim.x) * rows_per_block) {
+    const V* s = reinterpret_cast<const V*>(src + index[k] * row_bytes);
+    V* d = reinterpret_cast<V*>(dst + k * row_bytes);
+    for (int64_t j = lane; j < nvec; j += threads_per_row) d[j] = s[j];
+  }
+}
+
+template <typename V>
+__global__ void ScatterRowsKernel(const char* src, char* dst,
+                                  const int64_t* index, int64_t rows,
+                                  int64_t row_bytes, int threads_per_row) {
+  const int64_t nvec = row_bytes / sizeof(V);
+  const int group = threadIdx.x / threads_per_row;
+  const int lane = threadIdx.x % threads_per_row;
+  const int rows_per_block = blockDim.x / threads_per_row;
+  for (int64_t k = int64_t(blockIdx.x) * rows_per_block + group; k < rows;
+       k += int64_t(gridDim.x) * rows_per_block) {
+    const V* s = reinterpret_cast<const V*>(src + k * row_bytes);
+    V* d = reinterpret_cast<V*>(dst + index[k] * row_bytes);
+    for (int64_t j = lane; j < nvec; j += threads_per_row) d[j] = s[j];
+  }
+}
+
+template <typename V>
+__global__ void ZeroInactiveKernel(MaskScan scan, char* dense,
+                                   int64_t row_bytes, int threads_per_row) {
+  const int64_t nvec = row_bytes / sizeof(V);
+  const int64_t positions = scan.batch * scan.seq;
+  const int group = threadIdx.x / threads_per_row;
+  const int lane = threadIdx.x % threads_per_row;
+  const int rows_per_block = blockDim.x / threads_per_row;
+  const auto* mask = static_cast<const unsigned char*>(scan.mask);
+  for (int64_t p = int64_t(blockIdx.x) * rows_per_block + group; p < positions;
+       p += int64_t(gridDim.x) * rows_per_block) {
+    if (IsActive(mask, scan.width, scan.is_float, p)) continue;
+    V* d = reinterpret_cast<V*>(dense + p * row_bytes);
+    for (int64_t j = lane; j < nvec; j += threads_per_row) d[j] = V{};
+  }
+}
+
+// The widest vector (16, 8, 4, 2 or 1 bytes) that divides the row and both base
+// addresses.
+int VectorBytes(const void* a, const void* b, int64_t row_bytes) {
+  const uint64_t bits = reinterpret_cast<uint64_t>(a) |
+                        reinterpret_cast<uint64_t>(b) |
+                        static_cast<uint64_t>(row_bytes);
+  for (int v = 16; v > 1; v /= 2) {
+    if (bits % v == 0) return v;
+  }
+  return 1;
+}
+
+// Threads per row: enough to cover the row's vectors, at most a block, a power
+// of two.
+int ThreadsPerRow(int64_t nvec) {
+  int t = 1;
+  while (t < kCopyThreads && t < nvec) t *= 2;
+  return t;
+}
+
+// Launches Kernel<V> for the vector width that fits, over `rows` rows.
+template <template <typename> class Launch, typename... Args>
+gpuError_t LaunchRows(int vector_bytes, int64_t rows, int64_t row_bytes,
+                      gpuStream_t stream, Args... args) {
+  const int64_t nvec = row_bytes / vector_bytes;
+  const int threads_per_row = ThreadsPerRow(nvec);
+  const int64_t blocks = Blocks(rows, kCopyThreads / threads_per_row);
+  switch (vector_bytes) {
+    case 16:
+      Launch<uint4>::Run(blocks, stream, args..., threads_per_row);
+      break;
+    case 8:
+      Launch<uint2>::Run(blocks, stream, args..., threads_per_row);
+      break;
+    case 4:
+      Launch<unsigned int>::Run(blocks, stream, args..., threads_per_row);
+      break;
+    case 2:
+      Launch<unsigned short>::Run(blocks, stream, args..., threads_per_row);
+      break;
+    default:
+      Launch<unsigned char>::Run(blocks, stream, args..., threads_per_row);
+      break;
+  }
+  return gpuGetLastError();
+}
+
+template <typename V>
+struct GatherLaunch {
+  static void Run(int64_t blocks, gpuStream_t stream, const char* src,
+                  char* dst, const int64_t* index, int64_t rows,
+                  int64_t row_bytes, int tpr) {
+    GatherKernel<V><<<blocks, kCopyThreads, 0, stream>>>(src, dst, index, rows,
+                                                         row_bytes, tpr);
+  }
+};
+template <typename V>
+struct ScatterLaunch {
+  static void Run(int64_t blocks, gpuStream_t stream, const char* src,
+                  char* dst, const int64_t* index, int64_t rows,
+                  int64_t row_bytes, int tpr) {
+    ScatterRowsKernel<V><<<blocks, kCopyThreads, 0, stream>>>(
+        src, dst, index, rows, row_bytes, tpr);
+  }
+};
+template <typename V>
+struct ZeroLaunch {
+  static void Run(int64_t blocks, gpuStream_t stream, MaskScan scan,
+                  char* dense, int64_t row_bytes, int tpr) {
+    ZeroInactiveKernel<V>
+        <<<blocks, kCopyThreads, 0, stream>>>(scan, dense, row_bytes, tpr);
+  }
+};
+
+}  // namespace
+
+gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
+  const int64_t tiles = scan.batch * TilesPerRow(scan.seq);
+  if (tiles > 0) {
+    TileCountsKernel<<<Blocks(tiles, 1), kTile, 0, stream>>>(scan);
+    if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+  }
+  ScanTilesKernel<<<1, kScanThreads, 0, stream>>>(scan);
+  if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+  RowMetaKernel<<<Blocks(scan.batch + 1, 256), 256, 0, stream>>>(scan);
+  if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+  if (tiles > 0) {
+    BuildIndexKernel<<<Blocks(tiles, 1), kTile, 0, stream>>>(scan);
+    if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+  }
+  return gpuSuccess;
+}
+
+gpuError_t LaunchGather(const void* src, void* dst, const int64_t* index,
+                        int64_t rows, int64_t row_bytes, gpuStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return gpuSuccess;
+  return LaunchRows<GatherLaunch>(
+      VectorBytes(src, dst, row_bytes), rows, row_bytes, stream,
+      static_cast<const char*>(src), static_cast<char*>(dst), index, rows,
+      row_bytes);
+}
+
+gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,
+                             int64_t rows, int64_t row_bytes,
+                             gpuStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return gpuSuccess;
+  return LaunchRows<ScatterLaunch>(
+      VectorBytes(src, dst, row_bytes), rows, row_bytes, stream,
+      static_cast<const char*>(src), static_cast<char*>(dst), index, rows,
+      row_bytes);
+}
+
+gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
+                              int64_t row_bytes, gpuStream_t stream) {
+  const int64_t positions = scan.batch * scan.seq;
+  if (positions == 0 || row_bytes == 0) return gpuSuccess;
+  return LaunchRows<ZeroLaunch>(VectorBytes(dense, dense, row_bytes), positions,
+                                row_bytes, stream, scan,
+                                static_cast<char*>(dense), row_bytes);
+}
+
+}  // namespace packd::gpu

@@ -1,0 +1,62 @@
+// Device code of the GPU backend, behind plain host launchers (no Abseil, so
+// that nvcc and hipcc see only this and the runtime). Each launcher enqueues
+// work on `stream` and returns the launch error (gpuSuccess when fine); none
+// synchronises. Sizes are 64-bit; pointers may have any alignment (vector width
+// is chosen per call).
+//
+//   MaskScan scan{mask, B, S, width, is_float, tiles, ...};
+//   PACKD_GPU_CHECK(LaunchMaskScan(scan, stream));
+#ifndef PACKD_KERNELS_GPU_GPU_KERNELS_H_
+#define PACKD_KERNELS_GPU_GPU_KERNELS_H_
+
+#include <cstdint>
+
+#include "kernels/gpu/gpu_runtime.h"
+
+namespace packd::gpu {
+
+// Positions per tile of the mask scan: a tile is one thread block's share of a
+// row.
+constexpr int64_t kTile = 256;
+
+PACKD_HOST_DEVICE inline int64_t TilesPerRow(int64_t S) {
+  return (S + kTile - 1) / kTile;
+}
+
+// Device buffers of one mask scan. The mask is [B, S] of `width`-byte elements;
+// an element is active when any of its bits is set, ignoring the sign bit of
+// floats (`is_float`).
+struct MaskScan {
+  const void* mask;
+  int64_t batch, seq;
+  int width;
+  bool is_float;
+  int64_t* tile_counts;   // [B * TilesPerRow(S)]
+  int64_t* tile_offsets;  // [B * TilesPerRow(S) + 1], exclusive prefix sums,
+                          // last = total
+  int64_t* tile_last;  // [B * TilesPerRow(S)]: last active s in the tile, or -1
+  int64_t* cu_seqlens;  // [B + 1]
+  int64_t* last_index;  // [B]
+  int64_t* index;  // [B * S]: flattened position of packed row k, for k < total
+};
+
+// Counts, scans and indexes the mask: fills every array of `scan`.
+gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream);
+
+// dst row k = src row index[k], for k < rows; rows of `row_bytes`.
+gpuError_t LaunchGather(const void* src, void* dst, const int64_t* index,
+                        int64_t rows, int64_t row_bytes, gpuStream_t stream);
+
+// dst row index[k] = src row k, for k < rows.
+gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,
+                             int64_t rows, int64_t row_bytes,
+                             gpuStream_t stream);
+
+// Zeroes each dense row whose mask element is inactive, for the B * S positions
+// of `scan`.
+gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
+                              int64_t row_bytes, gpuStream_t stream);
+
+}  // namespace packd::gpu
+
+#endif  // PACKD_KERNELS_GPU_GPU_KERNELS_H_

@@ -1,0 +1,97 @@
+// The one place CUDA and HIP differ: gpu* names for the runtime API, so that
+// gpu_kernels.cu and gpu_backend.cc build for CUDA (nvcc, default) and for ROCm
+// (hipcc, PACKD_GPU_HIP defined).
+//
+//   gpuError_t err = gpuMemcpyAsync(dst, src, n, gpuMemcpyDeviceToDevice,
+//   stream); if (err != gpuSuccess) return gpuGetErrorString(err);
+#ifndef PACKD_KERNELS_GPU_GPU_RUNTIME_H_
+#define PACKD_KERNELS_GPU_GPU_RUNTIME_H_
+
+#if defined(PACKD_GPU_HIP)
+
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#else
+#include <hip/hip_runtime_api.h>
+#endif
+
+#define PACKD_GPU_RUNTIME_NAME "HIP"
+using gpuError_t = hipError_t;
+using gpuStream_t = hipStream_t;
+using gpuIpcMemHandle_t = hipIpcMemHandle_t;
+using gpuEvent_t = hipEvent_t;
+#define gpuEventCreate hipEventCreate
+#define gpuEventRecord hipEventRecord
+#define gpuEventSynchronize hipEventSynchronize
+#define gpuEventElapsedTime hipEventElapsedTime
+constexpr gpuError_t gpuSuccess = hipSuccess;
+#define gpuGetErrorString hipGetErrorString
+#define gpuGetLastError hipGetLastError
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuSetDevice hipSetDevice
+#define gpuGetDevice hipGetDevice
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMallocHost hipHostMalloc
+#define gpuFreeHost hipHostFree
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuMemGetInfo hipMemGetInfo
+#define gpuStreamSynchronize hipStreamSynchronize
+#define gpuIpcOpenMemHandle hipIpcOpenMemHandle
+#define gpuIpcCloseMemHandle hipIpcCloseMemHandle
+#define gpuIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
+#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define gpuErrorMemoryAllocation hipErrorOutOfMemory
+
+#else  // CUDA
+
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+#else
+#include <cuda_runtime_api.h>
+#endif
+
+#define PACKD_GPU_RUNTIME_NAME "CUDA"
+using gpuError_t = cudaError_t;
+using gpuStream_t = cudaStream_t;
+using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
+using gpuEvent_t = cudaEvent_t;
+#define gpuEventCreate cudaEventCreate
+#define gpuEventRecord cudaEventRecord
+#define gpuEventSynchronize cudaEventSynchronize
+#define gpuEventElapsedTime cudaEventElapsedTime
+constexpr gpuError_t gpuSuccess = cudaSuccess;
+#define gpuGetErrorString cudaGetErrorString
+#define gpuGetLastError cudaGetLastError
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuSetDevice cudaSetDevice
+#define gpuGetDevice cudaGetDevice
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMallocHost cudaMallocHost
+#define gpuFreeHost cudaFreeHost
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuMemGetInfo cudaMemGetInfo
+#define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuIpcOpenMemHandle cudaIpcOpenMemHandle
+#define gpuIpcCloseMemHandle cudaIpcCloseMemHandle
+#define gpuIpcMemLazyEnablePeerAccess cudaIpcMemLazyEnablePeerAccess
+#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
+
+#endif
+
+// Functions shared by host and device code.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define PACKD_HOST_DEVICE __host__ __device__
+#else
+#define PACKD_HOST_DEVICE
+#endif
+
+#endif  // PACKD_KERNELS_GPU_GPU_RUNTIME_H_
