@@ -1,0 +1,140 @@
+// packd::Client: the C++ client of packd.v1.PackService for rollout workers and
+// trainers, with libtorch tensors in and out, per-call deadlines, retry with
+// backoff on UNAVAILABLE, and shared-memory tensor handles on one node.
+//
+//   PACKD_ASSIGN_OR_RETURN(auto client, Client::Connect({.address =
+//   "127.0.0.1:50051"})); PACKD_ASSIGN_OR_RETURN(PackedBatch b,
+//   client->Pack(mask, {hidden, token_ids}));
+#ifndef PACKD_CLIENT_CLIENT_H_
+#define PACKD_CLIENT_CLIENT_H_
+
+#include <ATen/ATen.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/shared_memory.h"
+#include "packd/v1/pack_service.grpc.pb.h"
+
+namespace packd {
+
+struct ClientOptions {
+  // "HOST:PORT" or "unix:PATH".
+  std::string address = "127.0.0.1:50051";
+  // Largest message this client sends or receives (match the server's
+  // --max_message_bytes).
+  int64_t max_message_bytes = int64_t{1} << 30;
+  // Deadline of each call.
+  absl::Duration deadline = absl::Seconds(60);
+  // Attempts per call while the server answers UNAVAILABLE (draining,
+  // restarting), with exponential backoff from initial_backoff up to
+  // max_backoff between them.
+  int max_attempts = 4;
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(2);
+  // Calls whose tensors hold at least this many bytes go through shared memory
+  // when the server allows it (GetServerInfo.shared_memory_enabled); 0 disables
+  // the automatic path.
+  int64_t shared_memory_threshold_bytes = int64_t{4} << 20;
+};
+
+struct PackCallOptions {
+  bool with_position_ids = false;
+  // cu_seqlens as int32 (what flash-attention and TransformerEngine take)
+  // instead of int64.
+  bool cu_seqlens_int32 = false;
+  // "cpu", "cuda:N", "hip:N"; empty: the server's default.
+  std::string device;
+  // When set, results are written into this segment and returned as views of it
+  // (read in place, valid until the segment is reset or destroyed) instead of
+  // being copied out.
+  SharedMemory* results_in = nullptr;
+};
+
+// What Pack returns, as the wire contract has it.
+struct PackedBatch {
+  std::vector<at::Tensor>
+      packed;  // packed[i] answers tensors[i]: [total_active, *tail_i]
+  at::Tensor cu_seqlens;  // [B + 1], int64 (or int32 on request)
+  int64_t total_active = 0;
+  int64_t max_seqlen = 0;
+  at::Tensor position_ids;  // [total_active] int64 when asked, else undefined
+  at::Tensor last_index;    // [B] int64, -1 for an empty row
+};
+
+class Client {
+ public:
+  // Connects (lazily: the first call dials). INVALID_ARGUMENT for an empty
+  // address.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+  ~Client();
+
+  // Packs every tensor ([B, S, *tail], CPU, any of the ten dtypes) with one
+  // scan of `mask`
+  // ([B, S]). Errors carry the server's code and message (INVALID_ARGUMENT for
+  // shapes, ...); tensors of a dtype packd does not carry are INVALID_ARGUMENT
+  // here.
+  absl::StatusOr<PackedBatch> Pack(const at::Tensor& mask,
+                                   const std::vector<at::Tensor>& tensors,
+                                   const PackCallOptions& options = {});
+
+  // The inverse: each packed [total_active, *tail] back to [B, S, *tail], zeros
+  // at inactive positions. `tail_shape`, when given, must equal every
+  // packed[i].shape[1:].
+  absl::StatusOr<std::vector<at::Tensor>> Scatter(
+      const at::Tensor& mask, const std::vector<at::Tensor>& packed,
+      const std::optional<std::vector<int64_t>>& tail_shape = std::nullopt,
+      const std::string& device = "");
+
+  absl::StatusOr<v1::ServerInfo> Info();
+  // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"
+  // readiness): "SERVING", "NOT_SERVING", ...
+  absl::StatusOr<std::string> Health(
+      const std::string& service = "packd.v1.PackService");
+
+  // Creates a shared-memory segment of `bytes`, registers it with the server,
+  // and returns it: tensors allocated from it travel as handles, without a
+  // copy. FAILED_PRECONDITION when the server has shared memory off.
+  absl::StatusOr<std::unique_ptr<SharedMemory>> CreateSharedMemory(
+      int64_t bytes);
+
+  const ClientOptions& options() const { return options_; }
+  v1::PackService::Stub& stub() { return *stub_; }
+
+ private:
+  explicit Client(ClientOptions options);
+
+  // Runs `rpc(context)` with the deadline, retrying on UNAVAILABLE.
+  template <typename Rpc>
+  absl::Status Call(Rpc&& rpc);
+  // Whether this call's tensors should travel through shared memory; sets up
+  // the scratch segment of at least `bytes`.
+  absl::StatusOr<SharedMemory*> ScratchFor(int64_t bytes);
+  // Fills `out` from `t`: a handle when `t` lies in a registered segment (or is
+  // copied into `scratch`), inline bytes otherwise.
+  absl::Status EncodeTensor(const at::Tensor& t, SharedMemory* scratch,
+                            v1::Tensor* out);
+  absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t,
+                                          SharedMemory* results_in,
+                                          bool copy_out);
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::PackService::Stub> stub_;
+  absl::Mutex mu_;
+  std::vector<SharedMemory*> segments_
+      ABSL_GUARDED_BY(mu_);                // registered, for lookups
+  std::unique_ptr<SharedMemory> scratch_;  // automatic handles
+  std::optional<bool> server_allows_shm_;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_CLIENT_CLIENT_H_

@@ -1,0 +1,352 @@
+// packctl: the command-line tool for packd's operators and probes.
+//
+//   packctl health                       # liveness and readiness
+//   packctl info                         # version, devices, limits
+//   packctl probe --max_latency_ms=50    # one small Pack round trip; a
+//   Kubernetes exec probe packctl pack --shape=16,1024,4096 --dtype=bfloat16
+//   --density=0.3 packctl bench --concurrency=4 --duration=10 --transport=shm
+//   --json=out.json
+//
+// Exit codes: 0 ok; 1 a check failed (not serving, too slow, wrong result); 2
+// usage; 3 the server answered with an error or could not be reached.
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "kernels/dtype.h"
+#include "kernels/torch/torch_interop.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051",
+          "packd address: HOST:PORT or unix:PATH");
+ABSL_FLAG(int, deadline_ms, 60000, "Deadline of each call");
+ABSL_FLAG(double, max_latency_ms, 1000,
+          "probe: fail when the round trip takes longer");
+ABSL_FLAG(std::string, shape, "16,1024,4096",
+          "pack, bench: shape of x, B,S[,tail...]");
+ABSL_FLAG(std::string, dtype, "bfloat16", "pack, bench: dtype of x");
+ABSL_FLAG(double, density, 0.3, "pack, bench: fraction of active positions");
+ABSL_FLAG(std::string, mask, "prefix",
+          "pack, bench: prefix (completion then padding) or random");
+ABSL_FLAG(std::string, input, "",
+          "pack: read x from this file (raw little-endian bytes)");
+ABSL_FLAG(int, concurrency, 1, "bench: calls in flight");
+ABSL_FLAG(double, duration, 5, "bench: seconds to run");
+ABSL_FLAG(std::string, transport, "inline",
+          "bench: inline bytes or shm (shared-memory handles)");
+ABSL_FLAG(std::string, json, "",
+          "bench: also write the summary as JSON to this file");
+
+namespace packd {
+namespace {
+
+constexpr int kOk = 0, kCheckFailed = 1, kUsage = 2, kRpcError = 3;
+
+int Fail(int code, const std::string& message) {
+  std::fprintf(stderr, "packctl: %s\n", message.c_str());
+  return code;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Connect() {
+  ClientOptions options;
+  options.address = absl::GetFlag(FLAGS_address);
+  options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  options.max_attempts = 1;  // operators want the answer, not a retry loop
+  options.shared_memory_threshold_bytes = 0;
+  return Client::Connect(options);
+}
+
+struct Batch {
+  at::Tensor x, mask;
+};
+
+absl::StatusOr<Batch> MakeBatch() {
+  std::vector<int64_t> shape;
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_shape), ',')) {
+    int64_t d = 0;
+    if (!absl::SimpleAtoi(part, &d) || d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shape=", absl::GetFlag(FLAGS_shape), " is not B,S[,tail...]"));
+    }
+    shape.push_back(d);
+  }
+  if (shape.size() < 2)
+    return absl::InvalidArgumentError("--shape needs at least B,S");
+  DType dtype;
+  if (!ParseDType(absl::GetFlag(FLAGS_dtype), &dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--dtype=", absl::GetFlag(FLAGS_dtype), " is not a dtype"));
+  }
+  const double density = absl::GetFlag(FLAGS_density);
+  const std::string kind = absl::GetFlag(FLAGS_mask);
+  if (kind != "prefix" && kind != "random") {
+    return absl::InvalidArgumentError("--mask must be prefix or random");
+  }
+  Batch batch;
+  const auto options = at::TensorOptions().dtype(ToScalarType(dtype));
+  if (!absl::GetFlag(FLAGS_input).empty()) {
+    batch.x = at::empty(shape, options);
+    std::ifstream f(absl::GetFlag(FLAGS_input), std::ios::binary);
+    f.read(static_cast<char*>(batch.x.data_ptr()), batch.x.nbytes());
+    if (f.gcount() != batch.x.nbytes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--input=", absl::GetFlag(FLAGS_input), " holds ",
+                       f.gcount(), " bytes; shape ", absl::GetFlag(FLAGS_shape),
+                       " of ", DTypeName(dtype), " needs ", batch.x.nbytes()));
+    }
+  } else {
+    batch.x = at::randint(-100, 100, shape, at::kFloat).to(ToScalarType(dtype));
+  }
+  const int64_t B = shape[0], S = shape[1];
+  if (kind == "random") {
+    batch.mask = at::rand({B, S}) < density;
+  } else {
+    const at::Tensor lens =
+        ((at::rand({B}) + 0.5) * density * S).clamp(0, S).to(at::kLong);
+    batch.mask =
+        at::arange(S).expand({B, S}) <
+        (density >= 1 ? at::full({B, 1}, S, at::kLong) : lens.unsqueeze(1));
+  }
+  batch.mask = batch.mask.contiguous();
+  return batch;
+}
+
+int Health(Client& client) {
+  absl::StatusOr<std::string> live = client.Health("");
+  if (!live.ok()) return Fail(kRpcError, live.status().ToString());
+  absl::StatusOr<std::string> ready = client.Health("packd.v1.PackService");
+  if (!ready.ok()) return Fail(kRpcError, ready.status().ToString());
+  std::printf(
+      "liveness  (\"\"):                   %s\nreadiness "
+      "(packd.v1.PackService): %s\n",
+      live->c_str(), ready->c_str());
+  return *ready == "SERVING" ? kOk : kCheckFailed;
+}
+
+int Info(Client& client) {
+  absl::StatusOr<v1::ServerInfo> info = client.Info();
+  if (!info.ok()) return Fail(kRpcError, info.status().ToString());
+  std::printf(
+      "version:          %s\ndefault device:   %s\nmax message:      %llu "
+      "bytes\n"
+      "shared memory:    %s\ndevices:\n",
+      info->version().c_str(), info->default_device().c_str(),
+      static_cast<unsigned long long>(info->max_message_bytes()),
+      info->shared_memory_enabled() ? "on" : "off");
+  for (const v1::DeviceInfo& d : info->devices()) {
+    std::printf(
+        "  %-10s %-5s %s\n", d.name().c_str(), d.kind().c_str(),
+        d.memory_bytes() > 0
+            ? absl::StrFormat("%.1f GiB", d.memory_bytes() / 1073741824.0)
+                  .c_str()
+            : "");
+  }
+  return kOk;
+}
+
+int Probe(Client& client) {
+  const at::Tensor mask =
+      at::tensor({1, 1, 0, 1, 0, 0, 1, 1}, at::kInt).view({2, 4}).to(at::kBool);
+  const at::Tensor x = at::arange(16, at::kFloat).view({2, 4, 2});
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<PackedBatch> r = client.Pack(mask, {x});
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - start)
+                        .count();
+  if (!r.ok()) return Fail(kRpcError, r.status().ToString());
+  if (!at::equal(r->packed[0], x.index({mask})) || r->total_active != 5) {
+    return Fail(kCheckFailed, "probe: the server returned a wrong result");
+  }
+  if (ms > absl::GetFlag(FLAGS_max_latency_ms)) {
+    return Fail(kCheckFailed,
+                absl::StrFormat("probe: %.2f ms is over --max_latency_ms=%g",
+                                ms, absl::GetFlag(FLAGS_max_latency_ms)));
+  }
+  std::printf("probe ok: %.2f ms\n", ms);
+  return kOk;
+}
+
+int PackCommand(Client& client) {
+  absl::StatusOr<Batch> batch = MakeBatch();
+  if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
+  const auto start = std::chrono::steady_clock::now();
+  PackCallOptions options;
+  options.with_position_ids = true;
+  absl::StatusOr<PackedBatch> r = client.Pack(batch->mask, {batch->x}, options);
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - start)
+                        .count();
+  if (!r.ok()) return Fail(kRpcError, r.status().ToString());
+  std::vector<int64_t> cu(
+      r->cu_seqlens.data_ptr<int64_t>(),
+      r->cu_seqlens.data_ptr<int64_t>() + r->cu_seqlens.numel());
+  const size_t head = std::min<size_t>(cu.size(), 9);
+  std::printf("x:            [%s] %s (%.1f MiB)\n",
+              absl::StrJoin(batch->x.sizes(), ", ").c_str(),
+              c10::toString(batch->x.scalar_type()),
+              batch->x.nbytes() / 1048576.0);
+  std::printf("packed:       [%s] (%.1f MiB)\n",
+              absl::StrJoin(r->packed[0].sizes(), ", ").c_str(),
+              r->packed[0].nbytes() / 1048576.0);
+  std::printf("total_active: %lld   max_seqlen: %lld\n",
+              static_cast<long long>(r->total_active),
+              static_cast<long long>(r->max_seqlen));
+  std::printf("cu_seqlens:   [%s%s]\n",
+              absl::StrJoin(cu.begin(), cu.begin() + head, ", ").c_str(),
+              cu.size() > head ? ", ..." : "");
+  std::printf("time:         %.2f ms\n", ms);
+  return kOk;
+}
+
+int Bench() {
+  absl::StatusOr<Batch> batch = MakeBatch();
+  if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport != "inline" && transport != "shm") {
+    return Fail(kUsage, "--transport must be inline or shm");
+  }
+  const int concurrency = std::max(1, absl::GetFlag(FLAGS_concurrency));
+  const double duration = absl::GetFlag(FLAGS_duration);
+  const int64_t bytes = batch->x.nbytes() + batch->mask.nbytes();
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> calls{0};
+  std::mutex mu;
+  std::vector<double> latencies;
+  std::string error;
+  std::vector<std::thread> workers;
+  for (int w = 0; w < concurrency; ++w) {
+    workers.emplace_back([&] {
+      auto client = Connect();
+      // shm: x is written once into one segment, results land in another that
+      // is reset before each call; nothing is copied per call.
+      std::unique_ptr<SharedMemory> in_shm, out_shm;
+      at::Tensor x = batch->x;
+      PackCallOptions options;
+      if (client.ok() && transport == "shm") {
+        auto in = (*client)->CreateSharedMemory(batch->x.nbytes() + 4096);
+        auto out = (*client)->CreateSharedMemory(batch->x.nbytes() + 4096);
+        if (!in.ok() || !out.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          error = (in.ok() ? out.status() : in.status()).ToString();
+          stop = true;
+          return;
+        }
+        in_shm = std::move(*in);
+        out_shm = std::move(*out);
+        x = in_shm->Empty(batch->x.sizes(), batch->x.scalar_type());
+        x.copy_(batch->x);
+        options.results_in = out_shm.get();
+      }
+      std::vector<double> mine;
+      while (client.ok() && !stop) {
+        if (out_shm != nullptr) out_shm->Reset();
+        const auto t0 = std::chrono::steady_clock::now();
+        absl::StatusOr<PackedBatch> r =
+            (*client)->Pack(batch->mask, {x}, options);
+        mine.push_back(std::chrono::duration<double, std::milli>(
+                           std::chrono::steady_clock::now() - t0)
+                           .count());
+        if (!r.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          error = r.status().ToString();
+          stop = true;
+        }
+        ++calls;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      latencies.insert(latencies.end(), mine.begin(), mine.end());
+    });
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const bool tty = isatty(STDERR_FILENO);
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                         start)
+        .count();
+  };
+  while (!stop && elapsed() < duration) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    if (tty) {
+      std::fprintf(stderr, "\r%5.1f / %.0f s  %8lld calls  %8.1f calls/s",
+                   elapsed(), duration, static_cast<long long>(calls.load()),
+                   calls.load() / elapsed());
+    }
+  }
+  stop = true;
+  for (auto& t : workers) t.join();
+  const double seconds = elapsed();
+  if (tty) std::fprintf(stderr, "\n");
+  if (!error.empty()) return Fail(kRpcError, error);
+  std::sort(latencies.begin(), latencies.end());
+  auto pct = [&](double p) {
+    return latencies.empty()
+               ? 0.0
+               : latencies[std::min(latencies.size() - 1,
+                                    size_t(p * latencies.size()))];
+  };
+  const double rate = latencies.size() / seconds;
+  const double gbps = rate * bytes / 1e9;
+  std::printf("transport %s, concurrency %d, %zu calls in %.1f s\n",
+              transport.c_str(), concurrency, latencies.size(), seconds);
+  std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", pct(0.5),
+              pct(0.9), pct(0.99), latencies.empty() ? 0.0 : latencies.back());
+  std::printf("throughput: %.1f calls/s, %.3f GB/s of input\n", rate, gbps);
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    std::ofstream f(absl::GetFlag(FLAGS_json));
+    f << absl::StrFormat(
+        "{\"transport\": \"%s\", \"concurrency\": %d, \"calls\": %d, "
+        "\"seconds\": %.3f, "
+        "\"p50_ms\": %.4f, \"p90_ms\": %.4f, \"p99_ms\": %.4f, \"max_ms\": "
+        "%.4f, "
+        "\"calls_per_s\": %.2f, \"gbps\": %.4f}\n",
+        transport, concurrency, latencies.size(), seconds, pct(0.5), pct(0.9),
+        pct(0.99), latencies.empty() ? 0.0 : latencies.back(), rate, gbps);
+  }
+  return kOk;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "packctl [--address=HOST:PORT|unix:PATH] <health|info|probe|pack|bench> "
+      "[flags]");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    return Fail(
+        kUsage,
+        "usage: packctl [--address=...] <health|info|probe|pack|bench>");
+  }
+  const std::string command = args[1];
+  if (command == "bench") return Bench();
+  absl::StatusOr<std::unique_ptr<Client>> client = Connect();
+  if (!client.ok()) return Fail(kUsage, client.status().ToString());
+  if (command == "health") return Health(**client);
+  if (command == "info") return Info(**client);
+  if (command == "probe") return Probe(**client);
+  if (command == "pack") return PackCommand(**client);
+  return Fail(kUsage,
+              absl::StrCat("unknown command \"", command,
+                           "\": use health, info, probe, pack or bench"));
+}
+
+}  // namespace
+}  // namespace packd
+
+int main(int argc, char** argv) { return packd::Main(argc, argv); }
