@@ -1,0 +1,333 @@
+// packd::Client, PackWithGrad and packctl against the real packd binary.
+#include "client/client.h"
+
+#include <ATen/ATen.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/autograd.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/torch/torch_interop.h"
+#include "tests/e2e/server_process.h"
+#include "tests/kernels/test_util.h"
+
+#ifndef PACKCTL_BINARY
+#error "PACKCTL_BINARY must name packctl"
+#endif
+
+namespace packd {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::MaskKind;
+using testing::Rng;
+using testing::ServerProcess;
+
+bool SameBytes(const at::Tensor& a_in, const at::Tensor& b_in) {
+  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         (a.nbytes() == 0 ||
+          std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
+}
+
+class ClientTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = ServerProcess::Start().release(); }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    ClientOptions options;
+    options.address = server_->address();
+    options.shared_memory_threshold_bytes = 0;  // inline unless a test asks
+    client_ = std::move(*Client::Connect(options));
+  }
+  static ServerProcess* server_;
+  std::unique_ptr<Client> client_;
+};
+
+ServerProcess* ClientTest::server_ = nullptr;
+
+TEST_F(ClientTest, PackEveryDtypeWithMetadata) {
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kInt32, 5, 77, 0.4, MaskKind::kHoles);
+  std::vector<at::Tensor> xs;
+  for (DType d : kAllDTypes)
+    xs.push_back(testing::RandomTensor(rng, d, {5, 77, 3}));
+  PackCallOptions options;
+  options.with_position_ids = true;
+  options.cu_seqlens_int32 = true;
+  absl::StatusOr<PackedBatch> r = client_->Pack(mask, xs, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    EXPECT_TRUE(SameBytes(testing::ReferencePack(xs[i], mask), r->packed[i]))
+        << i;
+  }
+  const testing::ReferenceMeta meta = testing::ReferenceMetadata(mask);
+  EXPECT_EQ(r->cu_seqlens.scalar_type(), at::kInt);
+  EXPECT_TRUE(at::equal(r->cu_seqlens,
+                        at::tensor(meta.cu_seqlens, at::kLong).to(at::kInt)));
+  EXPECT_TRUE(
+      at::equal(r->position_ids, at::tensor(meta.position_ids, at::kLong)));
+  EXPECT_TRUE(at::equal(r->last_index, at::tensor(meta.last_index, at::kLong)));
+  EXPECT_EQ(r->total_active, meta.total_active);
+  EXPECT_EQ(r->max_seqlen, meta.max_seqlen);
+}
+
+TEST_F(ClientTest, ScatterAndErrorsCarryTheServersCode) {
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 3, 50, 0.5, MaskKind::kPrefix);
+  const int64_t total = mask.sum().item<int64_t>();
+  const at::Tensor packed =
+      testing::RandomTensor(rng, DType::kBFloat16, {total, 2, 3});
+  absl::StatusOr<std::vector<at::Tensor>> dense =
+      client_->Scatter(mask, {packed}, std::vector<int64_t>{2, 3});
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  EXPECT_TRUE(SameBytes(testing::ReferenceScatter(packed, mask, {3, 50, 2, 3}),
+                        (*dense)[0]));
+
+  dense = client_->Scatter(mask, {packed}, std::vector<int64_t>{6});
+  EXPECT_EQ(dense.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(dense.status().message()),
+              HasSubstr("tail_shape [6] does not match"));
+  absl::StatusOr<PackedBatch> r = client_->Pack(mask, {at::zeros({3, 49})});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      std::string(r.status().message()),
+      HasSubstr(
+          "inputs[0].shape [3, 49] does not start with mask shape [3, 50]"));
+  PackCallOptions gpu;
+  gpu.device = "cuda:0";
+  r = client_->Pack(mask, {at::zeros({3, 50})}, gpu);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  r = client_->Pack(mask, {at::zeros({3, 50}, at::kComplexFloat)});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientTest, InfoAndHealth) {
+  absl::StatusOr<v1::ServerInfo> info = client_->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->default_device(), "cpu");
+  EXPECT_EQ(*client_->Health(""), "SERVING");
+  EXPECT_EQ(*client_->Health(), "SERVING");
+}
+
+TEST_F(ClientTest, SharedMemoryTensorsTravelAsHandlesAndResultsAreReadInPlace) {
+  Rng rng = Rng::Fresh();
+  absl::StatusOr<std::unique_ptr<SharedMemory>> in =
+      client_->CreateSharedMemory(8 << 20);
+  absl::StatusOr<std::unique_ptr<SharedMemory>> out =
+      client_->CreateSharedMemory(8 << 20);
+  ASSERT_TRUE(in.ok() && out.ok()) << in.status() << out.status();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 8, 256, 0.3, MaskKind::kHoles);
+  at::Tensor x = (*in)->Empty({8, 256, 64}, at::kHalf);
+  x.copy_(testing::RandomTensor(rng, DType::kFloat16,
+                                {8, 256, 64}));  // written in place
+  PackCallOptions options;
+  options.results_in = out->get();
+  absl::StatusOr<PackedBatch> r = client_->Pack(mask, {x}, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  v1::RegionSlice slice;
+  EXPECT_TRUE(
+      (*out)->Contains(r->packed[0].data_ptr(), r->packed[0].nbytes(), &slice));
+  EXPECT_TRUE(SameBytes(testing::ReferencePack(x, mask), r->packed[0]));
+
+  // Registered on the server while alive, gone after.
+  grpc::ClientContext context;
+  v1::ListRegionsResponse list;
+  ASSERT_TRUE(client_->stub()
+                  .ListRegions(&context, v1::ListRegionsRequest(), &list)
+                  .ok());
+  EXPECT_EQ(list.regions_size(), 2);
+  in->reset();
+  out->reset();
+  grpc::ClientContext context2;
+  ASSERT_TRUE(client_->stub()
+                  .ListRegions(&context2, v1::ListRegionsRequest(), &list)
+                  .ok());
+  EXPECT_EQ(list.regions_size(), 0);
+}
+
+TEST_F(ClientTest, AutomaticHandlesGiveTheSameBytesAsInline) {
+  ClientOptions options;
+  options.address = server_->address();
+  options.shared_memory_threshold_bytes = 1;
+  std::unique_ptr<Client> shm_client = std::move(*Client::Connect(options));
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kFloat32, 4, 300, 0.5, MaskKind::kHoles);
+  const at::Tensor x =
+      testing::RandomTensor(rng, DType::kBFloat16, {4, 300, 33});
+  absl::StatusOr<PackedBatch> a = shm_client->Pack(mask, {x});
+  absl::StatusOr<PackedBatch> b = client_->Pack(mask, {x});
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  EXPECT_TRUE(SameBytes(a->packed[0], b->packed[0]));
+  absl::StatusOr<std::vector<at::Tensor>> da =
+      shm_client->Scatter(mask, {a->packed[0]});
+  ASSERT_TRUE(da.ok()) << da.status();
+  EXPECT_TRUE(SameBytes(
+      testing::ReferenceScatter(b->packed[0], mask, {4, 300, 33}), (*da)[0]));
+  grpc::ClientContext context;
+  v1::ListRegionsResponse list;
+  ASSERT_TRUE(client_->stub()
+                  .ListRegions(&context, v1::ListRegionsRequest(), &list)
+                  .ok());
+  EXPECT_EQ(list.regions_size(), 1);  // the automatic scratch segment
+}
+
+TEST_F(ClientTest, AutogradBackwardIsScatterOfTheGradient) {
+  Rng rng = Rng::Fresh();
+  for (double density : {0.4, 1.0, 0.0}) {
+    SCOPED_TRACE(density);
+    const at::Tensor mask = testing::RandomMask(rng, DType::kUInt8, 3, 40,
+                                                density, MaskKind::kHoles);
+    at::Tensor x = at::randn({3, 40, 5}, at::kDouble).set_requires_grad(true);
+    absl::StatusOr<at::Tensor> packed = PackWithGrad(*client_, x, mask);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    EXPECT_TRUE(SameBytes(x.detach().index({mask.ne(0)}), packed->detach()));
+    const at::Tensor g = at::randn(packed->sizes(), at::kDouble);
+    packed->backward(g);
+    absl::StatusOr<std::vector<at::Tensor>> expected =
+        client_->Scatter(mask, {g});
+    ASSERT_TRUE(expected.ok());
+    EXPECT_TRUE(SameBytes((*expected)[0], x.grad()));
+    EXPECT_TRUE(
+        SameBytes(testing::ReferenceScatter(g, mask, {3, 40, 5}), x.grad()));
+  }
+  absl::StatusOr<at::Tensor> bad =
+      PackWithGrad(*client_, at::zeros({2, 2}), at::ones({3, 3}));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument)
+      << bad.status();
+}
+
+// A loopback port nothing listens on.
+int UnusedPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(ClientResilience, RetriesUnavailableWithBackoffThenGivesUp) {
+  ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", UnusedPort());
+  options.max_attempts = 3;
+  options.initial_backoff = absl::Milliseconds(100);
+  std::unique_ptr<Client> client = std::move(*Client::Connect(options));
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::ServerInfo> info = client->Info();
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kUnavailable)
+      << info.status();
+  EXPECT_GE(absl::Now() - start,
+            absl::Milliseconds(300));  // waited 100 + 200 ms between tries
+}
+
+TEST(ClientResilience, DeadlineExceeded) {
+  auto server = ServerProcess::Start({"--testonly_call_delay_ms=2000"});
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.address = server->address();
+  options.deadline = absl::Milliseconds(300);
+  std::unique_ptr<Client> client = std::move(*Client::Connect(options));
+  absl::StatusOr<PackedBatch> r =
+      client->Pack(at::ones({1, 2}, at::kBool), {at::zeros({1, 2})});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << r.status();
+  EXPECT_FALSE(Client::Connect(ClientOptions{.address = ""}).ok());
+}
+
+// Runs packctl with `args`; returns its exit code and fills `output` (stdout
+// and stderr).
+int Packctl(const std::string& args, std::string* output) {
+  const std::string command = absl::StrCat(PACKCTL_BINARY, " ", args, " 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  char buf[4096];
+  output->clear();
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) output->append(buf, n);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
+  const std::string at = absl::StrCat("--address=", server_->address(), " ");
+  std::string out;
+  EXPECT_EQ(Packctl(at + "health", &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("readiness (packd.v1.PackService): SERVING"));
+  EXPECT_EQ(Packctl(at + "info", &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("default device:   cpu"));
+  EXPECT_EQ(Packctl(at + "probe", &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("probe ok"));
+  EXPECT_EQ(Packctl(at + "probe --max_latency_ms=0.000001", &out), 1) << out;
+  EXPECT_THAT(out, HasSubstr("over --max_latency_ms"));
+  EXPECT_EQ(
+      Packctl(at + "pack --shape=4,64,8 --dtype=float32 --density=1", &out), 0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("total_active: 256   max_seqlen: 64"));
+  EXPECT_THAT(out, HasSubstr("cu_seqlens:   [0, 64, 128, 192, 256]"));
+
+  const std::string input = ::testing::TempDir() + "/packctl_input.bin";
+  {
+    std::ofstream f(input, std::ios::binary);
+    const at::Tensor x = at::arange(2 * 3 * 2, at::kInt);
+    f.write(static_cast<const char*>(x.data_ptr()), x.nbytes());
+  }
+  EXPECT_EQ(
+      Packctl(
+          at + "pack --shape=2,3,2 --dtype=int32 --density=1 --input=" + input,
+          &out),
+      0)
+      << out;
+  EXPECT_EQ(
+      Packctl(at + "pack --shape=2,3,5 --dtype=int32 --input=" + input, &out),
+      2)
+      << out;
+  EXPECT_THAT(out, HasSubstr("holds 48 bytes"));
+
+  const std::string json = ::testing::TempDir() + "/packctl_bench.json";
+  EXPECT_EQ(
+      Packctl(
+          at + "bench --duration=0.5 --concurrency=2 --shape=2,64,16 --json=" +
+              json,
+          &out),
+      0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("latency ms: p50"));
+  std::ifstream f(json);
+  std::string text((std::istreambuf_iterator<char>(f)),
+                   std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("\"p99_ms\""));
+  EXPECT_EQ(Packctl(at + "bench --duration=0.5 --transport=shm --shape=2,64,16",
+                    &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("transport shm"));
+
+  EXPECT_EQ(Packctl(at + "frobnicate", &out), 2);
+  EXPECT_EQ(Packctl(at + "pack --shape=4", &out), 2);
+  EXPECT_EQ(
+      Packctl(absl::StrCat("--address=127.0.0.1:", UnusedPort(), " probe"),
+              &out),
+      3);
+}
+
+}  // namespace
+}  // namespace packd
