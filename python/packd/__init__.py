@@ -1,0 +1,16 @@
+"""packd for PyTorch users: pack padded [B, S, *tail] batches into [total_active, *tail] and back,
+through a packd server.
+
+    import packd
+    op = packd.RemotePackOp("127.0.0.1:50051")
+    packed, cu_seqlens = op(hidden_states, completion_mask)   # differentiable
+    dense = op.unpack(packed, completion_mask)
+
+    with packd.Client("unix:/run/packd/packd.sock") as client:
+        r = client.pack([hidden, token_ids], mask, with_position_ids=True,
+                        cu_seqlens_dtype=torch.int32)
+"""
+from packd.client import Client, PackdError, PackResult
+from packd.ops import RemotePackOp
+
+__all__ = ["Client", "PackdError", "PackResult", "RemotePackOp"]

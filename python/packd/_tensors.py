@@ -1,0 +1,50 @@
+"""Tensors to and from the wire: C-contiguous little-endian bytes of one of the ten dtypes."""
+import torch
+
+from packd.v1 import pack_service_pb2 as pb
+
+TO_WIRE = {
+    torch.bool: pb.DTYPE_BOOL, torch.uint8: pb.DTYPE_UINT8, torch.int8: pb.DTYPE_INT8,
+    torch.int16: pb.DTYPE_INT16, torch.int32: pb.DTYPE_INT32, torch.int64: pb.DTYPE_INT64,
+    torch.float16: pb.DTYPE_FLOAT16, torch.bfloat16: pb.DTYPE_BFLOAT16,
+    torch.float32: pb.DTYPE_FLOAT32, torch.float64: pb.DTYPE_FLOAT64,
+}
+FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
+
+
+def wire_dtype(t):
+    try:
+        return TO_WIRE[t.dtype]
+    except KeyError:
+        raise ValueError(f"dtype {t.dtype} is not one packd carries: use one of "
+                         f"{', '.join(str(d) for d in TO_WIRE)}") from None
+
+
+def as_bytes_view(t):
+    """A flat uint8 view of a CPU tensor's bytes (contiguous first; no copy when it already is)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"tensors must be in host memory, not on {t.device}")
+    t = t.detach().contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8).reshape(-1)
+
+
+def header(t, msg):
+    msg.dtype = wire_dtype(t)
+    msg.shape.extend(t.shape)
+
+
+def to_inline(t, msg):
+    header(t, msg)
+    msg.data = as_bytes_view(t).numpy().tobytes()
+
+
+def from_inline(msg):
+    dtype = FROM_WIRE.get(msg.dtype)
+    if dtype is None:
+        raise RuntimeError(f"server returned dtype {msg.dtype}")
+    shape = list(msg.shape)
+    if len(msg.data) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).reshape(shape)

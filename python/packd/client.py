@@ -1,0 +1,203 @@
+"""packd.Client: Pack and Scatter through a packd server, with torch tensors in and out."""
+import dataclasses
+import time
+from typing import List, Optional, Sequence, Union
+
+import grpc
+import torch
+
+from packd import _tensors
+from packd._shm import Segment
+from packd.v1 import pack_service_pb2 as pb
+from packd.v1 import pack_service_pb2_grpc as pb_grpc
+
+TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class PackdError(Exception):
+    """A call packd refused or could not complete. `code` is the grpc.StatusCode, `details` the
+    server's message. Malformed requests (INVALID_ARGUMENT) also derive from ValueError."""
+
+    def __init__(self, code, details):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class PackdValueError(PackdError, ValueError):
+    """INVALID_ARGUMENT: the request was malformed (shapes, dtypes, tail_shape, ...)."""
+
+
+def _error(rpc_error):
+    code, details = rpc_error.code(), rpc_error.details()
+    cls = PackdValueError if code == grpc.StatusCode.INVALID_ARGUMENT else PackdError
+    return cls(code, details)
+
+
+@dataclasses.dataclass
+class PackResult:
+    """The wire contract's PackResponse as torch tensors."""
+    packed: TensorOrList            # a tensor for a tensor input, a list for a list
+    cu_seqlens: torch.Tensor        # [B + 1]
+    total_active: int
+    max_seqlen: int
+    position_ids: Optional[torch.Tensor]  # [total_active] int64 when asked
+    last_index: torch.Tensor        # [B] int64, -1 for an empty row
+
+
+def _is_local(address):
+    return (address.startswith("unix:") or address.startswith("127.")
+            or address.startswith("localhost:") or address.startswith("[::1]:"))
+
+
+class Client:
+    """A connection to packd.
+
+    address: "HOST:PORT" or "unix:PATH". timeout: seconds per call. retries: extra attempts for
+    calls answered UNAVAILABLE (a draining or restarting server), with exponential backoff.
+    shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
+    memory when the server is on this node and allows it (0 disables).
+    """
+
+    def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=3,
+                 max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20):
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        self.shm_threshold_bytes = shm_threshold_bytes
+        limit = min(max_message_bytes, (1 << 31) - 1)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit)])
+        self._stub = pb_grpc.PackServiceStub(self._channel)
+        self._shm_allowed = None
+        self._scratch = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _call(self, method, request, retries=None):
+        retries = self.retries if retries is None else retries
+        backoff = 0.05
+        for attempt in range(retries + 1):
+            try:
+                return method(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+                    raise _error(e) from None
+                time.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
+
+    def _scratch_for(self, nbytes):
+        if (self.shm_threshold_bytes <= 0 or nbytes < self.shm_threshold_bytes
+                or not _is_local(self.address)):
+            return None
+        if self._shm_allowed is None:
+            self._shm_allowed = self.info().shared_memory_enabled
+        if not self._shm_allowed:
+            return None
+        if self._scratch is None or self._scratch.size < nbytes:
+            if self._scratch is not None:
+                self._scratch.close()
+            self._scratch = Segment(self, nbytes + nbytes // 4 + (1 << 20))
+        self._scratch.reset()
+        return self._scratch
+
+    @staticmethod
+    def _encode(t, msg, scratch):
+        if scratch is not None and t.numel() > 0:
+            src = _tensors.as_bytes_view(t)
+            got = scratch.allocate(src.numel())
+            if got is not None:
+                offset, dst = got
+                dst.copy_(src)
+                _tensors.header(t, msg)
+                msg.region.CopyFrom(scratch.slice(offset, src.numel()))
+                return
+        _tensors.to_inline(t, msg)
+
+    @staticmethod
+    def _decode(msg, scratch):
+        if msg.HasField("region"):
+            dtype = _tensors.FROM_WIRE[msg.dtype]
+            raw = scratch.view(msg.region.offset, msg.region.byte_size).clone()
+            return raw.view(dtype).reshape(list(msg.shape))
+        return _tensors.from_inline(msg)
+
+    @staticmethod
+    def _outputs(scratch, sizes, outputs):
+        if scratch is None:
+            return
+        slices = []
+        for n in sizes:
+            got = scratch.allocate(n) if n > 0 else None
+            if got is None:
+                return  # results inline
+            slices.append(scratch.slice(got[0], n))
+        outputs.extend(slices)
+
+    # -- the API ----------------------------------------------------------------------------
+
+    def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor, with_position_ids=False,
+             cu_seqlens_dtype=torch.int64, device="") -> PackResult:
+        """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
+        packed[i] = tensors[i][mask != 0]. Raises PackdValueError (a ValueError) for malformed
+        input, PackdError for the rest."""
+        single = isinstance(x_or_tensors, torch.Tensor)
+        tensors = [x_or_tensors] if single else list(x_or_tensors)
+        nbytes = mask.numel() * mask.element_size() + sum(
+            2 * t.numel() * t.element_size() for t in tensors)
+        scratch = self._scratch_for(nbytes)
+        request = pb.PackRequest(device=device, with_position_ids=with_position_ids)
+        self._encode(mask, request.mask, scratch)
+        for t in tensors:
+            self._encode(t, request.inputs.add(), scratch)
+        self._outputs(scratch, [t.numel() * t.element_size() for t in tensors], request.outputs)
+        reply = self._call(self._stub.Pack, request)
+        packed = [self._decode(m, scratch) for m in reply.packed]
+        return PackResult(
+            packed=packed[0] if single else packed,
+            cu_seqlens=torch.tensor(list(reply.cu_seqlens), dtype=torch.int64).to(cu_seqlens_dtype),
+            total_active=reply.total_active,
+            max_seqlen=reply.max_seqlen,
+            position_ids=(torch.tensor(list(reply.position_ids), dtype=torch.int64)
+                          if with_position_ids else None),
+            last_index=torch.tensor(list(reply.last_index), dtype=torch.int64))
+
+    def scatter(self, packed_or_tensors: TensorOrList, mask: torch.Tensor,
+                tail_shape: Optional[Sequence[int]] = None, device="") -> TensorOrList:
+        """The inverse of pack: each [total_active, *tail] back to [B, S, *tail], zeros at
+        inactive positions. tail_shape, when given, must equal every packed[i].shape[1:]."""
+        single = isinstance(packed_or_tensors, torch.Tensor)
+        tensors = [packed_or_tensors] if single else list(packed_or_tensors)
+        positions = mask.numel()
+        dense_sizes = [positions * (t[0].numel() if t.dim() > 0 and t.shape[0] > 0 else 0)
+                       * t.element_size() for t in tensors]
+        nbytes = mask.numel() * mask.element_size() + sum(
+            t.numel() * t.element_size() for t in tensors) + sum(dense_sizes)
+        scratch = self._scratch_for(nbytes)
+        request = pb.ScatterRequest(device=device)
+        self._encode(mask, request.mask, scratch)
+        for t in tensors:
+            self._encode(t, request.packed.add(), scratch)
+        if tail_shape is not None:
+            request.tail_shape.dims.extend(list(tail_shape))
+        if all(n > 0 for n in dense_sizes):
+            self._outputs(scratch, dense_sizes, request.outputs)
+        reply = self._call(self._stub.Scatter, request)
+        dense = [self._decode(m, scratch) for m in reply.dense]
+        return dense[0] if single else dense
+
+    def info(self):
+        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())
+
+    def close(self):
+        if self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,180 @@
+"""packd's Python client against the real server: every dtype, the seeds' test list through
+RemotePackOp, shared memory against inline, errors."""
+import glob
+import os
+
+import grpc
+import pytest
+import torch
+
+import packd
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def random_tensor(dtype, shape):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    n = 1
+    for d in shape:
+        n *= d
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (n * size,), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def raw(t):
+    t = t.contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b)
+
+
+@pytest.fixture(scope="module")
+def client(address):
+    with packd.Client(address, shm_threshold_bytes=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def op(address):
+    op = packd.RemotePackOp(address, shm_threshold_bytes=0)
+    yield op
+    op.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype(client, dtype):
+    mask = torch.rand(4, 37) < 0.5
+    x = random_tensor(dtype, (4, 37, 3))
+    r = client.pack(x, mask, with_position_ids=True, cu_seqlens_dtype=torch.int32)
+    assert same(x[mask], r.packed)
+    counts = mask.sum(1)
+    assert r.cu_seqlens.dtype == torch.int32
+    assert r.cu_seqlens.tolist() == [0] + counts.cumsum(0).tolist()
+    assert r.total_active == int(counts.sum()) and r.max_seqlen == int(counts.max())
+    assert r.position_ids.tolist() == (mask.long().cumsum(1) - 1)[mask].tolist()
+    dense = client.scatter(r.packed, mask)
+    expected = torch.zeros_like(x)
+    expected[mask] = x[mask]
+    assert same(expected, dense)
+
+
+def test_several_tensors_share_one_mask(client):
+    mask = torch.rand(3, 20) < 0.6
+    xs = [random_tensor(d, (3, 20, 2)) for d in DTYPES]
+    r = client.pack(xs, mask)
+    assert isinstance(r.packed, list) and len(r.packed) == len(xs)
+    for x, p in zip(xs, r.packed):
+        assert same(x[mask], p)
+
+
+# The seeds' test list, through RemotePackOp.
+
+def test_forward_and_backward_correctness(op):
+    mask = torch.rand(4, 50) < 0.4
+    x = torch.randn(4, 50, 8, requires_grad=True)
+    packed, cu_seqlens = op(x, mask)
+    assert torch.equal(packed, x.detach()[mask])
+    assert cu_seqlens.dtype == torch.int64
+    assert cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist()
+    g = torch.randn_like(packed)
+    packed.backward(g)
+    expected = torch.zeros_like(x)
+    expected[mask] = g
+    assert same(expected, x.grad)
+
+
+def test_gradcheck_float64(op):
+    mask = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: op(t, mask)[0], (x,))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.uint8, torch.int64, torch.float32, torch.bfloat16])
+def test_non_boolean_masks(op, mask_dtype):
+    values = torch.tensor([[0.0, 2.0, -0.0, 1.0], [float("nan"), 0.0, 3.0, -0.0]])
+    if not mask_dtype.is_floating_point:
+        values = torch.nan_to_num(values, nan=5.0)
+    mask = values.to(mask_dtype)
+    x = torch.randn(2, 4, 2)
+    packed, cu = op(x, mask)
+    active = mask != 0
+    assert torch.equal(packed, x[active])
+    assert cu.tolist() == [0] + active.sum(1).cumsum(0).tolist()
+
+
+def test_all_active_and_none_active_fast_paths_and_their_backward(op):
+    for fill in (True, False):
+        mask = torch.full((3, 5), fill)
+        x = torch.randn(3, 5, 4, requires_grad=True)
+        packed, cu = op(x, mask)
+        assert packed.shape == ((15, 4) if fill else (0, 4))
+        assert cu.tolist() == ([0, 5, 10, 15] if fill else [0, 0, 0, 0])
+        packed.backward(torch.ones_like(packed))
+        assert torch.equal(x.grad, torch.full_like(x, 1.0 if fill else 0.0))
+
+
+def test_multi_dimensional_tails(op):
+    mask = torch.rand(2, 9) < 0.5
+    x = torch.randn(2, 9, 3, 4, 2)
+    packed, _ = op(x, mask)
+    assert torch.equal(packed, x[mask])
+    assert torch.equal(op.unpack(packed, mask), torch.where(mask[..., None, None, None], x,
+                                                          torch.zeros(())))
+
+
+def test_mask_and_tail_shape_validation(op):
+    x = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match=r"mask.shape \[8\] must have rank 2"):
+        op(x, torch.ones(8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"does not start with mask shape \[2, 5\]"):
+        op(x, torch.ones(2, 5, dtype=torch.bool))
+    packed, _ = op(x, torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"tail_shape \[4\] does not match"):
+        op.unpack(packed, torch.ones(2, 4, dtype=torch.bool), tail_shape=(4,))
+    with pytest.raises(ValueError, match="not one packd carries"):
+        op(torch.zeros(2, 4, dtype=torch.complex64), torch.ones(2, 4, dtype=torch.bool))
+
+
+def test_unpack_round_trip(op):
+    mask = torch.rand(5, 30) < 0.3
+    x = torch.randn(5, 30, 6)
+    packed, _ = op(x, mask)
+    dense = op.unpack(packed, mask, tail_shape=(6,))
+    assert torch.equal(dense[mask], x[mask])
+    assert torch.count_nonzero(dense[~mask]) == 0
+
+
+def test_shared_memory_and_inline_give_identical_bytes(address, client):
+    before = set(glob.glob("/dev/shm/packd_py_*"))
+    with packd.Client(address, shm_threshold_bytes=1) as shm_client:
+        for dtype in DTYPES:
+            mask = torch.rand(6, 128) < 0.4
+            x = random_tensor(dtype, (6, 128, 5))
+            a, b = shm_client.pack(x, mask), client.pack(x, mask)
+            assert same(a.packed, b.packed)
+            assert same(shm_client.scatter(a.packed, mask), client.scatter(b.packed, mask))
+        assert shm_client._scratch is not None  # the handle path was taken
+        regions = [r.name for r in client._stub.ListRegions(packd.client.pb.ListRegionsRequest()).regions]
+        assert shm_client._scratch.region in regions
+        assert set(glob.glob("/dev/shm/packd_py_*")) - before
+    # Closed: unregistered and unlinked.
+    assert set(glob.glob("/dev/shm/packd_py_*")) == before
+    assert list(client._stub.ListRegions(packd.client.pb.ListRegionsRequest()).regions) == []
+
+
+def test_transport_errors_carry_the_grpc_code():
+    with packd.Client("127.0.0.1:1", retries=1, timeout=5) as c:
+        with pytest.raises(packd.PackdError) as err:
+            c.pack(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert not isinstance(err.value, ValueError)
+
+
+def test_absent_device_is_failed_precondition(client):
+    with pytest.raises(packd.PackdError) as err:
+        client.pack(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), device="cuda:0")
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
