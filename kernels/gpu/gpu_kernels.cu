@@ -136,36 +136,23 @@ __global__ void BuildIndexKernel(MaskScan scan) {
   }
 }
 
-// Rows of `row_bytes` as `V` vectors; a group of `threads_per_row` threads
-// copies one row.
-template <typename V>
-__global__ void GatherKernel(const char* src, char* dst, const int64_t* index,
-                             int64_t rows, int64_t row_bytes,
-                             int threads_per_row) {
+// Copies rows of `row_bytes` as `V` vectors; a group of `threads_per_row`
+// threads copies one row. Gather: dst row k = src row index[k]. Scatter: dst
+// row index[k] = src row k.
+template <typename V, bool kGather>
+__global__ void RowCopyKernel(const char* src, char* dst, const int64_t* index,
+                              int64_t rows, int64_t row_bytes,
+                              int threads_per_row) {
   const int64_t nvec = row_bytes / sizeof(V);
   const int group = threadIdx.x / threads_per_row;
   const int lane = threadIdx.x % threads_per_row;
   const int rows_per_block = blockDim.x / threads_per_row;
   for (int64_t k = int64_t(blockIdx.x) * rows_per_block + group; k < rows;
        k += int64_t(gridDim.x) * rows_per_block) {
-    const V* s = reinterpret_cast<const V*>(src + index[k] * row_bytes);
-    V* d = reinterpret_cast<V*>(dst + k * row_bytes);
-    for (int64_t j = lane; j < nvec; j += threads_per_row) d[j] = s[j];
-  }
-}
-
-template <typename V>
-__global__ void ScatterRowsKernel(const char* src, char* dst,
-                                  const int64_t* index, int64_t rows,
-                                  int64_t row_bytes, int threads_per_row) {
-  const int64_t nvec = row_bytes / sizeof(V);
-  const int group = threadIdx.x / threads_per_row;
-  const int lane = threadIdx.x % threads_per_row;
-  const int rows_per_block = blockDim.x / threads_per_row;
-  for (int64_t k = int64_t(blockIdx.x) * rows_per_block + group; k < rows;
-       k += int64_t(gridDim.x) * rows_per_block) {
-    const V* s = reinterpret_cast<const V*>(src + k * row_bytes);
-    V* d = reinterpret_cast<V*>(dst + index[k] * row_bytes);
+    const int64_t from = kGather ? index[k] : k;
+    const int64_t to = kGather ? k : index[k];
+    const V* s = reinterpret_cast<const V*>(src + from * row_bytes);
+    V* d = reinterpret_cast<V*>(dst + to * row_bytes);
     for (int64_t j = lane; j < nvec; j += threads_per_row) d[j] = s[j];
   }
 }
@@ -234,23 +221,17 @@ gpuError_t LaunchRows(int vector_bytes, int64_t rows, int64_t row_bytes,
   return gpuGetLastError();
 }
 
-template <typename V>
-struct GatherLaunch {
-  static void Run(int64_t blocks, gpuStream_t stream, const char* src,
-                  char* dst, const int64_t* index, int64_t rows,
-                  int64_t row_bytes, int tpr) {
-    GatherKernel<V><<<blocks, kCopyThreads, 0, stream>>>(src, dst, index, rows,
-                                                         row_bytes, tpr);
-  }
-};
-template <typename V>
-struct ScatterLaunch {
-  static void Run(int64_t blocks, gpuStream_t stream, const char* src,
-                  char* dst, const int64_t* index, int64_t rows,
-                  int64_t row_bytes, int tpr) {
-    ScatterRowsKernel<V><<<blocks, kCopyThreads, 0, stream>>>(
-        src, dst, index, rows, row_bytes, tpr);
-  }
+template <bool kGather>
+struct RowCopy {
+  template <typename V>
+  struct Launch {
+    static void Run(int64_t blocks, gpuStream_t stream, const char* src,
+                    char* dst, const int64_t* index, int64_t rows,
+                    int64_t row_bytes, int tpr) {
+      RowCopyKernel<V, kGather><<<blocks, kCopyThreads, 0, stream>>>(
+          src, dst, index, rows, row_bytes, tpr);
+    }
+  };
 };
 template <typename V>
 struct ZeroLaunch {
@@ -283,7 +264,7 @@ gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
 gpuError_t LaunchGather(const void* src, void* dst, const int64_t* index,
                         int64_t rows, int64_t row_bytes, gpuStream_t stream) {
   if (rows == 0 || row_bytes == 0) return gpuSuccess;
-  return LaunchRows<GatherLaunch>(
+  return LaunchRows<RowCopy<true>::Launch>(
       VectorBytes(src, dst, row_bytes), rows, row_bytes, stream,
       static_cast<const char*>(src), static_cast<char*>(dst), index, rows,
       row_bytes);
@@ -293,7 +274,7 @@ gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,
                              int64_t rows, int64_t row_bytes,
                              gpuStream_t stream) {
   if (rows == 0 || row_bytes == 0) return gpuSuccess;
-  return LaunchRows<ScatterLaunch>(
+  return LaunchRows<RowCopy<false>::Launch>(
       VectorBytes(src, dst, row_bytes), rows, row_bytes, stream,
       static_cast<const char*>(src), static_cast<char*>(dst), index, rows,
       row_bytes);

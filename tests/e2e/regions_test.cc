@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"
 #include "tests/e2e/shm_segment.h"
 #include "tests/kernels/test_util.h"
@@ -26,52 +27,19 @@
 namespace packd {
 namespace {
 
+using testing::BytesEqual;
 using ::testing::HasSubstr;
+using testing::Header;
+using testing::InRegion;
 using testing::MaskKind;
 using testing::Rng;
 using testing::ServerProcess;
 using testing::ShmSegment;
-
-v1::Tensor Header(const at::Tensor& t) {
-  v1::Tensor out;
-  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
-  for (int64_t d : t.sizes()) out.add_shape(d);
-  return out;
-}
-
-v1::Tensor InRegion(const at::Tensor& t, const std::string& region,
-                    uint64_t offset) {
-  v1::Tensor out = Header(t);
-  v1::RegionSlice* slice = out.mutable_region();
-  slice->set_region(region);
-  slice->set_offset(offset);
-  slice->set_byte_size(t.nbytes());
-  return out;
-}
-
-v1::Tensor Inline(const at::Tensor& t) {
-  v1::Tensor out = Header(t);
-  out.set_data(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  return out;
-}
-
-v1::RegionSlice Slice(const std::string& region, uint64_t offset,
-                      uint64_t bytes) {
-  v1::RegionSlice s;
-  s.set_region(region);
-  s.set_offset(offset);
-  s.set_byte_size(bytes);
-  return s;
-}
+using testing::Slice;
 
 // Copies `t` into the segment at `offset`.
 void Put(const ShmSegment& seg, uint64_t offset, const at::Tensor& t) {
   std::memcpy(seg.data() + offset, t.data_ptr(), t.nbytes());
-}
-
-bool BytesEqual(const at::Tensor& expected, const char* actual) {
-  return expected.nbytes() == 0 || std::memcmp(expected.contiguous().data_ptr(),
-                                               actual, expected.nbytes()) == 0;
 }
 
 std::string ReadFile(const std::string& path) {
@@ -137,8 +105,8 @@ class RegionsTest : public ::testing::Test {
     // The server keeps serving.
     v1::PackRequest ok;
     const at::Tensor m = at::ones({1, 2}, at::kBool);
-    *ok.mutable_mask() = Inline(m);
-    *ok.add_inputs() = Inline(m);
+    *ok.mutable_mask() = testing::ToProto(m);
+    *ok.add_inputs() = testing::ToProto(m);
     v1::PackResponse response;
     EXPECT_TRUE(CallPack(ok, &response).ok());
   }
@@ -165,7 +133,8 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
   ASSERT_TRUE(Register("w0", seg.key(), 1024, seg.size() - 1024).ok());
 
   v1::PackRequest request;
-  *request.mutable_mask() = Inline(mask);  // inline and region tensors mix
+  *request.mutable_mask() =
+      testing::ToProto(mask);  // inline and region tensors mix
   *request.add_inputs() = InRegion(x, "w0", x_at - 1024);
   *request.add_inputs() = InRegion(ids, "w0", ids_at - 1024);
   *request.add_outputs() = Slice("w0", out_at - 1024, 16 << 20);
@@ -193,7 +162,7 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
 
   // Scatter the packed rows back, reading and writing the region.
   v1::ScatterRequest scatter;
-  *scatter.mutable_mask() = Inline(mask);
+  *scatter.mutable_mask() = testing::ToProto(mask);
   v1::Tensor packed = Header(expected_x);
   *packed.mutable_region() = response.packed(0).region();
   *scatter.add_packed() = packed;
@@ -256,7 +225,7 @@ TEST_F(RegionsTest, SliceErrors) {
   const at::Tensor mask = at::ones({2, 4}, at::kBool);
   const at::Tensor x = at::zeros({2, 4, 16}, at::kFloat);  // 512 bytes
   v1::PackRequest good;
-  *good.mutable_mask() = Inline(mask);
+  *good.mutable_mask() = testing::ToProto(mask);
   *good.add_inputs() = InRegion(x, "r", 0);
   const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
 
@@ -318,7 +287,7 @@ TEST(RegionsLifetime, UnregisterDuringACallDefersTheUnmap) {
   EXPECT_EQ(OpenDescriptorsTo(server->pid(), seg.key()), 0);
 
   v1::PackRequest request;
-  *request.mutable_mask() = Inline(mask);
+  *request.mutable_mask() = testing::ToProto(mask);
   *request.add_inputs() = InRegion(x, "r", 0);
   *request.add_outputs() = Slice("r", 512 << 10, 512 << 10);
   auto in_flight = std::async(std::launch::async, [&] {
@@ -369,7 +338,7 @@ TEST(RegionsDisabled, HandlesAreFailedPreconditionWhenOff) {
       grpc::StatusCode::FAILED_PRECONDITION);
   v1::PackRequest request;
   const at::Tensor m = at::ones({1, 2}, at::kBool);
-  *request.mutable_mask() = Inline(m);
+  *request.mutable_mask() = testing::ToProto(m);
   *request.add_inputs() = InRegion(m, "r", 0);
   grpc::ClientContext c3;
   v1::PackResponse response;

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
 
@@ -23,40 +24,9 @@ namespace {
 using ::testing::HasSubstr;
 using testing::MaskKind;
 using testing::Rng;
+using testing::SameTensor;
 using testing::ServerProcess;
-
-v1::Tensor ToProto(const at::Tensor& t_in) {
-  const at::Tensor t = t_in.contiguous();
-  v1::Tensor out;
-  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
-  for (int64_t d : t.sizes()) out.add_shape(d);
-  out.set_data(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  return out;
-}
-
-// True when `actual` has expected's dtype, shape and bytes.
-::testing::AssertionResult SameTensor(const at::Tensor& expected_in,
-                                      const v1::Tensor& actual) {
-  const at::Tensor expected = expected_in.contiguous();
-  if (actual.dtype() !=
-      static_cast<int>(FromScalarType(expected.scalar_type()))) {
-    return ::testing::AssertionFailure()
-           << "dtype " << v1::DType_Name(actual.dtype());
-  }
-  std::vector<int64_t> shape(actual.shape().begin(), actual.shape().end());
-  if (shape != expected.sizes().vec()) {
-    return ::testing::AssertionFailure()
-           << "shape " << ShapeString(shape)
-           << " != " << ShapeString(expected.sizes().vec());
-  }
-  if (actual.data().size() != static_cast<size_t>(expected.nbytes()) ||
-      (expected.nbytes() > 0 &&
-       memcmp(actual.data().data(), expected.data_ptr(), expected.nbytes()) !=
-           0)) {
-    return ::testing::AssertionFailure() << "bytes differ";
-  }
-  return ::testing::AssertionSuccess();
-}
+using testing::ToProto;
 
 class ServiceTest : public ::testing::Test {
  protected:

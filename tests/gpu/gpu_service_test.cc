@@ -11,6 +11,7 @@
 #include "kernels/registry.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
 
@@ -23,13 +24,7 @@ const Device kGpu{DeviceKind::kHip, 0};
 const Device kGpu{DeviceKind::kCuda, 0};
 #endif
 
-v1::Tensor ToProto(const at::Tensor& t) {
-  v1::Tensor out;
-  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
-  for (int64_t d : t.sizes()) out.add_shape(d);
-  out.set_data(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  return out;
-}
+using testing::ToProto;
 
 TEST(GpuService, PackAndScatterOnTheDeviceMatchTorch) {
   const absl::Status available = Registry::Get("pack", kGpu).status();

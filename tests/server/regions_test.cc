@@ -13,6 +13,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/proto_util.h"
 #include "tests/e2e/shm_segment.h"
 
 namespace packd {
@@ -21,6 +22,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 using testing::ShmSegment;
+using testing::Slice;
 
 std::string SelfMaps() {
   std::ifstream f("/proc/self/maps");
@@ -36,15 +38,6 @@ int SelfDescriptors() {
     closedir(d);
   }
   return n;
-}
-
-v1::RegionSlice Slice(const std::string& region, uint64_t offset,
-                      uint64_t bytes) {
-  v1::RegionSlice s;
-  s.set_region(region);
-  s.set_offset(offset);
-  s.set_byte_size(bytes);
-  return s;
 }
 
 // The segment's own mapping in this process must not be mistaken for the
