@@ -19,10 +19,13 @@
 
 namespace packd {
 
+// Not movable: the allocators Wrap returns refer to it.
 class DeviceStaging {
  public:
   DeviceStaging(Backend* backend, Device device)
       : backend_(backend), device_(device) {}
+  DeviceStaging(const DeviceStaging&) = delete;
+  DeviceStaging& operator=(const DeviceStaging&) = delete;
 
   // If `view` is in host memory, copies it into a pooled device buffer and
   // points `view` at that copy. RESOURCE_EXHAUSTED when the device is full;

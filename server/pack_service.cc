@@ -102,13 +102,13 @@ absl::StatusOr<Device> PackServiceImpl::ResolveDevice(
   return device;
 }
 
-absl::StatusOr<std::optional<DeviceStaging>> PackServiceImpl::Stage(
+absl::StatusOr<std::unique_ptr<DeviceStaging>> PackServiceImpl::Stage(
     const Device& device, TensorView* mask, std::vector<TensorView>* tensors,
     const std::vector<ResolvedSlice>& slices, OutputAllocator* allocate) const {
-  std::optional<DeviceStaging> staging;
-  if (device.kind == DeviceKind::kCpu) return staging;
+  if (device.kind == DeviceKind::kCpu) return nullptr;
   PACKD_ASSIGN_OR_RETURN(Backend * backend, Registry::Get("pack", device));
-  staging.emplace(backend, device);
+  // On the heap: the wrapped allocator refers to it.
+  auto staging = std::make_unique<DeviceStaging>(backend, device);
   PACKD_RETURN_IF_ERROR(staging->Upload(mask));
   for (TensorView& t : *tensors) PACKD_RETURN_IF_ERROR(staging->Upload(&t));
   *allocate = staging->Wrap(std::move(*allocate), [&slices](size_t i) {
@@ -130,8 +130,7 @@ absl::Status PackServiceImpl::CheckSize(const char* what, size_t bytes) const {
 
 absl::StatusOr<std::vector<TensorView>> PackServiceImpl::DecodeAll(
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-    absl::string_view field, const Device& device,
-    std::vector<std::shared_ptr<Region>>* held) const {
+    absl::string_view field, std::vector<std::shared_ptr<Region>>* held) const {
   std::vector<TensorView> views;
   views.reserve(tensors.size());
   for (int i = 0; i < tensors.size(); ++i) {
@@ -200,12 +199,12 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
   if (!request.has_mask()) {
     return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
   }
-  std::vector<std::shared_ptr<Region>>
-      held;  // regions stay mapped until return
+  // The regions this call uses stay mapped until it returns.
+  std::vector<std::shared_ptr<Region>> held;
   PACKD_ASSIGN_OR_RETURN(
       TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
   PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> inputs,
-                         DecodeAll(request.inputs(), "inputs", device, &held));
+                         DecodeAll(request.inputs(), "inputs", &held));
 
   PackOptions options;
   options.with_position_ids = request.with_position_ids();
@@ -218,12 +217,12 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
       ResultPlacement(request.outputs(), request.inputs_size(),
                       response->mutable_packed(), metadata, &slices));
   PACKD_ASSIGN_OR_RETURN(
-      std::optional<DeviceStaging> staging,
+      std::unique_ptr<DeviceStaging> staging,
       Stage(device, &mask, &inputs, slices, &options.allocate));
   TestonlyDelay();
   PACKD_ASSIGN_OR_RETURN(PackResult result,
                          ::packd::Pack(mask, inputs, options));
-  if (staging.has_value()) PACKD_RETURN_IF_ERROR(staging->Download());
+  if (staging != nullptr) PACKD_RETURN_IF_ERROR(staging->Download());
 
   EncodeResults(result.packed, slices, request.outputs(),
                 response->mutable_packed());
@@ -251,7 +250,7 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
   PACKD_ASSIGN_OR_RETURN(
       TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
   PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> packed,
-                         DecodeAll(request.packed(), "packed", device, &held));
+                         DecodeAll(request.packed(), "packed", &held));
 
   ScatterOptions options;
   if (request.has_tail_shape()) {
@@ -264,12 +263,12 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
       ResultPlacement(request.outputs(), request.packed_size(),
                       response->mutable_dense(), 0, &slices));
   PACKD_ASSIGN_OR_RETURN(
-      std::optional<DeviceStaging> staging,
+      std::unique_ptr<DeviceStaging> staging,
       Stage(device, &mask, &packed, slices, &options.allocate));
   TestonlyDelay();
   PACKD_ASSIGN_OR_RETURN(ScatterResult result,
                          ::packd::Scatter(mask, packed, options));
-  if (staging.has_value()) PACKD_RETURN_IF_ERROR(staging->Download());
+  if (staging != nullptr) PACKD_RETURN_IF_ERROR(staging->Download());
   EncodeResults(result.dense, slices, request.outputs(),
                 response->mutable_dense());
   absl::Status size = CheckSize("response", response->ByteSizeLong());

@@ -95,8 +95,9 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   // The test hook: holds a decoded call (its regions resolved) in flight.
   void TestonlyDelay() const;
   // For a call on a GPU: copies the host tensors there and wraps `allocate`
-  // so that host-bound results are staged; empty for a CPU call.
-  absl::StatusOr<std::optional<DeviceStaging>> Stage(
+  // so that host-bound results are staged; null for a CPU call. The
+  // staging must outlive the call's use of `allocate`.
+  absl::StatusOr<std::unique_ptr<DeviceStaging>> Stage(
       const Device& device, TensorView* mask, std::vector<TensorView>* tensors,
       const std::vector<ResolvedSlice>& slices,
       OutputAllocator* allocate) const;
@@ -106,7 +107,7 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   // Decodes the request's tensors of one repeated field ("inputs", "packed").
   absl::StatusOr<std::vector<TensorView>> DecodeAll(
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-      absl::string_view field, const Device& device,
+      absl::string_view field,
       std::vector<std::shared_ptr<Region>>* held) const;
   // Where results go: region slices named by `outputs`, or the response's
   // inline tensors `inline_results`.
