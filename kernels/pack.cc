@@ -134,9 +134,8 @@ absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
 
 }  // namespace
 
-absl::StatusOr<PackResult> Pack(const TensorView& mask,
-                                absl::Span<const TensorView> inputs,
-                                const PackOptions& options) {
+absl::Status ValidatePackArgs(const TensorView& mask,
+                              absl::Span<const TensorView> inputs) {
   PACKD_RETURN_IF_ERROR(ValidateMask(mask));
   if (inputs.empty()) {
     return absl::InvalidArgumentError(
@@ -153,6 +152,13 @@ absl::StatusOr<PackResult> Pack(const TensorView& mask,
     }
     PACKD_RETURN_IF_ERROR(ValidateTensor(x, field, mask.device).status());
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PackResult> Pack(const TensorView& mask,
+                                absl::Span<const TensorView> inputs,
+                                const PackOptions& options) {
+  PACKD_RETURN_IF_ERROR(ValidatePackArgs(mask, inputs));
   PACKD_ASSIGN_OR_RETURN(Backend * backend,
                          Registry::Get("pack", mask.device, options.impl));
   PACKD_ASSIGN_OR_RETURN(std::unique_ptr<MaskPlan> plan, backend->Plan(mask));
@@ -194,9 +200,9 @@ absl::StatusOr<PackResult> Pack(const TensorView& mask,
   return result;
 }
 
-absl::StatusOr<ScatterResult> Scatter(const TensorView& mask,
-                                      absl::Span<const TensorView> packed,
-                                      const ScatterOptions& options) {
+absl::Status ValidateScatterArgs(const TensorView& mask,
+                                 absl::Span<const TensorView> packed,
+                                 const std::optional<Shape>& tail_shape) {
   PACKD_RETURN_IF_ERROR(ValidateMask(mask));
   if (packed.empty()) {
     return absl::InvalidArgumentError(
@@ -210,15 +216,22 @@ absl::StatusOr<ScatterResult> Scatter(const TensorView& mask,
           field, ".shape [] must have rank 1 or more ([total_active, *tail])"));
     }
     PACKD_RETURN_IF_ERROR(ValidateTensor(p, field, mask.device).status());
-    if (options.tail_shape.has_value()) {
+    if (tail_shape.has_value()) {
       const auto tail = absl::MakeConstSpan(p.shape).subspan(1);
-      if (tail != absl::MakeConstSpan(*options.tail_shape)) {
+      if (tail != absl::MakeConstSpan(*tail_shape)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "tail_shape ", ShapeString(*options.tail_shape), " does not match ",
-            field, ".shape[1:] ", ShapeString(tail)));
+            "tail_shape ", ShapeString(*tail_shape), " does not match ", field,
+            ".shape[1:] ", ShapeString(tail)));
       }
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ScatterResult> Scatter(const TensorView& mask,
+                                      absl::Span<const TensorView> packed,
+                                      const ScatterOptions& options) {
+  PACKD_RETURN_IF_ERROR(ValidateScatterArgs(mask, packed, options.tail_shape));
   PACKD_ASSIGN_OR_RETURN(Backend * backend,
                          Registry::Get("scatter", mask.device, options.impl));
   PACKD_ASSIGN_OR_RETURN(std::unique_ptr<MaskPlan> plan, backend->Plan(mask));

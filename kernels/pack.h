@@ -103,6 +103,16 @@ absl::StatusOr<ScatterResult> Scatter(const TensorView& mask,
                                       absl::Span<const TensorView> packed,
                                       const ScatterOptions& options = {});
 
+// The checks Pack and Scatter run before anything else (everything that does
+// not need the mask's contents), for callers that must validate before they
+// move data, such as the server staging tensors to a GPU. Same errors as Pack
+// and Scatter.
+absl::Status ValidatePackArgs(const TensorView& mask,
+                              absl::Span<const TensorView> inputs);
+absl::Status ValidateScatterArgs(const TensorView& mask,
+                                 absl::Span<const TensorView> packed,
+                                 const std::optional<Shape>& tail_shape);
+
 }  // namespace packd
 
 #endif  // PACKD_KERNELS_PACK_H_

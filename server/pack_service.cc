@@ -216,6 +216,7 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.inputs_size(),
                       response->mutable_packed(), metadata, &slices));
+  PACKD_RETURN_IF_ERROR(ValidatePackArgs(mask, inputs));
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<DeviceStaging> staging,
       Stage(device, &mask, &inputs, slices, &options.allocate));
@@ -262,6 +263,7 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.packed_size(),
                       response->mutable_dense(), 0, &slices));
+  PACKD_RETURN_IF_ERROR(ValidateScatterArgs(mask, packed, options.tail_shape));
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<DeviceStaging> staging,
       Stage(device, &mask, &packed, slices, &options.allocate));
