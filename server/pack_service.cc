@@ -45,6 +45,18 @@ OutputAllocator IntoResponse(Field* field, int64_t limit, int64_t reserved) {
   };
 }
 
+// Host views as they will be once staged to `device` (device-region views are
+// there already), for validating before anything moves.
+TensorView OnDevice(TensorView view, const Device& device) {
+  if (view.device.kind == DeviceKind::kCpu) view.device = device;
+  return view;
+}
+std::vector<TensorView> OnDevice(std::vector<TensorView> views,
+                                 const Device& device) {
+  for (TensorView& v : views) v = OnDevice(v, device);
+  return views;
+}
+
 }  // namespace
 
 void PackServiceImpl::StartDraining() {
@@ -216,7 +228,8 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.inputs_size(),
                       response->mutable_packed(), metadata, &slices));
-  PACKD_RETURN_IF_ERROR(ValidatePackArgs(mask, inputs));
+  PACKD_RETURN_IF_ERROR(
+      ValidatePackArgs(OnDevice(mask, device), OnDevice(inputs, device)));
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<DeviceStaging> staging,
       Stage(device, &mask, &inputs, slices, &options.allocate));
@@ -263,7 +276,8 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
       options.allocate,
       ResultPlacement(request.outputs(), request.packed_size(),
                       response->mutable_dense(), 0, &slices));
-  PACKD_RETURN_IF_ERROR(ValidateScatterArgs(mask, packed, options.tail_shape));
+  PACKD_RETURN_IF_ERROR(ValidateScatterArgs(
+      OnDevice(mask, device), OnDevice(packed, device), options.tail_shape));
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<DeviceStaging> staging,
       Stage(device, &mask, &packed, slices, &options.allocate));
