@@ -97,7 +97,8 @@ absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
     int64_t bytes) {
   static std::atomic<int> counter{0};
   const int n = counter++;
-  const std::string key = absl::StrCat("/packd_client_", getpid(), "_", n);
+  const std::string key =
+      absl::StrCat(options_.shm_key_prefix, "_client_", getpid(), "_", n);
   const std::string region = absl::StrCat("client-", getpid(), "-", n);
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<SharedMemory> shm,

@@ -43,6 +43,9 @@ struct ClientOptions {
   // when the server allows it (GetServerInfo.shared_memory_enabled); 0 disables
   // the automatic path.
   int64_t shared_memory_threshold_bytes = int64_t{4} << 20;
+  // The server's --shm_key_prefix: segments this client creates are named under
+  // it.
+  std::string shm_key_prefix = "/packd";
 };
 
 struct PackCallOptions {

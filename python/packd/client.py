@@ -56,15 +56,18 @@ class Client:
     address: "HOST:PORT" or "unix:PATH". timeout: seconds per call. retries: extra attempts for
     calls answered UNAVAILABLE (a draining or restarting server), with exponential backoff.
     shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
-    memory when the server is on this node and allows it (0 disables).
+    memory when the server is on this node and allows it (0 disables). shm_key_prefix: the
+    server's --shm_key_prefix, under which segments are named.
     """
 
     def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=3,
-                 max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20):
+                 max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20,
+                 shm_key_prefix="/packd"):
         self.address = address
         self.timeout = timeout
         self.retries = retries
         self.shm_threshold_bytes = shm_threshold_bytes
+        self.shm_key_prefix = shm_key_prefix
         limit = min(max_message_bytes, (1 << 31) - 1)
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_send_message_length", limit),
@@ -98,7 +101,7 @@ class Client:
         if self._scratch is None or self._scratch.size < nbytes:
             if self._scratch is not None:
                 self._scratch.close()
-            self._scratch = Segment(self, nbytes + nbytes // 4 + (1 << 20))
+            self._scratch = Segment(self, nbytes + nbytes // 4 + (1 << 20), self.shm_key_prefix)
         self._scratch.reset()
         return self._scratch
 
