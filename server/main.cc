@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, shared_memory, "auto",
           "for loopback and unix-socket listeners)");
 ABSL_FLAG(std::string, shm_key_prefix, "/packd",
           "Every shared-memory key a client registers must start with this");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT to serve Prometheus metrics on at /metrics (port 0 picks "
+          "one); empty: no metrics endpoint");
 ABSL_FLAG(int, testonly_call_delay_ms, 0,
           "For tests only: delay every Pack and Scatter call by this long");
 
@@ -81,6 +84,7 @@ int main(int argc, char** argv) {
   options.service.testonly_call_delay =
       absl::Milliseconds(absl::GetFlag(FLAGS_testonly_call_delay_ms));
   options.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (absl::GetFlag(FLAGS_threads) > 0) {
     packd::ThreadPool::SetGlobalThreads(absl::GetFlag(FLAGS_threads));
   }
@@ -98,7 +102,11 @@ int main(int argc, char** argv) {
       options.service.regions.enabled
           ? absl::StrCat("on (keys under ", options.service.regions.key_prefix,
                          ")")
-          : "off"));
+          : "off",
+      (*server)->metrics_address().empty()
+          ? ""
+          : absl::StrCat(", metrics on http://", (*server)->metrics_address(),
+                         "/metrics")));
 
   std::thread signal_thread([&] {
     int signal = 0;

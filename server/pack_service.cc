@@ -85,18 +85,41 @@ void PackServiceImpl::Release() {
 
 template <typename Work>
 grpc::ServerUnaryReactor* PackServiceImpl::Serve(
-    grpc::CallbackServerContext* context, Work&& work) {
+    grpc::CallbackServerContext* context, const char* method,
+    const google::protobuf::Message& request,
+    const google::protobuf::Message& response, Work&& work) {
+  const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (!Admit()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                 "packd is shutting down; retry on another "
-                                 "replica"));
-    return reactor;
+  absl::Status status = absl::UnavailableError(
+      "packd is shutting down; retry on another replica");
+  if (Admit()) {
+    status = work();
+    Release();
   }
-  const absl::Status status = work();
-  Release();
+  metrics_.Record(method, status.code(), absl::Now() - start,
+                  request.ByteSizeLong(),
+                  status.ok() ? response.ByteSizeLong() : 0);
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
+}
+
+grpc::ServerUnaryReactor* PackServiceImpl::Finish(
+    grpc::CallbackServerContext* context, const char* method, absl::Time start,
+    const absl::Status& status) {
+  metrics_.Record(method, status.code(), absl::Now() - start, 0, 0);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+std::string PackServiceImpl::RenderMetrics() const {
+  int64_t in_flight = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight = in_flight_;
+  }
+  return metrics_.Render(regions_.enabled() ? regions_.List().size() : 0,
+                         in_flight);
 }
 
 void PackServiceImpl::TestonlyDelay() const {
@@ -295,39 +318,32 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
 grpc::ServerUnaryReactor* PackServiceImpl::Pack(
     grpc::CallbackServerContext* context, const v1::PackRequest* request,
     v1::PackResponse* response) {
-  return Serve(context, [&] { return DoPack(*request, response); });
+  return Serve(context, "Pack", *request, *response,
+               [&] { return DoPack(*request, response); });
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Scatter(
     grpc::CallbackServerContext* context, const v1::ScatterRequest* request,
     v1::ScatterResponse* response) {
-  return Serve(context, [&] { return DoScatter(*request, response); });
+  return Serve(context, "Scatter", *request, *response,
+               [&] { return DoScatter(*request, response); });
 }
-
-namespace {
-
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
-                                 const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
-}  // namespace
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterSystemRegion(
     grpc::CallbackServerContext* context,
     const v1::RegisterSystemRegionRequest* request,
     v1::RegisterRegionResponse*) {
-  return Finish(context, regions_.RegisterSystem(
-                             request->name(), request->key(), request->offset(),
-                             request->byte_size()));
+  return Finish(
+      context, "RegisterSystemRegion", absl::Now(),
+      regions_.RegisterSystem(request->name(), request->key(),
+                              request->offset(), request->byte_size()));
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(
     grpc::CallbackServerContext* context,
     const v1::RegisterDeviceRegionRequest* request,
     v1::RegisterRegionResponse*) {
+  const absl::Time start = absl::Now();
   auto work = [&]() -> absl::Status {
     PACKD_RETURN_IF_ERROR(regions_.CheckEnabled());
     PACKD_RETURN_IF_ERROR(RegionRegistry::ValidateName(request->name()));
@@ -353,25 +369,26 @@ grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(
         request->name(), device, static_cast<char*>(mapping.base),
         request->byte_size(), std::move(mapping.owner));
   };
-  return Finish(context, work());
+  return Finish(context, "RegisterDeviceRegion", start, work());
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::UnregisterRegion(
     grpc::CallbackServerContext* context,
     const v1::UnregisterRegionRequest* request, v1::UnregisterRegionResponse*) {
-  return Finish(context, regions_.Unregister(request->name()));
+  return Finish(context, "UnregisterRegion", absl::Now(),
+                regions_.Unregister(request->name()));
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::ListRegions(
     grpc::CallbackServerContext* context, const v1::ListRegionsRequest*,
     v1::ListRegionsResponse* response) {
   if (absl::Status s = regions_.CheckEnabled(); !s.ok()) {
-    return Finish(context, s);
+    return Finish(context, "ListRegions", absl::Now(), s);
   }
   for (v1::RegionInfo& info : regions_.List()) {
     *response->add_regions() = std::move(info);
   }
-  return Finish(context, absl::OkStatus());
+  return Finish(context, "ListRegions", absl::Now(), absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
@@ -395,9 +412,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
   response->set_default_device(options_.default_device.ToString());
   response->set_max_message_bytes(options_.max_message_bytes);
   response->set_shared_memory_enabled(regions_.enabled());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return Finish(context, "GetServerInfo", absl::Now(), absl::OkStatus());
 }
 
 }  // namespace packd

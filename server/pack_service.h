@@ -22,6 +22,7 @@
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "server/device_staging.h"
+#include "server/metrics.h"
 #include "server/regions.h"
 
 namespace packd {
@@ -76,6 +77,9 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
       const v1::GetServerInfoRequest* request,
       v1::ServerInfo* response) override;
 
+  // Prometheus text of the calls served so far.
+  std::string RenderMetrics() const;
+
   // The work behind the RPCs, callable without gRPC (the start-up self-check
   // uses DoPack).
   absl::Status DoPack(const v1::PackRequest& request,
@@ -87,10 +91,18 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   // Admits a call unless draining; every admitted call must be released.
   bool Admit();
   void Release();
-  // Runs `work` as an admitted call and finishes the reactor with its status.
+  // Runs `work` as an admitted call, finishes the reactor with its status and
+  // records it in the metrics.
   template <typename Work>
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
+                                  const char* method,
+                                  const google::protobuf::Message& request,
+                                  const google::protobuf::Message& response,
                                   Work&& work);
+  // Finishes a region or info call with `status`, recording it.
+  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
+                                   const char* method, absl::Time start,
+                                   const absl::Status& status);
 
   // The test hook: holds a decoded call (its regions resolved) in flight.
   void TestonlyDelay() const;
@@ -126,7 +138,8 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
 
   const ServiceOptions options_;
   RegionRegistry regions_;
-  absl::Mutex mu_;
+  Metrics metrics_;
+  mutable absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -95,6 +95,16 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     server->server_->Shutdown();
     return check;
   }
+  if (!options.metrics_listen.empty()) {
+    PackServiceImpl* service = &server->service_;
+    auto metrics = MetricsServer::Start(
+        options.metrics_listen, [service] { return service->RenderMetrics(); });
+    if (!metrics.ok()) {
+      server->server_->Shutdown();
+      return metrics.status();
+    }
+    server->metrics_ = std::move(*metrics);
+  }
   health->SetServingStatus(kReadinessService, true);
   return server;
 }

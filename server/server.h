@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/metrics.h"
 #include "server/pack_service.h"
 
 namespace packd {
@@ -24,6 +25,8 @@ struct ServerOptions {
   std::string listen = "127.0.0.1:50051";
   ServiceOptions service;
   absl::Duration drain = absl::Seconds(30);
+  // "HOST:PORT" for Prometheus metrics at /metrics; empty: none.
+  std::string metrics_listen;
 };
 
 // True for listeners only this node can reach: unix sockets and loopback
@@ -44,6 +47,10 @@ class PackdServer {
 
   // The address actually bound ("127.0.0.1:43123", "unix:/run/packd.sock").
   const std::string& address() const { return address_; }
+  // The metrics endpoint bound ("127.0.0.1:9090"), or empty.
+  std::string metrics_address() const {
+    return metrics_ != nullptr ? metrics_->address() : "";
+  }
 
   // Readiness NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within
   // the drain time, then the server shuts down and Wait() returns. Call it
@@ -60,6 +67,7 @@ class PackdServer {
   const ServerOptions options_;
   PackServiceImpl service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsServer> metrics_;
   std::string address_;
 };
 

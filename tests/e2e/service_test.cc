@@ -3,7 +3,11 @@
 // error path is checked for its code and message, and the server must keep
 // serving after each.
 #include <ATen/ATen.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <future>
 #include <string>
@@ -385,6 +389,68 @@ TEST(ServiceShutdown, SigtermDrainsACallInFlightAndExitsZero) {
   EXPECT_TRUE(SameTensor(testing::ReferencePack(x, mask), response.packed(0)));
   EXPECT_EQ(server->Wait(), 0) << server->Log();
   EXPECT_THAT(server->Log(), HasSubstr("draining"));
+}
+
+// GET `path` from the HTTP endpoint at "HOST:PORT"; returns the whole response.
+std::string HttpGet(const std::string& address, const std::string& path) {
+  const size_t colon = address.rfind(':');
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(std::stoi(address.substr(colon + 1)));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "connect failed";
+  }
+  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\n\r\n");
+  send(fd, request.data(), request.size(), 0);
+  std::string response;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) response.append(buf, n);
+  close(fd);
+  return response;
+}
+
+TEST(ServiceMetrics, PrometheusTextCountsCallsByMethodAndCode) {
+  auto server = ServerProcess::Start({"--metrics_listen=127.0.0.1:0"});
+  ASSERT_NE(server, nullptr);
+  const std::string log = server->Log();
+  const size_t at = log.find("metrics on http://");
+  ASSERT_NE(at, std::string::npos) << log;
+  const size_t begin = at + 18;
+  const std::string metrics =
+      log.substr(begin, log.find("/metrics", begin) - begin);
+
+  auto stub = v1::PackService::NewStub(server->Channel());
+  v1::PackRequest good;
+  *good.mutable_mask() = ToProto(at::ones({2, 3}, at::kBool));
+  *good.add_inputs() = ToProto(at::zeros({2, 3, 4}, at::kFloat));
+  v1::PackResponse response;
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub->Pack(&context, good, &response).ok());
+  }
+  v1::PackRequest bad = good;
+  bad.clear_mask();
+  grpc::ClientContext context;
+  EXPECT_FALSE(stub->Pack(&context, bad, &response).ok());
+
+  const std::string text = HttpGet(metrics, "/metrics");
+  EXPECT_THAT(text, HasSubstr("HTTP/1.0 200 OK"));
+  EXPECT_THAT(
+      text, HasSubstr("packd_requests_total{method=\"Pack\",code=\"ok\"} 3\n"));
+  EXPECT_THAT(text, HasSubstr("packd_requests_total{method=\"Pack\",code="
+                              "\"invalid_argument\"} 1\n"));
+  EXPECT_THAT(
+      text,
+      HasSubstr("packd_request_duration_seconds_count{method=\"Pack\"} 4\n"));
+  EXPECT_THAT(text, HasSubstr("packd_request_duration_seconds_bucket{method="
+                              "\"Pack\",le=\"+Inf\"} 4\n"));
+  EXPECT_THAT(text, HasSubstr("packd_regions 0\n"));
+  EXPECT_THAT(text, HasSubstr("packd_calls_in_flight 0\n"));
+  EXPECT_THAT(HttpGet(metrics, "/other"), HasSubstr("404"));
 }
 
 TEST(ServiceStartup, AbsentDefaultDeviceFailsClearly) {
