@@ -8,6 +8,8 @@
 // gRPC path.
 #include <ATen/ATen.h>
 #include <fcntl.h>
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -17,14 +19,19 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "kernels/pack.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
@@ -37,6 +44,9 @@ ABSL_FLAG(int64_t, hidden, 4096, "Hidden size (bf16)");
 ABSL_FLAG(double, density, 0.3, "Fraction of active positions (prefix masks)");
 ABSL_FLAG(int, repeats, 10, "Timed calls per row (median reported)");
 ABSL_FLAG(std::string, json, "", "Also write the rows as JSON to this file");
+ABSL_FLAG(std::string, concurrencies, "1,4,16",
+          "Small calls: calls in flight to measure at");
+ABSL_FLAG(int, small_calls, 400, "Small calls: calls per concurrency level");
 
 namespace packd {
 namespace {
@@ -68,6 +78,104 @@ v1::Tensor Header(const at::Tensor& t) {
   out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
   for (int64_t d : t.sizes()) out.add_shape(d);
   return out;
+}
+
+// A do-nothing RPC on the same gRPC stack: the limit for inline calls. It reads
+// the request and answers with as many bytes as the client names in
+// "x-response-bytes", from a static buffer.
+class NullService : public grpc::CallbackGenericService {
+ public:
+  explicit NullService(size_t max_response) : payload_(max_response, 'x') {}
+
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* context) override {
+    size_t bytes = 0;
+    const auto& metadata = context->client_metadata();
+    if (auto it = metadata.find("x-response-bytes"); it != metadata.end()) {
+      absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()),
+                       &bytes);
+    }
+    return new Reactor(payload_.data(), std::min(bytes, payload_.size()));
+  }
+
+ private:
+  class Reactor : public grpc::ServerGenericBidiReactor {
+   public:
+    Reactor(const char* data, size_t bytes) : data_(data), bytes_(bytes) {
+      StartRead(&request_);
+    }
+    void OnReadDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      grpc::Slice slice(data_, bytes_, grpc::Slice::STATIC_SLICE);
+      response_ = grpc::ByteBuffer(&slice, 1);
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    const char* data_;
+    size_t bytes_;
+    grpc::ByteBuffer request_, response_;
+  };
+  std::string payload_;
+};
+
+grpc::ByteBuffer Serialized(const google::protobuf::Message& message) {
+  const std::string bytes = message.SerializeAsString();
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// One do-nothing call carrying `request` and asking for `response_bytes` back.
+// Like a real call, it serialises the request and copies the response out of
+// gRPC's buffers (what parsing a bytes field costs); the server side does
+// nothing at all.
+void NullCall(grpc::GenericStub& stub, const google::protobuf::Message& request,
+              size_t response_bytes) {
+  grpc::ClientContext context;
+  context.AddMetadata("x-response-bytes", std::to_string(response_bytes));
+  const grpc::ByteBuffer request_bytes = Serialized(request);
+  grpc::ByteBuffer response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/packd.bench.Null/Call", grpc::StubOptions(),
+                 &request_bytes, &response,
+                 [&](grpc::Status s) { done.set_value(std::move(s)); });
+  Check(done.get_future().get(), "do-nothing call");
+  std::vector<grpc::Slice> slices;
+  (void)response.Dump(&slices);
+  std::string copy;
+  copy.reserve(response_bytes);
+  for (const grpc::Slice& slice : slices) {
+    copy.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+}
+
+// p50 and p99 in ms of `total` calls of `call`, `concurrency` at a time.
+std::pair<double, double> Latencies(int concurrency, int total,
+                                    const std::function<void()>& call) {
+  std::vector<double> ms;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < concurrency; ++t) {
+    threads.emplace_back([&] {
+      std::vector<double> mine;
+      for (int i = 0; i < total / concurrency; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        call();
+        mine.push_back(std::chrono::duration<double, std::milli>(
+                           std::chrono::steady_clock::now() - t0)
+                           .count());
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      ms.insert(ms.end(), mine.begin(), mine.end());
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]};
 }
 
 int Main(int argc, char** argv) {
@@ -192,6 +300,29 @@ int Main(int argc, char** argv) {
                     v1::PackResponse r;
                     Check(stub->Pack(&c, inline_request, &r), "Pack (inline)");
                   })});
+  // The same request and response bytes through a do-nothing RPC.
+  v1::PackResponse inline_response;
+  {
+    grpc::ClientContext c;
+    Check(stub->Pack(&c, inline_request, &inline_response), "Pack (inline)");
+  }
+  const size_t response_bytes = inline_response.ByteSizeLong();
+  NullService null_service(std::max<size_t>(response_bytes, 1 << 20));
+  grpc::ServerBuilder null_builder;
+  int null_port = 0;
+  null_builder.AddListeningPort("127.0.0.1:0",
+                                grpc::InsecureServerCredentials(), &null_port);
+  null_builder.SetMaxReceiveMessageSize(1 << 30);
+  null_builder.SetMaxSendMessageSize(1 << 30);
+  null_builder.RegisterCallbackGenericService(&null_service);
+  std::unique_ptr<grpc::Server> null_server = null_builder.BuildAndStart();
+  grpc::GenericStub null_stub(
+      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", null_port),
+                                grpc::InsecureChannelCredentials(), args));
+  rows.push_back({"do-nothing RPC, same bytes (limit)", "static buffer",
+                  MedianMs(std::max(2, repeats / 3), [&] {
+                    NullCall(null_stub, inline_request, response_bytes);
+                  })});
   // The handle path must have produced the same bytes as the kernel.
   const bool same =
       std::memcmp(seg + x_bytes, touched.data_ptr(), packed_bytes) == 0;
@@ -215,6 +346,56 @@ int Main(int argc, char** argv) {
               rows[1].ms / rows[2].ms);
   std::printf("shared memory / inline speed-up:        %.1fx (target >= 20)\n",
               rows[3].ms / rows[2].ms);
+  std::printf(
+      "do-nothing RPC / inline Pack RPC time, same %.1f MiB: %.2f (1.0 = at "
+      "the limit)\n",
+      (inline_request.ByteSizeLong() + response_bytes) / 1048576.0,
+      rows[4].ms / rows[3].ms);
+
+  // Small calls: latency of a small inline Pack at several concurrencies,
+  // against the do-nothing RPC carrying the same bytes at the same concurrency.
+  const at::Tensor small_x =
+      at::randint(-1000, 1000, {4, 128, 64}, at::kFloat).to(at::kBFloat16);
+  const at::Tensor small_mask = at::rand({4, 128}) < 0.5;
+  v1::PackRequest small_request;
+  *small_request.mutable_mask() = Header(small_mask);
+  small_request.mutable_mask()->set_data(
+      static_cast<const char*>(small_mask.data_ptr()), small_mask.nbytes());
+  *small_request.add_inputs() = Header(small_x);
+  small_request.mutable_inputs(0)->set_data(
+      static_cast<const char*>(small_x.data_ptr()), small_x.nbytes());
+  v1::PackResponse small_response;
+  {
+    grpc::ClientContext c;
+    Check(stub->Pack(&c, small_request, &small_response), "Pack (small)");
+  }
+  std::printf(
+      "\nsmall calls: x [4, 128, 64] bf16, random mask 0.5 (%zu request bytes, "
+      "%zu "
+      "response bytes), %d calls per level\n",
+      small_request.ByteSizeLong(), small_response.ByteSizeLong(),
+      absl::GetFlag(FLAGS_small_calls));
+  std::printf("%12s %12s %12s %14s %14s %10s %10s\n", "concurrency", "Pack p50",
+              "Pack p99", "nothing p50", "nothing p99", "p50 x", "p99 x");
+  for (absl::string_view level : absl::StrSplit(
+           absl::GetFlag(FLAGS_concurrencies), ',', absl::SkipEmpty())) {
+    int c = 1;
+    if (!absl::SimpleAtoi(level, &c) || c < 1) continue;
+    const int total =
+        absl::GetFlag(FLAGS_smoke) ? 2 * c : absl::GetFlag(FLAGS_small_calls);
+    const auto pack = Latencies(c, total, [&] {
+      grpc::ClientContext ctx;
+      v1::PackResponse r;
+      Check(stub->Pack(&ctx, small_request, &r), "Pack (small)");
+    });
+    const auto nothing = Latencies(c, total, [&] {
+      NullCall(null_stub, small_request, small_response.ByteSizeLong());
+    });
+    std::printf("%12d %10.3fms %10.3fms %12.3fms %12.3fms %10.2f %10.2f\n", c,
+                pack.first, pack.second, nothing.first, nothing.second,
+                pack.first / nothing.first, pack.second / nothing.second);
+  }
+  null_server->Shutdown();
   if (!absl::GetFlag(FLAGS_json).empty()) {
     std::ofstream f(absl::GetFlag(FLAGS_json));
     f << "[\n";
