@@ -163,18 +163,27 @@ absl::Status PackServiceImpl::CheckSize(const char* what, size_t bytes) const {
       " bytes (--max_message_bytes); split the batch or use tensor handles"));
 }
 
-absl::StatusOr<std::vector<TensorView>> PackServiceImpl::DecodeAll(
+template <typename Request>
+absl::StatusOr<PackServiceImpl::DecodedCall> PackServiceImpl::Decode(
+    const Request& request,
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-    absl::string_view field, std::vector<std::shared_ptr<Region>>* held) const {
-  std::vector<TensorView> views;
-  views.reserve(tensors.size());
+    absl::string_view field) const {
+  PACKD_RETURN_IF_ERROR(CheckSize("request", request.ByteSizeLong()));
+  DecodedCall call;
+  PACKD_ASSIGN_OR_RETURN(call.device, ResolveDevice(request.device()));
+  if (!request.has_mask()) {
+    return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
+  }
+  PACKD_ASSIGN_OR_RETURN(
+      call.mask, DecodeTensor(request.mask(), "mask", &regions_, &call.held));
+  call.tensors.reserve(tensors.size());
   for (int i = 0; i < tensors.size(); ++i) {
     PACKD_ASSIGN_OR_RETURN(
         TensorView v, DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"),
-                                   &regions_, held));
-    views.push_back(std::move(v));
+                                   &regions_, &call.held));
+    call.tensors.push_back(std::move(v));
   }
-  return views;
+  return call;
 }
 
 template <typename Field>
@@ -229,17 +238,11 @@ void PackServiceImpl::EncodeResults(
 
 absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
                                      v1::PackResponse* response) {
-  PACKD_RETURN_IF_ERROR(CheckSize("request", request.ByteSizeLong()));
-  PACKD_ASSIGN_OR_RETURN(Device device, ResolveDevice(request.device()));
-  if (!request.has_mask()) {
-    return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
-  }
-  // The regions this call uses stay mapped until it returns.
-  std::vector<std::shared_ptr<Region>> held;
-  PACKD_ASSIGN_OR_RETURN(
-      TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
-  PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> inputs,
-                         DecodeAll(request.inputs(), "inputs", &held));
+  PACKD_ASSIGN_OR_RETURN(DecodedCall call,
+                         Decode(request, request.inputs(), "inputs"));
+  const Device& device = call.device;
+  TensorView& mask = call.mask;
+  std::vector<TensorView>& inputs = call.tensors;
 
   PackOptions options;
   options.with_position_ids = request.with_position_ids();
@@ -278,16 +281,11 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
 
 absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
                                         v1::ScatterResponse* response) {
-  PACKD_RETURN_IF_ERROR(CheckSize("request", request.ByteSizeLong()));
-  PACKD_ASSIGN_OR_RETURN(Device device, ResolveDevice(request.device()));
-  if (!request.has_mask()) {
-    return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
-  }
-  std::vector<std::shared_ptr<Region>> held;
-  PACKD_ASSIGN_OR_RETURN(
-      TensorView mask, DecodeTensor(request.mask(), "mask", &regions_, &held));
-  PACKD_ASSIGN_OR_RETURN(std::vector<TensorView> packed,
-                         DecodeAll(request.packed(), "packed", &held));
+  PACKD_ASSIGN_OR_RETURN(DecodedCall call,
+                         Decode(request, request.packed(), "packed"));
+  const Device& device = call.device;
+  TensorView& mask = call.mask;
+  std::vector<TensorView>& packed = call.tensors;
 
   ScatterOptions options;
   if (request.has_tail_shape()) {

@@ -116,11 +116,20 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
   absl::Status CheckSize(const char* what, size_t bytes) const;
 
-  // Decodes the request's tensors of one repeated field ("inputs", "packed").
-  absl::StatusOr<std::vector<TensorView>> DecodeAll(
+  // A request's device, mask and tensors (of the repeated field `field`),
+  // checked and decoded; `held` keeps the regions they live in mapped until the
+  // call returns.
+  struct DecodedCall {
+    Device device;
+    TensorView mask;
+    std::vector<TensorView> tensors;
+    std::vector<std::shared_ptr<Region>> held;
+  };
+  template <typename Request>
+  absl::StatusOr<DecodedCall> Decode(
+      const Request& request,
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-      absl::string_view field,
-      std::vector<std::shared_ptr<Region>>* held) const;
+      absl::string_view field) const;
   // Where results go: region slices named by `outputs`, or the response's
   // inline tensors `inline_results`.
   template <typename Field>
