@@ -38,7 +38,90 @@ void Buffer::Reset() {
   release_ = nullptr;
 }
 
-HostBufferPool::~HostBufferPool() { Trim(); }
+absl::StatusOr<Buffer> BlockPool::Acquire(size_t bytes) {
+  const size_t capacity = round_(bytes);
+  void* data = nullptr;
+  size_t got = capacity;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = free_.lower_bound(capacity);
+    if (it != free_.end() && it->first / 2 <= capacity) {
+      got = it->first;
+      data = it->second;
+      cached_bytes_ -= got;
+      free_.erase(it);
+    }
+  }
+  if (data == nullptr) {
+    absl::StatusOr<void*> fresh = allocate_(capacity);
+    if (!fresh.ok()) return fresh.status();
+    data = *fresh;
+  }
+  return Buffer(data, bytes, got, device_,
+                [this](void* p, size_t cap) { Return(p, cap); });
+}
+
+void BlockPool::Return(void* data, size_t capacity) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (cached_bytes_ + capacity <= max_cached_bytes_) {
+      free_.emplace(capacity, data);
+      cached_bytes_ += capacity;
+      return;
+    }
+  }
+  free_fn_(data, capacity);
+}
+
+size_t BlockPool::cached_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return cached_bytes_;
+}
+
+void BlockPool::Trim() {
+  std::multimap<size_t, void*> blocks;
+  {
+    absl::MutexLock lock(&mu_);
+    blocks.swap(free_);
+    cached_bytes_ = 0;
+  }
+  for (const auto& [capacity, data] : blocks) free_fn_(data, capacity);
+}
+
+HostBufferPool::HostBufferPool(size_t max_cached_bytes)
+    : blocks_(
+          Device::Cpu(), max_cached_bytes,
+          [](size_t bytes) {
+            return bytes >= kLargeBlock
+                       ? RoundUp(bytes, kHugePage)
+                       : RoundUp(bytes == 0 ? 1 : bytes, kAlignment);
+          },
+          [](size_t capacity) -> absl::StatusOr<void*> {
+            // Large requests round up to whole huge pages, small ones to at
+            // most kLargeBlock; Free tells them apart the same way.
+            void* data = nullptr;
+            if (capacity >= kHugePage) {
+              data = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+              if (data == MAP_FAILED) {
+                return absl::ResourceExhaustedError("host mmap failed");
+              }
+              madvise(data, capacity, MADV_HUGEPAGE);
+            } else {
+              data = std::aligned_alloc(kAlignment, capacity);
+              if (data == nullptr) {
+                return absl::ResourceExhaustedError("host allocation failed");
+              }
+            }
+            return data;
+          },
+          [](void* data, size_t capacity) {
+            if (capacity >= kHugePage) {
+              munmap(data, capacity);
+            } else {
+              std::free(data);
+            }
+          }) {}
 
 HostBufferPool& HostBufferPool::Global() {
   static HostBufferPool* pool = [] {
@@ -53,71 +136,9 @@ HostBufferPool& HostBufferPool::Global() {
 }
 
 Buffer HostBufferPool::Acquire(size_t bytes) {
-  const size_t capacity = bytes >= kLargeBlock
-                              ? RoundUp(bytes, kHugePage)
-                              : RoundUp(bytes == 0 ? 1 : bytes, kAlignment);
-  void* data = nullptr;
-  size_t got = capacity;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = free_.lower_bound(capacity);
-    if (it != free_.end() && it->first / 2 <= capacity) {
-      got = it->first;
-      data = it->second;
-      cached_bytes_ -= got;
-      free_.erase(it);
-    }
-  }
-  if (data == nullptr) {
-    if (capacity >= kHugePage) {
-      data = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
-                  MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (data == MAP_FAILED) throw std::bad_alloc();
-      madvise(data, capacity, MADV_HUGEPAGE);
-    } else {
-      data = std::aligned_alloc(kAlignment, capacity);
-      if (data == nullptr) throw std::bad_alloc();
-    }
-  }
-  return Buffer(data, bytes, got, Device::Cpu(),
-                [this](void* p, size_t cap) { Return(p, cap); });
-}
-
-void HostBufferPool::Return(void* data, size_t capacity) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (cached_bytes_ + capacity <= max_cached_bytes_) {
-      free_.emplace(capacity, data);
-      cached_bytes_ += capacity;
-      return;
-    }
-  }
-  Free(data, capacity);
-}
-
-void HostBufferPool::Free(void* data, size_t capacity) {
-  // Large requests round up to whole huge pages, small ones to at most
-  // kLargeBlock.
-  if (capacity >= kHugePage) {
-    munmap(data, capacity);
-  } else {
-    std::free(data);
-  }
-}
-
-size_t HostBufferPool::cached_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return cached_bytes_;
-}
-
-void HostBufferPool::Trim() {
-  std::multimap<size_t, void*> blocks;
-  {
-    absl::MutexLock lock(&mu_);
-    blocks.swap(free_);
-    cached_bytes_ = 0;
-  }
-  for (const auto& [capacity, data] : blocks) Free(data, capacity);
+  absl::StatusOr<Buffer> buffer = blocks_.Acquire(bytes);
+  if (!buffer.ok()) throw std::bad_alloc();
+  return std::move(*buffer);
 }
 
 }  // namespace packd

@@ -17,8 +17,10 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/tensor_view.h"
 
@@ -58,18 +60,60 @@ class Buffer {
   Release release_;
 };
 
-// A thread-safe cache of host memory blocks. Blocks of at least kLargeBlock
-// bytes come from mmap with MADV_HUGEPAGE and are rounded up to 2 MiB; smaller
-// ones come from aligned_alloc. Freed blocks stay cached, up to a byte limit,
-// and are reused for requests of at least half their size.
+// A thread-safe cache of memory blocks of one kind (host, device, pinned host),
+// the mechanism behind every packd pool. A request is rounded up by `round`;
+// a cached block of at least that size, and at most twice it, is handed out
+// again; otherwise `allocate` makes a new one. Destroying the Buffer returns
+// its block, kept while the cache holds at most `max_cached_bytes`, else given
+// to `free`.
+class BlockPool {
+ public:
+  using RoundFn = std::function<size_t(size_t bytes)>;
+  using AllocateFn = std::function<absl::StatusOr<void*>(size_t capacity)>;
+  using FreeFn = std::function<void(void* data, size_t capacity)>;
+
+  BlockPool(Device device, size_t max_cached_bytes, RoundFn round,
+            AllocateFn allocate, FreeFn free)
+      : device_(device),
+        max_cached_bytes_(max_cached_bytes),
+        round_(std::move(round)),
+        allocate_(std::move(allocate)),
+        free_fn_(std::move(free)) {}
+  ~BlockPool() { Trim(); }
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // A buffer of at least `bytes` bytes, contents unspecified; the error of
+  // `allocate` when a new block is needed and cannot be had.
+  absl::StatusOr<Buffer> Acquire(size_t bytes);
+
+  // Bytes currently cached (not handed out).
+  size_t cached_bytes() const;
+  // Frees every cached block.
+  void Trim();
+
+ private:
+  void Return(void* data, size_t capacity);
+
+  const Device device_;
+  const size_t max_cached_bytes_;
+  const RoundFn round_;
+  const AllocateFn allocate_;
+  const FreeFn free_fn_;
+  mutable absl::Mutex mu_;
+  std::multimap<size_t, void*> free_ ABSL_GUARDED_BY(mu_);
+  size_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The host pool: blocks of at least kLargeBlock bytes come from mmap with
+// MADV_HUGEPAGE and are rounded up to 2 MiB; smaller ones come from
+// aligned_alloc, 64-byte aligned.
 class HostBufferPool {
  public:
   static constexpr size_t kAlignment = 64;
   static constexpr size_t kLargeBlock = size_t{1} << 20;
 
-  explicit HostBufferPool(size_t max_cached_bytes)
-      : max_cached_bytes_(max_cached_bytes) {}
-  ~HostBufferPool();
+  explicit HostBufferPool(size_t max_cached_bytes);
 
   // The process-wide pool (never destroyed, so buffers may outlive static
   // destruction). Caches at most 2 GiB unless PACKD_HOST_POOL_BYTES in the
@@ -78,22 +122,15 @@ class HostBufferPool {
 
   // Returns a buffer of at least `bytes` bytes, 64-byte aligned, contents
   // unspecified. A zero-byte request returns a buffer with a valid, non-null
-  // pointer. Aborts only if the system is out of memory, like operator new.
+  // pointer. Throws std::bad_alloc only if the system is out of memory, like
+  // operator new.
   Buffer Acquire(size_t bytes);
 
-  // Bytes currently cached (not handed out).
-  size_t cached_bytes() const;
-  // Drops every cached block.
-  void Trim();
+  size_t cached_bytes() const { return blocks_.cached_bytes(); }
+  void Trim() { blocks_.Trim(); }
 
  private:
-  void Return(void* data, size_t capacity);
-  static void Free(void* data, size_t capacity);
-
-  const size_t max_cached_bytes_;
-  mutable absl::Mutex mu_;
-  std::multimap<size_t, void*> free_ ABSL_GUARDED_BY(mu_);
-  size_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  BlockPool blocks_;
 };
 
 }  // namespace packd

@@ -43,68 +43,58 @@ absl::Status RuntimeError(const char* what, gpuError_t err) {
     if (packd_err_ != gpuSuccess) return RuntimeError(what, packd_err_); \
   } while (false)
 
-// A cache of device (or pinned host) blocks, like HostBufferPool: blocks go
-// back to it when their Buffer is destroyed and are reused for requests of at
-// least half their size.
+// Device (or pinned host) memory: one BlockPool per device, each caching at
+// most `max_cached` bytes.
 class GpuPool {
  public:
   GpuPool(bool pinned, size_t max_cached)
       : pinned_(pinned), max_cached_(max_cached) {}
 
   absl::StatusOr<Buffer> Acquire(size_t bytes, const Device& device) {
-    const size_t capacity = std::max<size_t>(256, (bytes + 255) / 256 * 256);
-    void* data = nullptr;
-    size_t got = capacity;
+    BlockPool* pool = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      auto& free = free_[device.index];
-      auto it = free.lower_bound(capacity);
-      if (it != free.end() && it->first / 2 <= capacity) {
-        got = it->first;
-        data = it->second;
-        cached_ -= got;
-        free.erase(it);
-      }
+      std::unique_ptr<BlockPool>& slot = pools_[device.index];
+      if (slot == nullptr) slot = MakePool(device);
+      pool = slot.get();
     }
-    if (data == nullptr) {
-      PACKD_GPU_CHECK("set device", gpuSetDevice(device.index));
-      if (pinned_) {
-        PACKD_GPU_CHECK("pinned host allocation",
-                        gpuMallocHost(&data, capacity));
-      } else {
-        PACKD_GPU_CHECK("device allocation", gpuMalloc(&data, capacity));
-      }
-    }
-    const Device where = pinned_ ? Device::Cpu() : device;
-    const int index = device.index;
-    return Buffer(data, bytes, got, where, [this, index](void* p, size_t cap) {
-      Return(index, p, cap);
-    });
+    return pool->Acquire(bytes);
   }
 
  private:
-  void Return(int index, void* p, size_t capacity) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (cached_ + capacity <= max_cached_) {
-        free_[index].emplace(capacity, p);
-        cached_ += capacity;
-        return;
-      }
-    }
-    gpuSetDevice(index);
-    if (pinned_) {
-      gpuFreeHost(p);
-    } else {
-      gpuFree(p);
-    }
+  std::unique_ptr<BlockPool> MakePool(const Device& device) const {
+    const int index = device.index;
+    const bool pinned = pinned_;
+    return std::make_unique<BlockPool>(
+        pinned ? Device::Cpu() : device, max_cached_,
+        [](size_t bytes) {
+          return std::max<size_t>(256, (bytes + 255) / 256 * 256);
+        },
+        [index, pinned](size_t capacity) -> absl::StatusOr<void*> {
+          void* data = nullptr;
+          PACKD_GPU_CHECK("set device", gpuSetDevice(index));
+          if (pinned) {
+            PACKD_GPU_CHECK("pinned host allocation",
+                            gpuMallocHost(&data, capacity));
+          } else {
+            PACKD_GPU_CHECK("device allocation", gpuMalloc(&data, capacity));
+          }
+          return data;
+        },
+        [index, pinned](void* data, size_t) {
+          (void)gpuSetDevice(index);  // a free has no caller to report to
+          if (pinned) {
+            (void)gpuFreeHost(data);
+          } else {
+            (void)gpuFree(data);
+          }
+        });
   }
 
   const bool pinned_;
   const size_t max_cached_;
   absl::Mutex mu_;
-  std::map<int, std::multimap<size_t, void*>> free_ ABSL_GUARDED_BY(mu_);
-  size_t cached_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, std::unique_ptr<BlockPool>> pools_ ABSL_GUARDED_BY(mu_);
 };
 
 GpuPool& DevicePool() {
@@ -132,7 +122,7 @@ class GpuBackend : public Backend {
     int count = 0;
     const gpuError_t err = gpuGetDeviceCount(&count);
     if (err != gpuSuccess) {
-      gpuGetLastError();  // clear the sticky error
+      (void)gpuGetLastError();  // clear the sticky error
       return absl::FailedPreconditionError(absl::StrCat(
           "device ", device.ToString(), " is not available: ",
           PACKD_GPU_RUNTIME_NAME, " reports ", gpuGetErrorString(err)));
@@ -278,8 +268,8 @@ class GpuBackend : public Backend {
     mapping.base = base;
     const int index = device.index;
     mapping.owner = std::shared_ptr<void>(base, [index](void* p) {
-      gpuSetDevice(index);
-      gpuIpcCloseMemHandle(p);
+      (void)gpuSetDevice(index);
+      (void)gpuIpcCloseMemHandle(p);
     });
     return mapping;
   }

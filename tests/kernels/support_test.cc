@@ -2,6 +2,7 @@
 // thread pool.
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -65,6 +66,50 @@ TEST(HostBufferPool, ReusesReturnedBlocksAndRespectsItsLimit) {
   EXPECT_LE(pool.cached_bytes(), size_t{8} << 20);
   pool.Trim();
   EXPECT_EQ(pool.cached_bytes(), 0u);
+}
+
+TEST(BlockPool, ReusesWithinTwiceTheSizeAndFreesWhatItDoesNotKeep) {
+  int allocated = 0, freed = 0;
+  std::vector<std::unique_ptr<char[]>> storage;
+  {
+    BlockPool pool(
+        Device{DeviceKind::kCuda, 3}, /*max_cached_bytes=*/1450,
+        [](size_t bytes) { return (bytes + 99) / 100 * 100; },
+        [&](size_t capacity) -> absl::StatusOr<void*> {
+          if (capacity > 5000) return absl::ResourceExhaustedError("too big");
+          ++allocated;
+          storage.emplace_back(new char[capacity]);
+          return static_cast<void*>(storage.back().get());
+        },
+        [&](void*, size_t) { ++freed; });
+    void* first = nullptr;
+    {
+      absl::StatusOr<Buffer> b = pool.Acquire(950);
+      ASSERT_TRUE(b.ok());
+      EXPECT_EQ(b->size(), 950u);
+      EXPECT_EQ(b->device(), (Device{DeviceKind::kCuda, 3}));
+      first = b->data();
+    }
+    EXPECT_EQ(pool.cached_bytes(), 1000u);
+    {
+      absl::StatusOr<Buffer> again =
+          pool.Acquire(600);  // 1000 <= 2 * 600: reused
+      EXPECT_EQ(again->data(), first);
+      absl::StatusOr<Buffer> small = pool.Acquire(400);  // nothing cached fits
+      EXPECT_NE(small->data(), first);
+      EXPECT_EQ(allocated, 2);
+    }
+    EXPECT_EQ(pool.cached_bytes(), 1400u);
+    {
+      // 400 > 2 * 100: the cached block would waste too much; a new one.
+      absl::StatusOr<Buffer> tiny = pool.Acquire(100);
+    }
+    EXPECT_EQ(allocated, 3);
+    EXPECT_EQ(freed, 1);  // 1400 + 100 is over the 1450 cap
+    EXPECT_EQ(pool.Acquire(6000).status().code(),
+              absl::StatusCode::kResourceExhausted);
+  }
+  EXPECT_EQ(freed, 3);  // the two cached blocks, on destruction
 }
 
 TEST(ThreadPool, RunsEveryPieceOnceAlsoUnderConcurrentCallers) {
