@@ -27,6 +27,22 @@ std::vector<int64_t> ShapeOf(const v1::Tensor& t) {
   return std::vector<int64_t>(t.shape().begin(), t.shape().end());
 }
 
+// Adds one output slice per result size in `segment`, or none: returns false
+// (and leaves `outputs` empty) when a size is unknown (0) or does not fit.
+bool AddOutputSlices(
+    SharedMemory& segment, const std::vector<int64_t>& sizes,
+    google::protobuf::RepeatedPtrField<v1::RegionSlice>* outputs) {
+  for (int64_t n : sizes) {
+    char* p = n > 0 ? segment.Allocate(n) : nullptr;
+    if (p == nullptr) {
+      outputs->Clear();
+      return false;
+    }
+    segment.Contains(p, n, outputs->Add());
+  }
+  return true;
+}
+
 bool IsNodeLocal(const std::string& address) {
   return absl::StartsWith(address, "unix:") ||
          absl::StartsWith(address, "127.") ||
@@ -245,25 +261,20 @@ absl::StatusOr<PackedBatch> Client::Pack(const at::Tensor& mask,
     PACKD_RETURN_IF_ERROR(EncodeTensor(t, scratch, request.add_inputs()));
   }
   // Results into shared memory: room for the largest possible result (every row
-  // active).
+  // active). The scratch segment is sized for that; a caller's segment may not
+  // be.
   SharedMemory* results =
       options.results_in != nullptr ? options.results_in : scratch;
-  if (results != nullptr) {
-    for (const at::Tensor& t : tensors) {
-      char* p = results->Allocate(t.nbytes());
-      if (p == nullptr && options.results_in != nullptr) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "results_in: segment \"", results->region(), "\" has ",
-            results->size() - results->used(), " of ", results->size(),
-            " bytes free, too few for the results (up to the inputs' size); "
-            "Reset() it or give a larger one"));
-      }
-      if (p == nullptr) {  // the scratch segment was sized for this; never here
-        request.clear_outputs();
-        break;
-      }
-      results->Contains(p, t.nbytes(), request.add_outputs());
-    }
+  std::vector<int64_t> result_sizes;
+  for (const at::Tensor& t : tensors) result_sizes.push_back(t.nbytes());
+  if (results != nullptr &&
+      !AddOutputSlices(*results, result_sizes, request.mutable_outputs()) &&
+      options.results_in != nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "results_in: segment \"", results->region(), "\" has ",
+        results->size() - results->used(), " of ", results->size(),
+        " bytes free, too few for the results (up to the inputs' size); "
+        "Reset() it or give a larger one"));
   }
   v1::PackResponse response;
   PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
@@ -298,17 +309,17 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     const at::Tensor& mask, const std::vector<at::Tensor>& packed,
     const std::optional<std::vector<int64_t>>& tail_shape,
     const std::string& device) {
+  // Each result is [B, S, *tail]: B * S rows of a packed row's bytes (unknown,
+  // 0, when a tensor has no rows to measure).
   int64_t bytes = mask.nbytes();
-  int64_t dense_bytes = 0;
+  std::vector<int64_t> dense_sizes;
   for (const at::Tensor& t : packed) {
-    bytes += t.nbytes();
-    dense_bytes +=
-        mask.numel() *
-        (t.dim() > 0 ? t.numel() / std::max<int64_t>(t.size(0), 1) : 0) *
-        static_cast<int64_t>(t.element_size());
+    const bool has_rows = t.dim() > 0 && t.size(0) > 0;
+    dense_sizes.push_back(has_rows ? mask.numel() * (t.nbytes() / t.size(0))
+                                   : 0);
+    bytes += t.nbytes() + dense_sizes.back();
   }
-  PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch,
-                         ScratchFor(bytes + dense_bytes));
+  PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch, ScratchFor(bytes));
   v1::ScatterRequest request;
   request.set_device(device);
   PACKD_RETURN_IF_ERROR(EncodeTensor(mask, scratch, request.mutable_mask()));
@@ -319,19 +330,7 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     for (int64_t d : *tail_shape) request.mutable_tail_shape()->add_dims(d);
   }
   if (scratch != nullptr && mask.dim() == 2) {
-    for (const at::Tensor& t : packed) {
-      if (t.dim() == 0 || t.size(0) == 0) {
-        request.clear_outputs();
-        break;
-      }
-      const int64_t n = mask.numel() * (t.nbytes() / t.size(0));
-      char* p = scratch->Allocate(n);
-      if (p == nullptr) {
-        request.clear_outputs();
-        break;
-      }
-      scratch->Contains(p, n, request.add_outputs());
-    }
+    AddOutputSlices(*scratch, dense_sizes, request.mutable_outputs());
   }
   v1::ScatterResponse response;
   PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
