@@ -24,8 +24,8 @@ def random_tensor(dtype, shape):
 
 
 def raw(t):
-    t = t.contiguous()
-    return t.view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
+    """A tensor's bytes, for exact comparison (NaN payloads and -0.0 included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def same(a, b):
