@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -201,6 +202,40 @@ TEST_P(PackTest, BackwardIsScatterOfTheGradient) {
   absl::StatusOr<ScatterResult> s = Scatter(AsView(mask), grads, options);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_SAME_BYTES(x.grad(), s->dense[0].view);
+}
+
+TEST_P(PackTest, NanPayloadsAndSignsSurviveWithASingleActiveRow) {
+  // 0xFFB7 is a negative bf16 NaN with a payload; torch's own index_put_ with a
+  // single value would return the canonical 0x7FC0. Packing moves bits.
+  const at::Tensor x =
+      at::tensor({int16_t(0xFFB7), int16_t(0x7F81)}, at::kShort)
+          .view(at::kBFloat16)
+          .view({1, 2, 1});
+  const at::Tensor mask = at::tensor({0, 1}, at::kByte).view({1, 2});
+  PackOptions pack_options;
+  pack_options.impl = GetParam();
+  const std::vector<TensorView> inputs = {AsView(x)};
+  absl::StatusOr<PackResult> r = Pack(AsView(mask), inputs, pack_options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  uint16_t packed_bits = 0;
+  std::memcpy(&packed_bits, r->packed[0].view.data, 2);
+  EXPECT_EQ(packed_bits, 0x7F81);
+
+  const at::Tensor one = at::tensor({int16_t(0xFFB7)}, at::kShort)
+                             .view(at::kBFloat16)
+                             .view({1, 1});
+  const std::vector<TensorView> packed = {AsView(one)};
+  ScatterOptions scatter_options;
+  scatter_options.impl = GetParam();
+  absl::StatusOr<ScatterResult> d =
+      Scatter(AsView(mask), packed, scatter_options);
+  ASSERT_TRUE(d.ok()) << d.status();
+  uint16_t dense_bits[2] = {1, 1};
+  std::memcpy(dense_bits, d->dense[0].view.data, 4);
+  EXPECT_EQ(dense_bits[0], 0x0000);
+  EXPECT_EQ(dense_bits[1], 0xFFB7);
+  EXPECT_SAME_BYTES(testing::ReferenceScatter(one, mask, {1, 2, 1}),
+                    d->dense[0].view);
 }
 
 INSTANTIATE_TEST_SUITE_P(Impl, PackTest, ::testing::Values("span", "torch"),

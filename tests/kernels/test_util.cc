@@ -96,15 +96,37 @@ at::Tensor RandomTensor(Rng& rng, DType dtype,
   return t;
 }
 
+namespace {
+
+// An integer view of `t`'s bits (same element size). torch's boolean indexing
+// on floating types can convert values: index_put_ with a single value goes
+// through a scalar and returns the canonical NaN, dropping payload and sign.
+// On integers it only moves bits, which is what the reference must do.
+at::Tensor Bits(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 1:
+      return t.contiguous().view(at::kByte);
+    case 2:
+      return t.contiguous().view(at::kShort);
+    case 4:
+      return t.contiguous().view(at::kInt);
+    default:
+      return t.contiguous().view(at::kLong);
+  }
+}
+
+}  // namespace
+
 at::Tensor ReferencePack(const at::Tensor& x, const at::Tensor& mask) {
-  return x.index({mask.ne(0)});
+  return Bits(x).index({mask.ne(0)}).view(x.scalar_type());
 }
 
 at::Tensor ReferenceScatter(const at::Tensor& packed, const at::Tensor& mask,
                             const std::vector<int64_t>& dense_shape) {
-  at::Tensor dense = at::zeros(dense_shape, packed.options());
-  dense.index_put_({mask.ne(0)}, packed);
-  return dense;
+  const at::Tensor bits = Bits(packed);
+  at::Tensor dense = at::zeros(dense_shape, bits.options());
+  dense.index_put_({mask.ne(0)}, bits);
+  return dense.view(packed.scalar_type());
 }
 
 ReferenceMeta ReferenceMetadata(const at::Tensor& mask) {
