@@ -171,10 +171,10 @@ class Bench {
     into.outputs = outputs;
     Add(
         base, "packd", "caller buffer, touched",
-        [&] { Check(Pack(mask_view, inputs, into)); }, limit);
+        [&] { Check(Pack(inputs, mask_view, into)); }, limit);
     Add(
         base, "packd end to end", "packd host pool (warm after first call)",
-        [&] { Check(Pack(mask_view, inputs)); }, limit);
+        [&] { Check(Pack(inputs, mask_view)); }, limit);
     Add(
         base, "torch x[mask]", "torch allocator, fresh each call",
         [&] { at::Tensor r = x.index({mask}); }, limit);
@@ -212,11 +212,11 @@ class Bench {
     scatter_into.outputs = dense_views;
     Add(
         base, "packd", "caller buffer, touched",
-        [&] { Check(Scatter(mask_view, packed_views, scatter_into)); },
+        [&] { Check(Scatter(packed_views, mask_view, scatter_into)); },
         scatter_limit);
     Add(
         base, "packd end to end", "packd host pool (warm after first call)",
-        [&] { Check(Scatter(mask_view, packed_views)); }, scatter_limit);
+        [&] { Check(Scatter(packed_views, mask_view)); }, scatter_limit);
     Add(
         base, "torch index_copy_", "torch zeros, fresh each call",
         [&] {

@@ -1,8 +1,10 @@
 // bench_service: the Pack RPC, inline and through shared-memory tensor handles,
 // against the in-process kernel on the same data, in one run.
 //
-//   bench_service                      # [16, 1024, 4096] bf16, density 0.3
-//   (128 MiB) bench_service --smoke              # tiny, for ctest
+// clang-format off
+//   bench_service           # [16, 1024, 4096] bf16 (128 MiB), density 0.3
+//   bench_service --smoke   # tiny, for ctest
+// clang-format on
 //
 // The server runs in this process on a loopback port, so the RPCs take the real
 // gRPC path.
@@ -35,6 +37,7 @@
 #include "kernels/pack.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "proto/tensor_codec.h"
 #include "server/server.h"
 
 ABSL_FLAG(bool, smoke, false, "Tiny batch and few repeats");
@@ -75,8 +78,7 @@ void Check(const grpc::Status& status, const char* what) {
 
 v1::Tensor Header(const at::Tensor& t) {
   v1::Tensor out;
-  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
-  for (int64_t d : t.sizes()) out.add_shape(d);
+  EncodeTensorHeader(FromScalarType(t.scalar_type()), t.sizes().vec(), &out);
   return out;
 }
 
@@ -271,7 +273,7 @@ int Main(int argc, char** argv) {
   std::vector<Row> rows;
   rows.push_back({"in-process kernel (packd::Pack)", "caller buffer, touched",
                   MedianMs(repeats, [&] {
-                    if (!Pack(AsView(mask), inputs, into).ok()) std::exit(1);
+                    if (!Pack(inputs, AsView(mask), into).ok()) std::exit(1);
                   })});
   // The same kernel on the segment's pages (4 KiB shmem pages unless the
   // system enables shmem huge pages), which is what the server works on.
@@ -285,7 +287,7 @@ int Main(int argc, char** argv) {
   into_shm.outputs = shm_outputs;
   rows.push_back({"in-process kernel on the segment", "output in the segment",
                   MedianMs(repeats, [&] {
-                    if (!Pack(AsView(mask), shm_inputs, into_shm).ok())
+                    if (!Pack(shm_inputs, AsView(mask), into_shm).ok())
                       std::exit(1);
                   })});
   rows.push_back({"Pack RPC, shared-memory handles", "output region slice",

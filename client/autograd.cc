@@ -17,7 +17,7 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx,
                             const at::Tensor& x, const at::Tensor& mask,
                             Client* client) {
-    absl::StatusOr<PackedBatch> batch = client->Pack(mask, {x});
+    absl::StatusOr<PackedBatch> batch = client->Pack({x}, mask);
     if (!batch.ok()) forward_status = batch.status();
     TORCH_CHECK(batch.ok(), batch.status().ToString());
     ctx->save_for_backward({mask});
@@ -33,7 +33,7 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
     const at::Tensor mask = ctx->get_saved_variables()[0];
     const std::vector<int64_t> tail = ctx->saved_data["tail"].toIntVector();
     absl::StatusOr<std::vector<at::Tensor>> dense =
-        client->Scatter(mask, {grads[0].contiguous()}, tail);
+        client->Scatter({grads[0].contiguous()}, mask, tail);
     TORCH_CHECK(dense.ok(),
                 "packd Scatter in backward: ", dense.status().ToString());
     return {(*dense)[0], at::Tensor(), at::Tensor()};

@@ -3,9 +3,10 @@
 // Scatter(grad_packed)), so the whole backward pass of packing runs in the
 // service.
 //
-//   PACKD_ASSIGN_OR_RETURN(at::Tensor packed, PackWithGrad(*client, hidden,
-//   mask)); loss(packed).backward();  // hidden.grad() is set through
-//   Client::Scatter
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(at::Tensor packed, PackWithGrad(*client, hidden, mask));
+//   loss(packed).backward();  // hidden.grad() is set through Client::Scatter
+// clang-format on
 #ifndef PACKD_CLIENT_AUTOGRAD_H_
 #define PACKD_CLIENT_AUTOGRAD_H_
 

@@ -7,21 +7,16 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
 #include "kernels/torch/torch_interop.h"
+#include "proto/address.h"
+#include "proto/tensor_codec.h"
 
 namespace packd {
 namespace {
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      s.error_message());
-}
 
 std::vector<int64_t> ShapeOf(const v1::Tensor& t) {
   return std::vector<int64_t>(t.shape().begin(), t.shape().end());
@@ -43,12 +38,10 @@ bool AddOutputSlices(
   return true;
 }
 
-bool IsNodeLocal(const std::string& address) {
-  return absl::StartsWith(address, "unix:") ||
-         absl::StartsWith(address, "127.") ||
-         absl::StartsWith(address, "localhost:") ||
-         absl::StartsWith(address, "[::1]:");
-}
+// Shared-memory room a call needs, rounded up so that slightly larger batches
+// reuse the segment: a quarter more, plus 1 MiB. (The Python client's rule is
+// the same: python/packd/client.py, _scratch_for.)
+int64_t ScratchBytes(int64_t bytes) { return bytes + bytes / 4 + (1 << 20); }
 
 }  // namespace
 
@@ -82,7 +75,7 @@ absl::Status Client::Call(Rpc&& rpc) {
     const grpc::Status status = rpc(&context);
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
         attempt >= options_.max_attempts) {
-      return FromGrpc(status);
+      return FromGrpcStatus(status);
     }
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, options_.max_backoff);
@@ -165,9 +158,7 @@ absl::StatusOr<SharedMemory*> Client::ScratchFor(int64_t bytes) {
   if (!*server_allows_shm_) return nullptr;
   if (scratch_ == nullptr || scratch_->size() < bytes) {
     scratch_.reset();
-    // Round up so that slightly larger batches reuse the segment.
-    PACKD_ASSIGN_OR_RETURN(scratch_,
-                           CreateSharedMemory(bytes + bytes / 4 + (1 << 20)));
+    PACKD_ASSIGN_OR_RETURN(scratch_, CreateSharedMemory(ScratchBytes(bytes)));
   }
   scratch_->Reset();
   return scratch_.get();
@@ -186,8 +177,7 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
         "tensors must be in host memory, not on ", t_in.device().str()));
   }
   const at::Tensor t = t_in.contiguous();
-  out->set_dtype(static_cast<v1::DType>(dtype));
-  for (int64_t d : t.sizes()) out->add_shape(d);
+  EncodeTensorHeader(dtype, t.sizes().vec(), out);
   const int64_t bytes = t.nbytes();
   {
     absl::MutexLock lock(&mu_);
@@ -210,7 +200,6 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
 }
 
 absl::StatusOr<at::Tensor> Client::DecodeResult(const v1::Tensor& t,
-                                                SharedMemory* results_in,
                                                 bool copy_out) {
   const DType dtype = static_cast<DType>(t.dtype());
   if (!IsValidDType(dtype)) {
@@ -238,14 +227,14 @@ absl::StatusOr<at::Tensor> Client::DecodeResult(const v1::Tensor& t,
   if (static_cast<int64_t>(t.data().size()) != out.nbytes()) {
     return absl::InternalError("server returned a tensor of the wrong size");
   }
-  if (out.nbytes() > 0)
+  if (out.nbytes() > 0) {
     std::memcpy(out.data_ptr(), t.data().data(), out.nbytes());
-  (void)results_in;
+  }
   return out;
 }
 
-absl::StatusOr<PackedBatch> Client::Pack(const at::Tensor& mask,
-                                         const std::vector<at::Tensor>& tensors,
+absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
+                                         const at::Tensor& mask,
                                          const PackCallOptions& options) {
   int64_t bytes = mask.nbytes();
   for (const at::Tensor& t : tensors)
@@ -285,7 +274,7 @@ absl::StatusOr<PackedBatch> Client::Pack(const at::Tensor& mask,
   for (const v1::Tensor& t : response.packed()) {
     PACKD_ASSIGN_OR_RETURN(
         at::Tensor p,
-        DecodeResult(t, options.results_in, options.results_in == nullptr));
+        DecodeResult(t, /*copy_out=*/options.results_in == nullptr));
     batch.packed.push_back(std::move(p));
   }
   auto long_tensor = [](const google::protobuf::RepeatedField<int64_t>& f) {
@@ -306,7 +295,7 @@ absl::StatusOr<PackedBatch> Client::Pack(const at::Tensor& mask,
 }
 
 absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
-    const at::Tensor& mask, const std::vector<at::Tensor>& packed,
+    const std::vector<at::Tensor>& packed, const at::Tensor& mask,
     const std::optional<std::vector<int64_t>>& tail_shape,
     const std::string& device) {
   // Each result is [B, S, *tail]: B * S rows of a packed row's bytes (unknown,
@@ -338,8 +327,7 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
   }));
   std::vector<at::Tensor> dense;
   for (const v1::Tensor& t : response.dense()) {
-    PACKD_ASSIGN_OR_RETURN(at::Tensor d,
-                           DecodeResult(t, nullptr, /*copy_out=*/true));
+    PACKD_ASSIGN_OR_RETURN(at::Tensor d, DecodeResult(t, /*copy_out=*/true));
     dense.push_back(std::move(d));
   }
   return dense;

@@ -2,9 +2,10 @@
 // trainers, with libtorch tensors in and out, per-call deadlines, retry with
 // backoff on UNAVAILABLE, and shared-memory tensor handles on one node.
 //
-//   PACKD_ASSIGN_OR_RETURN(auto client, Client::Connect({.address =
-//   "127.0.0.1:50051"})); PACKD_ASSIGN_OR_RETURN(PackedBatch b,
-//   client->Pack(mask, {hidden, token_ids}));
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(auto client, Client::Connect({.address = "127.0.0.1:50051"}));
+//   PACKD_ASSIGN_OR_RETURN(PackedBatch b, client->Pack({hidden, token_ids}, mask));
+// clang-format on
 #ifndef PACKD_CLIENT_CLIENT_H_
 #define PACKD_CLIENT_CLIENT_H_
 
@@ -63,8 +64,8 @@ struct PackCallOptions {
 
 // What Pack returns, as the wire contract has it.
 struct PackedBatch {
-  std::vector<at::Tensor>
-      packed;  // packed[i] answers tensors[i]: [total_active, *tail_i]
+  // packed[i] answers tensors[i]: [total_active, *tail_i].
+  std::vector<at::Tensor> packed;
   at::Tensor cu_seqlens;  // [B + 1], int64 (or int32 on request)
   int64_t total_active = 0;
   int64_t max_seqlen = 0;
@@ -84,15 +85,15 @@ class Client {
   // ([B, S]). Errors carry the server's code and message (INVALID_ARGUMENT for
   // shapes, ...); tensors of a dtype packd does not carry are INVALID_ARGUMENT
   // here.
-  absl::StatusOr<PackedBatch> Pack(const at::Tensor& mask,
-                                   const std::vector<at::Tensor>& tensors,
+  absl::StatusOr<PackedBatch> Pack(const std::vector<at::Tensor>& tensors,
+                                   const at::Tensor& mask,
                                    const PackCallOptions& options = {});
 
   // The inverse: each packed [total_active, *tail] back to [B, S, *tail], zeros
   // at inactive positions. `tail_shape`, when given, must equal every
   // packed[i].shape[1:].
   absl::StatusOr<std::vector<at::Tensor>> Scatter(
-      const at::Tensor& mask, const std::vector<at::Tensor>& packed,
+      const std::vector<at::Tensor>& packed, const at::Tensor& mask,
       const std::optional<std::vector<int64_t>>& tail_shape = std::nullopt,
       const std::string& device = "");
 
@@ -124,16 +125,16 @@ class Client {
   // copied into `scratch`), inline bytes otherwise.
   absl::Status EncodeTensor(const at::Tensor& t, SharedMemory* scratch,
                             v1::Tensor* out);
-  absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t,
-                                          SharedMemory* results_in,
-                                          bool copy_out);
+  // A result as a tensor: a view of its region slice (cloned when
+  // `copy_out`), or a copy of its inline bytes.
+  absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t, bool copy_out);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PackService::Stub> stub_;
   absl::Mutex mu_;
-  std::vector<SharedMemory*> segments_
-      ABSL_GUARDED_BY(mu_);                // registered, for lookups
+  // Registered segments, for lookups.
+  std::vector<SharedMemory*> segments_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SharedMemory> scratch_;  // automatic handles
   std::optional<bool> server_allows_shm_;
 };

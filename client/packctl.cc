@@ -167,7 +167,7 @@ int Probe(Client& client) {
       at::tensor({1, 1, 0, 1, 0, 0, 1, 1}, at::kInt).view({2, 4}).to(at::kBool);
   const at::Tensor x = at::arange(16, at::kFloat).view({2, 4, 2});
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<PackedBatch> r = client.Pack(mask, {x});
+  absl::StatusOr<PackedBatch> r = client.Pack({x}, mask);
   const double ms = std::chrono::duration<double, std::milli>(
                         std::chrono::steady_clock::now() - start)
                         .count();
@@ -190,7 +190,7 @@ int PackCommand(Client& client) {
   const auto start = std::chrono::steady_clock::now();
   PackCallOptions options;
   options.with_position_ids = true;
-  absl::StatusOr<PackedBatch> r = client.Pack(batch->mask, {batch->x}, options);
+  absl::StatusOr<PackedBatch> r = client.Pack({batch->x}, batch->mask, options);
   const double ms = std::chrono::duration<double, std::milli>(
                         std::chrono::steady_clock::now() - start)
                         .count();
@@ -260,7 +260,7 @@ int Bench() {
         if (out_shm != nullptr) out_shm->Reset();
         const auto t0 = std::chrono::steady_clock::now();
         absl::StatusOr<PackedBatch> r =
-            (*client)->Pack(batch->mask, {x}, options);
+            (*client)->Pack({x}, batch->mask, options);
         mine.push_back(std::chrono::duration<double, std::milli>(
                            std::chrono::steady_clock::now() - t0)
                            .count());

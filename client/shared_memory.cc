@@ -1,47 +1,19 @@
 #include "client/shared_memory.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-
-#include "absl/strings/str_cat.h"
+#include <utility>
 
 namespace packd {
 
 absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(
     std::string key, std::string region, int64_t bytes,
     std::function<void()> on_close) {
-  if (bytes <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shared memory size must be positive, not ", bytes));
-  }
-  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) {
-    return absl::InternalError(
-        absl::StrCat("shm_open(\"", key, "\"): ", std::strerror(errno)));
-  }
-  if (ftruncate(fd, bytes) != 0) {
-    const int err = errno;
-    close(fd);
-    shm_unlink(key.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "ftruncate(\"", key, "\", ", bytes, "): ", std::strerror(err)));
-  }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
-  if (data == MAP_FAILED) {
-    shm_unlink(key.c_str());
-    return absl::ResourceExhaustedError(
-        absl::StrCat("mmap(\"", key, "\"): ", std::strerror(err)));
-  }
+  absl::StatusOr<std::unique_ptr<ShmSegment>> segment =
+      ShmSegment::Create(std::move(key), bytes);
+  if (!segment.ok()) return segment.status();
   std::unique_ptr<SharedMemory> shm(new SharedMemory);
-  shm->key_ = std::move(key);
+  shm->segment_ = std::move(*segment);
   shm->region_ = std::move(region);
-  shm->data_ = static_cast<char*>(data);
+  shm->data_ = shm->segment_->data();
   shm->size_ = bytes;
   shm->on_close_ = std::move(on_close);
   return shm;
@@ -49,8 +21,6 @@ absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(
 
 SharedMemory::~SharedMemory() {
   if (on_close_) on_close_();
-  munmap(data_, size_);
-  shm_unlink(key_.c_str());
 }
 
 char* SharedMemory::Allocate(int64_t bytes) {

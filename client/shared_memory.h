@@ -3,9 +3,11 @@
 // written in place by the caller and travel to the server as handles; results
 // written here are read in place.
 //
+// clang-format off
 //   PACKD_ASSIGN_OR_RETURN(auto shm, client->CreateSharedMemory(256 << 20));
-//   at::Tensor hidden = shm->Empty({16, 1024, 4096}, at::kBFloat16);  // fill
-//   in place client->Pack(mask, {hidden}, {.results_in = shm.get()});
+//   at::Tensor hidden = shm->Empty({16, 1024, 4096}, at::kBFloat16);  // fill in place
+//   client->Pack({hidden}, mask, {.results_in = shm.get()});
+// clang-format on
 #ifndef PACKD_CLIENT_SHARED_MEMORY_H_
 #define PACKD_CLIENT_SHARED_MEMORY_H_
 
@@ -16,15 +18,16 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "client/shm_segment.h"
 #include "packd/v1/pack_service.pb.h"
 
 namespace packd {
 
 class SharedMemory {
  public:
-  // Creates and maps a segment named `key` ("/packd_..."). The segment is
-  // unlinked and unmapped on destruction, after `on_close` (which unregisters
-  // it) runs.
+  // Creates and maps a segment named `key` ("/packd_...") (the errors of
+  // ShmSegment::Create). The segment is unlinked and unmapped on destruction,
+  // after `on_close` (which unregisters it) runs.
   static absl::StatusOr<std::unique_ptr<SharedMemory>> Create(
       std::string key, std::string region, int64_t bytes,
       std::function<void()> on_close);
@@ -44,14 +47,15 @@ class SharedMemory {
   bool Contains(const void* p, int64_t bytes, v1::RegionSlice* slice) const;
   char* At(uint64_t offset) const { return data_ + offset; }
 
-  const std::string& key() const { return key_; }
+  const std::string& key() const { return segment_->key(); }
   const std::string& region() const { return region_; }
   int64_t size() const { return size_; }
   int64_t used() const { return used_; }
 
  private:
   SharedMemory() = default;
-  std::string key_, region_;
+  std::unique_ptr<ShmSegment> segment_;  // unlinked after on_close_ runs
+  std::string region_;
   char* data_ = nullptr;
   int64_t size_ = 0;
   int64_t used_ = 0;

@@ -1,9 +1,10 @@
 // Backend: one implementation of the pack and scatter ops for one kind of
 // device, as the registry holds it. Pack() and Scatter() in kernels/pack.h
-// validate every argument and then call a backend; backends trust their inputs.
+// validate every argument, place the tensors on the device, and then call a
+// backend; backends trust their inputs.
 //
-//   PACKD_ASSIGN_OR_RETURN(auto plan, backend->Plan(mask));
-//   PACKD_RETURN_IF_ERROR(backend->Gather(*plan, x, out));
+//   PACKD_ASSIGN_OR_RETURN(auto plan, backend->Plan(mask, stream));
+//   PACKD_RETURN_IF_ERROR(backend->Gather(*plan, x, out, stream));
 #ifndef PACKD_KERNELS_BACKEND_H_
 #define PACKD_KERNELS_BACKEND_H_
 
@@ -14,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "kernels/buffer.h"
+#include "kernels/device_runtime.h"
 #include "kernels/tensor_view.h"
 
 namespace packd {
@@ -29,65 +30,41 @@ class MaskPlan {
   int64_t batch = 0;                // B
   int64_t seq = 0;                  // S
   std::vector<int64_t> cu_seqlens;  // [B + 1]: 0, then running active counts
-  std::vector<int64_t>
-      last_index;  // [B]: s of each row's last active position, -1 if none
+  // [B]: s of each row's last active position, -1 if none.
+  std::vector<int64_t> last_index;
 
   int64_t total_active() const { return cu_seqlens.back(); }
   bool all_active() const { return total_active() == batch * seq; }
 };
 
-// Device memory another process exported, opened in this one: `owner` closes it
-// when the last holder lets go.
-struct DeviceMapping {
-  void* base = nullptr;
-  std::shared_ptr<void> owner;
-};
-
+// One implementation of both ops, pack and scatter, for one kind of device
+// ("span" and "torch" on cpu, "gpu" on cuda or hip). It works on memory of the
+// device that the DeviceRuntime of its kind gives it, and queues its work on
+// the call's stream.
 class Backend {
  public:
   virtual ~Backend() = default;
 
-  // The implementation's name within its device kind ("span", "torch", "cuda").
+  // The implementation's name within its device kind ("span", "torch", "gpu").
   virtual absl::string_view name() const = 0;
 
-  // OK when `device` (of this backend's kind) exists on this machine;
-  // FAILED_PRECONDITION saying why not otherwise.
-  virtual absl::Status CheckDevice(const Device& device) const;
-
   // Scans `mask` ([B, S], any dtype, nonzero is active: NaN is active, -0.0 is
-  // not). Returns the plan, or INTERNAL with the runtime's message if a device
-  // runtime fails.
+  // not). Returns the plan, with cu_seqlens and last_index on the host, or
+  // INTERNAL with the runtime's message if a device runtime fails.
   virtual absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
-      const TensorView& mask) = 0;
+      const TensorView& mask, const Stream& stream) = 0;
 
   // out = x[mask != 0]: x is [B, S, *tail], out is [total_active, *tail] of the
-  // same dtype, neither overlapping. Writes every byte of `out`.
+  // same dtype, neither overlapping. Writes every byte of `out` (once the
+  // stream's work is done).
   virtual absl::Status Gather(const MaskPlan& plan, const TensorView& x,
-                              const TensorView& out) = 0;
+                              const TensorView& out, const Stream& stream) = 0;
 
   // The inverse: dense[b, s] = packed[rank] at active positions, zeros
-  // elsewhere. Writes every byte of `dense`.
+  // elsewhere. Writes every byte of `dense` (once the stream's work is done).
   virtual absl::Status Scatter(const MaskPlan& plan, const TensorView& packed,
-                               const TensorView& dense) = 0;
-
-  // Returns `bytes` of uninitialised memory on `device` for a result.
-  // RESOURCE_EXHAUSTED when the device is out of memory.
-  virtual absl::StatusOr<Buffer> Allocate(int64_t bytes, const Device& device);
-
-  // Synchronous copies between host memory and memory on `device` (of this
-  // backend's kind); INTERNAL with the runtime's message on failure. The CPU
-  // default is memcpy.
-  virtual absl::Status CopyToDevice(void* dst, const void* src, int64_t bytes,
-                                    const Device& device);
-  virtual absl::Status CopyToHost(void* dst, const void* src, int64_t bytes,
-                                  const Device& device);
-
-  // Opens `byte_size` bytes of device memory exported by another process with
-  // an IPC handle (cudaIpcMemHandle_t / hipIpcMemHandle_t, 64 bytes). The
-  // default answers FAILED_PRECONDITION: only GPU backends can.
-  virtual absl::StatusOr<DeviceMapping> OpenIpcMemory(absl::string_view handle,
-                                                      const Device& device,
-                                                      uint64_t byte_size);
+                               const TensorView& dense,
+                               const Stream& stream) = 0;
 };
 
 }  // namespace packd

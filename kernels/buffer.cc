@@ -3,9 +3,9 @@
 #include <sys/mman.h>
 
 #include <cstdlib>
-#include <new>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 
 namespace packd {
 namespace {
@@ -104,13 +104,15 @@ HostBufferPool::HostBufferPool(size_t max_cached_bytes)
               data = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
               if (data == MAP_FAILED) {
-                return absl::ResourceExhaustedError("host mmap failed");
+                return absl::ResourceExhaustedError(absl::StrCat(
+                    "cannot map ", capacity, " bytes of host memory"));
               }
               madvise(data, capacity, MADV_HUGEPAGE);
             } else {
               data = std::aligned_alloc(kAlignment, capacity);
               if (data == nullptr) {
-                return absl::ResourceExhaustedError("host allocation failed");
+                return absl::ResourceExhaustedError(absl::StrCat(
+                    "cannot allocate ", capacity, " bytes of host memory"));
               }
             }
             return data;
@@ -133,12 +135,6 @@ HostBufferPool& HostBufferPool::Global() {
     return new HostBufferPool(limit);
   }();
   return *pool;
-}
-
-Buffer HostBufferPool::Acquire(size_t bytes) {
-  absl::StatusOr<Buffer> buffer = blocks_.Acquire(bytes);
-  if (!buffer.ok()) throw std::bad_alloc();
-  return std::move(*buffer);
 }
 
 }  // namespace packd

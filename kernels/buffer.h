@@ -1,9 +1,10 @@
 // Buffer: owned memory for results the library allocates, and HostBufferPool,
 // the warm host memory behind it.
 //
-//   Buffer b = HostBufferPool::Global().Acquire(n_bytes);  // reused pages: no
-//   first-touch faults memcpy(b.data(), src, n_bytes); // b returns to the pool
-//   when destroyed
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(Buffer b, HostBufferPool::Global().Acquire(n));  // warm pages
+//   memcpy(b.data(), src, n);  // b returns to the pool when destroyed
+// clang-format on
 //
 // Why a pool: fresh pages cost more to fault in than packing writes into them
 // (about 13 ms of page faults for 38 MiB with 4 KiB pages, against about 3 ms
@@ -122,9 +123,10 @@ class HostBufferPool {
 
   // Returns a buffer of at least `bytes` bytes, 64-byte aligned, contents
   // unspecified. A zero-byte request returns a buffer with a valid, non-null
-  // pointer. Throws std::bad_alloc only if the system is out of memory, like
-  // operator new.
-  Buffer Acquire(size_t bytes);
+  // pointer. RESOURCE_EXHAUSTED when the system cannot give the memory.
+  absl::StatusOr<Buffer> Acquire(size_t bytes) {
+    return blocks_.Acquire(bytes);
+  }
 
   size_t cached_bytes() const { return blocks_.cached_bytes(); }
   void Trim() { blocks_.Trim(); }

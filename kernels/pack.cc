@@ -7,37 +7,105 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/device_runtime.h"
+#include "kernels/device_staging.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 
 namespace packd {
 namespace {
 
+// The device a call runs on, and how a tensor may relate to it.
+struct CallDevice {
+  Device device;
+  // Whether the caller chose it (CallOptions::device) or it is the mask's.
+  bool explicit_device = false;
+
+  // OK when a tensor on `where` can take part in the call: on the call's
+  // device, or in host memory that a call on a GPU stages.
+  absl::Status Admits(const Device& where, absl::string_view field) const {
+    if (where == device) return absl::OkStatus();
+    if (explicit_device && where.kind == DeviceKind::kCpu) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " is on ", where.ToString(),
+        explicit_device ? " but the call runs on " : " but the mask is on ",
+        device.ToString()));
+  }
+};
+
 // Checks dtype, dims, byte size, data pointer and device of one tensor; returns
 // its byte size.
 absl::StatusOr<int64_t> ValidateTensor(const TensorView& t,
                                        absl::string_view field,
-                                       const Device& device) {
+                                       const CallDevice& call) {
   PACKD_ASSIGN_OR_RETURN(int64_t bytes, ByteSize(t.dtype, t.shape, field));
   if (bytes > 0 && t.data == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " has no data for its ", bytes, " bytes"));
   }
-  if (t.device != device) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " is on ", t.device.ToString(),
-                     " but the mask is on ", device.ToString()));
-  }
+  PACKD_RETURN_IF_ERROR(call.Admits(t.device, field));
   return bytes;
 }
 
-absl::Status ValidateMask(const TensorView& mask) {
+absl::Status ValidateMask(const TensorView& mask, const CallDevice& call) {
   if (mask.shape.size() != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("mask.shape ", ShapeString(mask.shape),
                      " must have rank 2 ([B, S]), not ", mask.shape.size()));
   }
-  return ValidateTensor(mask, "mask", mask.device).status();
+  return ValidateTensor(mask, "mask", call).status();
+}
+
+absl::Status ValidatePackArgs(absl::Span<const TensorView> inputs,
+                              const TensorView& mask, const CallDevice& call) {
+  PACKD_RETURN_IF_ERROR(ValidateMask(mask, call));
+  if (inputs.empty()) {
+    return absl::InvalidArgumentError(
+        "inputs is empty: give at least one [B, S, *tail] tensor");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::string field = absl::StrCat("inputs[", i, "]");
+    const TensorView& x = inputs[i];
+    if (x.shape.size() < 2 || x.shape[0] != mask.shape[0] ||
+        x.shape[1] != mask.shape[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape ", ShapeString(x.shape),
+          " does not start with mask shape ", ShapeString(mask.shape)));
+    }
+    PACKD_RETURN_IF_ERROR(ValidateTensor(x, field, call).status());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateScatterArgs(absl::Span<const TensorView> packed,
+                                 const TensorView& mask,
+                                 const std::optional<Shape>& tail_shape,
+                                 const CallDevice& call) {
+  PACKD_RETURN_IF_ERROR(ValidateMask(mask, call));
+  if (packed.empty()) {
+    return absl::InvalidArgumentError(
+        "packed is empty: give at least one [total_active, *tail] tensor");
+  }
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const std::string field = absl::StrCat("packed[", i, "]");
+    const TensorView& p = packed[i];
+    if (p.shape.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape [] must have rank 1 or more ([total_active, *tail])"));
+    }
+    PACKD_RETURN_IF_ERROR(ValidateTensor(p, field, call).status());
+    if (tail_shape.has_value()) {
+      const auto tail = absl::MakeConstSpan(p.shape).subspan(1);
+      if (tail != absl::MakeConstSpan(*tail_shape)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tail_shape ", ShapeString(*tail_shape), " does not match ", field,
+            ".shape[1:] ", ShapeString(tail)));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 struct ByteRange {
@@ -53,9 +121,9 @@ ByteRange RangeOf(const TensorView& t) {
   return ByteRange{static_cast<const char*>(t.data), t.nbytes()};
 }
 
-// INVALID_ARGUMENT when result i's memory overlaps the mask, an input or an
-// earlier result: the kernels read inputs while they write results.
-absl::Status CheckNoOverlap(const std::vector<Tensor>& results, size_t i,
+// INVALID_ARGUMENT when result i's memory overlaps the mask, a source or an
+// earlier result: the kernels read sources while they write results.
+absl::Status CheckNoOverlap(const std::vector<ResultTensor>& results, size_t i,
                             absl::Span<const TensorView> sources,
                             const TensorView& mask) {
   const std::string field = absl::StrCat("outputs[", i, "]");
@@ -79,42 +147,46 @@ absl::Status CheckNoOverlap(const std::vector<Tensor>& results, size_t i,
   return absl::OkStatus();
 }
 
-// Validates caller-provided outputs against the expected shapes (the sources'
-// dtypes), or places results where `allocate` says, or has the backend allocate
-// them.
-absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
-    Backend& backend, absl::Span<const TensorView> outputs,
-    const OutputAllocator& allocate, absl::Span<const TensorView> sources,
-    const std::vector<Shape>& shapes, const TensorView& mask) {
-  std::vector<Tensor> results(sources.size());
-  if (outputs.empty()) {
+// The results' final places: the caller's outputs (checked against the
+// expected shapes and the sources' dtypes), or where `allocate` says, or
+// memory the call's runtime allocates.
+absl::StatusOr<std::vector<ResultTensor>> PlaceResults(
+    const CallOptions& options, const CallDevice& call, DeviceRuntime& runtime,
+    absl::Span<const TensorView> sources, const std::vector<Shape>& shapes,
+    const TensorView& mask) {
+  std::vector<ResultTensor> results(sources.size());
+  if (options.outputs.empty()) {
     for (size_t i = 0; i < sources.size(); ++i) {
       TensorView& v = results[i].view;
       v.dtype = sources[i].dtype;
       v.shape = shapes[i];
-      v.device = mask.device;
+      v.device = call.device;
       PACKD_ASSIGN_OR_RETURN(
           int64_t bytes,
           ByteSize(v.dtype, v.shape, absl::StrCat("result[", i, "]")));
-      if (allocate) {
-        PACKD_ASSIGN_OR_RETURN(v.data, allocate(i, bytes));
+      if (options.allocate) {
+        PACKD_ASSIGN_OR_RETURN(OutputPlace place, options.allocate(i, bytes));
+        v.data = place.data;
+        v.device = place.device;
+        PACKD_RETURN_IF_ERROR(
+            call.Admits(v.device, absl::StrCat("outputs[", i, "]")));
         PACKD_RETURN_IF_ERROR(CheckNoOverlap(results, i, sources, mask));
       } else {
         PACKD_ASSIGN_OR_RETURN(results[i].storage,
-                               backend.Allocate(bytes, mask.device));
+                               runtime.Allocate(bytes, call.device));
         v.data = results[i].storage.data();
       }
     }
     return results;
   }
-  if (outputs.size() != sources.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("outputs has ", outputs.size(), " entries but there are ",
-                     sources.size(), " inputs: give one per input, or none"));
+  if (options.outputs.size() != sources.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "outputs has ", options.outputs.size(), " entries but there are ",
+        sources.size(), " inputs: give one per input, or none"));
   }
-  for (size_t i = 0; i < outputs.size(); ++i) {
+  for (size_t i = 0; i < sources.size(); ++i) {
     const std::string field = absl::StrCat("outputs[", i, "]");
-    const TensorView& out = outputs[i];
+    const TensorView& out = options.outputs[i];
     if (out.dtype != sources[i].dtype) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".dtype is ", DTypeName(out.dtype),
@@ -125,61 +197,95 @@ absl::StatusOr<std::vector<Tensor>> PrepareOutputs(
           absl::StrCat(field, ".shape is ", ShapeString(out.shape),
                        " but the result is ", ShapeString(shapes[i])));
     }
-    PACKD_RETURN_IF_ERROR(ValidateTensor(out, field, mask.device).status());
+    PACKD_RETURN_IF_ERROR(ValidateTensor(out, field, call).status());
     results[i].view = out;
     PACKD_RETURN_IF_ERROR(CheckNoOverlap(results, i, sources, mask));
   }
   return results;
 }
 
-}  // namespace
+// The result shapes of an op, known once the mask is scanned; an error when
+// the sources do not fit the mask.
+using ShapesFn =
+    std::function<absl::StatusOr<std::vector<Shape>>(const MaskPlan& plan)>;
+// Runs the op on one source, writing `out`.
+using OpFn = std::function<absl::Status(
+    Backend& backend, const MaskPlan& plan, const TensorView& source,
+    const TensorView& out, const Stream& stream)>;
 
-absl::Status ValidatePackArgs(const TensorView& mask,
-                              absl::Span<const TensorView> inputs) {
-  PACKD_RETURN_IF_ERROR(ValidateMask(mask));
-  if (inputs.empty()) {
-    return absl::InvalidArgumentError(
-        "inputs is empty: give at least one [B, S, *tail] tensor");
+// The steps of every Pack and Scatter, in order, after validation: find the
+// implementation and runtime, stage host tensors to the device, scan the mask
+// once, place the results, run the op on every source, copy host-bound
+// results back, and wait for the device. Returns the results and the plan.
+absl::StatusOr<std::vector<ResultTensor>> RunCall(
+    const CallOptions& options, const CallDevice& call,
+    absl::Span<const TensorView> sources, const TensorView& mask,
+    const ShapesFn& result_shapes, const OpFn& op,
+    std::unique_ptr<MaskPlan>* plan) {
+  PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime,
+                         Registry::Runtime(call.device));
+  PACKD_ASSIGN_OR_RETURN(Backend * backend,
+                         Registry::Get(call.device, options.impl));
+  PACKD_ASSIGN_OR_RETURN(Stream stream, runtime->AcquireStream(call.device));
+  DeviceStaging staging(runtime, &stream);
+
+  TensorView staged_mask = mask;
+  PACKD_RETURN_IF_ERROR(staging.Upload(&staged_mask));
+  std::vector<TensorView> staged(sources.begin(), sources.end());
+  for (TensorView& t : staged) PACKD_RETURN_IF_ERROR(staging.Upload(&t));
+
+  PACKD_ASSIGN_OR_RETURN(*plan, backend->Plan(staged_mask, stream));
+  PACKD_ASSIGN_OR_RETURN(std::vector<Shape> shapes, result_shapes(**plan));
+  PACKD_ASSIGN_OR_RETURN(
+      std::vector<ResultTensor> results,
+      PlaceResults(options, call, *runtime, sources, shapes, mask));
+  for (size_t i = 0; i < staged.size(); ++i) {
+    TensorView out = results[i].view;
+    PACKD_ASSIGN_OR_RETURN(out.data,
+                           staging.Result(out.data, out.device, out.nbytes()));
+    out.device = call.device;
+    PACKD_RETURN_IF_ERROR(op(*backend, **plan, staged[i], out, stream));
   }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const std::string field = absl::StrCat("inputs[", i, "]");
-    const TensorView& x = inputs[i];
-    if (x.shape.size() < 2 || x.shape[0] != mask.shape[0] ||
-        x.shape[1] != mask.shape[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".shape ", ShapeString(x.shape),
-          " does not start with mask shape ", ShapeString(mask.shape)));
-    }
-    PACKD_RETURN_IF_ERROR(ValidateTensor(x, field, mask.device).status());
-  }
-  return absl::OkStatus();
+  PACKD_RETURN_IF_ERROR(staging.Download());
+  // The call's work is complete when it returns: results on the device are
+  // written, and the stream goes back to the runtime idle.
+  PACKD_RETURN_IF_ERROR(runtime->Synchronize(stream));
+  return results;
 }
 
-absl::StatusOr<PackResult> Pack(const TensorView& mask,
-                                absl::Span<const TensorView> inputs,
+CallDevice CallDeviceOf(const CallOptions& options, const TensorView& mask) {
+  return options.device.has_value() ? CallDevice{*options.device, true}
+                                    : CallDevice{mask.device, false};
+}
+
+}  // namespace
+
+absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
+                                const TensorView& mask,
                                 const PackOptions& options) {
-  PACKD_RETURN_IF_ERROR(ValidatePackArgs(mask, inputs));
-  PACKD_ASSIGN_OR_RETURN(Backend * backend,
-                         Registry::Get("pack", mask.device, options.impl));
-  PACKD_ASSIGN_OR_RETURN(std::unique_ptr<MaskPlan> plan, backend->Plan(mask));
+  const CallDevice call = CallDeviceOf(options, mask);
+  PACKD_RETURN_IF_ERROR(ValidatePackArgs(inputs, mask, call));
+  auto shapes =
+      [&](const MaskPlan& plan) -> absl::StatusOr<std::vector<Shape>> {
+    std::vector<Shape> out;
+    for (const TensorView& x : inputs) {
+      Shape s = x.shape;
+      s.erase(s.begin());
+      s[0] = plan.total_active();
+      out.push_back(std::move(s));
+    }
+    return out;
+  };
+  auto gather = [](Backend& backend, const MaskPlan& plan, const TensorView& x,
+                   const TensorView& out, const Stream& stream) {
+    return backend.Gather(plan, x, out, stream);
+  };
+  std::unique_ptr<MaskPlan> plan;
+  PackResult result;
+  PACKD_ASSIGN_OR_RETURN(result.packed, RunCall(options, call, inputs, mask,
+                                                shapes, gather, &plan));
 
   const int64_t total = plan->total_active();
-  std::vector<Shape> shapes;
-  for (const TensorView& x : inputs) {
-    Shape s = x.shape;
-    s.erase(s.begin());
-    s[0] = total;
-    shapes.push_back(std::move(s));
-  }
-  PackResult result;
-  PACKD_ASSIGN_OR_RETURN(
-      result.packed, PrepareOutputs(*backend, options.outputs, options.allocate,
-                                    inputs, shapes, mask));
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    PACKD_RETURN_IF_ERROR(
-        backend->Gather(*plan, inputs[i], result.packed[i].view));
-  }
-
   result.total_active = total;
   for (size_t b = 0; b + 1 < plan->cu_seqlens.size(); ++b) {
     result.max_seqlen = std::max(result.max_seqlen,
@@ -200,65 +306,39 @@ absl::StatusOr<PackResult> Pack(const TensorView& mask,
   return result;
 }
 
-absl::Status ValidateScatterArgs(const TensorView& mask,
-                                 absl::Span<const TensorView> packed,
-                                 const std::optional<Shape>& tail_shape) {
-  PACKD_RETURN_IF_ERROR(ValidateMask(mask));
-  if (packed.empty()) {
-    return absl::InvalidArgumentError(
-        "packed is empty: give at least one [total_active, *tail] tensor");
-  }
-  for (size_t i = 0; i < packed.size(); ++i) {
-    const std::string field = absl::StrCat("packed[", i, "]");
-    const TensorView& p = packed[i];
-    if (p.shape.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".shape [] must have rank 1 or more ([total_active, *tail])"));
-    }
-    PACKD_RETURN_IF_ERROR(ValidateTensor(p, field, mask.device).status());
-    if (tail_shape.has_value()) {
-      const auto tail = absl::MakeConstSpan(p.shape).subspan(1);
-      if (tail != absl::MakeConstSpan(*tail_shape)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tail_shape ", ShapeString(*tail_shape), " does not match ", field,
-            ".shape[1:] ", ShapeString(tail)));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<ScatterResult> Scatter(const TensorView& mask,
-                                      absl::Span<const TensorView> packed,
+absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
+                                      const TensorView& mask,
                                       const ScatterOptions& options) {
-  PACKD_RETURN_IF_ERROR(ValidateScatterArgs(mask, packed, options.tail_shape));
-  PACKD_ASSIGN_OR_RETURN(Backend * backend,
-                         Registry::Get("scatter", mask.device, options.impl));
-  PACKD_ASSIGN_OR_RETURN(std::unique_ptr<MaskPlan> plan, backend->Plan(mask));
-
-  const int64_t total = plan->total_active();
-  std::vector<Shape> shapes;
-  for (size_t i = 0; i < packed.size(); ++i) {
-    const TensorView& p = packed[i];
-    if (p.shape[0] != total) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "packed[", i, "].shape ", ShapeString(p.shape), " has ", p.shape[0],
-          " rows but the mask has ", total, " active positions"));
+  const CallDevice call = CallDeviceOf(options, mask);
+  PACKD_RETURN_IF_ERROR(
+      ValidateScatterArgs(packed, mask, options.tail_shape, call));
+  auto shapes =
+      [&](const MaskPlan& plan) -> absl::StatusOr<std::vector<Shape>> {
+    std::vector<Shape> out;
+    for (size_t i = 0; i < packed.size(); ++i) {
+      const TensorView& p = packed[i];
+      if (p.shape[0] != plan.total_active()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("packed[", i, "].shape ", ShapeString(p.shape),
+                         " has ", p.shape[0], " rows but the mask has ",
+                         plan.total_active(), " active positions"));
+      }
+      Shape s = {mask.shape[0], mask.shape[1]};
+      s.insert(s.end(), p.shape.begin() + 1, p.shape.end());
+      PACKD_RETURN_IF_ERROR(
+          ByteSize(p.dtype, s, absl::StrCat("dense[", i, "]")).status());
+      out.push_back(std::move(s));
     }
-    Shape s = {mask.shape[0], mask.shape[1]};
-    s.insert(s.end(), p.shape.begin() + 1, p.shape.end());
-    PACKD_RETURN_IF_ERROR(
-        ByteSize(p.dtype, s, absl::StrCat("dense[", i, "]")).status());
-    shapes.push_back(std::move(s));
-  }
+    return out;
+  };
+  auto scatter = [](Backend& backend, const MaskPlan& plan, const TensorView& p,
+                    const TensorView& dense, const Stream& stream) {
+    return backend.Scatter(plan, p, dense, stream);
+  };
+  std::unique_ptr<MaskPlan> plan;
   ScatterResult result;
-  PACKD_ASSIGN_OR_RETURN(
-      result.dense, PrepareOutputs(*backend, options.outputs, options.allocate,
-                                   packed, shapes, mask));
-  for (size_t i = 0; i < packed.size(); ++i) {
-    PACKD_RETURN_IF_ERROR(
-        backend->Scatter(*plan, packed[i], result.dense[i].view));
-  }
+  PACKD_ASSIGN_OR_RETURN(result.dense, RunCall(options, call, packed, mask,
+                                               shapes, scatter, &plan));
   return result;
 }
 

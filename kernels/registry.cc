@@ -1,12 +1,12 @@
 #include "kernels/registry.h"
 
-#include <cstring>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/status_macros.h"
 #if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
 #include "kernels/gpu/gpu_backend.h"
 #endif
@@ -16,43 +16,10 @@
 
 namespace packd {
 
-absl::Status Backend::CheckDevice(const Device& device) const {
-  if (device.kind == DeviceKind::kCpu && device.index == 0)
-    return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("device ", device.ToString(), " is not available"));
-}
-
-absl::StatusOr<Buffer> Backend::Allocate(int64_t bytes, const Device& device) {
-  if (device.kind != DeviceKind::kCpu) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "backend ", name(), " cannot allocate on ", device.ToString()));
-  }
-  return HostBufferPool::Global().Acquire(static_cast<size_t>(bytes));
-}
-
-absl::StatusOr<DeviceMapping> Backend::OpenIpcMemory(absl::string_view,
-                                                     const Device& device,
-                                                     uint64_t) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "backend ", name(), " cannot open IPC memory on ", device.ToString()));
-}
-
-absl::Status Backend::CopyToDevice(void* dst, const void* src, int64_t bytes,
-                                   const Device&) {
-  if (bytes > 0) std::memcpy(dst, src, bytes);
-  return absl::OkStatus();
-}
-
-absl::Status Backend::CopyToHost(void* dst, const void* src, int64_t bytes,
-                                 const Device&) {
-  if (bytes > 0) std::memcpy(dst, src, bytes);
-  return absl::OkStatus();
-}
-
 Registry& Registry::Global() {
   static Registry* registry = [] {
     auto* r = new Registry;
+    r->SetRuntime(MakeHostRuntime());
     RegisterCpuBackends(*r);
 #ifdef PACKD_HAVE_TORCH
     RegisterTorchBackends(*r);
@@ -86,25 +53,21 @@ absl::Status Registry::Add(DeviceKind kind, std::unique_ptr<Backend> backend,
   return absl::OkStatus();
 }
 
-absl::StatusOr<Backend*> Registry::Find(absl::string_view op,
-                                        const Device& device,
-                                        absl::string_view impl) const {
-  if (op != "pack" && op != "scatter") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "op \"", op, "\" is not known: expected \"pack\" or \"scatter\""));
-  }
+void Registry::SetRuntime(std::unique_ptr<DeviceRuntime> runtime) {
   absl::MutexLock lock(&mu_);
-  std::vector<std::string> names;
-  for (const Entry& e : entries_) {
-    if (e.kind != device.kind) continue;
-    if (impl.empty() || e.backend->name() == impl) {
-      absl::Status available = e.backend->CheckDevice(device);
-      if (!available.ok()) return available;
-      return e.backend.get();
+  runtimes_.push_back(std::move(runtime));
+}
+
+absl::StatusOr<DeviceRuntime*> Registry::FindRuntime(
+    const Device& device) const {
+  DeviceRuntime* runtime = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& r : runtimes_) {
+      if (r->kind() == device.kind) runtime = r.get();
     }
-    names.emplace_back(e.backend->name());
   }
-  if (names.empty()) {
+  if (runtime == nullptr) {
     const char* what = device.kind == DeviceKind::kCuda  ? "CUDA"
                        : device.kind == DeviceKind::kHip ? "ROCm (HIP)"
                                                          : "CPU";
@@ -112,9 +75,23 @@ absl::StatusOr<Backend*> Registry::Find(absl::string_view op,
         "device ", device.ToString(),
         " is not available: this build of packd has no ", what, " backend"));
   }
-  return absl::NotFoundError(absl::StrCat(
-      "no implementation \"", impl, "\" of ", op, " on ", device.ToString(),
-      "; available: ", absl::StrJoin(names, ", ")));
+  PACKD_RETURN_IF_ERROR(runtime->CheckDevice(device));
+  return runtime;
+}
+
+absl::StatusOr<Backend*> Registry::Find(const Device& device,
+                                        absl::string_view impl) const {
+  PACKD_RETURN_IF_ERROR(FindRuntime(device).status());
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> names;
+  for (const Entry& e : entries_) {
+    if (e.kind != device.kind) continue;
+    if (impl.empty() || e.backend->name() == impl) return e.backend.get();
+    names.emplace_back(e.backend->name());
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no implementation \"", impl, "\" on ", device.ToString(),
+                   "; available: ", absl::StrJoin(names, ", ")));
 }
 
 std::vector<std::string> Registry::Names(DeviceKind kind) const {

@@ -1,9 +1,12 @@
-// Registry: (op, device, implementation name) -> Backend, the C++ counterpart
-// of kernel_registry.get_op("pack").
+// Registry: what this build can run on each kind of device — the op
+// implementations (Backend) and the one DeviceRuntime of each kind — the C++
+// counterpart of kernel_registry.get_op("pack").
 //
-//   PACKD_ASSIGN_OR_RETURN(Backend* pack, Registry::Get("pack",
-//   Device::Cpu())); PACKD_ASSIGN_OR_RETURN(Backend* native,
-//   Registry::Get("pack", Device::Cpu(), "torch"));
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(Backend* span, Registry::Get(Device::Cpu()));
+//   PACKD_ASSIGN_OR_RETURN(Backend* native, Registry::Get(Device::Cpu(), "torch"));
+//   PACKD_ASSIGN_OR_RETURN(DeviceRuntime* cuda, Registry::Runtime(Device{DeviceKind::kCuda, 0}));
+// clang-format on
 #ifndef PACKD_KERNELS_REGISTRY_H_
 #define PACKD_KERNELS_REGISTRY_H_
 
@@ -15,21 +18,26 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
+#include "kernels/device_runtime.h"
 #include "kernels/tensor_view.h"
 
 namespace packd {
 
 class Registry {
  public:
-  // The process-wide registry, holding every backend this build has: "span"
-  // (default) and "torch" on cpu; "gpu" on cuda or hip when built with them.
+  // The process-wide registry, holding everything this build has: the host
+  // runtime with "span" (default) and "torch" on cpu; the GPU runtime with
+  // "gpu" on cuda or hip when built with them.
   static Registry& Global();
 
-  // Shorthand for Global().Find(op, device, impl).
-  static absl::StatusOr<Backend*> Get(absl::string_view op,
-                                      const Device& device,
+  // Shorthands for Global().Find(device, impl) and
+  // Global().FindRuntime(device).
+  static absl::StatusOr<Backend*> Get(const Device& device,
                                       absl::string_view impl = "") {
-    return Global().Find(op, device, impl);
+    return Global().Find(device, impl);
+  }
+  static absl::StatusOr<DeviceRuntime*> Runtime(const Device& device) {
+    return Global().FindRuntime(device);
   }
 
   // Adds `backend` for `kind`; the first one added for a kind, or one added
@@ -38,12 +46,20 @@ class Registry {
   absl::Status Add(DeviceKind kind, std::unique_ptr<Backend> backend,
                    bool make_default = false);
 
-  // Returns the backend for `op` ("pack" or "scatter") on `device`: the one
-  // named `impl`, or the default when `impl` is empty. INVALID_ARGUMENT for
-  // another op name; NOT_FOUND for an unknown impl; FAILED_PRECONDITION when
-  // this build or this machine has no such device.
-  absl::StatusOr<Backend*> Find(absl::string_view op, const Device& device,
+  // Makes `runtime` the runtime of its kind from now on. One it replaces stays
+  // alive (pointers to it remain valid) but is no longer found.
+  void SetRuntime(std::unique_ptr<DeviceRuntime> runtime);
+
+  // Returns the implementation on `device` named `impl`, or the default when
+  // `impl` is empty. FAILED_PRECONDITION when this build or this machine has
+  // no such device; NOT_FOUND for an unknown impl.
+  absl::StatusOr<Backend*> Find(const Device& device,
                                 absl::string_view impl = "") const;
+
+  // Returns the runtime of `device`'s kind once it has checked that the device
+  // exists. FAILED_PRECONDITION saying why when this build or this machine has
+  // no such device.
+  absl::StatusOr<DeviceRuntime*> FindRuntime(const Device& device) const;
 
   // Names of the implementations for `kind`, the default first.
   std::vector<std::string> Names(DeviceKind kind) const;
@@ -54,8 +70,10 @@ class Registry {
     std::unique_ptr<Backend> backend;
   };
   mutable absl::Mutex mu_;
-  std::vector<Entry> entries_
-      ABSL_GUARDED_BY(mu_);  // defaults first within a kind
+  // Defaults first within a kind.
+  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // The current runtime of a kind is the last one of that kind.
+  std::vector<std::unique_ptr<DeviceRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace packd

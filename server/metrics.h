@@ -1,9 +1,10 @@
 // Metrics: what packd counts about its calls, and MetricsServer, which serves
 // them as Prometheus text on --metrics_listen.
 //
-//   metrics.Record("Pack", absl::StatusCode::kOk, absl::Milliseconds(3), 1 <<
-//   20, 4 << 10); auto server = MetricsServer::Start("127.0.0.1:9090", [&] {
-//   return metrics.Render(...); });
+// clang-format off
+//   metrics.Record("Pack", absl::StatusCode::kOk, absl::Milliseconds(3), 1 << 20, 4 << 10);
+//   auto server = MetricsServer::Start("127.0.0.1:9090", [&] { return metrics.Render(...); });
+// clang-format on
 #ifndef PACKD_SERVER_METRICS_H_
 #define PACKD_SERVER_METRICS_H_
 

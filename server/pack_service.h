@@ -1,7 +1,9 @@
-// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API. It
-// decodes and validates each request, runs the kernels with the request's bytes
-// read in place and results written straight into the response, and tracks
-// calls in flight so that shutdown can drain them.
+// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API. Each
+// Pack and Scatter call is decoded (server/request_decoder.h), run by the op
+// library on its device (kernels/pack.h), and encoded with results written
+// straight into the response or into region slices. Region RPCs go to the
+// RegionRegistry (server/regions.h). Calls in flight are tracked so that
+// shutdown can drain them.
 //
 //   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
 //   builder.RegisterService(&service);
@@ -9,8 +11,8 @@
 #define PACKD_SERVER_PACK_SERVICE_H_
 
 #include <cstdint>
-#include <memory>
-#include <optional>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -21,9 +23,9 @@
 #include "kernels/pack.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
-#include "server/device_staging.h"
 #include "server/metrics.h"
 #include "server/regions.h"
+#include "server/request_decoder.h"
 
 namespace packd {
 
@@ -33,15 +35,19 @@ struct ServiceOptions {
   int64_t max_message_bytes = int64_t{1} << 30;
   // Tensor handles: whether they are enabled, and the shared-memory key prefix.
   RegionOptions regions;
-  // Test hook: each Pack and Scatter call waits this long once its tensors are
-  // decoded.
-  absl::Duration testonly_call_delay = absl::ZeroDuration();
+  // For tests: called with the method name ("Pack", "Scatter") once a call's
+  // tensors are decoded (its regions held), before the op runs. Tests inject
+  // it to hold a call in flight; packd itself never sets it.
+  std::function<void(absl::string_view method)> testing_call_hook;
 };
 
 class PackServiceImpl final : public v1::PackService::CallbackService {
  public:
   explicit PackServiceImpl(ServiceOptions options)
-      : options_(options), regions_(options.regions) {}
+      : options_(std::move(options)),
+        regions_(options_.regions),
+        decoder_(&regions_, options_.default_device,
+                 options_.max_message_bytes) {}
 
   // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted
   // finish.
@@ -91,62 +97,29 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   // Admits a call unless draining; every admitted call must be released.
   bool Admit();
   void Release();
-  // Runs `work` as an admitted call, finishes the reactor with its status and
-  // records it in the metrics.
-  template <typename Work>
-  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
-                                  const char* method,
-                                  const google::protobuf::Message& request,
-                                  const google::protobuf::Message& response,
-                                  Work&& work);
-  // Finishes a region or info call with `status`, recording it.
-  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
-                                   const char* method, absl::Time start,
-                                   const absl::Status& status);
+  // Finishes the call with `status` and records it in the metrics: latency
+  // since `start`, and the message sizes when given.
+  grpc::ServerUnaryReactor* Finish(
+      grpc::CallbackServerContext* context, const char* method,
+      absl::Time start, const absl::Status& status,
+      const google::protobuf::Message* request = nullptr,
+      const google::protobuf::Message* response = nullptr);
 
-  // The test hook: holds a decoded call (its regions resolved) in flight.
-  void TestonlyDelay() const;
-  // For a call on a GPU: copies the host tensors there and wraps `allocate`
-  // so that host-bound results are staged; null for a CPU call. The
-  // staging must outlive the call's use of `allocate`.
-  absl::StatusOr<std::unique_ptr<DeviceStaging>> Stage(
-      const Device& device, TensorView* mask, std::vector<TensorView>* tensors,
-      const std::vector<ResolvedSlice>& slices,
-      OutputAllocator* allocate) const;
-  absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
-  absl::Status CheckSize(const char* what, size_t bytes) const;
-
-  // A request's device, mask and tensors (of the repeated field `field`),
-  // checked and decoded; `held` keeps the regions they live in mapped until the
-  // call returns.
-  struct DecodedCall {
-    Device device;
-    TensorView mask;
-    std::vector<TensorView> tensors;
-    std::vector<std::shared_ptr<Region>> held;
-  };
-  template <typename Request>
-  absl::StatusOr<DecodedCall> Decode(
-      const Request& request,
-      const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-      absl::string_view field) const;
-  // Where results go: region slices named by `outputs`, or the response's
-  // inline tensors `inline_results`.
-  template <typename Field>
-  absl::StatusOr<OutputAllocator> ResultPlacement(
-      const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
-      int num_results, Field* inline_results, int64_t reserved,
-      std::vector<ResolvedSlice>* slices) const;
-  // Sets each result tensor's header, and its region when written to one.
-  template <typename Field>
-  void EncodeResults(
-      const std::vector<Tensor>& results,
-      const std::vector<ResolvedSlice>& slices,
-      const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
-      Field* field) const;
+  // The steps every Pack and Scatter call takes: decode, place results (into
+  // `results`, the response's repeated tensor field, or the request's output
+  // slices), run `op` with the call's options, encode the result headers, and
+  // check the response size. `reserved`: response bytes besides the tensors.
+  template <typename Request, typename Response, typename Field, typename Op>
+  absl::Status RunCall(const char* method, const Request& request,
+                       Response* response, Field* results, int64_t reserved,
+                       Op&& op);
+  // Opens the request's IPC handle and registers the mapping as a region.
+  absl::Status DoRegisterDeviceRegion(
+      const v1::RegisterDeviceRegionRequest& request);
 
   const ServiceOptions options_;
   RegionRegistry regions_;
+  const RequestDecoder decoder_;
   Metrics metrics_;
   mutable absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;

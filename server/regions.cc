@@ -11,8 +11,68 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 
 namespace packd {
+
+namespace {
+
+// [offset, end) of the shared-memory object `key`, mapped read-write: `base`
+// points at `offset`; `owner` unmaps when the last holder lets go.
+struct SharedMapping {
+  char* base = nullptr;
+  std::shared_ptr<void> owner;
+};
+
+// Maps [offset, end) of `key` for region `name` (for messages). NOT_FOUND
+// when no such object exists; PERMISSION_DENIED when it may not be opened;
+// INVALID_ARGUMENT when the range passes its end; RESOURCE_EXHAUSTED when
+// mmap fails.
+absl::StatusOr<SharedMapping> MapSharedMemory(const std::string& name,
+                                              const std::string& key,
+                                              uint64_t offset, uint64_t end) {
+  const int fd = shm_open(key.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    const int err = errno;
+    const std::string why = absl::StrCat("cannot open shared memory \"", key,
+                                         "\": ", std::strerror(err));
+    if (err == ENOENT) return absl::NotFoundError(why);
+    if (err == EACCES) return absl::PermissionDeniedError(why);
+    return absl::InvalidArgumentError(why);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::InternalError(
+        absl::StrCat("fstat of \"", key, "\": ", std::strerror(err)));
+  }
+  if (end > static_cast<uint64_t>(st.st_size)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region \"", name, "\": [", offset, ", ", end, ") passes the end of \"",
+        key, "\", which has ", st.st_size, " bytes"));
+  }
+  // mmap offsets must be page-aligned: map from the page holding `offset`.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t map_offset = offset / page * page;
+  const size_t map_length = static_cast<size_t>(end - map_offset);
+  void* mapped = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED,
+                      fd, static_cast<off_t>(map_offset));
+  const int err = errno;
+  close(fd);  // the mapping keeps the object alive; no descriptor is left open
+  if (mapped == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of \"", key, "\": ", std::strerror(err)));
+  }
+  SharedMapping mapping;
+  mapping.owner = std::shared_ptr<void>(
+      mapped, [map_length](void* p) { munmap(p, map_length); });
+  mapping.base = static_cast<char*>(mapped) + (offset - map_offset);
+  return mapping;
+}
+
+}  // namespace
 
 absl::Status RegionRegistry::ValidateName(absl::string_view name) {
   if (name.empty() || name.size() > kMaxNameLength) {
@@ -91,45 +151,11 @@ absl::Status RegionRegistry::RegisterSystem(const std::string& name,
           absl::StrCat("region \"", name, "\" is already registered"));
     }
   }
-  const int fd = shm_open(key.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    const int err = errno;
-    const std::string why = absl::StrCat("cannot open shared memory \"", key,
-                                         "\": ", std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(why);
-    if (err == EACCES) return absl::PermissionDeniedError(why);
-    return absl::InvalidArgumentError(why);
-  }
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return absl::InternalError(
-        absl::StrCat("fstat of \"", key, "\": ", std::strerror(err)));
-  }
-  if (end > static_cast<uint64_t>(st.st_size)) {
-    close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "region \"", name, "\": [", offset, ", ", end, ") passes the end of \"",
-        key, "\", which has ", st.st_size, " bytes"));
-  }
-  // mmap offsets must be page-aligned: map from the page holding `offset`.
-  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  const uint64_t map_offset = offset / page * page;
-  const size_t map_length = static_cast<size_t>(end - map_offset);
-  void* mapped = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED,
-                      fd, static_cast<off_t>(map_offset));
-  const int err = errno;
-  close(fd);  // the mapping keeps the object alive; no descriptor is left open
-  if (mapped == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("mmap of \"", key, "\": ", std::strerror(err)));
-  }
-  std::shared_ptr<void> mapping(
-      mapped, [map_length](void* p) { munmap(p, map_length); });
-  char* base = static_cast<char*>(mapped) + (offset - map_offset);
-  return Add(std::make_shared<Region>(name, "system", Device::Cpu(), base,
-                                      byte_size, std::move(mapping)));
+  PACKD_ASSIGN_OR_RETURN(SharedMapping mapping,
+                         MapSharedMemory(name, key, offset, end));
+  return Add(std::make_shared<Region>(name, "system", Device::Cpu(),
+                                      mapping.base, byte_size,
+                                      std::move(mapping.owner)));
 }
 
 absl::Status RegionRegistry::RegisterDevice(const std::string& name,

@@ -3,10 +3,11 @@
 // this node, or GPU memory exported with an IPC handle — so that large tensors
 // never cross the gRPC byte stream.
 //
+// clang-format off
 //   RegionRegistry regions({.enabled = true, .key_prefix = "/packd"});
-//   PACKD_RETURN_IF_ERROR(regions.RegisterSystem("hidden", "/packd_w0", 0, 128
-//   << 20)); PACKD_ASSIGN_OR_RETURN(ResolvedSlice s, regions.Resolve(slice,
-//   "inputs[0]"));
+//   PACKD_RETURN_IF_ERROR(regions.RegisterSystem("hidden", "/packd_w0", 0, 128 << 20));
+//   PACKD_ASSIGN_OR_RETURN(ResolvedSlice s, regions.Resolve(slice, "inputs[0]"));
+// clang-format on
 #ifndef PACKD_SERVER_REGIONS_H_
 #define PACKD_SERVER_REGIONS_H_
 

@@ -2,14 +2,18 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <pthread.h>
+#include <signal.h>
 
 #include <climits>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
+#include "kernels/thread_pool.h"
 #include "server/log.h"
 
 namespace packd {
@@ -48,17 +52,10 @@ absl::Status SelfCheck(PackServiceImpl& service, const Device& device) {
 
 }  // namespace
 
-bool IsNodeLocal(const std::string& listen) {
-  if (absl::StartsWith(listen, "unix:")) return true;
-  const std::string host = listen.substr(0, listen.rfind(':'));
-  return absl::StartsWith(host, "127.") || host == "localhost" ||
-         host == "[::1]";
-}
-
 absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     const ServerOptions& options) {
   PACKD_RETURN_IF_ERROR(
-      Registry::Get("pack", options.service.default_device).status());
+      Registry::Runtime(options.service.default_device).status());
 
   std::unique_ptr<PackdServer> server(new PackdServer(options));
   grpc::EnableDefaultHealthCheckService(true);
@@ -123,5 +120,46 @@ void PackdServer::Drain() {
 }
 
 void PackdServer::Wait() { server_->Wait(); }
+
+int ServeUntilSignalled(const ServerOptions& options) {
+  // Block the shutdown signals in every thread (gRPC's included, so this comes
+  // first); one thread waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<PackdServer>> server =
+      PackdServer::Start(options);
+  if (!server.ok()) {
+    Log(absl::StrCat("cannot start: ", server.status().ToString()));
+    return 1;
+  }
+  const ServiceOptions& service = options.service;
+  Log(absl::StrCat(
+      "listening on ", (*server)->address(), ", device ",
+      service.default_device.ToString(), ", ",
+      ThreadPool::Global().num_threads(), " threads, messages up to ",
+      service.max_message_bytes, " bytes, shared memory ",
+      service.regions.enabled
+          ? absl::StrCat("on (keys under ", service.regions.key_prefix, ")")
+          : "off",
+      (*server)->metrics_address().empty()
+          ? ""
+          : absl::StrCat(", metrics on http://", (*server)->metrics_address(),
+                         "/metrics")));
+
+  std::thread signal_thread([&] {
+    int signal = 0;
+    sigwait(&signals, &signal);
+    Log(absl::StrCat("received ", strsignal(signal)));
+    (*server)->Drain();
+  });
+  (*server)->Wait();
+  signal_thread.join();
+  Log("stopped");
+  return 0;
+}
 
 }  // namespace packd

@@ -4,6 +4,7 @@
 //
 //   PACKD_ASSIGN_OR_RETURN(auto server, PackdServer::Start(options));
 //   server->Drain();  // from the signal thread; Wait() then returns
+//   return ServeUntilSignalled(options);  // all of it, as the binary runs it
 #ifndef PACKD_SERVER_SERVER_H_
 #define PACKD_SERVER_SERVER_H_
 
@@ -28,10 +29,6 @@ struct ServerOptions {
   // "HOST:PORT" for Prometheus metrics at /metrics; empty: none.
   std::string metrics_listen;
 };
-
-// True for listeners only this node can reach: unix sockets and loopback
-// addresses (127.0.0.0/8, localhost, [::1]).
-bool IsNodeLocal(const std::string& listen);
 
 // The readiness service name for grpc.health.v1.
 inline constexpr char kReadinessService[] = "packd.v1.PackService";
@@ -70,6 +67,11 @@ class PackdServer {
   std::unique_ptr<MetricsServer> metrics_;
   std::string address_;
 };
+
+// The life of the packd process: blocks SIGTERM and SIGINT in every thread,
+// starts the server (logging where it listens), drains on the first signal,
+// and returns the exit code: 0 after a drain, 1 when the server cannot start.
+int ServeUntilSignalled(const ServerOptions& options);
 
 }  // namespace packd
 

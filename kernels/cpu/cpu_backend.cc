@@ -146,8 +146,7 @@ int Pieces(int64_t bytes) {
       std::min<int64_t>(ThreadPool::Global().num_threads(), by_size));
 }
 
-// Position range [begin, end) of piece i of n over [0, total), in units of
-// `align`.
+// Position range [begin, end) of piece i of n over [0, total).
 std::pair<int64_t, int64_t> PieceRange(int64_t total, int i, int n) {
   return {total * i / n, total * (i + 1) / n};
 }
@@ -289,8 +288,8 @@ class SpanBackend : public Backend {
  public:
   absl::string_view name() const override { return "span"; }
 
-  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
-      const TensorView& mask) override {
+  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(const TensorView& mask,
+                                                 const Stream&) override {
     auto plan = std::make_unique<CpuPlan>();
     plan->batch = mask.shape[0];
     plan->seq = mask.shape[1];
@@ -319,7 +318,7 @@ class SpanBackend : public Backend {
   }
 
   absl::Status Gather(const MaskPlan& base, const TensorView& x,
-                      const TensorView& out) override {
+                      const TensorView& out, const Stream&) override {
     const auto& plan = static_cast<const CpuPlan&>(base);
     const int64_t width = RowBytes(plan, x);
     const int64_t total = plan.total_active();
@@ -355,7 +354,7 @@ class SpanBackend : public Backend {
   }
 
   absl::Status Scatter(const MaskPlan& base, const TensorView& packed,
-                       const TensorView& dense) override {
+                       const TensorView& dense, const Stream&) override {
     const auto& plan = static_cast<const CpuPlan&>(base);
     const int64_t width = RowBytes(plan, dense);
     const int64_t positions = plan.batch * plan.seq;

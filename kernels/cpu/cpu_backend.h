@@ -4,9 +4,10 @@
 // bytes) under a fragmented mask are compacted with a branch-free typed loop
 // instead, where one memcpy per run would cost more than the bytes it moves.
 //
-//   RegisterCpuBackends(Registry::Global());  // done by Registry::Global()
-//   itself ParallelCopy(dst, src, n);                // the copy the benchmark
-//   measures packd against
+// clang-format off
+//   RegisterCpuBackends(Registry::Global());  // Registry::Global() does this
+//   ParallelCopy(dst, src, n);                // the copy benchmarks measure packd against
+// clang-format on
 #ifndef PACKD_KERNELS_CPU_CPU_BACKEND_H_
 #define PACKD_KERNELS_CPU_CPU_BACKEND_H_
 

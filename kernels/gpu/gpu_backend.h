@@ -1,10 +1,9 @@
 // The GPU backend ("gpu" on cuda:N, or on hip:N in a ROCm build): the mask
-// scan, gather and scatter of gpu_kernels.cu on the device's default stream,
-// device memory from a per-device pool, host transfers staged through pinned
-// buffers, and IPC memory for device regions.
+// scan, gather and scatter of gpu_kernels.cu, queued on the call's stream, with
+// the scan's work arrays from the GPU runtime (gpu_device_runtime.h).
 //
-//   RegisterGpuBackends(Registry::Global());  // done by Registry::Global()
-//   itself Pack(mask_on_cuda0, {x_on_cuda0});
+//   RegisterGpuBackends(Registry::Global());  // Registry::Global() does this
+//   Pack({x_on_cuda0}, mask_on_cuda0);
 #ifndef PACKD_KERNELS_GPU_GPU_BACKEND_H_
 #define PACKD_KERNELS_GPU_GPU_BACKEND_H_
 
@@ -12,7 +11,8 @@ namespace packd {
 
 class Registry;
 
-// Adds the "gpu" backend for cuda (CUDA build) or hip (ROCm build).
+// Sets the GPU runtime of cuda (CUDA build) or hip (ROCm build) and adds the
+// "gpu" backend there.
 void RegisterGpuBackends(Registry& registry);
 
 }  // namespace packd

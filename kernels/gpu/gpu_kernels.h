@@ -4,8 +4,8 @@
 // synchronises. Sizes are 64-bit; pointers may have any alignment (vector width
 // is chosen per call).
 //
-//   MaskScan scan{mask, B, S, width, is_float, tiles, ...};
-//   PACKD_GPU_CHECK(LaunchMaskScan(scan, stream));
+//   MaskScan scan{mask, B, S, width, is_float, tile_counts, ...};
+//   if (gpuError_t err = LaunchMaskScan(scan, stream); err != gpuSuccess) ...
 #ifndef PACKD_KERNELS_GPU_GPU_KERNELS_H_
 #define PACKD_KERNELS_GPU_GPU_KERNELS_H_
 
@@ -31,13 +31,16 @@ struct MaskScan {
   int64_t batch, seq;
   int width;
   bool is_float;
-  int64_t* tile_counts;   // [B * TilesPerRow(S)]
-  int64_t* tile_offsets;  // [B * TilesPerRow(S) + 1], exclusive prefix sums,
-                          // last = total
-  int64_t* tile_last;  // [B * TilesPerRow(S)]: last active s in the tile, or -1
+  // [B * TilesPerRow(S)]: active positions in each tile.
+  int64_t* tile_counts;
+  // [B * TilesPerRow(S) + 1]: exclusive prefix sums; the last is the total.
+  int64_t* tile_offsets;
+  // [B * TilesPerRow(S)]: the last active s in each tile, or -1.
+  int64_t* tile_last;
   int64_t* cu_seqlens;  // [B + 1]
   int64_t* last_index;  // [B]
-  int64_t* index;  // [B * S]: flattened position of packed row k, for k < total
+  // [B * S]: the flattened dense position of packed row k, for k < total.
+  int64_t* index;
 };
 
 // Counts, scans and indexes the mask: fills every array of `scan`.

@@ -1,9 +1,11 @@
 // The one place CUDA and HIP differ: gpu* names for the runtime API, so that
-// gpu_kernels.cu and gpu_backend.cc build for CUDA (nvcc, default) and for ROCm
-// (hipcc, PACKD_GPU_HIP defined).
+// the GPU sources (gpu_kernels.cu, gpu_backend.cc, gpu_device_runtime.cc) build
+// for CUDA (nvcc, default) and for ROCm (hipcc, PACKD_GPU_HIP defined).
 //
-//   gpuError_t err = gpuMemcpyAsync(dst, src, n, gpuMemcpyDeviceToDevice,
-//   stream); if (err != gpuSuccess) return gpuGetErrorString(err);
+// clang-format off
+//   gpuError_t err = gpuMemcpyAsync(dst, src, n, gpuMemcpyDeviceToDevice, stream);
+//   if (err != gpuSuccess) return gpuGetErrorString(err);
+// clang-format on
 #ifndef PACKD_KERNELS_GPU_GPU_RUNTIME_H_
 #define PACKD_KERNELS_GPU_GPU_RUNTIME_H_
 
@@ -38,6 +40,11 @@ constexpr gpuError_t gpuSuccess = hipSuccess;
 #define gpuMemsetAsync hipMemsetAsync
 #define gpuMemGetInfo hipMemGetInfo
 #define gpuStreamSynchronize hipStreamSynchronize
+#define gpuStreamCreateWithFlags hipStreamCreateWithFlags
+#define gpuStreamDestroy hipStreamDestroy
+#define gpuStreamNonBlocking hipStreamNonBlocking
+using gpuDeviceProp_t = hipDeviceProp_t;
+#define gpuGetDeviceProperties hipGetDeviceProperties
 #define gpuIpcOpenMemHandle hipIpcOpenMemHandle
 #define gpuIpcCloseMemHandle hipIpcCloseMemHandle
 #define gpuIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
@@ -77,6 +84,11 @@ constexpr gpuError_t gpuSuccess = cudaSuccess;
 #define gpuMemsetAsync cudaMemsetAsync
 #define gpuMemGetInfo cudaMemGetInfo
 #define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
+#define gpuStreamDestroy cudaStreamDestroy
+#define gpuStreamNonBlocking cudaStreamNonBlocking
+using gpuDeviceProp_t = cudaDeviceProp;
+#define gpuGetDeviceProperties cudaGetDeviceProperties
 #define gpuIpcOpenMemHandle cudaIpcOpenMemHandle
 #define gpuIpcCloseMemHandle cudaIpcCloseMemHandle
 #define gpuIpcMemLazyEnablePeerAccess cudaIpcMemLazyEnablePeerAccess

@@ -45,8 +45,8 @@ class TorchBackend : public Backend {
  public:
   absl::string_view name() const override { return "torch"; }
 
-  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
-      const TensorView& mask) override {
+  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(const TensorView& mask,
+                                                 const Stream&) override {
     auto plan = std::make_unique<TorchPlan>();
     plan->batch = mask.shape[0];
     plan->seq = mask.shape[1];
@@ -70,7 +70,7 @@ class TorchBackend : public Backend {
   }
 
   absl::Status Gather(const MaskPlan& base, const TensorView& x,
-                      const TensorView& out) override {
+                      const TensorView& out, const Stream&) override {
     const auto& plan = static_cast<const TorchPlan&>(base);
     if (plan.total_active() == 0) return absl::OkStatus();
     return Guarded("index_select", [&] {
@@ -84,7 +84,7 @@ class TorchBackend : public Backend {
   }
 
   absl::Status Scatter(const MaskPlan& base, const TensorView& packed,
-                       const TensorView& dense) override {
+                       const TensorView& dense, const Stream&) override {
     const auto& plan = static_cast<const TorchPlan&>(base);
     return Guarded("index_copy_", [&] {
       at::Tensor dst = FlattenRows(dense);

@@ -2,8 +2,10 @@
 // index_select for pack and index_copy_ into zeros for scatter. It is the
 // reference the fast backends are measured against, selectable by name.
 //
-//   RegisterTorchBackends(Registry::Global());  // done by Registry::Global()
-//   itself Pack(mask, inputs, {.impl = "torch"});
+// clang-format off
+//   RegisterTorchBackends(Registry::Global());  // Registry::Global() does this
+//   options.impl = "torch";  Pack(inputs, mask, options);
+// clang-format on
 #ifndef PACKD_KERNELS_TORCH_TORCH_BACKEND_H_
 #define PACKD_KERNELS_TORCH_TORCH_BACKEND_H_
 

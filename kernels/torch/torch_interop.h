@@ -1,9 +1,10 @@
 // Conversions between packd's TensorView and libtorch's at::Tensor (CPU),
 // without copying.
 //
+// clang-format off
 //   at::Tensor t = AsTensor(view);          // shares view.data
-//   TensorView v = AsView(t.contiguous());  // shares t's storage; t must
-//   outlive v
+//   TensorView v = AsView(t.contiguous());  // shares t's storage; t must outlive v
+// clang-format on
 #ifndef PACKD_KERNELS_TORCH_TORCH_INTEROP_H_
 #define PACKD_KERNELS_TORCH_TORCH_INTEROP_H_
 

@@ -45,9 +45,18 @@ class PackResult:
     last_index: torch.Tensor        # [B] int64, -1 for an empty row
 
 
-def _is_local(address):
-    return (address.startswith("unix:") or address.startswith("127.")
-            or address.startswith("localhost:") or address.startswith("[::1]:"))
+def _is_node_local(address):
+    """Whether only this node can reach `address`: unix sockets and loopback hosts (127.0.0.0/8,
+    localhost, [::1]), with or without a gRPC scheme. The same rule as the server's and the C++
+    client's (proto/address.cc, IsNodeLocal)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    for scheme in ("dns:///", "ipv4:", "ipv6:"):
+        if address.startswith(scheme):
+            address = address[len(scheme):]
+            break
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.startswith("127.") or host in ("localhost", "[::1]")
 
 
 class Client:
@@ -92,7 +101,7 @@ class Client:
 
     def _scratch_for(self, nbytes):
         if (self.shm_threshold_bytes <= 0 or nbytes < self.shm_threshold_bytes
-                or not _is_local(self.address)):
+                or not _is_node_local(self.address)):
             return None
         if self._shm_allowed is None:
             self._shm_allowed = self.info().shared_memory_enabled

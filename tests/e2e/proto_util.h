@@ -4,7 +4,7 @@
 //
 //   *request.add_inputs() = ToProto(x);                    // inline bytes
 //   *request.add_inputs() = InRegion(x, "w0", offset);     // a handle
-//   EXPECT_TRUE(SameTensor(x.index({mask}), response.packed(0)));
+//   EXPECT_TRUE(SameTensor(ReferencePack(x, mask), response.packed(0)));
 #ifndef PACKD_TESTS_E2E_PROTO_UTIL_H_
 #define PACKD_TESTS_E2E_PROTO_UTIL_H_
 
@@ -17,22 +17,24 @@
 #include "gtest/gtest.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.pb.h"
+#include "proto/tensor_codec.h"
+#include "tests/kernels/test_util.h"
 
 namespace packd::testing {
 
 // dtype and shape only.
 inline v1::Tensor Header(const at::Tensor& t) {
   v1::Tensor out;
-  out.set_dtype(static_cast<v1::DType>(FromScalarType(t.scalar_type())));
-  for (int64_t d : t.sizes()) out.add_shape(d);
+  EncodeTensorHeader(FromScalarType(t.scalar_type()), t.sizes().vec(), &out);
   return out;
 }
 
 // With its bytes inline.
 inline v1::Tensor ToProto(const at::Tensor& t_in) {
   const at::Tensor t = t_in.contiguous();
-  v1::Tensor out = Header(t);
-  out.set_data(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  v1::Tensor out;
+  EncodeInlineTensor(FromScalarType(t.scalar_type()), t.sizes().vec(),
+                     t.data_ptr(), t.nbytes(), &out);
   return out;
 }
 
@@ -53,35 +55,20 @@ inline v1::Tensor InRegion(const at::Tensor& t, const std::string& region,
   return out;
 }
 
-// True when `actual` has expected's dtype, shape and inline bytes.
-inline ::testing::AssertionResult SameTensor(const at::Tensor& expected_in,
+// Success when `actual` has expected's dtype, shape and inline bytes.
+inline ::testing::AssertionResult SameTensor(const at::Tensor& expected,
                                              const v1::Tensor& actual) {
-  const at::Tensor expected = expected_in.contiguous();
-  if (actual.dtype() !=
-      static_cast<int>(FromScalarType(expected.scalar_type()))) {
+  absl::StatusOr<TensorView> view = DecodeTensorHeader(actual, "actual");
+  if (!view.ok()) {
+    return ::testing::AssertionFailure() << view.status().message();
+  }
+  if (static_cast<int64_t>(actual.data().size()) != view->nbytes()) {
     return ::testing::AssertionFailure()
-           << "dtype " << v1::DType_Name(actual.dtype());
+           << actual.data().size() << " data bytes for "
+           << ShapeString(view->shape);
   }
-  const std::vector<int64_t> shape(actual.shape().begin(),
-                                   actual.shape().end());
-  if (shape != expected.sizes().vec()) {
-    return ::testing::AssertionFailure()
-           << "shape " << ShapeString(shape)
-           << " != " << ShapeString(expected.sizes().vec());
-  }
-  if (actual.data().size() != static_cast<size_t>(expected.nbytes()) ||
-      (expected.nbytes() > 0 &&
-       std::memcmp(actual.data().data(), expected.data_ptr(),
-                   expected.nbytes()) != 0)) {
-    return ::testing::AssertionFailure() << "bytes differ";
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// True when the `expected.nbytes()` bytes at `actual` equal expected's.
-inline bool BytesEqual(const at::Tensor& expected, const char* actual) {
-  return expected.nbytes() == 0 || std::memcmp(expected.contiguous().data_ptr(),
-                                               actual, expected.nbytes()) == 0;
+  view->data = const_cast<char*>(actual.data().data());
+  return SameBytes(expected, *view);
 }
 
 }  // namespace packd::testing

@@ -15,31 +15,31 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "client/shm_segment.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"
-#include "tests/e2e/shm_segment.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {
 namespace {
 
-using testing::BytesEqual;
 using ::testing::HasSubstr;
 using testing::Header;
 using testing::InRegion;
 using testing::MaskKind;
 using testing::Rng;
+using testing::SameBytesAt;
 using testing::ServerProcess;
-using testing::ShmSegment;
 using testing::Slice;
 
 // Copies `t` into the segment at `offset`.
-void Put(const ShmSegment& seg, uint64_t offset, const at::Tensor& t) {
-  std::memcpy(seg.data() + offset, t.data_ptr(), t.nbytes());
+void Put(const std::unique_ptr<ShmSegment>& seg, uint64_t offset,
+         const at::Tensor& t) {
+  std::memcpy(seg->data() + offset, t.data_ptr(), t.nbytes());
 }
 
 std::string ReadFile(const std::string& path) {
@@ -122,15 +122,17 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
       testing::RandomMask(rng, DType::kFloat32, B, S, 0.4, MaskKind::kHoles);
   const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, H});
   const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
-  ShmSegment seg(64 << 20);
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 64 << 20)
+          .value();
   const uint64_t x_at = 4096 + 3;  // odd offsets: slices need no alignment
   const uint64_t ids_at = x_at + x.nbytes();
   const uint64_t out_at = 16 << 20, ids_out_at = 32 << 20 | 5;
   Put(seg, x_at, x);
   Put(seg, ids_at, ids);
-  std::memset(seg.data() + out_at, 0xA5, 16 << 20);
+  std::memset(seg->data() + out_at, 0xA5, 16 << 20);
   // Registered at an offset into the object: slices are relative to it.
-  ASSERT_TRUE(Register("w0", seg.key(), 1024, seg.size() - 1024).ok());
+  ASSERT_TRUE(Register("w0", seg->key(), 1024, seg->size() - 1024).ok());
 
   v1::PackRequest request;
   *request.mutable_mask() =
@@ -146,10 +148,10 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
 
   const at::Tensor expected_x = testing::ReferencePack(x, mask);
   const at::Tensor expected_ids = testing::ReferencePack(ids, mask);
-  EXPECT_TRUE(BytesEqual(expected_x, seg.data() + out_at));
-  EXPECT_TRUE(BytesEqual(expected_ids, seg.data() + ids_out_at));
+  EXPECT_TRUE(SameBytesAt(expected_x, seg->data() + out_at));
+  EXPECT_TRUE(SameBytesAt(expected_ids, seg->data() + ids_out_at));
   // Past the result the canary is intact.
-  EXPECT_EQ(static_cast<uint8_t>(seg.data()[out_at + expected_x.nbytes()]),
+  EXPECT_EQ(static_cast<uint8_t>(seg->data()[out_at + expected_x.nbytes()]),
             0xA5);
   ASSERT_EQ(response.packed_size(), 2);
   EXPECT_TRUE(response.packed(0).data().empty());
@@ -171,8 +173,9 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
   v1::ScatterResponse dense;
   status = stub_->Scatter(&context, scatter, &dense);
   ASSERT_TRUE(status.ok()) << status.error_message();
-  EXPECT_TRUE(BytesEqual(testing::ReferenceScatter(expected_x, mask, {B, S, H}),
-                         seg.data() + (48 << 20)));
+  EXPECT_TRUE(
+      SameBytesAt(testing::ReferenceScatter(expected_x, mask, {B, S, H}),
+                  seg->data() + (48 << 20)));
 
   grpc::ClientContext list_context;
   v1::ListRegionsResponse list;
@@ -181,18 +184,19 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
   ASSERT_EQ(list.regions_size(), 1);
   EXPECT_EQ(list.regions(0).name(), "w0");
   EXPECT_EQ(list.regions(0).kind(), "system");
-  EXPECT_EQ(list.regions(0).byte_size(), seg.size() - 1024);
+  EXPECT_EQ(list.regions(0).byte_size(), seg->size() - 1024);
   EXPECT_EQ(list.regions(0).device(), "cpu");
 }
 
 TEST_F(RegionsTest, RegistrationErrors) {
-  ShmSegment seg(1 << 20);
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();
   const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
-  ExpectError(Register("", seg.key(), 0, 10), kInvalid,
+  ExpectError(Register("", seg->key(), 0, 10), kInvalid,
               "must have 1 to 256 characters");
-  ExpectError(Register(std::string(300, 'a'), seg.key(), 0, 10), kInvalid,
+  ExpectError(Register(std::string(300, 'a'), seg->key(), 0, 10), kInvalid,
               "must have 1 to 256 characters, not 300");
-  ExpectError(Register("a b", seg.key(), 0, 10), kInvalid,
+  ExpectError(Register("a b", seg->key(), 0, 10), kInvalid,
               "may hold only letters");
   ExpectError(Register("r", "packd_test_x", 0, 10), kInvalid,
               "is not a shared-memory name");
@@ -203,14 +207,15 @@ TEST_F(RegionsTest, RegistrationErrors) {
               "does not start with the server's key prefix \"/packd_test\"");
   ExpectError(Register("r", "/packd_test_absent", 0, 10),
               grpc::StatusCode::NOT_FOUND, "cannot open shared memory");
-  ExpectError(Register("r", seg.key(), 0, 0), kInvalid,
+  ExpectError(Register("r", seg->key(), 0, 0), kInvalid,
               "byte_size must be positive");
-  ExpectError(Register("r", seg.key(), 1, 1 << 20), kInvalid,
+  ExpectError(Register("r", seg->key(), 1, 1 << 20), kInvalid,
               "passes the end of");
-  ExpectError(Register("r", seg.key(), UINT64_MAX - 5, 10), kInvalid,
+  ExpectError(Register("r", seg->key(), UINT64_MAX - 5, 10), kInvalid,
               "overflows");
-  ASSERT_TRUE(Register("r", seg.key(), 0, 1 << 20).ok());
-  ExpectError(Register("r", seg.key(), 0, 10), grpc::StatusCode::ALREADY_EXISTS,
+  ASSERT_TRUE(Register("r", seg->key(), 0, 1 << 20).ok());
+  ExpectError(Register("r", seg->key(), 0, 10),
+              grpc::StatusCode::ALREADY_EXISTS,
               "region \"r\" is already registered");
   ExpectError(Unregister("nope"), grpc::StatusCode::NOT_FOUND,
               "region \"nope\" is not registered");
@@ -220,8 +225,9 @@ TEST_F(RegionsTest, RegistrationErrors) {
 }
 
 TEST_F(RegionsTest, SliceErrors) {
-  ShmSegment seg(1 << 20);
-  ASSERT_TRUE(Register("r", seg.key(), 0, 1 << 20).ok());
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();
+  ASSERT_TRUE(Register("r", seg->key(), 0, 1 << 20).ok());
   const at::Tensor mask = at::ones({2, 4}, at::kBool);
   const at::Tensor x = at::zeros({2, 4, 16}, at::kFloat);  // 512 bytes
   v1::PackRequest good;
@@ -263,7 +269,8 @@ TEST_F(RegionsTest, SliceErrors) {
 
 TEST(RegionsLifetime, UnregisterDuringACallDefersTheUnmap) {
   auto server = ServerProcess::Start(
-      {"--shm_key_prefix=/packd_test", "--testonly_call_delay_ms=1000"});
+      {"--shm_key_prefix=/packd_test", "--call_delay_ms=1000"},
+      ServerProcess::Binary::kTesting);
   ASSERT_NE(server, nullptr);
   auto stub = v1::PackService::NewStub(server->Channel());
   Rng rng = Rng::Fresh();
@@ -271,20 +278,21 @@ TEST(RegionsLifetime, UnregisterDuringACallDefersTheUnmap) {
       testing::RandomMask(rng, DType::kBool, 4, 256, 0.5, MaskKind::kPrefix);
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kFloat16, {4, 256, 32});
-  ShmSegment seg(1 << 20);
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();
   Put(seg, 0, x);
   const std::string maps = absl::StrCat("/proc/", server->pid(), "/maps");
   {
     v1::RegisterSystemRegionRequest reg;
     reg.set_name("r");
-    reg.set_key(seg.key());
-    reg.set_byte_size(seg.size());
+    reg.set_key(seg->key());
+    reg.set_byte_size(seg->size());
     grpc::ClientContext context;
     v1::RegisterRegionResponse reg_response;
     ASSERT_TRUE(stub->RegisterSystemRegion(&context, reg, &reg_response).ok());
   }
-  EXPECT_THAT(ReadFile(maps), HasSubstr(seg.key()));
-  EXPECT_EQ(OpenDescriptorsTo(server->pid(), seg.key()), 0);
+  EXPECT_THAT(ReadFile(maps), HasSubstr(seg->key()));
+  EXPECT_EQ(OpenDescriptorsTo(server->pid(), seg->key()), 0);
 
   v1::PackRequest request;
   *request.mutable_mask() = testing::ToProto(mask);
@@ -304,15 +312,15 @@ TEST(RegionsLifetime, UnregisterDuringACallDefersTheUnmap) {
     ASSERT_TRUE(stub->UnregisterRegion(&context, unreg, &unreg_response).ok());
   }
   // Still mapped: the call holds it.
-  EXPECT_THAT(ReadFile(maps), HasSubstr(seg.key()));
+  EXPECT_THAT(ReadFile(maps), HasSubstr(seg->key()));
   const grpc::Status status = in_flight.get();
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_TRUE(
-      BytesEqual(testing::ReferencePack(x, mask), seg.data() + (512 << 10)));
+      SameBytesAt(testing::ReferencePack(x, mask), seg->data() + (512 << 10)));
   // Gone once the call ended: no mapping, no descriptor.
   absl::SleepFor(absl::Milliseconds(100));
-  EXPECT_THAT(ReadFile(maps), ::testing::Not(HasSubstr(seg.key())));
-  EXPECT_EQ(OpenDescriptorsTo(server->pid(), seg.key()), 0);
+  EXPECT_THAT(ReadFile(maps), ::testing::Not(HasSubstr(seg->key())));
+  EXPECT_EQ(OpenDescriptorsTo(server->pid(), seg->key()), 0);
   server->Signal(SIGTERM);
   EXPECT_EQ(server->Wait(), 0);
 }
@@ -321,10 +329,11 @@ TEST(RegionsDisabled, HandlesAreFailedPreconditionWhenOff) {
   auto server = ServerProcess::Start({"--shared_memory=off"});
   ASSERT_NE(server, nullptr);
   auto stub = v1::PackService::NewStub(server->Channel());
-  ShmSegment seg(4096, "/packd");
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd"), 4096).value();
   v1::RegisterSystemRegionRequest reg;
   reg.set_name("r");
-  reg.set_key(seg.key());
+  reg.set_key(seg->key());
   reg.set_byte_size(4096);
   grpc::ClientContext c1;
   v1::RegisterRegionResponse reg_response;

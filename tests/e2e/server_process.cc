@@ -5,28 +5,37 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
-#ifndef PACKD_BINARY
-#error "PACKD_BINARY must name the packd binary under test"
+#if !defined(PACKD_BINARY) || !defined(PACKD_TESTING_BINARY)
+#error "PACKD_BINARY and PACKD_TESTING_BINARY must name the binaries under test"
 #endif
 
 namespace packd::testing {
 
 std::unique_ptr<ServerProcess> ServerProcess::Start(
-    const std::vector<std::string>& flags) {
+    const std::vector<std::string>& flags, Binary binary) {
+  std::unique_ptr<ServerProcess> server(new ServerProcess);
+  char dir[] = "/tmp/packd-test-XXXXXX";
+  if (mkdtemp(dir) == nullptr) return nullptr;
+  server->dir_ = dir;
+  server->address_ = absl::StrCat("unix:", dir, "/packd.sock");
+
   int fds[2];
   if (pipe(fds) != 0) return nullptr;
-  std::vector<std::string> args = {PACKD_BINARY, "--listen=127.0.0.1:0"};
+  std::vector<std::string> args = {
+      binary == Binary::kPackd ? PACKD_BINARY : PACKD_TESTING_BINARY,
+      "--listen=" + server->address_};
   args.insert(args.end(), flags.begin(), flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
 
-  std::unique_ptr<ServerProcess> server(new ServerProcess);
   server->pid_ = fork();
   if (server->pid_ == 0) {
     dup2(fds[1], STDERR_FILENO);
@@ -47,30 +56,31 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(
     }
     close(read_fd);
   });
+  if (s->WaitUntilReady(absl::Now() + absl::Seconds(60))) return server;
+  std::cerr << "packd did not become ready; its log:\n" << s->Log() << "\n";
+  return nullptr;
+}
 
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+bool ServerProcess::WaitUntilReady(absl::Time deadline) {
+  auto health = grpc::health::v1::Health::NewStub(Channel());
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service("packd.v1.PackService");
   while (absl::Now() < deadline) {
-    {
-      absl::MutexLock lock(&s->mu_);
-      const size_t at = s->log_.find("listening on ");
-      if (at != std::string::npos) {
-        const size_t begin = at + 13;
-        const size_t end = s->log_.find(',', begin);
-        if (end != std::string::npos) {
-          s->address_ = s->log_.substr(begin, end - begin);
-          return server;
-        }
-      }
-    }
     int status = 0;
-    if (waitpid(s->pid_, &status, WNOHANG) == s->pid_) {
-      s->exited_ = true;
-      break;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exited_ = true;
+      return false;
+    }
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    grpc::health::v1::HealthCheckResponse response;
+    if (health->Check(&context, request, &response).ok() &&
+        response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return true;
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  std::cerr << "packd did not start; its log:\n" << s->Log() << "\n";
-  return nullptr;
+  return false;
 }
 
 ServerProcess::~ServerProcess() {
@@ -79,6 +89,7 @@ ServerProcess::~ServerProcess() {
     waitpid(pid_, nullptr, 0);
   }
   if (reader_.joinable()) reader_.join();
+  if (!dir_.empty()) std::filesystem::remove_all(dir_);
 }
 
 std::shared_ptr<grpc::Channel> ServerProcess::Channel() const {

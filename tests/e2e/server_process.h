@@ -1,5 +1,7 @@
-// ServerProcess: the real packd binary, started on a free loopback port for a
-// test, with its log captured; and helpers to call it.
+// ServerProcess: the real packd binary (or packd_testing, packd with the
+// tests' hooks), started on a unix socket in a fresh directory for a test,
+// ready once grpc.health.v1 answers SERVING, with its log captured; and
+// helpers to call it.
 //
 //   auto server = ServerProcess::Start({"--max_message_bytes=1048576"});
 //   auto stub = packd::v1::PackService::NewStub(server->Channel());
@@ -21,11 +23,14 @@ namespace packd::testing {
 
 class ServerProcess {
  public:
-  // Starts PACKD_BINARY with --listen=127.0.0.1:0 and `flags`, and waits (up to
-  // 60 s) until it logs where it listens. Returns null, with the log printed,
-  // if it exits or never says.
+  enum class Binary { kPackd, kTesting };
+
+  // Starts PACKD_BINARY (or PACKD_TESTING_BINARY) with --listen=unix:... and
+  // `flags`, and waits (up to 60 s) until its readiness is SERVING. Returns
+  // null, with the log printed, if it exits or is never ready.
   static std::unique_ptr<ServerProcess> Start(
-      const std::vector<std::string>& flags = {});
+      const std::vector<std::string>& flags = {},
+      Binary binary = Binary::kPackd);
   ~ServerProcess();
 
   const std::string& address() const { return address_; }
@@ -43,8 +48,12 @@ class ServerProcess {
  private:
   ServerProcess() = default;
 
+  // Polls readiness until SERVING, the process exits, or `deadline`.
+  bool WaitUntilReady(absl::Time deadline);
+
   pid_t pid_ = -1;
   bool exited_ = false;
+  std::string dir_;
   std::string address_;
   std::thread reader_;
   mutable absl::Mutex mu_;

@@ -351,8 +351,9 @@ TEST(ServiceLimits, OversizedRequestsAndResponsesAreResourceExhausted) {
 TEST(ServiceShutdown, SigtermDrainsACallInFlightAndExitsZero) {
   // Every call waits 1.5 s inside the server, so the SIGTERM lands while it
   // runs.
-  auto server = ServerProcess::Start(
-      {"--testonly_call_delay_ms=1500", "--drain_seconds=30"});
+  auto server =
+      ServerProcess::Start({"--call_delay_ms=1500", "--drain_seconds=30"},
+                           ServerProcess::Binary::kTesting);
   ASSERT_NE(server, nullptr);
   Rng rng = Rng::Fresh();
   const at::Tensor x =

@@ -2,19 +2,16 @@
 .proto files, against the real packd binary. Results must equal torch byte for byte and errors
 must carry the documented codes.
 
-Run by ctest; by hand: PACKD_BINARY=build/bin/packd PYTHONPATH=build/python_gen \
+Run by ctest; by hand: PACKD_BINARY=build/bin/packd PYTHONPATH=build/python:tests/support \
     /usr/bin/python3 -m pytest -q tests/e2e/test_python_client.py
 """
 import os
 import random
-import re
-import subprocess
-import threading
-import time
 
 import grpc
 import pytest
 import torch
+from packd_server import PackdServer
 
 from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
@@ -88,25 +85,8 @@ def random_mask(dtype, B, S, density, gen):
 
 @pytest.fixture(scope="module")
 def server():
-    binary = os.environ["PACKD_BINARY"]
-    proc = subprocess.Popen([binary, "--listen=127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
-    address = None
-    deadline = time.time() + 60
-    lines = []
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on ([^,]+),", line)
-        if m:
-            address = m.group(1)
-            break
-    assert address, "packd did not start:\n" + "".join(lines)
-    threading.Thread(target=proc.stderr.read, daemon=True).start()
-    yield address
-    proc.terminate()
-    assert proc.wait(timeout=60) == 0
+    with PackdServer(os.environ["PACKD_BINARY"]) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

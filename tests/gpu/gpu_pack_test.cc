@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/backend.h"
+#include "kernels/device_runtime.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
 #include "kernels/torch/torch_interop.h"
@@ -21,20 +21,19 @@ namespace {
 using testing::MaskKind;
 using testing::Rng;
 
-#if defined(PACKD_GPU_HIP)
-const Device kGpu{DeviceKind::kHip, 0};
-#else
-const Device kGpu{DeviceKind::kCuda, 0};
-#endif
+const Device kGpu = testing::FirstGpu();
 
 class GpuPackTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<Backend*> backend = Registry::Get("pack", kGpu);
-    if (!backend.ok()) {
-      GTEST_SKIP() << "no GPU to test on: " << backend.status().message();
+    absl::StatusOr<DeviceRuntime*> runtime = Registry::Runtime(kGpu);
+    if (!runtime.ok()) {
+      GTEST_SKIP() << "no GPU to test on: " << runtime.status().message();
     }
-    gpu_ = *backend;
+    gpu_ = *runtime;
+    absl::StatusOr<Stream> stream = gpu_->AcquireStream(kGpu);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    stream_ = std::move(*stream);
   }
 
   // A device copy of `t` at `misalign` bytes past an aligned allocation.
@@ -42,7 +41,8 @@ class GpuPackTest : public ::testing::Test {
     absl::StatusOr<Buffer> buf = gpu_->Allocate(t.nbytes() + 16, kGpu);
     EXPECT_TRUE(buf.ok()) << buf.status();
     char* data = static_cast<char*>(buf->data()) + misalign;
-    EXPECT_TRUE(gpu_->CopyToDevice(data, t.data_ptr(), t.nbytes(), kGpu).ok());
+    EXPECT_TRUE(
+        gpu_->CopyToDevice(data, t.data_ptr(), t.nbytes(), stream_).ok());
     buffers_.push_back(std::move(*buf));
     TensorView v = AsView(t);
     v.data = data;
@@ -54,7 +54,8 @@ class GpuPackTest : public ::testing::Test {
     std::vector<int64_t> shape(v.shape.begin(), v.shape.end());
     at::Tensor t =
         at::empty(shape, at::TensorOptions().dtype(ToScalarType(v.dtype)));
-    EXPECT_TRUE(gpu_->CopyToHost(t.data_ptr(), v.data, t.nbytes(), kGpu).ok());
+    EXPECT_TRUE(
+        gpu_->CopyToHost(t.data_ptr(), v.data, t.nbytes(), stream_).ok());
     return t;
   }
 
@@ -75,38 +76,36 @@ class GpuPackTest : public ::testing::Test {
     PackOptions pack_options;
     pack_options.with_position_ids = true;
     absl::StatusOr<PackResult> cpu =
-        Pack(AsView(mask), cpu_inputs, pack_options);
+        Pack(cpu_inputs, AsView(mask), pack_options);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
 
     const std::vector<TensorView> gpu_inputs = {Upload(x, misalign)};
     absl::StatusOr<PackResult> gpu =
-        Pack(Upload(mask, misalign), gpu_inputs, pack_options);
+        Pack(gpu_inputs, Upload(mask, misalign), pack_options);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     EXPECT_EQ(gpu->cu_seqlens, cpu->cu_seqlens);
     EXPECT_EQ(gpu->last_index, cpu->last_index);
     EXPECT_EQ(gpu->position_ids, cpu->position_ids);
     EXPECT_EQ(gpu->max_seqlen, cpu->max_seqlen);
-    std::string why;
-    EXPECT_TRUE(testing::SameBytes(Download(gpu->packed[0].view),
-                                   cpu->packed[0].view, &why))
-        << why;
+    EXPECT_TRUE(
+        testing::SameBytes(Download(gpu->packed[0].view), cpu->packed[0].view));
 
     // Scatter of fresh packed rows.
     const at::Tensor packed = testing::RandomTensor(
         rng, x_dtype, testing::Concat({cpu->total_active}, tail));
     const std::vector<TensorView> cpu_packed = {AsView(packed)};
-    absl::StatusOr<ScatterResult> cpu_dense = Scatter(AsView(mask), cpu_packed);
+    absl::StatusOr<ScatterResult> cpu_dense = Scatter(cpu_packed, AsView(mask));
     ASSERT_TRUE(cpu_dense.ok()) << cpu_dense.status();
     const std::vector<TensorView> gpu_packed = {Upload(packed, misalign)};
     absl::StatusOr<ScatterResult> gpu_dense =
-        Scatter(Upload(mask, misalign), gpu_packed);
+        Scatter(gpu_packed, Upload(mask, misalign));
     ASSERT_TRUE(gpu_dense.ok()) << gpu_dense.status();
     EXPECT_TRUE(testing::SameBytes(Download(gpu_dense->dense[0].view),
-                                   cpu_dense->dense[0].view, &why))
-        << why;
+                                   cpu_dense->dense[0].view));
   }
 
-  Backend* gpu_ = nullptr;
+  DeviceRuntime* gpu_ = nullptr;
+  Stream stream_;
   std::vector<Buffer> buffers_;
 };
 

@@ -18,16 +18,12 @@
 namespace packd {
 namespace {
 
-#if defined(PACKD_GPU_HIP)
-const Device kGpu{DeviceKind::kHip, 0};
-#else
-const Device kGpu{DeviceKind::kCuda, 0};
-#endif
+const Device kGpu = testing::FirstGpu();
 
 using testing::ToProto;
 
 TEST(GpuService, PackAndScatterOnTheDeviceMatchTorch) {
-  const absl::Status available = Registry::Get("pack", kGpu).status();
+  const absl::Status available = Registry::Runtime(kGpu).status();
   if (!available.ok())
     GTEST_SKIP() << "no GPU to serve on: " << available.message();
   auto server = testing::ServerProcess::Start({"--device=" + kGpu.ToString()});

@@ -37,7 +37,7 @@ TEST(HostBufferPool, ReusesReturnedBlocksAndRespectsItsLimit) {
   HostBufferPool pool(size_t{8} << 20);
   void* first = nullptr;
   {
-    Buffer b = pool.Acquire(3 << 20);
+    Buffer b = *pool.Acquire(3 << 20);
     ASSERT_NE(b.data(), nullptr);
     EXPECT_EQ(b.size(), size_t{3} << 20);
     EXPECT_EQ(
@@ -48,11 +48,11 @@ TEST(HostBufferPool, ReusesReturnedBlocksAndRespectsItsLimit) {
   EXPECT_EQ(pool.cached_bytes(),
             size_t{4} << 20);  // rounded up to whole 2 MiB pages
   {
-    Buffer again = pool.Acquire(3 << 20);
+    Buffer again = *pool.Acquire(3 << 20);
     EXPECT_EQ(again.data(), first);
     EXPECT_EQ(pool.cached_bytes(), 0u);
-    Buffer small = pool.Acquire(100);
-    Buffer zero = pool.Acquire(0);
+    Buffer small = *pool.Acquire(100);
+    Buffer zero = *pool.Acquire(0);
     EXPECT_NE(zero.data(), nullptr);
     Buffer moved = std::move(small);
     EXPECT_EQ(small.data(), nullptr);
@@ -60,8 +60,8 @@ TEST(HostBufferPool, ReusesReturnedBlocksAndRespectsItsLimit) {
   }
   {
     // Over the limit: the third block is freed, not cached.
-    Buffer a = pool.Acquire(4 << 20), b = pool.Acquire(4 << 20),
-           c = pool.Acquire(4 << 20);
+    Buffer a = *pool.Acquire(4 << 20), b = *pool.Acquire(4 << 20),
+           c = *pool.Acquire(4 << 20);
   }
   EXPECT_LE(pool.cached_bytes(), size_t{8} << 20);
   pool.Trim();

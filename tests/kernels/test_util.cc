@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/registry.h"
 #include "kernels/torch/torch_interop.h"
 
 namespace packd::testing {
@@ -156,31 +157,47 @@ ReferenceMeta ReferenceMetadata(const at::Tensor& mask) {
   return meta;
 }
 
-bool SameBytes(const at::Tensor& expected_in, const TensorView& actual,
-               std::string* why) {
+::testing::AssertionResult SameBytesAt(const at::Tensor& expected_in,
+                                       const void* actual) {
   const at::Tensor expected = expected_in.contiguous();
-  const std::vector<int64_t> shape(actual.shape.begin(), actual.shape.end());
-  if (expected.sizes().vec() != shape) {
-    *why = absl::StrCat("shape ", ShapeString(actual.shape), " != expected ",
-                        ShapeString(expected.sizes().vec()));
-    return false;
-  }
-  if (ToScalarType(actual.dtype) != expected.scalar_type()) {
-    *why = absl::StrCat("dtype ", DTypeName(actual.dtype), " differs");
-    return false;
-  }
   const int64_t n = expected.nbytes();
-  if (n == 0) return true;
+  if (n == 0) return ::testing::AssertionSuccess();
   const auto* e = static_cast<const uint8_t*>(expected.data_ptr());
-  const auto* a = static_cast<const uint8_t*>(actual.data);
-  if (std::memcmp(e, a, n) == 0) return true;
+  const auto* a = static_cast<const uint8_t*>(actual);
+  if (std::memcmp(e, a, n) == 0) return ::testing::AssertionSuccess();
   int64_t i = 0;
   while (e[i] == a[i]) ++i;
-  *why = absl::StrCat("first differing byte at offset ", i, " of ", n,
-                      ": expected ", static_cast<int>(e[i]), ", got ",
-                      static_cast<int>(a[i]),
-                      a[i] == kCanary ? " (the canary: never written)" : "");
-  return false;
+  return ::testing::AssertionFailure()
+         << "first differing byte at offset " << i << " of " << n
+         << ": expected " << static_cast<int>(e[i]) << ", got "
+         << static_cast<int>(a[i])
+         << (a[i] == kCanary ? " (the canary: never written)" : "");
+}
+
+::testing::AssertionResult SameBytes(const at::Tensor& expected,
+                                     const TensorView& actual) {
+  const std::vector<int64_t> shape(actual.shape.begin(), actual.shape.end());
+  if (expected.sizes().vec() != shape) {
+    return ::testing::AssertionFailure()
+           << "shape " << ShapeString(actual.shape) << " != expected "
+           << ShapeString(expected.sizes().vec());
+  }
+  if (ToScalarType(actual.dtype) != expected.scalar_type()) {
+    return ::testing::AssertionFailure()
+           << "dtype " << DTypeName(actual.dtype) << " != expected "
+           << c10::toString(expected.scalar_type());
+  }
+  return SameBytesAt(expected, actual.data);
+}
+
+::testing::AssertionResult SameBytes(const at::Tensor& expected,
+                                     const at::Tensor& actual) {
+  const DType dtype = FromScalarType(actual.scalar_type());
+  if (dtype == DType::kUnspecified) {
+    return ::testing::AssertionFailure()
+           << "dtype " << c10::toString(actual.scalar_type());
+  }
+  return SameBytes(expected, AsView(actual.contiguous()));
 }
 
 void FillCanary(at::Tensor& t) {
@@ -191,6 +208,11 @@ std::vector<int64_t> Concat(std::vector<int64_t> head,
                             const std::vector<int64_t>& tail) {
   head.insert(head.end(), tail.begin(), tail.end());
   return head;
+}
+
+Device FirstGpu() {
+  const bool hip = !Registry::Global().Names(DeviceKind::kHip).empty();
+  return Device{hip ? DeviceKind::kHip : DeviceKind::kCuda, 0};
 }
 
 }  // namespace packd::testing

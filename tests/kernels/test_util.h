@@ -2,9 +2,11 @@
 // output canaries, and the libtorch reference results every packd result is
 // compared against, byte for byte.
 //
+// clang-format off
 //   Rng rng = Rng::Fresh();
-//   at::Tensor mask = RandomMask(rng, DType::kFloat32, 4, 16, 0.3,
-//   MaskKind::kHoles); at::Tensor expected = ReferencePack(x, mask);
+//   at::Tensor mask = RandomMask(rng, DType::kFloat32, 4, 16, 0.3, MaskKind::kHoles);
+//   EXPECT_TRUE(SameBytes(ReferencePack(x, mask), result.packed[0].view));
+// clang-format on
 #ifndef PACKD_TESTS_KERNELS_TEST_UTIL_H_
 #define PACKD_TESTS_KERNELS_TEST_UTIL_H_
 
@@ -62,15 +64,25 @@ struct ReferenceMeta {
 };
 ReferenceMeta ReferenceMetadata(const at::Tensor& mask);
 
-// True when both tensors have the same shape and dtype and identical bytes;
-// otherwise false and `why` says where they first differ.
-bool SameBytes(const at::Tensor& expected, const TensorView& actual,
-               std::string* why);
+// Byte-for-byte comparisons with a torch result. SameBytes: success when
+// `actual` has expected's dtype, shape and bytes; SameBytesAt: when the
+// expected.nbytes() bytes at `actual` equal expected's. A failure says where
+// they first differ (and whether that byte is the canary).
+::testing::AssertionResult SameBytes(const at::Tensor& expected,
+                                     const TensorView& actual);
+::testing::AssertionResult SameBytes(const at::Tensor& expected,
+                                     const at::Tensor& actual);
+::testing::AssertionResult SameBytesAt(const at::Tensor& expected,
+                                       const void* actual);
 
 // Fills `t` with the canary byte so that an element the op never writes is
 // caught.
 constexpr uint8_t kCanary = 0xA5;
 void FillCanary(at::Tensor& t);
+
+// Device 0 of the GPU kind this build has (hip:0 in a ROCm build, else
+// cuda:0), whether or not the machine has one.
+Device FirstGpu();
 
 std::vector<int64_t> Concat(std::vector<int64_t> head,
                             const std::vector<int64_t>& tail);

@@ -11,6 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/device_runtime.h"
 #include "kernels/registry.h"
 #include "server/pack_service.h"
 #include "tests/e2e/proto_util.h"
@@ -21,40 +22,50 @@ namespace {
 
 std::atomic<int64_t> uploaded{0}, downloaded{0};
 
-class HostMemoryGpu : public Backend {
+// cuda:0 whose memory is host memory, counting the bytes staged each way.
+class HostMemoryRuntime : public DeviceRuntime {
  public:
-  HostMemoryGpu() : cpu_(*Registry::Get("pack", Device::Cpu())) {}
-  absl::string_view name() const override { return "host-memory-gpu"; }
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
+  std::vector<DeviceInfo> ListDevices() const override {
+    return {DeviceInfo{Device{DeviceKind::kCuda, 0}, 0}};
+  }
   absl::Status CheckDevice(const Device& device) const override {
     return device.index == 0 ? absl::OkStatus()
                              : absl::FailedPreconditionError("only cuda:0");
   }
-  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
-      const TensorView& mask) override {
-    return cpu_->Plan(mask);
-  }
-  absl::Status Gather(const MaskPlan& plan, const TensorView& x,
-                      const TensorView& out) override {
-    return cpu_->Gather(plan, x, out);
-  }
-  absl::Status Scatter(const MaskPlan& plan, const TensorView& packed,
-                       const TensorView& dense) override {
-    return cpu_->Scatter(plan, packed, dense);
+  absl::StatusOr<Buffer> Allocate(int64_t bytes, const Device&) override {
+    return HostBufferPool::Global().Acquire(bytes);
   }
   absl::Status CopyToDevice(void* dst, const void* src, int64_t bytes,
-                            const Device&) override {
+                            const Stream&) override {
     uploaded += bytes;
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return absl::OkStatus();
   }
   absl::Status CopyToHost(void* dst, const void* src, int64_t bytes,
-                          const Device&) override {
+                          const Stream&) override {
     downloaded += bytes;
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return absl::OkStatus();
   }
-  absl::StatusOr<Buffer> Allocate(int64_t bytes, const Device&) override {
-    return HostBufferPool::Global().Acquire(bytes);
+};
+
+// The ops on that "device": the CPU implementation.
+class HostMemoryGpu : public Backend {
+ public:
+  HostMemoryGpu() : cpu_(*Registry::Get(Device::Cpu())) {}
+  absl::string_view name() const override { return "host-memory-gpu"; }
+  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
+      const TensorView& mask, const Stream& stream) override {
+    return cpu_->Plan(mask, stream);
+  }
+  absl::Status Gather(const MaskPlan& plan, const TensorView& x,
+                      const TensorView& out, const Stream& stream) override {
+    return cpu_->Gather(plan, x, out, stream);
+  }
+  absl::Status Scatter(const MaskPlan& plan, const TensorView& packed,
+                       const TensorView& dense, const Stream& stream) override {
+    return cpu_->Scatter(plan, packed, dense, stream);
   }
 
  private:
@@ -64,6 +75,7 @@ class HostMemoryGpu : public Backend {
 class GpuPathTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
+    Registry::Global().SetRuntime(std::make_unique<HostMemoryRuntime>());
     ASSERT_TRUE(Registry::Global()
                     .Add(DeviceKind::kCuda, std::make_unique<HostMemoryGpu>(),
                          /*make_default=*/true)

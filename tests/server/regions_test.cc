@@ -11,17 +11,16 @@
 #include <sstream>
 #include <string>
 
+#include "client/shm_segment.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/proto_util.h"
-#include "tests/e2e/shm_segment.h"
 
 namespace packd {
 namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
-using testing::ShmSegment;
 using testing::Slice;
 
 std::string SelfMaps() {
@@ -52,15 +51,18 @@ int Mappings(const std::string& key) {
 }
 
 TEST(RegionRegistry, UnregisterAndDestructionUnmapAndCloseEverything) {
-  ShmSegment a(1 << 20), b(3 << 20);
+  std::unique_ptr<ShmSegment> a =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();
+  std::unique_ptr<ShmSegment> b =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 3 << 20).value();
   const int fds_before = SelfDescriptors();
-  const int a_before = Mappings(a.key()), b_before = Mappings(b.key());
+  const int a_before = Mappings(a->key()), b_before = Mappings(b->key());
   {
     RegionRegistry regions({/*enabled=*/true, "/packd_test"});
-    ASSERT_TRUE(regions.RegisterSystem("a", a.key(), 4096 + 7, 8192).ok());
-    ASSERT_TRUE(regions.RegisterSystem("b", b.key(), 0, 3 << 20).ok());
-    EXPECT_EQ(Mappings(a.key()), a_before + 1);
-    EXPECT_EQ(Mappings(b.key()), b_before + 1);
+    ASSERT_TRUE(regions.RegisterSystem("a", a->key(), 4096 + 7, 8192).ok());
+    ASSERT_TRUE(regions.RegisterSystem("b", b->key(), 0, 3 << 20).ok());
+    EXPECT_EQ(Mappings(a->key()), a_before + 1);
+    EXPECT_EQ(Mappings(b->key()), b_before + 1);
     EXPECT_EQ(SelfDescriptors(), fds_before);
 
     // Bytes written through the registry land at the registered offset.
@@ -68,25 +70,26 @@ TEST(RegionRegistry, UnregisterAndDestructionUnmapAndCloseEverything) {
         regions.Resolve(Slice("a", 1, 4), "inputs[0]");
     ASSERT_TRUE(s.ok()) << s.status();
     std::memcpy(s->data, "abcd", 4);
-    EXPECT_EQ(std::string(a.data() + 4096 + 8, 4), "abcd");
+    EXPECT_EQ(std::string(a->data() + 4096 + 8, 4), "abcd");
 
     // A slice held by a call keeps the mapping after unregister.
     ASSERT_TRUE(regions.Unregister("a").ok());
-    EXPECT_EQ(Mappings(a.key()), a_before + 1);
+    EXPECT_EQ(Mappings(a->key()), a_before + 1);
     s = absl::StatusOr<ResolvedSlice>(absl::CancelledError());
-    EXPECT_EQ(Mappings(a.key()), a_before);
+    EXPECT_EQ(Mappings(a->key()), a_before);
     EXPECT_EQ(regions.Resolve(Slice("a", 0, 1), "x").status().code(),
               absl::StatusCode::kNotFound);
   }
   // "b" was still registered when the registry went away.
-  EXPECT_EQ(Mappings(b.key()), b_before);
+  EXPECT_EQ(Mappings(b->key()), b_before);
   EXPECT_EQ(SelfDescriptors(), fds_before);
 }
 
 TEST(RegionRegistry, SlicesAreBoundsCheckedWithoutOverflow) {
-  ShmSegment seg(1 << 16);
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 16).value();
   RegionRegistry regions({true, "/packd_test"});
-  ASSERT_TRUE(regions.RegisterSystem("r", seg.key(), 0, 1 << 16).ok());
+  ASSERT_TRUE(regions.RegisterSystem("r", seg->key(), 0, 1 << 16).ok());
   EXPECT_TRUE(regions.Resolve(Slice("r", 0, 1 << 16), "f").ok());
   EXPECT_TRUE(regions.Resolve(Slice("r", 1 << 16, 0), "f").ok());
   for (auto [offset, bytes] : {std::pair<uint64_t, uint64_t>{1, 1 << 16},

@@ -1,0 +1,47 @@
+// ShmSegment: a POSIX shared-memory object this process creates and maps, and
+// unlinks and unmaps when destroyed — the memory behind a system region. The
+// C++ client's SharedMemory, the tests and the benchmarks all make their
+// segments here.
+//
+//   PACKD_ASSIGN_OR_RETURN(auto seg, ShmSegment::Create("/packd_w0", 1 << 20));
+//   std::memcpy(seg->data(), bytes, n);  // then
+//   RegisterSystemRegion(seg->key())
+#ifndef PACKD_CLIENT_SHM_SEGMENT_H_
+#define PACKD_CLIENT_SHM_SEGMENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace packd {
+
+class ShmSegment {
+ public:
+  // Creates (exclusively) and maps `bytes` of the object `key` ("/name").
+  // INVALID_ARGUMENT for a non-positive size; INTERNAL when the object cannot
+  // be created (it exists, or the name is bad); RESOURCE_EXHAUSTED when it
+  // cannot be sized or mapped.
+  static absl::StatusOr<std::unique_ptr<ShmSegment>> Create(std::string key,
+                                                            int64_t bytes);
+  // A fresh key "<prefix>_<pid>_<n>", unique within this process.
+  static std::string UniqueKey(const std::string& prefix);
+  ~ShmSegment();
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+
+  const std::string& key() const { return key_; }
+  char* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  ShmSegment() = default;
+  std::string key_;
+  char* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_CLIENT_SHM_SEGMENT_H_

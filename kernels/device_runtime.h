@@ -1,0 +1,119 @@
+// DeviceRuntime: the facts and the memory of one kind of device (cpu, cuda,
+// hip), apart from the ops that run on it: which devices exist, memory for
+// results, the stream a call's work runs on, copies to and from host memory,
+// and device memory that another process exported. The ops (kernels/backend.h)
+// run on what the runtime gives them.
+//
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(DeviceRuntime* runtime, Registry::Runtime(device));
+//   PACKD_ASSIGN_OR_RETURN(Stream stream, runtime->AcquireStream(device));
+//   PACKD_ASSIGN_OR_RETURN(Buffer staged, runtime->Allocate(bytes, device));
+//   PACKD_RETURN_IF_ERROR(runtime->CopyToDevice(staged.data(), host, bytes, stream));
+// clang-format on
+#ifndef PACKD_KERNELS_DEVICE_RUNTIME_H_
+#define PACKD_KERNELS_DEVICE_RUNTIME_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/buffer.h"
+#include "kernels/tensor_view.h"
+
+namespace packd {
+
+// One device present on this machine.
+struct DeviceInfo {
+  Device device;
+  uint64_t memory_bytes = 0;  // total memory; 0 when the runtime cannot say
+};
+
+// Device memory another process exported, opened in this one: `owner` closes
+// it when the last holder lets go.
+struct DeviceMapping {
+  void* base = nullptr;
+  std::shared_ptr<void> owner;
+};
+
+// The queue one call's device work runs on, in order: a cudaStream_t or
+// hipStream_t, or nothing on the CPU, where work runs when it is called.
+// Move-only; destroying it hands the queue back to its runtime.
+class Stream {
+ public:
+  using Release = std::function<void(void* handle)>;
+
+  Stream() = default;
+  Stream(Device device, void* handle, Release release)
+      : device_(device), handle_(handle), release_(std::move(release)) {}
+  Stream(Stream&& other) noexcept { *this = std::move(other); }
+  Stream& operator=(Stream&& other) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream();
+
+  const Device& device() const { return device_; }
+  // The runtime's own stream handle; null on the CPU.
+  void* handle() const { return handle_; }
+
+ private:
+  Device device_;
+  void* handle_ = nullptr;
+  Release release_;
+};
+
+class DeviceRuntime {
+ public:
+  virtual ~DeviceRuntime() = default;
+
+  // The kind of device this runtime drives.
+  virtual DeviceKind kind() const = 0;
+
+  // The devices of this kind on this machine, by index; empty when there are
+  // none or the runtime cannot be reached (no driver).
+  virtual std::vector<DeviceInfo> ListDevices() const = 0;
+
+  // OK when `device` (of this kind) exists on this machine; FAILED_PRECONDITION
+  // saying why not otherwise (no such index, no driver).
+  virtual absl::Status CheckDevice(const Device& device) const = 0;
+
+  // The stream a call on `device` runs its work on; INTERNAL when the runtime
+  // cannot make one. The CPU runtime's is empty.
+  virtual absl::StatusOr<Stream> AcquireStream(const Device& device);
+
+  // `bytes` of uninitialised memory on `device` (pooled). RESOURCE_EXHAUSTED
+  // when the device cannot hold them.
+  virtual absl::StatusOr<Buffer> Allocate(int64_t bytes,
+                                          const Device& device) = 0;
+
+  // Copies between host memory and memory on the stream's device, complete
+  // when they return. INTERNAL with the runtime's message on failure. The CPU
+  // runtime's are memcpy.
+  virtual absl::Status CopyToDevice(void* dst, const void* src, int64_t bytes,
+                                    const Stream& stream) = 0;
+  virtual absl::Status CopyToHost(void* dst, const void* src, int64_t bytes,
+                                  const Stream& stream) = 0;
+
+  // Returns once all work queued on `stream` has finished; INTERNAL with the
+  // runtime's message when some of it failed. Immediate on the CPU.
+  virtual absl::Status Synchronize(const Stream& stream);
+
+  // Opens `byte_size` bytes of device memory exported by another process with
+  // an IPC handle (cudaIpcMemHandle_t / hipIpcMemHandle_t, 64 bytes).
+  // FAILED_PRECONDITION for a runtime that has no IPC memory (the CPU's);
+  // INTERNAL with the runtime's message when the handle cannot be opened.
+  virtual absl::StatusOr<DeviceMapping> OpenIpcMemory(absl::string_view handle,
+                                                      const Device& device,
+                                                      uint64_t byte_size);
+};
+
+// The runtime of host memory: one device, "cpu", memory from
+// HostBufferPool::Global(), copies by memcpy.
+std::unique_ptr<DeviceRuntime> MakeHostRuntime();
+
+}  // namespace packd
+
+#endif  // PACKD_KERNELS_DEVICE_RUNTIME_H_

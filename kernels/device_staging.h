@@ -1,0 +1,71 @@
+// DeviceStaging: the host side of a call on cuda:N or hip:N. Tensors in host
+// memory are copied to the device before the op runs, and results whose place
+// is in host memory are written to device buffers first and copied there
+// afterwards. Tensors already on the device are used where they are. Pack()
+// and Scatter() own one per call; nothing else stages.
+//
+//   DeviceStaging staging(runtime, &stream);
+//   PACKD_RETURN_IF_ERROR(staging.Upload(&mask));          // now on the device
+//   PACKD_ASSIGN_OR_RETURN(void* out, staging.Result(host_place, bytes));
+//   ... the op writes `out` ...
+//   PACKD_RETURN_IF_ERROR(staging.Download());             // host_place filled
+#ifndef PACKD_KERNELS_DEVICE_STAGING_H_
+#define PACKD_KERNELS_DEVICE_STAGING_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/buffer.h"
+#include "kernels/device_runtime.h"
+#include "kernels/tensor_view.h"
+
+namespace packd {
+
+class DeviceStaging {
+ public:
+  // Stages for the stream's device through `runtime` (the device's runtime);
+  // both must outlive this object.
+  DeviceStaging(DeviceRuntime* runtime, const Stream* stream)
+      : runtime_(runtime), stream_(stream) {}
+  DeviceStaging(const DeviceStaging&) = delete;
+  DeviceStaging& operator=(const DeviceStaging&) = delete;
+
+  // Whether a tensor on `device` must be staged: it is in host memory and the
+  // call is not.
+  bool NeedsStaging(const Device& device) const {
+    return device.kind == DeviceKind::kCpu &&
+           stream_->device().kind != DeviceKind::kCpu;
+  }
+
+  // If `view` needs staging, copies it into a pooled device buffer and points
+  // `view` at that copy. RESOURCE_EXHAUSTED when the device is full; INTERNAL
+  // on a runtime failure.
+  absl::Status Upload(TensorView* view);
+
+  // Where the op writes a result of `bytes` whose place is `place`: `place`
+  // itself when no staging is needed, else a device buffer that Download()
+  // copies to `place`. RESOURCE_EXHAUSTED when the device is full.
+  absl::StatusOr<void*> Result(void* place, const Device& place_device,
+                               int64_t bytes);
+
+  // Copies every staged result to its host place, once the op's work on the
+  // stream is done.
+  absl::Status Download();
+
+ private:
+  struct Pending {
+    void* host;
+    const void* device;
+    int64_t bytes;
+  };
+  DeviceRuntime* const runtime_;
+  const Stream* const stream_;
+  std::vector<Buffer> buffers_;
+  std::vector<Pending> pending_;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_KERNELS_DEVICE_STAGING_H_

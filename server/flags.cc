@@ -1,0 +1,61 @@
+#include "server/flags.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "kernels/thread_pool.h"
+#include "proto/address.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "Address to serve on: HOST:PORT (port 0 picks a free port) or "
+          "unix:PATH");
+ABSL_FLAG(std::string, device, "cpu",
+          "Default device for requests that name none: cpu, cuda:N or hip:N");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
+          "Largest request or response in bytes; larger ones get "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, threads, 0,
+          "CPU threads that split large copies (0: all hardware threads)");
+ABSL_FLAG(int, drain_seconds, 30,
+          "On SIGTERM, how long calls in flight may take to finish");
+ABSL_FLAG(std::string, shared_memory, "auto",
+          "Tensor handles (shared-memory regions): on, off, or auto (on only "
+          "for loopback and unix-socket listeners)");
+ABSL_FLAG(std::string, shm_key_prefix, "/packd",
+          "Every shared-memory key a client registers must start with this");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT to serve Prometheus metrics on at /metrics (port 0 picks "
+          "one); empty: no metrics endpoint");
+
+namespace packd {
+
+absl::StatusOr<ServerOptions> OptionsFromFlags() {
+  ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  PACKD_ASSIGN_OR_RETURN(options.service.default_device,
+                         ParseDevice(absl::GetFlag(FLAGS_device), "--device"));
+  options.service.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (options.service.max_message_bytes <= 0) {
+    return absl::InvalidArgumentError("--max_message_bytes must be positive");
+  }
+  const std::string shm = absl::GetFlag(FLAGS_shared_memory);
+  if (shm == "on" || shm == "auto") {
+    options.service.regions.enabled =
+        shm == "on" || IsNodeLocal(options.listen);
+  } else if (shm != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shared_memory=", shm, " must be auto, on or off"));
+  }
+  options.service.regions.key_prefix = absl::GetFlag(FLAGS_shm_key_prefix);
+  options.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (absl::GetFlag(FLAGS_threads) > 0) {
+    ThreadPool::SetGlobalThreads(absl::GetFlag(FLAGS_threads));
+  }
+  return options;
+}
+
+}  // namespace packd

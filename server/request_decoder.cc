@@ -1,0 +1,122 @@
+#include "server/request_decoder.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/registry.h"
+#include "kernels/status_macros.h"
+#include "proto/tensor_codec.h"
+
+namespace packd {
+
+absl::Status RequestDecoder::CheckSize(absl::string_view what,
+                                       size_t bytes) const {
+  if (static_cast<int64_t>(bytes) <= max_message_bytes_) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the ", what, " is ", bytes, " bytes, over the server's limit of ",
+      max_message_bytes_,
+      " bytes (--max_message_bytes); split the batch or use tensor handles"));
+}
+
+absl::StatusOr<Device> RequestDecoder::ResolveDevice(
+    const std::string& text) const {
+  if (text.empty()) return default_device_;
+  PACKD_ASSIGN_OR_RETURN(Device device, ParseDevice(text, "device"));
+  // FAILED_PRECONDITION here when the build or the machine lacks the device.
+  PACKD_RETURN_IF_ERROR(Registry::Runtime(device).status());
+  return device;
+}
+
+absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
+    const v1::Tensor& tensor, absl::string_view field,
+    std::vector<std::shared_ptr<Region>>* held) const {
+  PACKD_ASSIGN_OR_RETURN(TensorView view, DecodeTensorHeader(tensor, field));
+  const int64_t bytes = view.nbytes();
+  if (tensor.storage_case() == v1::Tensor::kRegion) {
+    if (regions_ == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field,
+                       " is a region handle, but this call takes only inline "
+                       "tensors"));
+    }
+    const std::string slice_field = absl::StrCat(field, ".region");
+    PACKD_ASSIGN_OR_RETURN(ResolvedSlice slice,
+                           regions_->Resolve(tensor.region(), slice_field));
+    if (slice.byte_size != static_cast<uint64_t>(bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(slice_field, " has ", slice.byte_size,
+                       " bytes but shape ", ShapeString(view.shape), " of ",
+                       DTypeName(view.dtype), " needs ", bytes));
+    }
+    view.data = slice.data;
+    view.device = slice.region->device();
+    held->push_back(std::move(slice.region));
+    return view;
+  }
+  const std::string& data = tensor.data();
+  if (static_cast<int64_t>(data.size()) != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".data has ", data.size(), " bytes but shape ",
+                     ShapeString(view.shape), " of ", DTypeName(view.dtype),
+                     " needs ", bytes));
+  }
+  // The kernels only read inputs; the cast is the usual DLPack-style one.
+  view.data = bytes == 0 ? nullptr : const_cast<char*>(data.data());
+  return view;
+}
+
+template <typename Request>
+absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
+    const Request& request,
+    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
+    absl::string_view field) const {
+  PACKD_RETURN_IF_ERROR(CheckSize("request", request.ByteSizeLong()));
+  DecodedCall call;
+  PACKD_ASSIGN_OR_RETURN(call.device, ResolveDevice(request.device()));
+  if (!request.has_mask()) {
+    return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
+  }
+  PACKD_ASSIGN_OR_RETURN(call.mask,
+                         DecodeTensor(request.mask(), "mask", &call.held));
+  call.tensors.reserve(tensors.size());
+  for (int i = 0; i < tensors.size(); ++i) {
+    PACKD_ASSIGN_OR_RETURN(
+        TensorView v,
+        DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"), &call.held));
+    call.tensors.push_back(std::move(v));
+  }
+  const auto& outputs = request.outputs();
+  if (outputs.empty()) return call;
+  if (outputs.size() != tensors.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "outputs has ", outputs.size(), " slices but there are ",
+        tensors.size(),
+        " tensors: give one slice per tensor, or none for inline results"));
+  }
+  if (regions_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "outputs name region slices, but this call takes only inline results");
+  }
+  for (int i = 0; i < outputs.size(); ++i) {
+    PACKD_ASSIGN_OR_RETURN(
+        ResolvedSlice slice,
+        regions_->Resolve(outputs[i], absl::StrCat("outputs[", i, "]")));
+    call.outputs.push_back(std::move(slice));
+  }
+  return call;
+}
+
+absl::StatusOr<DecodedCall> RequestDecoder::Decode(
+    const v1::PackRequest& request) const {
+  return DecodeCall(request, request.inputs(), "inputs");
+}
+
+absl::StatusOr<DecodedCall> RequestDecoder::Decode(
+    const v1::ScatterRequest& request) const {
+  return DecodeCall(request, request.packed(), "packed");
+}
+
+}  // namespace packd

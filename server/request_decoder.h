@@ -1,0 +1,86 @@
+// RequestDecoder: a Pack or Scatter request, checked and turned into what the
+// op library takes — the call's device, the mask and tensors as views (of the
+// request's bytes in place, or of region memory), and where each result goes.
+// Nothing is copied: inline views point into the request message, which must
+// outlive the call.
+//
+// clang-format off
+//   RequestDecoder decoder(&regions, Device::Cpu(), max_message_bytes);
+//   PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder.Decode(request));
+//   Pack(call.tensors, call.mask, options);
+// clang-format on
+#ifndef PACKD_SERVER_REQUEST_DECODER_H_
+#define PACKD_SERVER_REQUEST_DECODER_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/tensor_view.h"
+#include "packd/v1/pack_service.pb.h"
+#include "server/regions.h"
+
+namespace packd {
+
+// A request's device, mask and tensors, checked and decoded.
+struct DecodedCall {
+  Device device;
+  TensorView mask;
+  // inputs (Pack) or packed (Scatter), in request order.
+  std::vector<TensorView> tensors;
+  // One resolved slice per result when the request names outputs; empty for
+  // inline results.
+  std::vector<ResolvedSlice> outputs;
+  // The regions the call's tensors live in, kept mapped until it returns.
+  std::vector<std::shared_ptr<Region>> held;
+};
+
+class RequestDecoder {
+ public:
+  // `regions` (may be null: handles are refused) must outlive the decoder.
+  RequestDecoder(const RegionRegistry* regions, Device default_device,
+                 int64_t max_message_bytes)
+      : regions_(regions),
+        default_device_(default_device),
+        max_message_bytes_(max_message_bytes) {}
+
+  // Errors: RESOURCE_EXHAUSTED when the request is over max_message_bytes;
+  // INVALID_ARGUMENT for a missing mask, a bad device name, a tensor whose
+  // dtype, shape or byte count is wrong, or outputs of the wrong count;
+  // FAILED_PRECONDITION for a device this build or machine lacks; the region
+  // errors of RegionRegistry::Resolve for handles.
+  absl::StatusOr<DecodedCall> Decode(const v1::PackRequest& request) const;
+  absl::StatusOr<DecodedCall> Decode(const v1::ScatterRequest& request) const;
+
+  // A view of one tensor's bytes: inline `data` (a cpu view into `tensor`) or
+  // a region slice, whose region is appended to `held`. INVALID_ARGUMENT
+  // naming `field` for a bad header, or when the bytes given (`data`, or the
+  // slice's byte_size) are not exactly numel * itemsize; the region errors of
+  // RegionRegistry::Resolve; FAILED_PRECONDITION for a handle when the decoder
+  // has no regions.
+  absl::StatusOr<TensorView> DecodeTensor(
+      const v1::Tensor& tensor, absl::string_view field,
+      std::vector<std::shared_ptr<Region>>* held) const;
+
+  // OK when a message of `bytes` fits max_message_bytes; RESOURCE_EXHAUSTED
+  // naming `what` ("request", "response") and the flag otherwise.
+  absl::Status CheckSize(absl::string_view what, size_t bytes) const;
+
+ private:
+  template <typename Request>
+  absl::StatusOr<DecodedCall> DecodeCall(
+      const Request& request,
+      const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
+      absl::string_view field) const;
+  absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
+
+  const RegionRegistry* const regions_;
+  const Device default_device_;
+  const int64_t max_message_bytes_;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_REQUEST_DECODER_H_

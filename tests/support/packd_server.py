@@ -1,0 +1,63 @@
+"""A real packd server for the Python test suites: started on a unix socket in a fresh
+directory, ready once grpc.health.v1 answers SERVING for packd.v1.PackService (the server's log
+is for people, not parsed), stopped with SIGTERM and required to exit 0.
+
+    with PackdServer(os.environ["PACKD_BINARY"]) as address:
+        channel = grpc.insecure_channel(address)
+"""
+import os
+import subprocess
+import tempfile
+import time
+
+import grpc
+
+_READINESS = b"packd.v1.PackService"
+# grpc.health.v1.HealthCheckRequest{service} and HealthCheckResponse{status: SERVING}, encoded
+# by hand so that no health stubs are needed.
+_CHECK_REQUEST = b"\x0a" + bytes([len(_READINESS)]) + _READINESS
+_SERVING = b"\x08\x01"
+
+
+class PackdServer:
+    def __init__(self, binary, *flags, timeout=60.0):
+        self._dir = tempfile.TemporaryDirectory(prefix="packd-test-")
+        self.address = "unix:" + os.path.join(self._dir.name, "packd.sock")
+        self._proc = subprocess.Popen([binary, "--listen=" + self.address, *flags],
+                                      stderr=subprocess.PIPE, text=True)
+        try:
+            self._wait_ready(timeout)
+        except Exception:
+            self._proc.kill()
+            log = self._proc.communicate()[1]
+            self._dir.cleanup()
+            raise RuntimeError("packd did not become ready; its log:\n" + log)
+
+    def _wait_ready(self, timeout):
+        deadline = time.time() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check")
+            while time.time() < deadline:
+                if self._proc.poll() is not None:
+                    raise RuntimeError("packd exited with code %d" % self._proc.returncode)
+                try:
+                    if check(_CHECK_REQUEST, timeout=1.0) == _SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.02)
+        raise TimeoutError("packd was not SERVING within %.0f s" % timeout)
+
+    def stop(self):
+        """SIGTERM, then the exit code (0 after a clean drain)."""
+        self._proc.terminate()
+        self._proc.stderr.read()
+        code = self._proc.wait(timeout=60)
+        self._dir.cleanup()
+        return code
+
+    def __enter__(self):
+        return self.address
+
+    def __exit__(self, *exc):
+        assert self.stop() == 0
