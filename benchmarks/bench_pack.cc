@@ -1,11 +1,11 @@
 // bench_pack: the packd kernels against their limit and their peers, in one run
 // on the same data.
 //
+// clang-format off
 //   bench_pack --smoke
-//   bench_pack --dtype=bfloat16 --num-prompts=2 --g-sizes=8
-//   --completion-lens=1024 \
-//       --hidden-dim=4096 --vocab-sizes=32768 --mask-densities=0.1,0.3,1.0
-//       --json=out.json
+//   bench_pack --dtype=bfloat16 --num-prompts=2 --g-sizes=8 --completion-lens=1024 \
+//       --hidden-dim=4096 --vocab-sizes=32768 --mask-densities=0.1,0.3,1.0 --json=out.json
+// clang-format on
 //
 // Every row is a median over --repeats runs after a warm-up. Ratios compare
 // with the limit, a memcpy of the same bytes into a touched buffer split across
@@ -32,7 +32,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
+#include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
 #include "kernels/torch/torch_interop.h"
 
@@ -50,9 +52,9 @@ ABSL_FLAG(std::string, vocab_sizes, "32768,151936",
           "Vocabulary sizes for the memory columns");
 ABSL_FLAG(std::string, mask_densities, "0.1,0.3,1.0",
           "Fractions of active positions");
-ABSL_FLAG(std::string, mask_kinds, "prefix,random",
-          "prefix: a completion then padding per row; random: positions active "
-          "independently");
+ABSL_FLAG(std::string, mask_kinds, "prefix,holes",
+          "Mask patterns: prefix (a completion then padding per row) and holes "
+          "(positions active independently; also called random)");
 ABSL_FLAG(std::string, token_densities, "0.1,0.5,1.0",
           "Densities for the [64, 4096] int64 token-id case; empty to skip it");
 ABSL_FLAG(
@@ -105,26 +107,11 @@ std::vector<int64_t> ParseInts(const std::string& text) {
   return out;
 }
 
-// [B, S] bool mask: prefix rows have a completion of random length around
-// density * S then padding; random rows have each position active with
-// probability density.
+// A [B, S] bool mask of `pattern` (kernels/mask_patterns.h).
 at::Tensor MakeMask(std::mt19937_64& rng, int64_t B, int64_t S, double density,
-                    bool prefix) {
-  at::Tensor mask = at::zeros({B, S}, at::kBool);
-  bool* m = mask.data_ptr<bool>();
-  std::uniform_real_distribution<double> u(0, 1);
-  for (int64_t b = 0; b < B; ++b) {
-    if (prefix) {
-      // Lengths vary by row but keep the requested overall density.
-      const double f =
-          density >= 1.0 ? 1.0 : std::min(1.0, density * (0.5 + u(rng)));
-      const int64_t len = static_cast<int64_t>(f * S);
-      std::fill(m + b * S, m + b * S + len, true);
-    } else {
-      for (int64_t s = 0; s < S; ++s) m[b * S + s] = u(rng) < density;
-    }
-  }
-  return mask;
+                    MaskPattern pattern) {
+  std::vector<uint8_t> active = MaskActivity(pattern, B, S, density, rng);
+  return at::from_blob(active.data(), {B, S}, at::kByte).to(at::kBool);
 }
 
 class Bench {
@@ -374,6 +361,110 @@ std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
   return args;
 }
 
+// What the flags ask for (--smoke shrinks it to a few small cases).
+struct Config {
+  Device device;
+  DType dtype = DType::kBFloat16;
+  int64_t prompts = 0, hidden = 0;
+  std::vector<int64_t> g_sizes, lens, vocab;
+  std::vector<double> densities, token_densities;
+  int64_t token_rows = 64, token_len = 4096;
+  int repeats = 0;
+  std::vector<MaskPattern> patterns;
+};
+
+absl::StatusOr<Config> ConfigFromFlags() {
+  Config c;
+  PACKD_ASSIGN_OR_RETURN(c.device,
+                         ParseDevice(absl::GetFlag(FLAGS_device), "--device"));
+  if (c.device.kind != DeviceKind::kCpu) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device=", c.device.ToString(),
+        ": this benchmark measures the CPU backend; GPU kernels are measured "
+        "by tests/gpu/run_gpu_checks.sh"));
+  }
+  if (!ParseDType(absl::GetFlag(FLAGS_dtype), &c.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--dtype=", absl::GetFlag(FLAGS_dtype), " is not a dtype"));
+  }
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_mask_kinds),
+                                               ',', absl::SkipEmpty())) {
+    MaskPattern pattern;
+    if (!ParseMaskPattern(std::string_view(name.data(), name.size()),
+                          &pattern)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--mask_kinds: \"", name, "\" is not prefix, holes or random"));
+    }
+    c.patterns.push_back(pattern);
+  }
+  c.prompts = absl::GetFlag(FLAGS_num_prompts);
+  c.g_sizes = ParseInts(absl::GetFlag(FLAGS_g_sizes));
+  c.lens = ParseInts(absl::GetFlag(FLAGS_completion_lens));
+  c.hidden = absl::GetFlag(FLAGS_hidden_dim);
+  c.vocab = ParseInts(absl::GetFlag(FLAGS_vocab_sizes));
+  c.densities = ParseDoubles(absl::GetFlag(FLAGS_mask_densities));
+  c.token_densities = ParseDoubles(absl::GetFlag(FLAGS_token_densities));
+  c.repeats = absl::GetFlag(FLAGS_repeats);
+  if (absl::GetFlag(FLAGS_smoke)) {
+    c.prompts = 2;
+    c.g_sizes = {2};
+    c.lens = {64};
+    c.hidden = 64;
+    c.vocab = {128};
+    c.token_rows = 8;
+    c.token_len = 128;
+    c.repeats = 2;
+  }
+  return c;
+}
+
+// Hidden states [prompts * g, S, hidden] for every shape, pattern and density,
+// with the seed's memory lines for each.
+void RunHiddenStates(const Config& c, std::mt19937_64& rng, Bench& bench,
+                     std::vector<std::string>* memory_lines) {
+  for (int64_t g : c.g_sizes) {
+    for (int64_t S : c.lens) {
+      const int64_t B = c.prompts * g;
+      const at::Tensor x =
+          at::randint(-1000, 1000, {B, S, c.hidden}, at::kFloat)
+              .to(ToScalarType(c.dtype));
+      for (MaskPattern pattern : c.patterns) {
+        for (double density : c.densities) {
+          const at::Tensor mask = MakeMask(rng, B, S, density, pattern);
+          bench.Run(x, mask, MaskPatternName(pattern), density);
+          AddMemoryLines(B, S, c.hidden, ItemSize(c.dtype),
+                         mask.sum().item<int64_t>(), c.vocab,
+                         MaskPatternName(pattern), density, memory_lines);
+        }
+      }
+    }
+  }
+}
+
+// Token ids: 8-byte rows, where one memcpy per run is the wrong tool under a
+// fragmented mask.
+void RunTokenIds(const Config& c, std::mt19937_64& rng, Bench& bench) {
+  const at::Tensor ids =
+      at::randint(0, 1 << 30, {c.token_rows, c.token_len}, at::kLong);
+  for (MaskPattern pattern : c.patterns) {
+    for (double density : c.token_densities) {
+      bench.Run(ids, MakeMask(rng, c.token_rows, c.token_len, density, pattern),
+                MaskPatternName(pattern), density);
+    }
+  }
+}
+
+void PrintMemory(const std::vector<std::string>& memory_lines) {
+  std::printf(
+      "\nmemory: logits for every position (B*S*V) against "
+      "pack-before-projection (packed hidden + N*V logits + plan)\n");
+  std::printf("%-6s %5s %5s %5s %7s %8s %14s %14s %8s\n", "mask", "B", "S",
+              "dens", "N", "V", "dense MiB", "packed MiB", "saving");
+  for (const std::string& line : memory_lines) {
+    std::printf("%s\n", line.c_str());
+  }
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Benchmarks packd's pack and scatter against memcpy and libtorch");
@@ -381,104 +472,32 @@ int Main(int argc, char** argv) {
   std::vector<char*> arg_ptrs;
   for (std::string& a : args) arg_ptrs.push_back(a.data());
   absl::ParseCommandLine(static_cast<int>(arg_ptrs.size()), arg_ptrs.data());
-  const bool smoke = absl::GetFlag(FLAGS_smoke);
-  if (absl::GetFlag(FLAGS_threads) > 0)
+  if (absl::GetFlag(FLAGS_threads) > 0) {
     ThreadPool::SetGlobalThreads(absl::GetFlag(FLAGS_threads));
-
-  absl::StatusOr<Device> device =
-      ParseDevice(absl::GetFlag(FLAGS_device), "--device");
-  if (!device.ok()) {
+  }
+  absl::StatusOr<Config> config = ConfigFromFlags();
+  if (!config.ok()) {
     std::fprintf(stderr, "bench_pack: %s\n",
-                 device.status().ToString().c_str());
+                 std::string(config.status().message()).c_str());
     return 2;
   }
-  if (device->kind != DeviceKind::kCpu) {
-    std::fprintf(stderr,
-                 "bench_pack: --device=%s: this benchmark measures the CPU "
-                 "backend; GPU kernels are measured by "
-                 "tests/gpu/run_gpu_checks.sh\n",
-                 device->ToString().c_str());
-    return 2;
-  }
-  DType dtype;
-  if (!ParseDType(absl::GetFlag(FLAGS_dtype), &dtype)) {
-    std::fprintf(stderr, "bench_pack: --dtype=%s is not a dtype\n",
-                 absl::GetFlag(FLAGS_dtype).c_str());
-    return 2;
-  }
-  int64_t prompts = absl::GetFlag(FLAGS_num_prompts);
-  std::vector<int64_t> g_sizes = ParseInts(absl::GetFlag(FLAGS_g_sizes));
-  std::vector<int64_t> lens = ParseInts(absl::GetFlag(FLAGS_completion_lens));
-  int64_t hidden = absl::GetFlag(FLAGS_hidden_dim);
-  std::vector<int64_t> vocab = ParseInts(absl::GetFlag(FLAGS_vocab_sizes));
-  std::vector<double> densities =
-      ParseDoubles(absl::GetFlag(FLAGS_mask_densities));
-  std::vector<double> token_densities =
-      ParseDoubles(absl::GetFlag(FLAGS_token_densities));
-  int64_t token_rows = 64, token_len = 4096;
-  int repeats = absl::GetFlag(FLAGS_repeats);
-  if (smoke) {
-    prompts = 2;
-    g_sizes = {2};
-    lens = {64};
-    hidden = 64;
-    vocab = {128};
-    token_rows = 8;
-    token_len = 128;
-    repeats = 2;
-  }
-  std::vector<std::string> kinds =
-      absl::StrSplit(absl::GetFlag(FLAGS_mask_kinds), ',', absl::SkipEmpty());
-
   std::printf(
       "bench_pack: device %s, %d threads, %d repeats (median), libtorch %d "
       "thread(s)\n",
-      device->ToString().c_str(), ThreadPool::Global().num_threads(), repeats,
-      at::get_num_threads());
+      config->device.ToString().c_str(), ThreadPool::Global().num_threads(),
+      config->repeats, at::get_num_threads());
   std::mt19937_64 rng(42);
-  Bench bench(repeats, /*check=*/true);
+  Bench bench(config->repeats, /*check=*/true);
   std::vector<std::string> memory_lines;
-  for (int64_t g : g_sizes) {
-    for (int64_t S : lens) {
-      const int64_t B = prompts * g;
-      const at::Tensor x = at::randint(-1000, 1000, {B, S, hidden}, at::kFloat)
-                               .to(ToScalarType(dtype));
-      for (const std::string& kind : kinds) {
-        for (double density : densities) {
-          const at::Tensor mask =
-              MakeMask(rng, B, S, density, kind == "prefix");
-          bench.Run(x, mask, kind, density);
-          AddMemoryLines(B, S, hidden, ItemSize(dtype),
-                         mask.sum().item<int64_t>(), vocab, kind, density,
-                         &memory_lines);
-        }
-      }
-    }
-  }
-  // Token ids: 8-byte rows, where one memcpy per run is the wrong tool under a
-  // random mask.
-  const at::Tensor ids =
-      at::randint(0, 1 << 30, {token_rows, token_len}, at::kLong);
-  for (const std::string& kind : kinds) {
-    for (double density : token_densities) {
-      bench.Run(ids,
-                MakeMask(rng, token_rows, token_len, density, kind == "prefix"),
-                kind, density);
-    }
-  }
+  RunHiddenStates(*config, rng, bench, &memory_lines);
+  RunTokenIds(*config, rng, bench);
   std::printf("\n");
   bench.Print();
   bench.PrintRatios();
-  std::printf(
-      "\nmemory: logits for every position (B*S*V) against "
-      "pack-before-projection "
-      "(packed hidden + N*V logits + plan)\n");
-  std::printf("%-6s %5s %5s %5s %7s %8s %14s %14s %8s\n", "mask", "B", "S",
-              "dens", "N", "V", "dense MiB", "packed MiB", "saving");
-  for (const std::string& line : memory_lines)
-    std::printf("%s\n", line.c_str());
-  if (!absl::GetFlag(FLAGS_json).empty())
+  PrintMemory(memory_lines);
+  if (!absl::GetFlag(FLAGS_json).empty()) {
     bench.WriteJson(absl::GetFlag(FLAGS_json));
+  }
   if (bench.failures() > 0) {
     std::fprintf(stderr, "bench_pack: %d result(s) differ from torch\n",
                  bench.failures());

@@ -9,11 +9,8 @@
 // The server runs in this process on a loopback port, so the RPCs take the real
 // gRPC path.
 #include <ATen/ATen.h>
-#include <fcntl.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -34,7 +31,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "client/shm_segment.h"
+#include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
+#include "kernels/status_macros.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/tensor_codec.h"
@@ -74,12 +74,6 @@ void Check(const grpc::Status& status, const char* what) {
                  status.error_message().c_str());
     std::exit(1);
   }
-}
-
-v1::Tensor Header(const at::Tensor& t) {
-  v1::Tensor out;
-  EncodeTensorHeader(FromScalarType(t.scalar_type()), t.sizes().vec(), &out);
-  return out;
 }
 
 // A do-nothing RPC on the same gRPC stack: the limit for inline calls. It reads
@@ -180,104 +174,100 @@ std::pair<double, double> Latencies(int concurrency, int total,
   return {ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]};
 }
 
-int Main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  int64_t B = absl::GetFlag(FLAGS_batch), S = absl::GetFlag(FLAGS_seq),
-          H = absl::GetFlag(FLAGS_hidden);
-  int repeats = absl::GetFlag(FLAGS_repeats);
-  const double density = absl::GetFlag(FLAGS_density);
-  if (absl::GetFlag(FLAGS_smoke)) {
-    B = 2, S = 64, H = 64, repeats = 2;
-  }
+struct Row {
+  std::string name, memory;
+  double ms;
+};
 
-  ServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.service.regions.enabled = true;
-  options.service.regions.key_prefix = "/packd_bench";
-  auto server = PackdServer::Start(options);
-  if (!server.ok()) {
-    std::fprintf(stderr, "bench_service: %s\n",
-                 server.status().ToString().c_str());
-    return 1;
-  }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(1 << 30);
-  args.SetMaxSendMessageSize(1 << 30);
-  auto stub = v1::PackService::NewStub(grpc::CreateCustomChannel(
-      (*server)->address(), grpc::InsecureChannelCredentials(), args));
+// The large batch: x [B, S, H] bf16 and a prefix mask, with x copied into a
+// shared-memory segment (registered as region "bench") whose second half takes
+// the results of the handle path.
+struct LargeBatch {
+  at::Tensor x, mask;
+  std::unique_ptr<ShmSegment> segment;
+  int64_t active = 0, packed_bytes = 0;
+  v1::PackRequest inline_request, shm_request;
+};
 
-  // Data: x in a shared-memory segment, results written to a second part of it.
-  const at::Tensor x =
-      at::randint(-1000, 1000, {B, S, H}, at::kFloat).to(at::kBFloat16);
-  at::Tensor mask = at::zeros({B, S}, at::kBool);
+absl::StatusOr<LargeBatch> MakeLargeBatch(int64_t B, int64_t S, int64_t H,
+                                          double density) {
+  LargeBatch batch;
+  batch.x = at::randint(-1000, 1000, {B, S, H}, at::kFloat).to(at::kBFloat16);
   std::mt19937_64 rng(7);
-  for (int64_t b = 0; b < B; ++b) {
-    const double f = std::min(
-        1.0, density * (0.5 + std::uniform_real_distribution<>(0, 1)(rng)));
-    mask[b].narrow(0, 0, static_cast<int64_t>(f * S)).fill_(true);
-  }
-  const int64_t x_bytes = x.nbytes();
-  const std::string key = absl::StrCat("/packd_bench_", getpid());
-  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0 || ftruncate(fd, 2 * x_bytes) != 0) {
-    std::perror("bench_service: shm");
-    return 1;
-  }
-  char* seg = static_cast<char*>(
-      mmap(nullptr, 2 * x_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-  close(fd);
-  std::memcpy(seg, x.data_ptr(), x_bytes);
-  std::memset(seg + x_bytes, 0, x_bytes);
+  std::vector<uint8_t> active =
+      MaskActivity(MaskPattern::kPrefix, B, S, density, rng);
+  batch.mask = at::from_blob(active.data(), {B, S}, at::kByte).to(at::kBool);
+  batch.active = batch.mask.sum().item<int64_t>();
+  batch.packed_bytes = batch.active * H * 2;
+  const int64_t x_bytes = batch.x.nbytes();
+  PACKD_ASSIGN_OR_RETURN(
+      batch.segment,
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_bench"), 2 * x_bytes));
+  std::memcpy(batch.segment->data(), batch.x.data_ptr(), x_bytes);
+  std::memset(batch.segment->data() + x_bytes, 0, x_bytes);
 
-  v1::RegisterSystemRegionRequest reg;
-  reg.set_name("bench");
-  reg.set_key(key);
-  reg.set_byte_size(2 * x_bytes);
-  {
-    grpc::ClientContext c;
-    v1::RegisterRegionResponse r;
-    Check(stub->RegisterSystemRegion(&c, reg, &r), "RegisterSystemRegion");
-  }
-
-  v1::Tensor mask_proto = Header(mask);
-  mask_proto.set_data(static_cast<const char*>(mask.data_ptr()), mask.nbytes());
-  v1::PackRequest inline_request;
-  *inline_request.mutable_mask() = mask_proto;
-  v1::Tensor* in = inline_request.add_inputs();
-  *in = Header(x);
-  in->set_data(static_cast<const char*>(x.data_ptr()), x_bytes);
-
-  v1::PackRequest shm_request;
-  *shm_request.mutable_mask() = mask_proto;
-  v1::Tensor* handle = shm_request.add_inputs();
-  *handle = Header(x);
+  v1::Tensor mask_proto;
+  EncodeInlineTensor(DType::kBool, batch.mask.sizes().vec(),
+                     batch.mask.data_ptr(), batch.mask.nbytes(), &mask_proto);
+  *batch.inline_request.mutable_mask() = mask_proto;
+  EncodeInlineTensor(DType::kBFloat16, batch.x.sizes().vec(),
+                     batch.x.data_ptr(), x_bytes,
+                     batch.inline_request.add_inputs());
+  *batch.shm_request.mutable_mask() = mask_proto;
+  v1::Tensor* handle = batch.shm_request.add_inputs();
+  EncodeTensorHeader(DType::kBFloat16, batch.x.sizes().vec(), handle);
   handle->mutable_region()->set_region("bench");
   handle->mutable_region()->set_byte_size(x_bytes);
-  v1::RegionSlice* out = shm_request.add_outputs();
+  v1::RegionSlice* out = batch.shm_request.add_outputs();
   out->set_region("bench");
   out->set_offset(x_bytes);
   out->set_byte_size(x_bytes);
+  return batch;
+}
 
-  const int64_t active = mask.sum().item<int64_t>();
-  const int64_t packed_bytes = active * H * 2;
-  at::Tensor touched = at::zeros({active, H}, at::kBFloat16);
-  const std::vector<TensorView> inputs = {AsView(x)};
+// The do-nothing RPC's server, on a loopback port; the stub that calls it.
+struct NullServer {
+  std::unique_ptr<NullService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<grpc::GenericStub> stub;
+};
+
+NullServer StartNullServer(size_t max_response,
+                           const grpc::ChannelArguments& args) {
+  NullServer null;
+  null.service = std::make_unique<NullService>(max_response);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  builder.RegisterCallbackGenericService(null.service.get());
+  null.server = builder.BuildAndStart();
+  null.stub = std::make_unique<grpc::GenericStub>(
+      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
+                                grpc::InsecureChannelCredentials(), args));
+  return null;
+}
+
+// The in-process kernel (into a touched buffer, and on the segment's pages),
+// then the Pack RPC through handles and inline, then the do-nothing RPC with
+// the inline call's bytes.
+std::vector<Row> MeasureLargeCalls(LargeBatch& batch,
+                                   v1::PackService::Stub& stub,
+                                   grpc::GenericStub& null_stub,
+                                   size_t response_bytes, int repeats) {
+  const int64_t x_bytes = batch.x.nbytes();
+  char* seg = batch.segment->data();
+  at::Tensor touched =
+      at::zeros({batch.active, batch.x.size(2)}, at::kBFloat16);
+  const std::vector<TensorView> inputs = {AsView(batch.x)};
   const std::vector<TensorView> outputs = {AsView(touched)};
   PackOptions into;
   into.outputs = outputs;
-
-  struct Row {
-    std::string name, memory;
-    double ms;
-  };
-  std::vector<Row> rows;
-  rows.push_back({"in-process kernel (packd::Pack)", "caller buffer, touched",
-                  MedianMs(repeats, [&] {
-                    if (!Pack(inputs, AsView(mask), into).ok()) std::exit(1);
-                  })});
   // The same kernel on the segment's pages (4 KiB shmem pages unless the
   // system enables shmem huge pages), which is what the server works on.
-  TensorView x_in_shm = AsView(x);
+  TensorView x_in_shm = AsView(batch.x);
   x_in_shm.data = seg;
   TensorView out_in_shm = AsView(touched);
   out_in_shm.data = seg + x_bytes;
@@ -285,61 +275,59 @@ int Main(int argc, char** argv) {
   const std::vector<TensorView> shm_outputs = {out_in_shm};
   PackOptions into_shm;
   into_shm.outputs = shm_outputs;
+  const TensorView mask = AsView(batch.mask);
+
+  std::vector<Row> rows;
+  rows.push_back({"in-process kernel (packd::Pack)", "caller buffer, touched",
+                  MedianMs(repeats, [&] {
+                    if (!Pack(inputs, mask, into).ok()) std::exit(1);
+                  })});
   rows.push_back({"in-process kernel on the segment", "output in the segment",
                   MedianMs(repeats, [&] {
-                    if (!Pack(shm_inputs, AsView(mask), into_shm).ok())
-                      std::exit(1);
+                    if (!Pack(shm_inputs, mask, into_shm).ok()) std::exit(1);
                   })});
   rows.push_back({"Pack RPC, shared-memory handles", "output region slice",
                   MedianMs(repeats, [&] {
                     grpc::ClientContext c;
                     v1::PackResponse r;
-                    Check(stub->Pack(&c, shm_request, &r), "Pack (handles)");
+                    Check(stub.Pack(&c, batch.shm_request, &r),
+                          "Pack (handles)");
                   })});
   rows.push_back({"Pack RPC, inline bytes", "response message",
                   MedianMs(std::max(2, repeats / 3), [&] {
                     grpc::ClientContext c;
                     v1::PackResponse r;
-                    Check(stub->Pack(&c, inline_request, &r), "Pack (inline)");
+                    Check(stub.Pack(&c, batch.inline_request, &r),
+                          "Pack (inline)");
                   })});
-  // The same request and response bytes through a do-nothing RPC.
-  v1::PackResponse inline_response;
-  {
-    grpc::ClientContext c;
-    Check(stub->Pack(&c, inline_request, &inline_response), "Pack (inline)");
-  }
-  const size_t response_bytes = inline_response.ByteSizeLong();
-  NullService null_service(std::max<size_t>(response_bytes, 1 << 20));
-  grpc::ServerBuilder null_builder;
-  int null_port = 0;
-  null_builder.AddListeningPort("127.0.0.1:0",
-                                grpc::InsecureServerCredentials(), &null_port);
-  null_builder.SetMaxReceiveMessageSize(1 << 30);
-  null_builder.SetMaxSendMessageSize(1 << 30);
-  null_builder.RegisterCallbackGenericService(&null_service);
-  std::unique_ptr<grpc::Server> null_server = null_builder.BuildAndStart();
-  grpc::GenericStub null_stub(
-      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", null_port),
-                                grpc::InsecureChannelCredentials(), args));
   rows.push_back({"do-nothing RPC, same bytes (limit)", "static buffer",
                   MedianMs(std::max(2, repeats / 3), [&] {
-                    NullCall(null_stub, inline_request, response_bytes);
+                    NullCall(null_stub, batch.inline_request, response_bytes);
                   })});
   // The handle path must have produced the same bytes as the kernel.
-  const bool same =
-      std::memcmp(seg + x_bytes, touched.data_ptr(), packed_bytes) == 0;
+  if (std::memcmp(seg + x_bytes, touched.data_ptr(), batch.packed_bytes) != 0) {
+    std::fprintf(stderr,
+                 "bench_service: the handle path's result differs from the "
+                 "kernel's\n");
+    std::exit(1);
+  }
+  return rows;
+}
 
+void PrintLargeCalls(const LargeBatch& batch, double density, int repeats,
+                     size_t response_bytes, const std::vector<Row>& rows) {
+  const int64_t B = batch.x.size(0), S = batch.x.size(1), H = batch.x.size(2);
   std::printf(
       "bench_service: x [%lld, %lld, %lld] bf16 (%.1f MiB), prefix mask "
-      "density %.2f, "
-      "%lld active rows (%.1f MiB packed), median of %d\n\n",
-      (long long)B, (long long)S, (long long)H, x_bytes / 1048576.0, density,
-      (long long)active, packed_bytes / 1048576.0, repeats);
+      "density %.2f, %lld active rows (%.1f MiB packed), median of %d\n\n",
+      (long long)B, (long long)S, (long long)H, batch.x.nbytes() / 1048576.0,
+      density, (long long)batch.active, batch.packed_bytes / 1048576.0,
+      repeats);
   std::printf("%-34s %10s %10s %14s  %s\n", "path", "ms", "GB/s",
               "x in-process", "result memory");
   for (const Row& r : rows) {
     std::printf("%-34s %10.3f %10.2f %14.3f  %s\n", r.name.c_str(), r.ms,
-                packed_bytes / (r.ms * 1e6), rows[0].ms / r.ms,
+                batch.packed_bytes / (r.ms * 1e6), rows[0].ms / r.ms,
                 r.memory.c_str());
   }
   std::printf("\nshared memory / in-process throughput: %.2f (target >= 0.8)\n",
@@ -351,76 +339,127 @@ int Main(int argc, char** argv) {
   std::printf(
       "do-nothing RPC / inline Pack RPC time, same %.1f MiB: %.2f (1.0 = at "
       "the limit)\n",
-      (inline_request.ByteSizeLong() + response_bytes) / 1048576.0,
+      (batch.inline_request.ByteSizeLong() + response_bytes) / 1048576.0,
       rows[4].ms / rows[3].ms);
+}
 
-  // Small calls: latency of a small inline Pack at several concurrencies,
-  // against the do-nothing RPC carrying the same bytes at the same concurrency.
+// Latency of a small inline Pack at several concurrencies, against the
+// do-nothing RPC carrying the same bytes at the same concurrency.
+void MeasureSmallCalls(v1::PackService::Stub& stub,
+                       grpc::GenericStub& null_stub, bool smoke) {
   const at::Tensor small_x =
       at::randint(-1000, 1000, {4, 128, 64}, at::kFloat).to(at::kBFloat16);
   const at::Tensor small_mask = at::rand({4, 128}) < 0.5;
-  v1::PackRequest small_request;
-  *small_request.mutable_mask() = Header(small_mask);
-  small_request.mutable_mask()->set_data(
-      static_cast<const char*>(small_mask.data_ptr()), small_mask.nbytes());
-  *small_request.add_inputs() = Header(small_x);
-  small_request.mutable_inputs(0)->set_data(
-      static_cast<const char*>(small_x.data_ptr()), small_x.nbytes());
-  v1::PackResponse small_response;
+  v1::PackRequest request;
+  EncodeInlineTensor(DType::kBool, small_mask.sizes().vec(),
+                     small_mask.data_ptr(), small_mask.nbytes(),
+                     request.mutable_mask());
+  EncodeInlineTensor(DType::kBFloat16, small_x.sizes().vec(),
+                     small_x.data_ptr(), small_x.nbytes(),
+                     request.add_inputs());
+  v1::PackResponse response;
   {
     grpc::ClientContext c;
-    Check(stub->Pack(&c, small_request, &small_response), "Pack (small)");
+    Check(stub.Pack(&c, request, &response), "Pack (small)");
   }
+  const int calls = absl::GetFlag(FLAGS_small_calls);
   std::printf(
-      "\nsmall calls: x [4, 128, 64] bf16, random mask 0.5 (%zu request bytes, "
-      "%zu "
-      "response bytes), %d calls per level\n",
-      small_request.ByteSizeLong(), small_response.ByteSizeLong(),
-      absl::GetFlag(FLAGS_small_calls));
+      "\nsmall calls: x [4, 128, 64] bf16, random mask 0.5 (%zu request "
+      "bytes, %zu response bytes), %d calls per level\n",
+      request.ByteSizeLong(), response.ByteSizeLong(), calls);
   std::printf("%12s %12s %12s %14s %14s %10s %10s\n", "concurrency", "Pack p50",
               "Pack p99", "nothing p50", "nothing p99", "p50 x", "p99 x");
   for (absl::string_view level : absl::StrSplit(
            absl::GetFlag(FLAGS_concurrencies), ',', absl::SkipEmpty())) {
     int c = 1;
     if (!absl::SimpleAtoi(level, &c) || c < 1) continue;
-    const int total =
-        absl::GetFlag(FLAGS_smoke) ? 2 * c : absl::GetFlag(FLAGS_small_calls);
+    const int total = smoke ? 2 * c : calls;
     const auto pack = Latencies(c, total, [&] {
       grpc::ClientContext ctx;
       v1::PackResponse r;
-      Check(stub->Pack(&ctx, small_request, &r), "Pack (small)");
+      Check(stub.Pack(&ctx, request, &r), "Pack (small)");
     });
     const auto nothing = Latencies(c, total, [&] {
-      NullCall(null_stub, small_request, small_response.ByteSizeLong());
+      NullCall(null_stub, request, response.ByteSizeLong());
     });
     std::printf("%12d %10.3fms %10.3fms %12.3fms %12.3fms %10.2f %10.2f\n", c,
                 pack.first, pack.second, nothing.first, nothing.second,
                 pack.first / nothing.first, pack.second / nothing.second);
   }
-  null_server->Shutdown();
-  if (!absl::GetFlag(FLAGS_json).empty()) {
-    std::ofstream f(absl::GetFlag(FLAGS_json));
-    f << "[\n";
-    for (size_t i = 0; i < rows.size(); ++i) {
-      f << absl::StrFormat(
-          "  {\"path\": \"%s\", \"B\": %d, \"S\": %d, \"hidden\": %d, "
-          "\"density\": %g, "
-          "\"active_rows\": %d, \"bytes_moved\": %d, \"median_ms\": %.4f}%s\n",
-          rows[i].name, B, S, H, density, active, packed_bytes, rows[i].ms,
-          i + 1 < rows.size() ? "," : "");
-    }
-    f << "]\n";
+}
+
+void WriteJson(const std::string& path, const LargeBatch& batch, double density,
+               const std::vector<Row>& rows) {
+  std::ofstream f(path);
+  f << "[\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    f << absl::StrFormat(
+        "  {\"path\": \"%s\", \"B\": %d, \"S\": %d, \"hidden\": %d, "
+        "\"density\": %g, \"active_rows\": %d, \"bytes_moved\": %d, "
+        "\"median_ms\": %.4f}%s\n",
+        rows[i].name, batch.x.size(0), batch.x.size(1), batch.x.size(2),
+        density, batch.active, batch.packed_bytes, rows[i].ms,
+        i + 1 < rows.size() ? "," : "");
   }
-  munmap(seg, 2 * x_bytes);
-  shm_unlink(key.c_str());
-  (*server)->Drain();
-  (*server)->Wait();
-  if (!same) {
+  f << "]\n";
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const bool smoke = absl::GetFlag(FLAGS_smoke);
+  const int64_t B = smoke ? 2 : absl::GetFlag(FLAGS_batch);
+  const int64_t S = smoke ? 64 : absl::GetFlag(FLAGS_seq);
+  const int64_t H = smoke ? 64 : absl::GetFlag(FLAGS_hidden);
+  const int repeats = smoke ? 2 : absl::GetFlag(FLAGS_repeats);
+  const double density = absl::GetFlag(FLAGS_density);
+
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.service.regions.enabled = true;
+  options.service.regions.key_prefix = "/packd_bench";
+  auto server = PackdServer::Start(options);
+  absl::StatusOr<LargeBatch> batch = MakeLargeBatch(B, S, H, density);
+  if (!server.ok() || !batch.ok()) {
     std::fprintf(
-        stderr,
-        "bench_service: the handle path's result differs from the kernel's\n");
+        stderr, "bench_service: %s\n",
+        (server.ok() ? batch.status() : server.status()).ToString().c_str());
     return 1;
   }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  auto stub = v1::PackService::NewStub(grpc::CreateCustomChannel(
+      (*server)->address(), grpc::InsecureChannelCredentials(), args));
+  {
+    v1::RegisterSystemRegionRequest reg;
+    reg.set_name("bench");
+    reg.set_key(batch->segment->key());
+    reg.set_byte_size(batch->segment->size());
+    grpc::ClientContext c;
+    v1::RegisterRegionResponse r;
+    Check(stub->RegisterSystemRegion(&c, reg, &r), "RegisterSystemRegion");
+  }
+  // The inline call's response size, for the do-nothing RPC.
+  v1::PackResponse inline_response;
+  {
+    grpc::ClientContext c;
+    Check(stub->Pack(&c, batch->inline_request, &inline_response),
+          "Pack (inline)");
+  }
+  const size_t response_bytes = inline_response.ByteSizeLong();
+  NullServer null =
+      StartNullServer(std::max<size_t>(response_bytes, 1 << 20), args);
+
+  const std::vector<Row> rows =
+      MeasureLargeCalls(*batch, *stub, *null.stub, response_bytes, repeats);
+  PrintLargeCalls(*batch, density, repeats, response_bytes, rows);
+  MeasureSmallCalls(*stub, *null.stub, smoke);
+  null.server->Shutdown();
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    WriteJson(absl::GetFlag(FLAGS_json), *batch, density, rows);
+  }
+  (*server)->Drain();
+  (*server)->Wait();
   return 0;
 }
 

@@ -1,11 +1,12 @@
 // packctl: the command-line tool for packd's operators and probes.
 //
-//   packctl health                       # liveness and readiness
-//   packctl info                         # version, devices, limits
-//   packctl probe --max_latency_ms=50    # one small Pack round trip; a
-//   Kubernetes exec probe packctl pack --shape=16,1024,4096 --dtype=bfloat16
-//   --density=0.3 packctl bench --concurrency=4 --duration=10 --transport=shm
-//   --json=out.json
+// clang-format off
+//   packctl health                     # liveness and readiness
+//   packctl info                       # version, devices, limits
+//   packctl probe --max_latency_ms=50  # one small Pack round trip; a Kubernetes exec probe
+//   packctl pack --shape=16,1024,4096 --dtype=bfloat16 --density=0.3
+//   packctl bench --concurrency=4 --duration=10 --transport=shm --json=out.json
+// clang-format on
 //
 // Exit codes: 0 ok; 1 a check failed (not serving, too slow, wrong result); 2
 // usage; 3 the server answered with an error or could not be reached.
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +34,7 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "kernels/dtype.h"
+#include "kernels/mask_patterns.h"
 #include "kernels/torch/torch_interop.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051",
@@ -44,7 +47,8 @@ ABSL_FLAG(std::string, shape, "16,1024,4096",
 ABSL_FLAG(std::string, dtype, "bfloat16", "pack, bench: dtype of x");
 ABSL_FLAG(double, density, 0.3, "pack, bench: fraction of active positions");
 ABSL_FLAG(std::string, mask, "prefix",
-          "pack, bench: prefix (completion then padding) or random");
+          "pack, bench: prefix (a completion then padding per row) or holes "
+          "(positions active independently)");
 ABSL_FLAG(std::string, input, "",
           "pack: read x from this file (raw little-endian bytes)");
 ABSL_FLAG(int, concurrency, 1, "bench: calls in flight");
@@ -96,9 +100,9 @@ absl::StatusOr<Batch> MakeBatch() {
         "--dtype=", absl::GetFlag(FLAGS_dtype), " is not a dtype"));
   }
   const double density = absl::GetFlag(FLAGS_density);
-  const std::string kind = absl::GetFlag(FLAGS_mask);
-  if (kind != "prefix" && kind != "random") {
-    return absl::InvalidArgumentError("--mask must be prefix or random");
+  MaskPattern pattern;
+  if (!ParseMaskPattern(absl::GetFlag(FLAGS_mask), &pattern)) {
+    return absl::InvalidArgumentError("--mask must be prefix or holes");
   }
   Batch batch;
   const auto options = at::TensorOptions().dtype(ToScalarType(dtype));
@@ -116,16 +120,9 @@ absl::StatusOr<Batch> MakeBatch() {
     batch.x = at::randint(-100, 100, shape, at::kFloat).to(ToScalarType(dtype));
   }
   const int64_t B = shape[0], S = shape[1];
-  if (kind == "random") {
-    batch.mask = at::rand({B, S}) < density;
-  } else {
-    const at::Tensor lens =
-        ((at::rand({B}) + 0.5) * density * S).clamp(0, S).to(at::kLong);
-    batch.mask =
-        at::arange(S).expand({B, S}) <
-        (density >= 1 ? at::full({B, 1}, S, at::kLong) : lens.unsqueeze(1));
-  }
-  batch.mask = batch.mask.contiguous();
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<uint8_t> active = MaskActivity(pattern, B, S, density, rng);
+  batch.mask = at::from_blob(active.data(), {B, S}, at::kByte).to(at::kBool);
   return batch;
 }
 
@@ -216,6 +213,113 @@ int PackCommand(Client& client) {
   return kOk;
 }
 
+// What the bench workers share.
+struct BenchRun {
+  const Batch* batch = nullptr;
+  bool shm = false;
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> calls{0};
+  std::mutex mu;
+  std::vector<double> latencies;  // ms, every call of every worker
+  std::string error;              // the first error; it stops the run
+
+  void Fail(const std::string& message) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (error.empty()) error = message;
+    stop = true;
+  }
+};
+
+// One connection calling Pack until the run stops. With shm, x is written once
+// into one segment and results land in another that is reset before each
+// call: nothing is copied per call.
+void BenchWorker(BenchRun& run) {
+  absl::StatusOr<std::unique_ptr<Client>> client = Connect();
+  if (!client.ok()) return run.Fail(client.status().ToString());
+  std::unique_ptr<SharedMemory> in_shm, out_shm;
+  at::Tensor x = run.batch->x;
+  PackCallOptions options;
+  if (run.shm) {
+    auto in = (*client)->CreateSharedMemory(x.nbytes() + 4096);
+    auto out = (*client)->CreateSharedMemory(x.nbytes() + 4096);
+    if (!in.ok() || !out.ok()) {
+      return run.Fail((in.ok() ? out.status() : in.status()).ToString());
+    }
+    in_shm = std::move(*in);
+    out_shm = std::move(*out);
+    x = in_shm->Empty(run.batch->x.sizes(), run.batch->x.scalar_type());
+    x.copy_(run.batch->x);
+    options.results_in = out_shm.get();
+  }
+  std::vector<double> mine;
+  while (!run.stop) {
+    if (out_shm != nullptr) out_shm->Reset();
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<PackedBatch> r =
+        (*client)->Pack({x}, run.batch->mask, options);
+    mine.push_back(std::chrono::duration<double, std::milli>(
+                       std::chrono::steady_clock::now() - t0)
+                       .count());
+    if (!r.ok()) run.Fail(r.status().ToString());
+    ++run.calls;
+  }
+  std::lock_guard<std::mutex> lock(run.mu);
+  run.latencies.insert(run.latencies.end(), mine.begin(), mine.end());
+}
+
+// Waits until `duration` seconds pass or the run stops, with a live progress
+// line on a terminal; returns the seconds elapsed.
+double WaitWithProgress(BenchRun& run, double duration) {
+  const auto start = std::chrono::steady_clock::now();
+  const bool tty = isatty(STDERR_FILENO);
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                         start)
+        .count();
+  };
+  while (!run.stop && elapsed() < duration) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    if (tty) {
+      const int64_t calls = run.calls.load();
+      std::fprintf(stderr, "\r%5.1f / %.0f s  %8lld calls  %8.1f calls/s",
+                   elapsed(), duration, static_cast<long long>(calls),
+                   calls / elapsed());
+    }
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  return elapsed();
+}
+
+// Prints (and with --json writes) latency percentiles and throughput.
+void ReportBench(std::vector<double> latencies, double seconds,
+                 int64_t bytes_per_call, const std::string& transport,
+                 int concurrency) {
+  std::sort(latencies.begin(), latencies.end());
+  auto pct = [&](double p) {
+    return latencies.empty()
+               ? 0.0
+               : latencies[std::min(latencies.size() - 1,
+                                    size_t(p * latencies.size()))];
+  };
+  const double max = latencies.empty() ? 0.0 : latencies.back();
+  const double rate = latencies.size() / seconds;
+  const double gbps = rate * bytes_per_call / 1e9;
+  std::printf("transport %s, concurrency %d, %zu calls in %.1f s\n",
+              transport.c_str(), concurrency, latencies.size(), seconds);
+  std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", pct(0.5),
+              pct(0.9), pct(0.99), max);
+  std::printf("throughput: %.1f calls/s, %.3f GB/s of input\n", rate, gbps);
+  if (absl::GetFlag(FLAGS_json).empty()) return;
+  std::ofstream f(absl::GetFlag(FLAGS_json));
+  f << absl::StrFormat(
+      "{\"transport\": \"%s\", \"concurrency\": %d, \"calls\": %d, "
+      "\"seconds\": %.3f, \"p50_ms\": %.4f, \"p90_ms\": %.4f, "
+      "\"p99_ms\": %.4f, \"max_ms\": %.4f, \"calls_per_s\": %.2f, "
+      "\"gbps\": %.4f}\n",
+      transport, concurrency, latencies.size(), seconds, pct(0.5), pct(0.9),
+      pct(0.99), max, rate, gbps);
+}
+
 int Bench() {
   absl::StatusOr<Batch> batch = MakeBatch();
   if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
@@ -224,102 +328,19 @@ int Bench() {
     return Fail(kUsage, "--transport must be inline or shm");
   }
   const int concurrency = std::max(1, absl::GetFlag(FLAGS_concurrency));
-  const double duration = absl::GetFlag(FLAGS_duration);
-  const int64_t bytes = batch->x.nbytes() + batch->mask.nbytes();
-  std::atomic<bool> stop{false};
-  std::atomic<int64_t> calls{0};
-  std::mutex mu;
-  std::vector<double> latencies;
-  std::string error;
+  BenchRun run;
+  run.batch = &*batch;
+  run.shm = transport == "shm";
   std::vector<std::thread> workers;
   for (int w = 0; w < concurrency; ++w) {
-    workers.emplace_back([&] {
-      auto client = Connect();
-      // shm: x is written once into one segment, results land in another that
-      // is reset before each call; nothing is copied per call.
-      std::unique_ptr<SharedMemory> in_shm, out_shm;
-      at::Tensor x = batch->x;
-      PackCallOptions options;
-      if (client.ok() && transport == "shm") {
-        auto in = (*client)->CreateSharedMemory(batch->x.nbytes() + 4096);
-        auto out = (*client)->CreateSharedMemory(batch->x.nbytes() + 4096);
-        if (!in.ok() || !out.ok()) {
-          std::lock_guard<std::mutex> lock(mu);
-          error = (in.ok() ? out.status() : in.status()).ToString();
-          stop = true;
-          return;
-        }
-        in_shm = std::move(*in);
-        out_shm = std::move(*out);
-        x = in_shm->Empty(batch->x.sizes(), batch->x.scalar_type());
-        x.copy_(batch->x);
-        options.results_in = out_shm.get();
-      }
-      std::vector<double> mine;
-      while (client.ok() && !stop) {
-        if (out_shm != nullptr) out_shm->Reset();
-        const auto t0 = std::chrono::steady_clock::now();
-        absl::StatusOr<PackedBatch> r =
-            (*client)->Pack({x}, batch->mask, options);
-        mine.push_back(std::chrono::duration<double, std::milli>(
-                           std::chrono::steady_clock::now() - t0)
-                           .count());
-        if (!r.ok()) {
-          std::lock_guard<std::mutex> lock(mu);
-          error = r.status().ToString();
-          stop = true;
-        }
-        ++calls;
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      latencies.insert(latencies.end(), mine.begin(), mine.end());
-    });
+    workers.emplace_back([&run] { BenchWorker(run); });
   }
-  const auto start = std::chrono::steady_clock::now();
-  const bool tty = isatty(STDERR_FILENO);
-  auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                         start)
-        .count();
-  };
-  while (!stop && elapsed() < duration) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    if (tty) {
-      std::fprintf(stderr, "\r%5.1f / %.0f s  %8lld calls  %8.1f calls/s",
-                   elapsed(), duration, static_cast<long long>(calls.load()),
-                   calls.load() / elapsed());
-    }
-  }
-  stop = true;
+  const double seconds = WaitWithProgress(run, absl::GetFlag(FLAGS_duration));
+  run.stop = true;
   for (auto& t : workers) t.join();
-  const double seconds = elapsed();
-  if (tty) std::fprintf(stderr, "\n");
-  if (!error.empty()) return Fail(kRpcError, error);
-  std::sort(latencies.begin(), latencies.end());
-  auto pct = [&](double p) {
-    return latencies.empty()
-               ? 0.0
-               : latencies[std::min(latencies.size() - 1,
-                                    size_t(p * latencies.size()))];
-  };
-  const double rate = latencies.size() / seconds;
-  const double gbps = rate * bytes / 1e9;
-  std::printf("transport %s, concurrency %d, %zu calls in %.1f s\n",
-              transport.c_str(), concurrency, latencies.size(), seconds);
-  std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", pct(0.5),
-              pct(0.9), pct(0.99), latencies.empty() ? 0.0 : latencies.back());
-  std::printf("throughput: %.1f calls/s, %.3f GB/s of input\n", rate, gbps);
-  if (!absl::GetFlag(FLAGS_json).empty()) {
-    std::ofstream f(absl::GetFlag(FLAGS_json));
-    f << absl::StrFormat(
-        "{\"transport\": \"%s\", \"concurrency\": %d, \"calls\": %d, "
-        "\"seconds\": %.3f, "
-        "\"p50_ms\": %.4f, \"p90_ms\": %.4f, \"p99_ms\": %.4f, \"max_ms\": "
-        "%.4f, "
-        "\"calls_per_s\": %.2f, \"gbps\": %.4f}\n",
-        transport, concurrency, latencies.size(), seconds, pct(0.5), pct(0.9),
-        pct(0.99), latencies.empty() ? 0.0 : latencies.back(), rate, gbps);
-  }
+  if (!run.error.empty()) return Fail(kRpcError, run.error);
+  ReportBench(std::move(run.latencies), seconds,
+              batch->x.nbytes() + batch->mask.nbytes(), transport, concurrency);
   return kOk;
 }
 

@@ -27,7 +27,6 @@ namespace packd {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::MaskKind;
 using testing::Rng;
 using testing::SameBytes;
 using testing::ServerProcess;
@@ -55,7 +54,7 @@ ServerProcess* ClientTest::server_ = nullptr;
 TEST_F(ClientTest, PackEveryDtypeWithMetadata) {
   Rng rng = Rng::Fresh();
   const at::Tensor mask =
-      testing::RandomMask(rng, DType::kInt32, 5, 77, 0.4, MaskKind::kHoles);
+      testing::RandomMask(rng, DType::kInt32, 5, 77, 0.4, MaskPattern::kHoles);
   std::vector<at::Tensor> xs;
   for (DType d : kAllDTypes)
     xs.push_back(testing::RandomTensor(rng, d, {5, 77, 3}));
@@ -82,7 +81,7 @@ TEST_F(ClientTest, PackEveryDtypeWithMetadata) {
 TEST_F(ClientTest, ScatterAndErrorsCarryTheServersCode) {
   Rng rng = Rng::Fresh();
   const at::Tensor mask =
-      testing::RandomMask(rng, DType::kBool, 3, 50, 0.5, MaskKind::kPrefix);
+      testing::RandomMask(rng, DType::kBool, 3, 50, 0.5, MaskPattern::kPrefix);
   const int64_t total = mask.sum().item<int64_t>();
   const at::Tensor packed =
       testing::RandomTensor(rng, DType::kBFloat16, {total, 2, 3});
@@ -126,7 +125,7 @@ TEST_F(ClientTest, SharedMemoryTensorsTravelAsHandlesAndResultsAreReadInPlace) {
       client_->CreateSharedMemory(8 << 20);
   ASSERT_TRUE(in.ok() && out.ok()) << in.status() << out.status();
   const at::Tensor mask =
-      testing::RandomMask(rng, DType::kBool, 8, 256, 0.3, MaskKind::kHoles);
+      testing::RandomMask(rng, DType::kBool, 8, 256, 0.3, MaskPattern::kHoles);
   at::Tensor x = (*in)->Empty({8, 256, 64}, at::kHalf);
   x.copy_(testing::RandomTensor(rng, DType::kFloat16,
                                 {8, 256, 64}));  // written in place
@@ -161,8 +160,8 @@ TEST_F(ClientTest, AutomaticHandlesGiveTheSameBytesAsInline) {
   options.shared_memory_threshold_bytes = 1;
   std::unique_ptr<Client> shm_client = std::move(*Client::Connect(options));
   Rng rng = Rng::Fresh();
-  const at::Tensor mask =
-      testing::RandomMask(rng, DType::kFloat32, 4, 300, 0.5, MaskKind::kHoles);
+  const at::Tensor mask = testing::RandomMask(rng, DType::kFloat32, 4, 300, 0.5,
+                                              MaskPattern::kHoles);
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kBFloat16, {4, 300, 33});
   absl::StatusOr<PackedBatch> a = shm_client->Pack({x}, mask);
@@ -187,7 +186,7 @@ TEST_F(ClientTest, AutogradBackwardIsScatterOfTheGradient) {
   for (double density : {0.4, 1.0, 0.0}) {
     SCOPED_TRACE(density);
     const at::Tensor mask = testing::RandomMask(rng, DType::kUInt8, 3, 40,
-                                                density, MaskKind::kHoles);
+                                                density, MaskPattern::kHoles);
     at::Tensor x = at::randn({3, 40, 5}, at::kDouble).set_requires_grad(true);
     absl::StatusOr<at::Tensor> packed = PackWithGrad(*client_, x, mask);
     ASSERT_TRUE(packed.ok()) << packed.status();

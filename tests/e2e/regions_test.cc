@@ -30,7 +30,6 @@ namespace {
 using ::testing::HasSubstr;
 using testing::Header;
 using testing::InRegion;
-using testing::MaskKind;
 using testing::Rng;
 using testing::SameBytesAt;
 using testing::ServerProcess;
@@ -119,7 +118,7 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
   Rng rng = Rng::Fresh();
   const int64_t B = 8, S = 300, H = 64;
   const at::Tensor mask =
-      testing::RandomMask(rng, DType::kFloat32, B, S, 0.4, MaskKind::kHoles);
+      testing::RandomMask(rng, DType::kFloat32, B, S, 0.4, MaskPattern::kHoles);
   const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, H});
   const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
   std::unique_ptr<ShmSegment> seg =
@@ -275,7 +274,7 @@ TEST(RegionsLifetime, UnregisterDuringACallDefersTheUnmap) {
   auto stub = v1::PackService::NewStub(server->Channel());
   Rng rng = Rng::Fresh();
   const at::Tensor mask =
-      testing::RandomMask(rng, DType::kBool, 4, 256, 0.5, MaskKind::kPrefix);
+      testing::RandomMask(rng, DType::kBool, 4, 256, 0.5, MaskPattern::kPrefix);
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kFloat16, {4, 256, 32});
   std::unique_ptr<ShmSegment> seg =

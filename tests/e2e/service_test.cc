@@ -26,7 +26,6 @@ namespace packd {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::MaskKind;
 using testing::Rng;
 using testing::SameTensor;
 using testing::ServerProcess;
@@ -100,7 +99,7 @@ TEST_F(ServiceTest, PackSeveralTensorsPerCallEveryDtypeEveryMaskDtype) {
     const int64_t B = 1 + rng.Next() % 6, S = 1 + rng.Next() % 200;
     const at::Tensor mask =
         testing::RandomMask(rng, mask_dtype, B, S, rng.Uniform(),
-                            m % 2 ? MaskKind::kHoles : MaskKind::kPrefix);
+                            m % 2 ? MaskPattern::kHoles : MaskPattern::kPrefix);
     v1::PackRequest request;
     *request.mutable_mask() = ToProto(mask);
     request.set_with_position_ids(true);
@@ -143,7 +142,7 @@ TEST_F(ServiceTest, ScatterSeveralTensorsPerCallEveryDtypeEveryMaskDtype) {
     const int64_t B = 1 + rng.Next() % 6, S = 1 + rng.Next() % 200;
     const at::Tensor mask =
         testing::RandomMask(rng, kAllDTypes[m], B, S, rng.Uniform(),
-                            m % 2 ? MaskKind::kPrefix : MaskKind::kHoles);
+                            m % 2 ? MaskPattern::kPrefix : MaskPattern::kHoles);
     const int64_t total = mask.ne(0).sum().item<int64_t>();
     v1::ScatterRequest request;
     *request.mutable_mask() = ToProto(mask);
@@ -172,7 +171,7 @@ TEST_F(ServiceTest, ThirtyTwoMebibyteRequestOverGrpcsDefaultLimit) {
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kFloat32, {8, 1024, 1024});
   const at::Tensor mask =
-      testing::RandomMask(rng, DType::kBool, 8, 1024, 0.7, MaskKind::kHoles);
+      testing::RandomMask(rng, DType::kBool, 8, 1024, 0.7, MaskPattern::kHoles);
   v1::PackRequest request;
   *request.mutable_mask() = ToProto(mask);
   *request.add_inputs() = ToProto(x);
@@ -358,8 +357,8 @@ TEST(ServiceShutdown, SigtermDrainsACallInFlightAndExitsZero) {
   Rng rng = Rng::Fresh();
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kBFloat16, {16, 512, 1024});
-  const at::Tensor mask =
-      testing::RandomMask(rng, DType::kBool, 16, 512, 0.3, MaskKind::kPrefix);
+  const at::Tensor mask = testing::RandomMask(rng, DType::kBool, 16, 512, 0.3,
+                                              MaskPattern::kPrefix);
   v1::PackRequest request;
   *request.mutable_mask() = ToProto(mask);
   *request.add_inputs() = ToProto(x);  // 16 MiB

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/gpu/gpu_kernels.h"
+#include "kernels/mask_patterns.h"
 
 namespace {
 
@@ -87,10 +88,11 @@ void CheckCase(std::mt19937_64& rng, int64_t B, int64_t S, int64_t row_bytes,
                int mask_width, bool mask_float, double density, int misalign) {
   const int64_t N = B * S;
   std::vector<unsigned char> mask(N * mask_width, 0), x(N * row_bytes);
-  std::uniform_real_distribution<double> u(0, 1);
+  const std::vector<uint8_t> active =
+      packd::MaskActivity(packd::MaskPattern::kHoles, B, S, density, rng);
   for (int64_t i = 0; i < N; ++i) {
     unsigned char* m = mask.data() + i * mask_width;
-    if (u(rng) < density) {
+    if (active[i]) {
       m[rng() % mask_width] = static_cast<unsigned char>(1 + rng() % 255);
     } else if (mask_float && (rng() & 1)) {
       m[mask_width - 1] = 0x80;  // -0.0: inactive
@@ -183,18 +185,9 @@ float TimeMs(int reps, Fn fn) {
 void Bench(std::mt19937_64& rng, int64_t B, int64_t S, int64_t H,
            double density, bool prefix) {
   const int64_t N = B * S, row = H * 2;  // bf16
-  std::vector<unsigned char> mask(N, 0);
-  std::uniform_real_distribution<double> u(0, 1);
-  for (int64_t b = 0; b < B; ++b) {
-    if (prefix) {
-      const int64_t len = std::min<int64_t>(
-          S, int64_t(S * std::min(1.0, density * (0.5 + u(rng)))));
-      std::fill(mask.begin() + b * S,
-                mask.begin() + b * S + (density >= 1 ? S : len), 1);
-    } else {
-      for (int64_t s = 0; s < S; ++s) mask[b * S + s] = u(rng) < density;
-    }
-  }
+  const std::vector<uint8_t> mask = packd::MaskActivity(
+      prefix ? packd::MaskPattern::kPrefix : packd::MaskPattern::kHoles, B, S,
+      density, rng);
   int64_t total = 0;
   for (auto m : mask) total += m;
   DeviceMem d_mask(N), d_x(N * row), d_out(N * row), d_dense(N * row),

@@ -18,7 +18,6 @@
 namespace packd {
 namespace {
 
-using testing::MaskKind;
 using testing::Rng;
 
 const Device kGpu = testing::FirstGpu();
@@ -60,12 +59,12 @@ class GpuPackTest : public ::testing::Test {
   }
 
   void Check(DType x_dtype, DType mask_dtype, int64_t B, int64_t S,
-             std::vector<int64_t> tail, double density, MaskKind kind,
+             std::vector<int64_t> tail, double density, MaskPattern kind,
              int misalign) {
     SCOPED_TRACE(::testing::Message()
                  << DTypeName(x_dtype) << " x [" << B << ", " << S << ", tail "
                  << tail.size() << "], mask " << DTypeName(mask_dtype) << " "
-                 << testing::MaskKindName(kind) << " " << density
+                 << MaskPatternName(kind) << " " << density
                  << ", misaligned by " << misalign);
     Rng rng = Rng::Fresh();
     const at::Tensor mask =
@@ -112,7 +111,7 @@ class GpuPackTest : public ::testing::Test {
 TEST_F(GpuPackTest, EveryDtypeOfXAndMask) {
   for (DType x_dtype : kAllDTypes) {
     for (DType mask_dtype : kAllDTypes) {
-      Check(x_dtype, mask_dtype, 5, 37, {3}, 0.5, MaskKind::kHoles, 0);
+      Check(x_dtype, mask_dtype, 5, 37, {3}, 0.5, MaskPattern::kHoles, 0);
     }
   }
 }
@@ -132,7 +131,7 @@ TEST_F(GpuPackTest, EdgeOddAndLargeSizes) {
         if (!tail.empty() && tail[0] == 4096 && B * S > 4096)
           dtype = DType::kBFloat16;
         Check(dtype, kAllDTypes[(i / 10) % 10], B, S, tail, density,
-              i % 2 ? MaskKind::kHoles : MaskKind::kPrefix, 0);
+              i % 2 ? MaskPattern::kHoles : MaskPattern::kPrefix, 0);
       }
     }
   }
@@ -141,18 +140,18 @@ TEST_F(GpuPackTest, EdgeOddAndLargeSizes) {
 TEST_F(GpuPackTest, MisalignedBasePointersAndTails) {
   for (int misalign : {1, 2, 3, 4, 8, 12, 15}) {
     for (int64_t tail : {1, 3, 5, 8, 24, 129}) {
-      Check(DType::kUInt8, DType::kBool, 9, 301, {tail}, 0.4, MaskKind::kHoles,
-            misalign);
+      Check(DType::kUInt8, DType::kBool, 9, 301, {tail}, 0.4,
+            MaskPattern::kHoles, misalign);
       Check(DType::kFloat16, DType::kFloat32, 4, 77, {tail}, 0.6,
-            MaskKind::kPrefix, misalign & ~1);
+            MaskPattern::kPrefix, misalign & ~1);
     }
   }
 }
 
 TEST_F(GpuPackTest, LargeBatch) {
-  Check(DType::kBFloat16, DType::kBool, 16, 1024, {4096}, 0.3, MaskKind::kHoles,
-        0);
-  Check(DType::kInt64, DType::kBool, 64, 4096, {}, 0.5, MaskKind::kHoles, 0);
+  Check(DType::kBFloat16, DType::kBool, 16, 1024, {4096}, 0.3,
+        MaskPattern::kHoles, 0);
+  Check(DType::kInt64, DType::kBool, 64, 4096, {}, 0.5, MaskPattern::kHoles, 0);
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ TEST(GpuService, PackAndScatterOnTheDeviceMatchTorch) {
   testing::Rng rng = testing::Rng::Fresh();
   for (DType dtype : kAllDTypes) {
     const at::Tensor mask = testing::RandomMask(rng, DType::kFloat32, 6, 333,
-                                                0.4, testing::MaskKind::kHoles);
+                                                0.4, MaskPattern::kHoles);
     const at::Tensor x = testing::RandomTensor(rng, dtype, {6, 333, 5});
     v1::PackRequest request;
     *request.mutable_mask() = ToProto(mask);

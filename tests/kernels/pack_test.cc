@@ -19,7 +19,6 @@ namespace packd {
 namespace {
 
 using testing::Concat;
-using testing::MaskKind;
 using testing::Rng;
 
 struct Case {
@@ -28,12 +27,12 @@ struct Case {
   int64_t B, S;
   std::vector<int64_t> tail;
   double density;
-  MaskKind kind;
+  MaskPattern kind;
 
   std::string ToString() const {
     return absl::StrCat("x ", DTypeName(x_dtype), " ",
                         ShapeString(Concat({B, S}, tail)), ", mask ",
-                        DTypeName(mask_dtype), " ", testing::MaskKindName(kind),
+                        DTypeName(mask_dtype), " ", MaskPatternName(kind),
                         " density ", density);
   }
 };
@@ -115,13 +114,13 @@ class PackTest : public ::testing::TestWithParam<std::string> {
 TEST_P(PackTest, EveryDtypeOfXAndMask) {
   for (DType x_dtype : kAllDTypes) {
     for (DType mask_dtype : kAllDTypes) {
-      Check({x_dtype, mask_dtype, 5, 37, {3}, 0.5, MaskKind::kHoles});
-      Check({x_dtype, mask_dtype, 3, 20, {}, 0.6, MaskKind::kPrefix});
+      Check({x_dtype, mask_dtype, 5, 37, {3}, 0.5, MaskPattern::kHoles});
+      Check({x_dtype, mask_dtype, 3, 20, {}, 0.6, MaskPattern::kPrefix});
     }
   }
 }
 
-TEST_P(PackTest, ShapesTailsDensitiesAndMaskKinds) {
+TEST_P(PackTest, ShapesTailsDensitiesAndMaskPatterns) {
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
       {0, 0}, {0, 5}, {3, 0}, {1, 1}, {2, 3}, {7, 13}, {3, 1031}, {1031, 3}};
   const std::vector<std::vector<int64_t>> tails = {{},     {1}, {3},
@@ -130,7 +129,7 @@ TEST_P(PackTest, ShapesTailsDensitiesAndMaskKinds) {
   for (const auto& [B, S] : shapes) {
     for (const auto& tail : tails) {
       for (double density : {0.0, 0.1, 0.5, 1.0}) {
-        for (MaskKind kind : {MaskKind::kPrefix, MaskKind::kHoles}) {
+        for (MaskPattern kind : {MaskPattern::kPrefix, MaskPattern::kHoles}) {
           ++i;
           DType x_dtype = kAllDTypes[i % 10];
           // Keep the big-tail cases to a few MiB.
@@ -148,38 +147,73 @@ TEST_P(PackTest, ShapesTailsDensitiesAndMaskKinds) {
 // paths: the typed loop (rows of 1 to 16 bytes under fragmented masks) and one
 // copy per run.
 TEST_P(PackTest, LargeMultiThreaded) {
-  Check({DType::kInt64, DType::kBool, 1024, 1031, {}, 0.5, MaskKind::kHoles});
-  Check({DType::kInt64, DType::kBool, 64, 4096, {}, 0.1, MaskKind::kHoles});
-  Check({DType::kInt64, DType::kInt32, 64, 4096, {}, 0.5, MaskKind::kPrefix});
-  Check({DType::kFloat32, DType::kBool, 257, 1031, {4}, 0.3, MaskKind::kHoles});
   Check(
-      {DType::kUInt8, DType::kFloat16, 1024, 1031, {3}, 0.5, MaskKind::kHoles});
+      {DType::kInt64, DType::kBool, 1024, 1031, {}, 0.5, MaskPattern::kHoles});
+  Check({DType::kInt64, DType::kBool, 64, 4096, {}, 0.1, MaskPattern::kHoles});
   Check(
-      {DType::kBFloat16, DType::kBool, 16, 1024, {512}, 0.3, MaskKind::kHoles});
+      {DType::kInt64, DType::kInt32, 64, 4096, {}, 0.5, MaskPattern::kPrefix});
+  Check({DType::kFloat32,
+         DType::kBool,
+         257,
+         1031,
+         {4},
+         0.3,
+         MaskPattern::kHoles});
+  Check({DType::kUInt8,
+         DType::kFloat16,
+         1024,
+         1031,
+         {3},
+         0.5,
+         MaskPattern::kHoles});
   Check({DType::kBFloat16,
          DType::kBool,
          16,
          1024,
          {512},
          0.3,
-         MaskKind::kPrefix});
+         MaskPattern::kHoles});
+  Check({DType::kBFloat16,
+         DType::kBool,
+         16,
+         1024,
+         {512},
+         0.3,
+         MaskPattern::kPrefix});
   Check({DType::kBFloat16,
          DType::kBool,
          16,
          1024,
          {512},
          1.0,
-         MaskKind::kPrefix});
-  Check(
-      {DType::kBFloat16, DType::kBool, 1, 9001, {128}, 0.9, MaskKind::kHoles});
+         MaskPattern::kPrefix});
+  Check({DType::kBFloat16,
+         DType::kBool,
+         1,
+         9001,
+         {128},
+         0.9,
+         MaskPattern::kHoles});
 }
 
 // The seeds' fast paths: all active is one contiguous copy, none active moves
 // nothing.
 TEST_P(PackTest, AllActiveAndNoneActiveFastPaths) {
   for (DType mask_dtype : {DType::kBool, DType::kFloat32, DType::kInt64}) {
-    Check({DType::kFloat32, mask_dtype, 4, 100, {2, 5}, 1.0, MaskKind::kHoles});
-    Check({DType::kFloat32, mask_dtype, 4, 100, {2, 5}, 0.0, MaskKind::kHoles});
+    Check({DType::kFloat32,
+           mask_dtype,
+           4,
+           100,
+           {2, 5},
+           1.0,
+           MaskPattern::kHoles});
+    Check({DType::kFloat32,
+           mask_dtype,
+           4,
+           100,
+           {2, 5},
+           0.0,
+           MaskPattern::kHoles});
   }
 }
 
@@ -188,7 +222,7 @@ TEST_P(PackTest, BackwardIsScatterOfTheGradient) {
   // reference.
   Rng rng = Rng::Fresh();
   const at::Tensor mask =
-      testing::RandomMask(rng, DType::kUInt8, 6, 50, 0.4, MaskKind::kHoles);
+      testing::RandomMask(rng, DType::kUInt8, 6, 50, 0.4, MaskPattern::kHoles);
   at::Tensor x = at::randn({6, 50, 7}, at::kDouble).set_requires_grad(true);
   at::Tensor packed = x.index({mask.ne(0)});
   const at::Tensor grad_packed = at::randn(packed.sizes(), at::kDouble);
@@ -305,7 +339,7 @@ TEST(Registry, BothImplementationsAreReachableAndAgree) {
     const DType dtype = kAllDTypes[rng.Next() % 10];
     const at::Tensor mask = testing::RandomMask(
         rng, kAllDTypes[rng.Next() % 10], B, S, rng.Uniform(),
-        rng.Next() & 1 ? MaskKind::kHoles : MaskKind::kPrefix);
+        rng.Next() & 1 ? MaskPattern::kHoles : MaskPattern::kPrefix);
     const at::Tensor x =
         testing::RandomTensor(rng, dtype, {B, S, int64_t(rng.Next() % 5)});
     const std::vector<TensorView> inputs = {AsView(x)};

@@ -30,28 +30,9 @@ Rng Rng::Fresh() {
   return Rng{std::mt19937_64(seed + 0x9E3779B97F4A7C15ULL * ++calls)};
 }
 
-const char* MaskKindName(MaskKind kind) {
-  return kind == MaskKind::kPrefix ? "prefix" : "holes";
-}
-
 at::Tensor RandomMask(Rng& rng, DType dtype, int64_t B, int64_t S,
-                      double density, MaskKind kind) {
-  at::Tensor active = at::zeros({B, S}, at::kBool);
-  bool* a = active.data_ptr<bool>();
-  for (int64_t b = 0; b < B; ++b) {
-    if (kind == MaskKind::kPrefix) {
-      // Lengths spread around density * S, clipped to [0, S]; density 0 and 1
-      // stay exact.
-      int64_t len = density >= 1.0   ? S
-                    : density <= 0.0 ? 0
-                                     : static_cast<int64_t>(std::llround(
-                                           2 * density * S * rng.Uniform()));
-      len = std::min(len, S);
-      for (int64_t s = 0; s < len; ++s) a[b * S + s] = true;
-    } else {
-      for (int64_t s = 0; s < S; ++s) a[b * S + s] = rng.Uniform() < density;
-    }
-  }
+                      double density, MaskPattern kind) {
+  const std::vector<uint8_t> a = MaskActivity(kind, B, S, density, rng.engine);
   at::Tensor values = at::zeros({B, S}, at::kDouble);
   double* out = values.data_ptr<double>();
   const double kActive[] = {1.0, 2.0, -1.0, 0.5, 100.0};

@@ -4,7 +4,7 @@
 //
 // clang-format off
 //   Rng rng = Rng::Fresh();
-//   at::Tensor mask = RandomMask(rng, DType::kFloat32, 4, 16, 0.3, MaskKind::kHoles);
+//   at::Tensor mask = RandomMask(rng, DType::kFloat32, 4, 16, 0.3, MaskPattern::kHoles);
 //   EXPECT_TRUE(SameBytes(ReferencePack(x, mask), result.packed[0].view));
 // clang-format on
 #ifndef PACKD_TESTS_KERNELS_TEST_UTIL_H_
@@ -19,6 +19,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
 #include "kernels/tensor_view.h"
 
@@ -35,17 +36,11 @@ struct Rng {
   }
 };
 
-// prefix: each row active for a random prefix (a completion, then padding),
-// about `density` of S. holes: each position active independently with
-// probability `density`.
-enum class MaskKind { kPrefix, kHoles };
-const char* MaskKindName(MaskKind kind);
-
 // A [B, S] mask of `dtype` whose active positions follow `kind` and `density`.
 // Active values are varied nonzero values (2, -1, 0.5, NaN, -inf...), inactive
 // ones are 0 and, for floats, -0.0.
 at::Tensor RandomMask(Rng& rng, DType dtype, int64_t B, int64_t S,
-                      double density, MaskKind kind);
+                      double density, MaskPattern kind);
 
 // A tensor of `shape` filled with random bytes (bool: 0 or 1), so NaN payloads
 // and -0.0 occur.

@@ -90,7 +90,7 @@ TEST_F(GpuPathTest, PackAndScatterStageThroughTheDeviceAndMatchTheCpuPath) {
   PackServiceImpl cpu(ServiceOptions{});
   testing::Rng rng = testing::Rng::Fresh();
   const at::Tensor mask = testing::RandomMask(rng, DType::kFloat32, 5, 97, 0.4,
-                                              testing::MaskKind::kHoles);
+                                              MaskPattern::kHoles);
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kBFloat16, {5, 97, 12});
   const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {5, 97});
