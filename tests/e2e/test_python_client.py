@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 from packd_server import PackdServer
+from torch_reference import bits, random_tensor, raw, reference_scatter
 
 from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
@@ -27,8 +28,7 @@ WIRE = {v: k for k, v in DTYPES.items()}
 
 def to_wire(t):
     t = t.contiguous()
-    raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-    return pb.Tensor(dtype=WIRE[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
+    return pb.Tensor(dtype=WIRE[t.dtype], shape=list(t.shape), data=raw(t))
 
 
 def from_wire(msg):
@@ -42,34 +42,8 @@ def from_wire(msg):
 
 
 def same_bytes(expected, msg):
-    expected = expected.contiguous()
-    raw = expected.view(torch.uint8) if expected.dtype != torch.bool else expected.to(torch.uint8)
     return (WIRE[expected.dtype] == msg.dtype and list(expected.shape) == list(msg.shape)
-            and raw.numpy().tobytes() == msg.data)
-
-
-def bits(t):
-    """An integer view of a tensor's bits: torch's index_put_ with a single value converts it
-    through a scalar (NaN payloads and signs are lost); on integers indexing only moves bits."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                                8: torch.int64}[t.element_size()])
-
-
-def reference_scatter(packed, mask, like):
-    dense = torch.zeros_like(bits(like))
-    dense[mask != 0] = bits(packed)
-    return dense.view(like.dtype)
-
-
-def random_tensor(dtype, shape, gen):
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).to(torch.bool)
-    n = 1
-    for d in shape:
-        n *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).reshape(shape)
+            and raw(expected) == msg.data)
 
 
 def random_mask(dtype, B, S, density, gen):

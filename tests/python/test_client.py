@@ -8,42 +8,7 @@ import pytest
 import torch
 
 import packd
-
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64]
-
-
-def random_tensor(dtype, shape):
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape).bool()
-    n = 1
-    for d in shape:
-        n *= d
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * size,), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def raw(t):
-    """A tensor's bytes, for exact comparison (NaN payloads and -0.0 included)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def bits(t):
-    """An integer view of a tensor's bits: torch's index_put_ with a single value converts it
-    through a scalar (NaN payloads and signs are lost); on integers indexing only moves bits."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                                8: torch.int64}[t.element_size()])
-
-
-def reference_scatter(packed, mask, like):
-    dense = torch.zeros_like(bits(like))
-    dense[mask != 0] = bits(packed)
-    return dense.view(like.dtype)
-
-
-def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b)
-
+from torch_reference import DTYPES, bits, random_tensor, raw, reference_scatter, same
 
 @pytest.fixture(scope="module")
 def client(address):
