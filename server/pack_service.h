@@ -46,7 +46,7 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   explicit PackServiceImpl(ServiceOptions options)
       : options_(std::move(options)),
         regions_(options_.regions),
-        decoder_(&regions_, options_.default_device,
+        decoder_(regions_, options_.default_device,
                  options_.max_message_bytes) {}
 
   // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted

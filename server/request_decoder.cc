@@ -36,15 +36,9 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
   PACKD_ASSIGN_OR_RETURN(TensorView view, DecodeTensorHeader(tensor, field));
   const int64_t bytes = view.nbytes();
   if (tensor.storage_case() == v1::Tensor::kRegion) {
-    if (regions_ == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(field,
-                       " is a region handle, but this call takes only inline "
-                       "tensors"));
-    }
     const std::string slice_field = absl::StrCat(field, ".region");
     PACKD_ASSIGN_OR_RETURN(ResolvedSlice slice,
-                           regions_->Resolve(tensor.region(), slice_field));
+                           regions_.Resolve(tensor.region(), slice_field));
     if (slice.byte_size != static_cast<uint64_t>(bytes)) {
       return absl::InvalidArgumentError(
           absl::StrCat(slice_field, " has ", slice.byte_size,
@@ -96,14 +90,10 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
         tensors.size(),
         " tensors: give one slice per tensor, or none for inline results"));
   }
-  if (regions_ == nullptr) {
-    return absl::FailedPreconditionError(
-        "outputs name region slices, but this call takes only inline results");
-  }
   for (int i = 0; i < outputs.size(); ++i) {
     PACKD_ASSIGN_OR_RETURN(
         ResolvedSlice slice,
-        regions_->Resolve(outputs[i], absl::StrCat("outputs[", i, "]")));
+        regions_.Resolve(outputs[i], absl::StrCat("outputs[", i, "]")));
     call.outputs.push_back(std::move(slice));
   }
   return call;

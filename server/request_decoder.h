@@ -5,7 +5,7 @@
 // outlive the call.
 //
 // clang-format off
-//   RequestDecoder decoder(&regions, Device::Cpu(), max_message_bytes);
+//   RequestDecoder decoder(regions, Device::Cpu(), max_message_bytes);
 //   PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder.Decode(request));
 //   Pack(call.tensors, call.mask, options);
 // clang-format on
@@ -39,8 +39,8 @@ struct DecodedCall {
 
 class RequestDecoder {
  public:
-  // `regions` (may be null: handles are refused) must outlive the decoder.
-  RequestDecoder(const RegionRegistry* regions, Device default_device,
+  // `regions` must outlive the decoder.
+  RequestDecoder(const RegionRegistry& regions, Device default_device,
                  int64_t max_message_bytes)
       : regions_(regions),
         default_device_(default_device),
@@ -58,8 +58,7 @@ class RequestDecoder {
   // a region slice, whose region is appended to `held`. INVALID_ARGUMENT
   // naming `field` for a bad header, or when the bytes given (`data`, or the
   // slice's byte_size) are not exactly numel * itemsize; the region errors of
-  // RegionRegistry::Resolve; FAILED_PRECONDITION for a handle when the decoder
-  // has no regions.
+  // RegionRegistry::Resolve (FAILED_PRECONDITION while handles are disabled).
   absl::StatusOr<TensorView> DecodeTensor(
       const v1::Tensor& tensor, absl::string_view field,
       std::vector<std::shared_ptr<Region>>* held) const;
@@ -76,7 +75,7 @@ class RequestDecoder {
       absl::string_view field) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
 
-  const RegionRegistry* const regions_;
+  const RegionRegistry& regions_;
   const Device default_device_;
   const int64_t max_message_bytes_;
 };
