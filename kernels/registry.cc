@@ -25,7 +25,7 @@ Registry& Registry::Global() {
     RegisterTorchBackends(*r);
 #endif
 #if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
-    RegisterGpuBackends(*r);
+    gpu::RegisterGpuBackends(*r);
 #endif
     return r;
   }();

@@ -197,6 +197,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::Pack(
   if (Admit()) {
     status = DoPack(*request, response);
     Release();
+    if (!status.ok()) CheckDefaultDevice();
   }
   return Finish(context, "Pack", start, status, request, response);
 }
@@ -210,8 +211,21 @@ grpc::ServerUnaryReactor* PackServiceImpl::Scatter(
   if (Admit()) {
     status = DoScatter(*request, response);
     Release();
+    if (!status.ok()) CheckDefaultDevice();
   }
   return Finish(context, "Scatter", start, status, request, response);
+}
+
+void PackServiceImpl::CheckDefaultDevice() {
+  const absl::Status device =
+      Registry::Runtime(options_.default_device).status();
+  if (device.code() != absl::StatusCode::kUnavailable) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (device_lost_) return;
+    device_lost_ = true;
+  }
+  if (options_.on_device_lost) options_.on_device_lost(device);
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterSystemRegion(

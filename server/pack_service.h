@@ -39,6 +39,10 @@ struct ServiceOptions {
   // tensors are decoded (its regions held), before the op runs. Tests inject
   // it to hold a call in flight; packd itself never sets it.
   std::function<void(absl::string_view method)> testing_call_hook;
+  // Called once, with the reason, when a failed call finds the default device
+  // lost (a sticky runtime error: every later call on it fails). PackdServer
+  // turns readiness NOT_SERVING.
+  std::function<void(const absl::Status& reason)> on_device_lost;
 };
 
 class PackServiceImpl final : public v1::PackService::CallbackService {
@@ -113,6 +117,9 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   absl::Status RunCall(const char* method, const Request& request,
                        Response* response, Field* results, int64_t reserved,
                        Op&& op);
+  // After a failed call: whether the default device is lost, and if so, tells
+  // on_device_lost (once).
+  void CheckDefaultDevice();
   // Opens the request's IPC handle and registers the mapping as a region.
   absl::Status DoRegisterDeviceRegion(
       const v1::RegisterDeviceRegionRequest& request);
@@ -124,6 +131,7 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   mutable absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool device_lost_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace packd

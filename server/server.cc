@@ -52,6 +52,23 @@ absl::Status SelfCheck(PackServiceImpl& service, const Device& device) {
 
 }  // namespace
 
+PackdServer::PackdServer(const ServerOptions& options)
+    : options_(options), service_([&] {
+        ServiceOptions service = options.service;
+        service.on_device_lost = [this](const absl::Status& reason) {
+          OnDeviceLost(reason);
+        };
+        return service;
+      }()) {}
+
+void PackdServer::OnDeviceLost(const absl::Status& reason) {
+  Log(absl::StrCat("readiness NOT_SERVING: ", reason.message()));
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(kReadinessService,
+                                                       false);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     const ServerOptions& options) {
   PACKD_RETURN_IF_ERROR(

@@ -58,8 +58,9 @@ class PackdServer {
   void Wait();
 
  private:
-  PackdServer(const ServerOptions& options)
-      : options_(options), service_(options.service) {}
+  explicit PackdServer(const ServerOptions& options);
+  // Readiness NOT_SERVING for good: the default device is lost.
+  void OnDeviceLost(const absl::Status& reason);
 
   const ServerOptions options_;
   PackServiceImpl service_;

@@ -14,12 +14,12 @@
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 
-namespace packd {
+namespace packd::PACKD_GPU_NS {
 namespace {
 
 class GpuPlan : public MaskPlan {
  public:
-  gpu::MaskScan scan{};
+  MaskScan scan{};
   // On the device: tile arrays, cu_seqlens, last_index and the row index.
   Buffer work;
 };
@@ -27,7 +27,13 @@ class GpuPlan : public MaskPlan {
 class GpuBackend : public Backend {
  public:
   explicit GpuBackend(DeviceRuntime* runtime) : runtime_(runtime) {}
-  absl::string_view name() const override { return "gpu"; }
+  absl::string_view name() const override {
+#if defined(PACKD_GPU_FAKE)
+    return "fake-gpu";
+#else
+    return "gpu";
+#endif
+  }
 
   absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
       const TensorView& mask, const Stream& stream) override {
@@ -35,7 +41,7 @@ class GpuBackend : public Backend {
     const int64_t B = mask.shape[0], S = mask.shape[1];
     plan->batch = B;
     plan->seq = S;
-    const int64_t tiles = B * gpu::TilesPerRow(S);
+    const int64_t tiles = B * TilesPerRow(S);
     // One device block: tile counts, offsets, lasts, cu_seqlens, last_index,
     // index.
     const int64_t words = tiles + (tiles + 1) + tiles + (B + 1) + B + B * S;
@@ -43,7 +49,7 @@ class GpuBackend : public Backend {
     PACKD_ASSIGN_OR_RETURN(plan->work,
                            runtime_->Allocate(words * 8, mask.device));
     auto* w = static_cast<int64_t*>(plan->work.data());
-    gpu::MaskScan& scan = plan->scan;
+    MaskScan& scan = plan->scan;
     scan.mask = mask.data;
     scan.batch = B;
     scan.seq = S;
@@ -56,7 +62,7 @@ class GpuBackend : public Backend {
     scan.last_index = scan.cu_seqlens + B + 1;
     scan.index = scan.last_index + B;
     PACKD_GPU_CHECK("mask scan launch",
-                    gpu::LaunchMaskScan(scan, NativeStream(stream)));
+                    LaunchMaskScan(scan, NativeStream(stream)));
     // The one synchronisation of a call: cu_seqlens and last_index (adjacent
     // on the device) to the host.
     std::vector<int64_t> meta(2 * B + 1);
@@ -79,10 +85,9 @@ class GpuBackend : public Backend {
                                              NativeStream(stream)));
       return absl::OkStatus();
     }
-    PACKD_GPU_CHECK(
-        "gather launch",
-        gpu::LaunchGather(x.data, out.data, plan.scan.index, total,
-                          out.nbytes() / total, NativeStream(stream)));
+    PACKD_GPU_CHECK("gather launch",
+                    LaunchGather(x.data, out.data, plan.scan.index, total,
+                                 out.nbytes() / total, NativeStream(stream)));
     return absl::OkStatus();
   }
 
@@ -106,12 +111,12 @@ class GpuBackend : public Backend {
       return absl::OkStatus();
     }
     PACKD_GPU_CHECK("zero-fill launch",
-                    gpu::LaunchZeroInactive(plan.scan, dense.data, row_bytes,
-                                            NativeStream(stream)));
+                    LaunchZeroInactive(plan.scan, dense.data, row_bytes,
+                                       NativeStream(stream)));
     PACKD_GPU_CHECK("scatter launch",
-                    gpu::LaunchScatterRows(packed.data, dense.data,
-                                           plan.scan.index, plan.total_active(),
-                                           row_bytes, NativeStream(stream)));
+                    LaunchScatterRows(packed.data, dense.data, plan.scan.index,
+                                      plan.total_active(), row_bytes,
+                                      NativeStream(stream)));
     return absl::OkStatus();
   }
 
@@ -125,7 +130,10 @@ void RegisterGpuBackends(Registry& registry) {
   std::unique_ptr<DeviceRuntime> runtime = MakeGpuRuntime();
   DeviceRuntime* gpu = runtime.get();  // the registry keeps it for good
   registry.SetRuntime(std::move(runtime));
-  registry.Add(kGpuKind, std::make_unique<GpuBackend>(gpu)).IgnoreError();
+  registry
+      .Add(kGpuKind, std::make_unique<GpuBackend>(gpu),
+           /*make_default=*/true)
+      .IgnoreError();
 }
 
-}  // namespace packd
+}  // namespace packd::PACKD_GPU_NS

@@ -14,8 +14,28 @@
 #include "kernels/gpu/gpu_status.h"
 #include "kernels/status_macros.h"
 
-namespace packd {
+namespace packd::PACKD_GPU_NS {
 namespace {
+
+// Devices whose context is lost (a sticky error), with the reason.
+struct LostDevices {
+  absl::Mutex mu;
+  std::map<int, absl::Status> lost ABSL_GUARDED_BY(mu);
+};
+LostDevices& Lost() {
+  static auto* lost = new LostDevices;
+  return *lost;
+}
+
+absl::Status LostStatus(const Device& device) {
+  LostDevices& l = Lost();
+  absl::MutexLock lock(&l.mu);
+  auto it = l.lost.find(device.index);
+  if (it == l.lost.end()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "device ", device.ToString(), " is lost (", it->second.message(),
+      "); every call on it fails until packd restarts"));
+}
 
 class GpuPool {
  public:
@@ -108,7 +128,7 @@ class GpuRuntime : public DeviceRuntime {
           "device ", device.ToString(), " is not available: this machine has ",
           count, " ", PACKD_GPU_RUNTIME_NAME, " device(s)"));
     }
-    return absl::OkStatus();
+    return LostStatus(device);
   }
 
   absl::StatusOr<Stream> AcquireStream(const Device& device) override {
@@ -140,17 +160,32 @@ class GpuRuntime : public DeviceRuntime {
     return device_pool_.Acquire(static_cast<size_t>(bytes), device);
   }
 
+  // Host memory moves through two pinned buffers of at most
+  // kStagingChunkBytes, reused chunk after chunk: the next chunk is written
+  // into one while the other is on its way.
   absl::Status CopyToDevice(void* dst, const void* src, int64_t bytes,
                             const Stream& stream) override {
     if (bytes == 0) return absl::OkStatus();
     const Device& device = stream.device();
     PACKD_GPU_CHECK("set device", gpuSetDevice(device.index));
-    PACKD_ASSIGN_OR_RETURN(Buffer pinned, pinned_pool_.Acquire(bytes, device));
-    std::memcpy(pinned.data(), src, bytes);
-    PACKD_GPU_CHECK(
-        "host-to-device copy",
-        gpuMemcpyAsync(dst, pinned.data(), bytes, gpuMemcpyHostToDevice,
-                       NativeStream(stream)));
+    const int64_t chunk = std::min(bytes, kStagingChunkBytes);
+    Buffer pinned[2];
+    for (int64_t at = 0, i = 0; at < bytes; at += chunk, ++i) {
+      Buffer& buffer = pinned[i % 2];
+      if (buffer.data() == nullptr) {
+        PACKD_ASSIGN_OR_RETURN(buffer, pinned_pool_.Acquire(chunk, device));
+      } else {
+        // The buffer's previous chunk must have left before it is refilled.
+        PACKD_GPU_CHECK("host-to-device copy",
+                        gpuStreamSynchronize(NativeStream(stream)));
+      }
+      const int64_t n = std::min(chunk, bytes - at);
+      std::memcpy(buffer.data(), static_cast<const char*>(src) + at, n);
+      PACKD_GPU_CHECK(
+          "host-to-device copy",
+          gpuMemcpyAsync(static_cast<char*>(dst) + at, buffer.data(), n,
+                         gpuMemcpyHostToDevice, NativeStream(stream)));
+    }
     PACKD_GPU_CHECK("host-to-device copy",
                     gpuStreamSynchronize(NativeStream(stream)));
     return absl::OkStatus();
@@ -161,14 +196,18 @@ class GpuRuntime : public DeviceRuntime {
     if (bytes == 0) return absl::OkStatus();
     const Device& device = stream.device();
     PACKD_GPU_CHECK("set device", gpuSetDevice(device.index));
-    PACKD_ASSIGN_OR_RETURN(Buffer pinned, pinned_pool_.Acquire(bytes, device));
-    PACKD_GPU_CHECK(
-        "device-to-host copy",
-        gpuMemcpyAsync(pinned.data(), src, bytes, gpuMemcpyDeviceToHost,
-                       NativeStream(stream)));
-    PACKD_GPU_CHECK("device-to-host copy",
-                    gpuStreamSynchronize(NativeStream(stream)));
-    std::memcpy(dst, pinned.data(), bytes);
+    const int64_t chunk = std::min(bytes, kStagingChunkBytes);
+    PACKD_ASSIGN_OR_RETURN(Buffer pinned, pinned_pool_.Acquire(chunk, device));
+    for (int64_t at = 0; at < bytes; at += chunk) {
+      const int64_t n = std::min(chunk, bytes - at);
+      PACKD_GPU_CHECK(
+          "device-to-host copy",
+          gpuMemcpyAsync(pinned.data(), static_cast<const char*>(src) + at, n,
+                         gpuMemcpyDeviceToHost, NativeStream(stream)));
+      PACKD_GPU_CHECK("device-to-host copy",
+                      gpuStreamSynchronize(NativeStream(stream)));
+      std::memcpy(static_cast<char*>(dst) + at, pinned.data(), n);
+    }
     return absl::OkStatus();
   }
 
@@ -189,22 +228,52 @@ class GpuRuntime : public DeviceRuntime {
     void* base = nullptr;
     PACKD_GPU_CHECK("IPC open", gpuIpcOpenMemHandle(
                                     &base, ipc, gpuIpcMemLazyEnablePeerAccess));
-    (void)byte_size;  // the runtime does not report the exported size; slices
-                      // are checked against the size the client registered
+    const int index = device.index;
     DeviceMapping mapping;
     mapping.base = base;
-    const int index = device.index;
+    // Closed when the last holder lets go: the region's calls have all
+    // finished (each synchronises before it returns).
     mapping.owner = std::shared_ptr<void>(base, [index](void* p) {
       (void)gpuSetDevice(index);
       (void)gpuIpcCloseMemHandle(p);
     });
+    // The client's byte_size is checked against the allocation the handle
+    // really exports, which the mapping starts at, and the memory must be on
+    // the device named (device numbers depend on CUDA_VISIBLE_DEVICES).
+    void* alloc_base = nullptr;
+    size_t alloc_size = 0;
+    PACKD_GPU_CHECK("address range of the IPC mapping",
+                    gpuMemGetAddressRange(&alloc_base, &alloc_size, base));
+    const uint64_t available =
+        alloc_size - static_cast<uint64_t>(static_cast<char*>(base) -
+                                           static_cast<char*>(alloc_base));
+    if (byte_size > available) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "byte_size ", byte_size,
+          " passes the end of the exported "
+          "allocation, which has ",
+          available,
+          " bytes: an IPC handle maps "
+          "the whole allocation from its start; register at most its size "
+          "and address tensors by their offset in it (docs/gpu.md)"));
+    }
+    int actual = -1;
+    PACKD_GPU_CHECK("device of the IPC mapping",
+                    gpuPointerGetDevice(&actual, base));
+    if (actual != device.index) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the IPC handle's memory is on ", Device{kGpuKind, actual}.ToString(),
+          " as this server numbers devices, not ", device.ToString(),
+          " (check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES on both sides)"));
+    }
     return mapping;
   }
 
  private:
   // Results and the scan's work arrays: up to 4 GiB cached per device.
   GpuPool device_pool_{/*pinned=*/false, size_t{4} << 30};
-  // Bounce buffers for host transfers: up to 1 GiB cached per device.
+  // Bounce buffers for host transfers (two of at most kStagingChunkBytes per
+  // transfer in flight): up to 1 GiB cached per device.
   GpuPool pinned_pool_{/*pinned=*/true, size_t{1} << 30};
   absl::Mutex mu_;
   std::map<int, std::vector<void*>> free_streams_ ABSL_GUARDED_BY(mu_);
@@ -212,8 +281,63 @@ class GpuRuntime : public DeviceRuntime {
 
 }  // namespace
 
+absl::Status RuntimeError(const char* what, gpuError_t err) {
+  // Clear this thread's last error: the runtime would report it again from
+  // the next check on this thread, whatever that call was.
+  (void)gpuGetLastError();
+  // A sticky error persists: the device answers nothing any more.
+  int device = 0;
+  (void)gpuGetDevice(&device);
+  size_t free = 0, total = 0;
+  const gpuError_t probe = gpuMemGetInfo(&free, &total);
+  absl::Status status;
+  if (err == gpuErrorMemoryAllocation) {
+    status = absl::ResourceExhaustedError(
+        absl::StrCat(what, ": out of memory (", gpuGetErrorString(err), ")"));
+  } else {
+    status = absl::InternalError(absl::StrCat(PACKD_GPU_RUNTIME_NAME, " ", what,
+                                              ": ", gpuGetErrorString(err)));
+  }
+  if (probe != gpuSuccess) {
+    (void)gpuGetLastError();
+    LostDevices& l = Lost();
+    absl::MutexLock lock(&l.mu);
+    l.lost.emplace(device, status);
+  }
+  return status;
+}
+
+#if !defined(PACKD_GPU_FAKE) && !defined(PACKD_GPU_HIP)
+}  // namespace packd::PACKD_GPU_NS
+
+gpuError_t gpuMemGetAddressRange(void** base, size_t* size, const void* p) {
+  using Fn = int (*)(unsigned long long*, size_t*, unsigned long long);
+  static Fn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000,
+                                         cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<Fn>(nullptr);
+    }
+    return reinterpret_cast<Fn>(f);
+  }();
+  if (fn == nullptr) return cudaErrorNotSupported;
+  unsigned long long b = 0;
+  if (fn(&b, size, reinterpret_cast<unsigned long long>(p)) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  *base = reinterpret_cast<void*>(b);
+  return cudaSuccess;
+}
+
+namespace packd::PACKD_GPU_NS {
+#endif
+
 std::unique_ptr<DeviceRuntime> MakeGpuRuntime() {
   return std::make_unique<GpuRuntime>();
 }
 
-}  // namespace packd
+}  // namespace packd::PACKD_GPU_NS

@@ -6,7 +6,7 @@
 
 #include "kernels/gpu/gpu_kernels.h"
 
-namespace packd::gpu {
+namespace packd::PACKD_GPU_NS {
 namespace {
 
 constexpr int kScanThreads = 1024;
@@ -289,4 +289,4 @@ gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
                                 static_cast<char*>(dense), row_bytes);
 }
 
-}  // namespace packd::gpu
+}  // namespace packd::PACKD_GPU_NS

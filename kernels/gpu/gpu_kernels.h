@@ -13,7 +13,7 @@
 
 #include "kernels/gpu/gpu_runtime.h"
 
-namespace packd::gpu {
+namespace packd::PACKD_GPU_NS {
 
 // Positions per tile of the mask scan: a tile is one thread block's share of a
 // row.
@@ -60,6 +60,6 @@ gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,
 gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
                               int64_t row_bytes, gpuStream_t stream);
 
-}  // namespace packd::gpu
+}  // namespace packd::PACKD_GPU_NS
 
 #endif  // PACKD_KERNELS_GPU_GPU_KERNELS_H_

@@ -9,7 +9,52 @@
 #ifndef PACKD_KERNELS_GPU_GPU_RUNTIME_H_
 #define PACKD_KERNELS_GPU_GPU_RUNTIME_H_
 
-#if defined(PACKD_GPU_HIP)
+#if defined(PACKD_GPU_FAKE)
+
+// The tests' fake GPU (tests/fake_gpu/): host memory with CUDA's semantics.
+#include "tests/fake_gpu/fake_gpu_runtime.h"
+
+#define PACKD_GPU_NS fake_gpu
+#define PACKD_GPU_RUNTIME_NAME "fake GPU"
+using gpuError_t = fakegpu::Error;
+using gpuStream_t = fakegpu::Stream;
+using gpuIpcMemHandle_t = fakegpu::IpcMemHandle;
+using gpuDeviceProp_t = fakegpu::DeviceProp;
+constexpr gpuError_t gpuSuccess = fakegpu::kSuccess;
+constexpr gpuError_t gpuErrorMemoryAllocation = fakegpu::kErrorMemoryAllocation;
+#define gpuGetErrorString fakegpu::GetErrorString
+#define gpuGetLastError fakegpu::GetLastError
+#define gpuGetDeviceCount fakegpu::GetDeviceCount
+#define gpuSetDevice fakegpu::SetDevice
+#define gpuGetDevice fakegpu::GetDevice
+#define gpuMalloc fakegpu::Malloc
+#define gpuFree fakegpu::Free
+#define gpuMallocHost fakegpu::MallocHost
+#define gpuFreeHost fakegpu::FreeHost
+#define gpuMemcpyAsync fakegpu::MemcpyAsync
+#define gpuMemsetAsync fakegpu::MemsetAsync
+#define gpuMemGetInfo fakegpu::MemGetInfo
+#define gpuStreamSynchronize fakegpu::StreamSynchronize
+#define gpuStreamCreateWithFlags fakegpu::StreamCreateWithFlags
+#define gpuStreamDestroy fakegpu::StreamDestroy
+#define gpuStreamNonBlocking fakegpu::kStreamNonBlocking
+#define gpuGetDeviceProperties fakegpu::GetDeviceProperties
+#define gpuIpcOpenMemHandle fakegpu::IpcOpenMemHandle
+#define gpuIpcCloseMemHandle fakegpu::IpcCloseMemHandle
+#define gpuIpcMemLazyEnablePeerAccess fakegpu::kIpcMemLazyEnablePeerAccess
+#define gpuMemcpyHostToDevice fakegpu::kHostToDevice
+#define gpuMemcpyDeviceToHost fakegpu::kDeviceToHost
+#define gpuMemcpyDeviceToDevice fakegpu::kDeviceToDevice
+
+inline gpuError_t gpuMemGetAddressRange(void** base, size_t* size,
+                                        const void* p) {
+  return fakegpu::MemGetAddressRange(base, size, p);
+}
+inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
+  return fakegpu::PointerGetDevice(device, p);
+}
+
+#elif defined(PACKD_GPU_HIP)
 
 #if defined(__HIPCC__)
 #include <hip/hip_runtime.h>
@@ -17,6 +62,7 @@
 #include <hip/hip_runtime_api.h>
 #endif
 
+#define PACKD_GPU_NS gpu
 #define PACKD_GPU_RUNTIME_NAME "HIP"
 using gpuError_t = hipError_t;
 using gpuStream_t = hipStream_t;
@@ -53,6 +99,20 @@ using gpuDeviceProp_t = hipDeviceProp_t;
 #define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define gpuErrorMemoryAllocation hipErrorOutOfMemory
 
+inline gpuError_t gpuMemGetAddressRange(void** base, size_t* size,
+                                        const void* p) {
+  hipDeviceptr_t b = nullptr;
+  const hipError_t err = hipMemGetAddressRange(&b, size, const_cast<void*>(p));
+  *base = b;
+  return err;
+}
+inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
+  hipPointerAttribute_t attributes;
+  const hipError_t err = hipPointerGetAttributes(&attributes, p);
+  *device = attributes.device;
+  return err;
+}
+
 #else  // CUDA
 
 #if defined(__CUDACC__)
@@ -61,6 +121,7 @@ using gpuDeviceProp_t = hipDeviceProp_t;
 #include <cuda_runtime_api.h>
 #endif
 
+#define PACKD_GPU_NS gpu
 #define PACKD_GPU_RUNTIME_NAME "CUDA"
 using gpuError_t = cudaError_t;
 using gpuStream_t = cudaStream_t;
@@ -96,6 +157,16 @@ using gpuDeviceProp_t = cudaDeviceProp;
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
 #define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
 #define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
+
+// The driver's cuMemGetAddressRange, reached through the runtime so that packd
+// does not link the driver library (absent where there is no GPU).
+gpuError_t gpuMemGetAddressRange(void** base, size_t* size, const void* p);
+inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
+  cudaPointerAttributes attributes;
+  const cudaError_t err = cudaPointerGetAttributes(&attributes, p);
+  *device = attributes.device;
+  return err;
+}
 
 #endif
 

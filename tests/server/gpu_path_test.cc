@@ -1,89 +1,146 @@
-// The server's device path (a call on cuda:0: host tensors staged to the
-// device, results copied back) run without a GPU, against a stand-in backend
-// whose "device memory" is host memory. What differs from a real GPU is only
-// where the bytes live, so this checks the staging logic itself: every input
-// uploaded, every inline result downloaded, and the bytes equal the CPU path's.
+// The server's GPU path run without a GPU: the real GPU backend and runtime
+// (kernels/gpu/gpu_backend.cc, gpu_device_runtime.cc) built over the fake GPU
+// of tests/fake_gpu/, whose streams run work later on their own threads, whose
+// errors stick to the thread (or, after a fault, to the device) as CUDA's do,
+// and whose device memory is bounded, so that a kernel touching memory outside
+// it faults the device instead of passing. Each test pins a way the GPU path
+// can go wrong before it ever meets a GPU; all results are checked against
+// torch byte for byte.
 #include <ATen/ATen.h>
 
-#include <atomic>
 #include <cstring>
+#include <future>
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "kernels/backend.h"
-#include "kernels/device_runtime.h"
+#include "kernels/gpu/gpu_backend.h"
 #include "kernels/registry.h"
+#include "packd/v1/pack_service.grpc.pb.h"
 #include "server/pack_service.h"
+#include "server/server.h"
 #include "tests/e2e/proto_util.h"
+#include "tests/fake_gpu/fake_gpu_runtime.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {
 namespace {
 
-std::atomic<int64_t> uploaded{0}, downloaded{0};
+using ::testing::HasSubstr;
+using testing::InRegion;
+using testing::Slice;
+using testing::ToProto;
 
-// cuda:0 whose memory is host memory, counting the bytes staged each way.
-class HostMemoryRuntime : public DeviceRuntime {
- public:
-  DeviceKind kind() const override { return DeviceKind::kCuda; }
-  std::vector<DeviceInfo> ListDevices() const override {
-    return {DeviceInfo{Device{DeviceKind::kCuda, 0}, 0}};
-  }
-  absl::Status CheckDevice(const Device& device) const override {
-    return device.index == 0 ? absl::OkStatus()
-                             : absl::FailedPreconditionError("only cuda:0");
-  }
-  absl::StatusOr<Buffer> Allocate(int64_t bytes, const Device&) override {
-    return HostBufferPool::Global().Acquire(bytes);
-  }
-  absl::Status CopyToDevice(void* dst, const void* src, int64_t bytes,
-                            const Stream&) override {
-    uploaded += bytes;
-    if (bytes > 0) std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  absl::Status CopyToHost(void* dst, const void* src, int64_t bytes,
-                          const Stream&) override {
-    downloaded += bytes;
-    if (bytes > 0) std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-};
+constexpr size_t kDeviceMemory = size_t{768} << 20;
+// The GPU runtime's pinned staging chunk (gpu_device_runtime.h).
+constexpr size_t kStagingChunkBytes = size_t{8} << 20;
 
-// The ops on that "device": the CPU implementation.
-class HostMemoryGpu : public Backend {
+// Memory on a fake device, readable from the test (fake device memory is
+// host memory), exported with an IPC handle.
+class DeviceBuffer {
  public:
-  HostMemoryGpu() : cpu_(*Registry::Get(Device::Cpu())) {}
-  absl::string_view name() const override { return "host-memory-gpu"; }
-  absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
-      const TensorView& mask, const Stream& stream) override {
-    return cpu_->Plan(mask, stream);
+  DeviceBuffer(int device, size_t bytes) : bytes_(bytes) {
+    EXPECT_EQ(fakegpu::SetDevice(device), fakegpu::kSuccess);
+    EXPECT_EQ(fakegpu::Malloc(&data_, bytes), fakegpu::kSuccess);
+    std::memset(data_, testing::kCanary, bytes);
   }
-  absl::Status Gather(const MaskPlan& plan, const TensorView& x,
-                      const TensorView& out, const Stream& stream) override {
-    return cpu_->Gather(plan, x, out, stream);
+  ~DeviceBuffer() { fakegpu::Free(data_); }
+  char* data() const { return static_cast<char*>(data_); }
+  std::string Handle() const {
+    fakegpu::IpcMemHandle handle;
+    EXPECT_EQ(fakegpu::IpcGetMemHandle(&handle, data_), fakegpu::kSuccess);
+    return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
   }
-  absl::Status Scatter(const MaskPlan& plan, const TensorView& packed,
-                       const TensorView& dense, const Stream& stream) override {
-    return cpu_->Scatter(plan, packed, dense, stream);
+  void Put(const at::Tensor& t, size_t offset = 0) {
+    std::memcpy(data() + offset, t.contiguous().data_ptr(), t.nbytes());
   }
 
  private:
-  Backend* cpu_;
+  void* data_ = nullptr;
+  size_t bytes_;
 };
 
-class GpuPathTest : public ::testing::Test {
+class FakeGpuTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    Registry::Global().SetRuntime(std::make_unique<HostMemoryRuntime>());
-    ASSERT_TRUE(Registry::Global()
-                    .Add(DeviceKind::kCuda, std::make_unique<HostMemoryGpu>(),
-                         /*make_default=*/true)
-                    .ok());
+    fakegpu::testing::Config config;
+    config.devices = 3;  // 0: most tests; 1: another device; 2: lost
+    config.memory_bytes = kDeviceMemory;
+    fakegpu::testing::Configure(config);
+    fake_gpu::RegisterGpuBackends(Registry::Global());
   }
+  void TearDown() override {
+    fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
+    fakegpu::testing::DrainStreams();
+  }
+
+  // A packd server in this process (handles on), on a unix socket, and a stub
+  // for it.
+  void StartServer(Device default_device = Device::Cpu()) {
+    ServerOptions options;
+    options.service.default_device = default_device;
+    options.listen =
+        absl::StrCat("unix:/tmp/packd-fake-gpu-", getpid(), ".sock");
+    options.service.regions.enabled = true;
+    absl::StatusOr<std::unique_ptr<PackdServer>> server =
+        PackdServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(1 << 30);
+    args.SetMaxSendMessageSize(1 << 30);
+    channel_ = grpc::CreateCustomChannel(
+        server_->address(), grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::PackService::NewStub(channel_);
+  }
+  void StopServer() {
+    if (server_ == nullptr) return;
+    server_->Drain();
+    server_->Wait();
+    server_.reset();
+  }
+
+  grpc::Status RegisterDevice(const std::string& name,
+                              const DeviceBuffer& buffer, const char* device,
+                              uint64_t bytes) {
+    v1::RegisterDeviceRegionRequest request;
+    request.set_name(name);
+    request.set_ipc_handle(buffer.Handle());
+    request.set_device(device);
+    request.set_byte_size(bytes);
+    v1::RegisterRegionResponse response;
+    grpc::ClientContext context;
+    return stub_->RegisterDeviceRegion(&context, request, &response);
+  }
+  std::string Readiness() {
+    auto health = grpc::health::v1::Health::NewStub(channel_);
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(kReadinessService);
+    grpc::health::v1::HealthCheckResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = health->Check(&context, request, &response);
+    if (!status.ok()) return status.error_message();
+    return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
+        response.status());
+  }
+  grpc::Status Unregister(const std::string& name) {
+    v1::UnregisterRegionRequest request;
+    request.set_name(name);
+    v1::UnregisterRegionResponse response;
+    grpc::ClientContext context;
+    return stub_->UnregisterRegion(&context, request, &response);
+  }
+
+  std::unique_ptr<PackdServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::PackService::Stub> stub_;
 };
 
-TEST_F(GpuPathTest, PackAndScatterStageThroughTheDeviceAndMatchTheCpuPath) {
+TEST_F(FakeGpuTest, HostTensorsStageThroughTheDeviceAndMatchTheCpuPath) {
   ServiceOptions gpu_options;
   gpu_options.default_device = Device{DeviceKind::kCuda, 0};
   PackServiceImpl gpu(gpu_options);
@@ -95,54 +152,261 @@ TEST_F(GpuPathTest, PackAndScatterStageThroughTheDeviceAndMatchTheCpuPath) {
       testing::RandomTensor(rng, DType::kBFloat16, {5, 97, 12});
   const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {5, 97});
   v1::PackRequest request;
-  *request.mutable_mask() = testing::ToProto(mask);
-  *request.add_inputs() = testing::ToProto(x);
-  *request.add_inputs() = testing::ToProto(ids);
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);
+  *request.add_inputs() = ToProto(ids);
   request.set_with_position_ids(true);
 
-  uploaded = downloaded = 0;
+  fakegpu::testing::SetStreamDelay(absl::Milliseconds(5));
   v1::PackResponse on_gpu, on_cpu;
   ASSERT_TRUE(gpu.DoPack(request, &on_gpu).ok());
-  EXPECT_EQ(uploaded.load(), mask.nbytes() + x.nbytes() + ids.nbytes());
-  const at::Tensor expected_x = testing::ReferencePack(x, mask);
-  const at::Tensor expected_ids = testing::ReferencePack(ids, mask);
-  EXPECT_EQ(downloaded.load(), expected_x.nbytes() + expected_ids.nbytes());
   ASSERT_TRUE(cpu.DoPack(request, &on_cpu).ok());
   EXPECT_EQ(on_gpu.SerializeAsString(), on_cpu.SerializeAsString());
+  const at::Tensor expected_x = testing::ReferencePack(x, mask);
   EXPECT_TRUE(testing::SameTensor(expected_x, on_gpu.packed(0)));
-  EXPECT_TRUE(testing::SameTensor(expected_ids, on_gpu.packed(1)));
+  EXPECT_TRUE(
+      testing::SameTensor(testing::ReferencePack(ids, mask), on_gpu.packed(1)));
 
-  // An explicit device in the request takes the same path; a CPU request on the
-  // GPU server does not stage.
   v1::ScatterRequest scatter;
-  *scatter.mutable_mask() = testing::ToProto(mask);
-  *scatter.add_packed() = testing::ToProto(expected_x);
+  *scatter.mutable_mask() = ToProto(mask);
+  *scatter.add_packed() = ToProto(expected_x);
   scatter.set_device("cuda:0");
-  uploaded = downloaded = 0;
   v1::ScatterResponse dense;
   ASSERT_TRUE(cpu.DoScatter(scatter, &dense).ok());
-  EXPECT_EQ(downloaded.load(), x.nbytes());
   EXPECT_TRUE(testing::SameTensor(
       testing::ReferenceScatter(expected_x, mask, {5, 97, 12}),
       dense.dense(0)));
-  scatter.set_device("cpu");
-  uploaded = downloaded = 0;
-  ASSERT_TRUE(gpu.DoScatter(scatter, &dense).ok());
-  EXPECT_EQ(uploaded.load(), 0);
 
-  // Errors on the device path are the same as on the CPU path, found before
-  // anything moves.
+  // Errors on the device path are the CPU path's.
   request.mutable_inputs(0)->set_shape(1, 96);
   request.mutable_inputs(0)->set_data(std::string(5 * 96 * 12 * 2, '\0'));
   v1::PackResponse bad;
-  uploaded = downloaded = 0;
-  const absl::Status status = gpu.DoPack(request, &bad);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_EQ(uploaded.load(), 0);
-  EXPECT_EQ(downloaded.load(), 0);
-  request.set_device("cuda:1");
+  EXPECT_EQ(gpu.DoPack(request, &bad).code(),
+            absl::StatusCode::kInvalidArgument);
+  request.set_device("cuda:3");
   EXPECT_EQ(gpu.DoPack(request, &bad).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// Bug: replies went out while the device was still writing the results, and
+// an IPC mapping could be closed under a running kernel.
+TEST_F(FakeGpuTest, ReplyComesOnlyOnceTheDeviceHasFinished) {
+  StartServer();
+  testing::Rng rng = testing::Rng::Fresh();
+  const int64_t B = 6, S = 300, H = 40;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, B, S, 0.5, MaskPattern::kHoles);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kFloat32, {B, S, H});
+  const at::Tensor expected = testing::ReferencePack(x, mask);
+  DeviceBuffer in(0, x.nbytes()), out(0, x.nbytes());
+  in.Put(x);
+  ASSERT_TRUE(RegisterDevice("in", in, "cuda:0", x.nbytes()).ok());
+  ASSERT_TRUE(RegisterDevice("out", out, "cuda:0", x.nbytes()).ok());
+  const int mappings = fakegpu::testing::OpenIpcMappings();
+
+  fakegpu::testing::SetStreamDelay(absl::Milliseconds(150));
+  v1::PackRequest request;
+  request.set_device("cuda:0");
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = InRegion(x, "in", 0);
+  *request.add_outputs() = Slice("out", 0, x.nbytes());
+  v1::PackResponse response;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub_->Pack(&context, request, &response).ok());
+  // Read as soon as the reply is here: the rows must be there already.
+  EXPECT_TRUE(testing::SameBytesAt(expected, out.data()));
+  EXPECT_EQ(response.total_active(), expected.size(0));
+
+  // Unregistering both regions while a Scatter uses them: the call finishes
+  // correctly, and only then are the mappings closed.
+  v1::ScatterRequest scatter;
+  scatter.set_device("cuda:0");
+  *scatter.mutable_mask() = ToProto(mask);
+  *scatter.add_packed() = InRegion(expected, "out", 0);
+  *scatter.add_outputs() = Slice("in", 0, x.nbytes());
+  std::future<grpc::Status> call = std::async(std::launch::async, [&] {
+    v1::ScatterResponse dense;
+    grpc::ClientContext c;
+    return stub_->Scatter(&c, scatter, &dense);
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_TRUE(Unregister("in").ok());
+  EXPECT_TRUE(Unregister("out").ok());
+  const grpc::Status status = call.get();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(testing::SameBytesAt(
+      testing::ReferenceScatter(expected, mask, {B, S, H}), in.data()));
+  EXPECT_EQ(fakegpu::testing::OpenIpcMappings(), mappings - 2);
+  StopServer();
+}
+
+// Bug: an output slice in device memory was never checked against the call's
+// device; a CPU call memcpy'd into GPU memory.
+TEST_F(FakeGpuTest, SlicesOnAnotherDeviceThanTheCallAreRefused) {
+  StartServer();
+  testing::Rng rng = testing::Rng::Fresh();
+  const at::Tensor mask = at::ones({2, 8}, at::kBool);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kInt32, {2, 8, 3});
+  DeviceBuffer on0(0, 4096), on1(1, 4096);
+  ASSERT_TRUE(RegisterDevice("on0", on0, "cuda:0", 4096).ok());
+  ASSERT_TRUE(RegisterDevice("on1", on1, "cuda:1", 4096).ok());
+
+  auto pack = [&](const char* device, const char* out_region) {
+    v1::PackRequest request;
+    request.set_device(device);
+    *request.mutable_mask() = ToProto(mask);
+    *request.add_inputs() = ToProto(x);
+    *request.add_outputs() = Slice(out_region, 0, x.nbytes());
+    v1::PackResponse response;
+    grpc::ClientContext context;
+    return stub_->Pack(&context, request, &response);
+  };
+  grpc::Status status = pack("cpu", "on0");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("outputs[0] is on cuda:0 but the call runs on cpu"));
+  status = pack("cuda:0", "on1");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("outputs[0] is on cuda:1 but the call runs on cuda:0"));
+  // An input region on another device, too.
+  v1::PackRequest request;
+  request.set_device("cuda:0");
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = InRegion(x, "on1", 0);
+  v1::PackResponse response;
+  grpc::ClientContext context;
+  status = stub_->Pack(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("inputs[0] is on cuda:1 but the call runs on cuda:0"));
+  // Nothing was written.
+  for (const DeviceBuffer* b : {&on0, &on1}) {
+    for (int i = 0; i < 4096; ++i) {
+      ASSERT_EQ(static_cast<uint8_t>(b->data()[i]), testing::kCanary);
+    }
+  }
+  // The right device works.
+  EXPECT_TRUE(pack("cuda:0", "on0").ok());
+  EXPECT_TRUE(testing::SameBytesAt(x, on0.data()));
+  StopServer();
+}
+
+// Bug: a failed runtime call left its error in the thread's runtime state, and
+// the next, unrelated call on that thread failed with it.
+TEST_F(FakeGpuTest, AnErrorDoesNotStickToTheNextCallOnTheSameThread) {
+  ServiceOptions options;
+  options.default_device = Device{DeviceKind::kCuda, 0};
+  PackServiceImpl service(options);
+  testing::Rng rng = testing::Rng::Fresh();
+  // Large enough that the device pool has no block to reuse for it.
+  const at::Tensor big = at::zeros({1, 1, 100 << 20}, at::kByte);
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(at::ones({1, 1}, at::kBool));
+  *request.add_inputs() = ToProto(big);
+  fakegpu::testing::FailNext("Malloc", fakegpu::kErrorMemoryAllocation);
+  v1::PackResponse response;
+  const absl::Status oom = service.DoPack(request, &response);
+  EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted) << oom;
+  EXPECT_THAT(std::string(oom.message()), HasSubstr("out of memory"));
+
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 3, 40, 0.5, MaskPattern::kPrefix);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kFloat16, {3, 40, 2});
+  v1::PackRequest small;
+  *small.mutable_mask() = ToProto(mask);
+  *small.add_inputs() = ToProto(x);
+  v1::PackResponse packed;
+  const absl::Status ok = service.DoPack(small, &packed);
+  ASSERT_TRUE(ok.ok()) << ok;
+  EXPECT_TRUE(
+      testing::SameTensor(testing::ReferencePack(x, mask), packed.packed(0)));
+}
+
+// Bug: a lost device (a sticky error) left readiness SERVING while every call
+// failed.
+TEST_F(FakeGpuTest, ALostDeviceTurnsReadinessNotServingWithTheReason) {
+  StartServer(Device{DeviceKind::kCuda, 2});
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(at::ones({2, 3}, at::kBool));
+  *request.add_inputs() = ToProto(at::zeros({2, 3, 4}, at::kFloat));
+  auto pack = [&] {
+    v1::PackResponse response;
+    grpc::ClientContext context;
+    return stub_->Pack(&context, request, &response);
+  };
+  ASSERT_TRUE(pack().ok());
+  EXPECT_EQ(Readiness(), "SERVING");
+
+  fakegpu::testing::LoseDevice(2, fakegpu::kErrorIllegalAddress);
+  grpc::Status status = pack();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("an illegal memory access was encountered"));
+  EXPECT_EQ(Readiness(), "NOT_SERVING");
+  status = pack();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(status.error_message(), HasSubstr("device cuda:2 is lost"));
+  StopServer();
+  fakegpu::testing::RestoreDevice(2);
+}
+
+// Bug: IPC regions were trusted: byte_size as the client said, device
+// unchecked.
+TEST_F(FakeGpuTest, DeviceRegionsAreCheckedAgainstTheExportedAllocation) {
+  StartServer();
+  DeviceBuffer buffer(0, 1 << 20);
+  const int mappings = fakegpu::testing::OpenIpcMappings();
+  grpc::Status status = RegisterDevice("big", buffer, "cuda:0", 2 << 20);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("passes the end of the exported allocation, which "
+                        "has 1048576 bytes"));
+  status = RegisterDevice("elsewhere", buffer, "cuda:1", 1 << 20);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("memory is on cuda:0 as this server numbers devices, "
+                        "not cuda:1"));
+  // Refused registrations leave no mapping open.
+  EXPECT_EQ(fakegpu::testing::OpenIpcMappings(), mappings);
+  EXPECT_TRUE(RegisterDevice("fits", buffer, "cuda:0", 1 << 20).ok());
+  EXPECT_EQ(fakegpu::testing::OpenIpcMappings(), mappings + 1);
+  EXPECT_TRUE(Unregister("fits").ok());
+  EXPECT_EQ(fakegpu::testing::OpenIpcMappings(), mappings);
+  StopServer();
+}
+
+// Bug: each staged tensor took a pinned buffer as large as itself, and a
+// failed pinned allocation said "out of device memory".
+TEST_F(FakeGpuTest, StagingUsesBoundedPinnedBuffers) {
+  ServiceOptions options;
+  options.default_device = Device{DeviceKind::kCuda, 0};
+  PackServiceImpl service(options);
+  testing::Rng rng = testing::Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 4, 1000, 0.6, MaskPattern::kHoles);
+  const at::Tensor x =
+      testing::RandomTensor(rng, DType::kFloat32, {4, 1000, 2600});  // 40 MB
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);
+  v1::PackResponse response;
+  ASSERT_TRUE(service.DoPack(request, &response).ok());
+  EXPECT_TRUE(
+      testing::SameTensor(testing::ReferencePack(x, mask), response.packed(0)));
+  EXPECT_LE(fakegpu::testing::LargestPinnedAllocation(), kStagingChunkBytes);
+
+  // 3 MiB: no pinned block cached so far fits it, so one is allocated.
+  const at::Tensor odd =
+      testing::RandomTensor(rng, DType::kUInt8, {3, 7, (3 << 20) / 21});
+  v1::PackRequest small;
+  *small.mutable_mask() = ToProto(at::ones({3, 7}, at::kBool));
+  *small.add_inputs() = ToProto(odd);
+  fakegpu::testing::FailNext("MallocHost", fakegpu::kErrorMemoryAllocation);
+  const absl::Status status = service.DoPack(small, &response);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("pinned host allocation: out of memory"));
 }
 
 }  // namespace

@@ -1,0 +1,543 @@
+#include "tests/fake_gpu/fake_gpu_runtime.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+
+namespace fakegpu {
+namespace {
+
+// Device memory is a memfd mapped into this process, so that an IPC open can
+// map the same memory again at another address, as a real importer does.
+struct Allocation {
+  size_t size = 0;
+  int device = 0;     // where the memory is
+  int mapped_on = 0;  // whose context this address belongs to
+  int fd = -1;        // -1: pinned host memory
+  bool ipc_mapping = false;
+  uintptr_t origin = 0;  // for a mapping: the allocation it maps
+};
+
+struct State {
+  absl::Mutex mu;
+  testing::Config config;
+  std::map<uintptr_t, Allocation> allocations ABSL_GUARDED_BY(mu);
+  std::vector<size_t> used ABSL_GUARDED_BY(mu);
+  std::vector<Error> lost ABSL_GUARDED_BY(mu);
+  std::map<std::string, Error> fail_next ABSL_GUARDED_BY(mu);
+  absl::Duration delay ABSL_GUARDED_BY(mu);
+  size_t largest_pinned ABSL_GUARDED_BY(mu) = 0;
+  size_t pinned_in_use ABSL_GUARDED_BY(mu) = 0;
+  int ipc_mappings ABSL_GUARDED_BY(mu) = 0;
+  std::vector<StreamImpl*> streams ABSL_GUARDED_BY(mu);
+  std::map<int, StreamImpl*> default_streams ABSL_GUARDED_BY(mu);
+};
+
+State& St() {
+  static State* state = [] {
+    auto* s = new State;
+    s->used.assign(s->config.devices, 0);
+    s->lost.assign(s->config.devices, kSuccess);
+    return s;
+  }();
+  return *state;
+}
+
+thread_local int current_device = 0;
+thread_local Error last_error = kSuccess;
+
+Error Record(Error e) {
+  if (e != kSuccess) last_error = e;
+  return e;
+}
+
+// Every API call starts here: the device's sticky error, or a failure a test
+// injected for `function`.
+Error Enter(const char* function, int device) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  if (device >= 0 && device < static_cast<int>(s.lost.size()) &&
+      s.lost[device] != kSuccess) {
+    return Record(s.lost[device]);
+  }
+  auto it = s.fail_next.find(function);
+  if (it != s.fail_next.end()) {
+    const Error e = it->second;
+    s.fail_next.erase(it);
+    return Record(e);
+  }
+  return kSuccess;
+}
+
+void Lose(int device, Error error) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  if (device >= 0 && device < static_cast<int>(s.lost.size()) &&
+      s.lost[device] == kSuccess) {
+    s.lost[device] = error;
+  }
+}
+
+// Whether [p, p + n) lies in device memory addressable from `device`.
+bool AccessibleFrom(int device, const void* p, size_t n) {
+  if (n == 0) return true;
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = s.allocations.upper_bound(a);
+  if (it == s.allocations.begin()) return false;
+  --it;
+  const Allocation& alloc = it->second;
+  return alloc.fd >= 0 && alloc.mapped_on == device && a >= it->first &&
+         n <= alloc.size && a - it->first <= alloc.size - n;
+}
+
+}  // namespace
+
+struct StreamImpl {
+  explicit StreamImpl(int device) : device(device) {
+    worker = std::thread([this] { Run(); });
+  }
+
+  void Queue(std::function<Error()> work) {
+    const absl::Duration delay = [] {
+      absl::MutexLock lock(&St().mu);
+      return St().delay;
+    }();
+    absl::MutexLock lock(&mu);
+    queue.push_back({absl::Now() + delay, std::move(work)});
+  }
+
+  // Waits until everything queued so far has run; the first error of that
+  // work, which the wait clears.
+  Error Wait() {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(
+        +[](StreamImpl* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+          return s->queue.empty() && !s->running;
+        },
+        this));
+    const Error e = error;
+    error = kSuccess;
+    return e;
+  }
+
+  void Run() {
+    for (;;) {
+      Item item;
+      {
+        absl::MutexLock lock(&mu);
+        mu.Await(absl::Condition(
+            +[](StreamImpl* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+              return !s->queue.empty();
+            },
+            this));
+        item = std::move(queue.front());
+        queue.pop_front();
+        running = true;
+      }
+      absl::SleepFor(item.at - absl::Now());
+      const Error e = item.work();
+      absl::MutexLock lock(&mu);
+      running = false;
+      if (e != kSuccess && error == kSuccess) error = e;
+    }
+  }
+
+  struct Item {
+    absl::Time at;
+    std::function<Error()> work;
+  };
+  const int device;
+  absl::Mutex mu;
+  std::deque<Item> queue ABSL_GUARDED_BY(mu);
+  bool running ABSL_GUARDED_BY(mu) = false;
+  Error error ABSL_GUARDED_BY(mu) = kSuccess;
+  std::thread worker;  // runs for the life of the process
+};
+
+namespace {
+
+StreamImpl* Resolve(Stream stream) {
+  if (stream != nullptr) return stream;
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  StreamImpl*& d = s.default_streams[current_device];
+  if (d == nullptr) {
+    d = new StreamImpl(current_device);
+    s.streams.push_back(d);
+  }
+  return d;
+}
+
+// Queues work that faults the device (sticky) when it fails.
+void QueueFaulting(StreamImpl* stream, std::function<Error()> work) {
+  const int device = stream->device;
+  stream->Queue([device, work = std::move(work)]() {
+    const Error e = work();
+    if (e == kErrorIllegalAddress) Lose(device, e);
+    return e;
+  });
+}
+
+}  // namespace
+
+Error GetDeviceCount(int* count) {
+  if (Error e = Enter("GetDeviceCount", -1); e != kSuccess) return e;
+  *count = St().config.devices;
+  return kSuccess;
+}
+
+Error SetDevice(int device) {
+  if (device < 0 || device >= St().config.devices) {
+    return Record(kErrorInvalidDevice);
+  }
+  current_device = device;
+  return Enter("SetDevice", device);
+}
+
+Error GetDevice(int* device) {
+  *device = current_device;
+  return kSuccess;
+}
+
+Error Malloc(void** p, size_t bytes) {
+  if (Error e = Enter("Malloc", current_device); e != kSuccess) return e;
+  State& s = St();
+  {
+    absl::MutexLock lock(&s.mu);
+    if (s.used[current_device] + bytes > s.config.memory_bytes) {
+      return Record(kErrorMemoryAllocation);
+    }
+    s.used[current_device] += bytes;
+  }
+  const size_t length = std::max<size_t>(bytes, 1);
+  const int fd = memfd_create("fakegpu", 0);
+  void* data =
+      fd < 0 || ftruncate(fd, static_cast<off_t>(length)) != 0
+          ? MAP_FAILED
+          : mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  absl::MutexLock lock(&s.mu);
+  if (data == MAP_FAILED) {
+    if (fd >= 0) close(fd);
+    s.used[current_device] -= bytes;
+    return Record(kErrorMemoryAllocation);
+  }
+  Allocation alloc;
+  alloc.size = length;
+  alloc.device = alloc.mapped_on = current_device;
+  alloc.fd = fd;
+  s.allocations[reinterpret_cast<uintptr_t>(data)] = alloc;
+  *p = data;
+  return kSuccess;
+}
+
+Error Free(void* p) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  auto it = s.allocations.find(reinterpret_cast<uintptr_t>(p));
+  if (it == s.allocations.end() || it->second.fd < 0 ||
+      it->second.ipc_mapping) {
+    return Record(kErrorInvalidValue);
+  }
+  munmap(p, it->second.size);
+  close(it->second.fd);
+  s.used[it->second.device] -= it->second.size;
+  s.allocations.erase(it);
+  return kSuccess;
+}
+
+Error MallocHost(void** p, size_t bytes) {
+  if (Error e = Enter("MallocHost", current_device); e != kSuccess) return e;
+  void* data =
+      std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+  if (data == nullptr) return Record(kErrorMemoryAllocation);
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  Allocation alloc;
+  alloc.size = bytes;
+  alloc.device = alloc.mapped_on = -1;
+  s.allocations[reinterpret_cast<uintptr_t>(data)] = alloc;
+  s.pinned_in_use += bytes;
+  s.largest_pinned = std::max(s.largest_pinned, bytes);
+  *p = data;
+  return kSuccess;
+}
+
+Error FreeHost(void* p) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  auto it = s.allocations.find(reinterpret_cast<uintptr_t>(p));
+  if (it == s.allocations.end() || it->second.fd >= 0) {
+    return Record(kErrorInvalidValue);
+  }
+  s.pinned_in_use -= it->second.size;
+  s.allocations.erase(it);
+  std::free(p);
+  return kSuccess;
+}
+
+Error MemcpyAsync(void* dst, const void* src, size_t bytes, MemcpyKind kind,
+                  Stream stream) {
+  if (Error e = Enter("MemcpyAsync", current_device); e != kSuccess) return e;
+  StreamImpl* s = Resolve(stream);
+  const int device = s->device;
+  QueueFaulting(s, [=]() {
+    const bool src_ok =
+        kind == kHostToDevice || AccessibleFrom(device, src, bytes);
+    const bool dst_ok =
+        kind == kDeviceToHost || AccessibleFrom(device, dst, bytes);
+    if (!src_ok || !dst_ok) return kErrorIllegalAddress;
+    if (bytes > 0) std::memmove(dst, src, bytes);
+    return kSuccess;
+  });
+  return kSuccess;
+}
+
+Error MemsetAsync(void* dst, int value, size_t bytes, Stream stream) {
+  if (Error e = Enter("MemsetAsync", current_device); e != kSuccess) return e;
+  StreamImpl* s = Resolve(stream);
+  const int device = s->device;
+  QueueFaulting(s, [=]() {
+    if (!AccessibleFrom(device, dst, bytes)) return kErrorIllegalAddress;
+    if (bytes > 0) std::memset(dst, value, bytes);
+    return kSuccess;
+  });
+  return kSuccess;
+}
+
+Error MemGetInfo(size_t* free, size_t* total) {
+  if (Error e = Enter("MemGetInfo", current_device); e != kSuccess) return e;
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  *total = s.config.memory_bytes;
+  *free = s.config.memory_bytes - s.used[current_device];
+  return kSuccess;
+}
+
+Error StreamCreateWithFlags(Stream* stream, unsigned) {
+  if (Error e = Enter("StreamCreateWithFlags", current_device); e != kSuccess) {
+    return e;
+  }
+  auto* s = new StreamImpl(current_device);
+  absl::MutexLock lock(&St().mu);
+  St().streams.push_back(s);
+  *stream = s;
+  return kSuccess;
+}
+
+Error StreamDestroy(Stream) {
+  return kSuccess;  // streams live for the process: tests may drain them
+}
+
+Error StreamSynchronize(Stream stream) {
+  StreamImpl* s = Resolve(stream);
+  const Error work = s->Wait();
+  if (Error e = Enter("StreamSynchronize", s->device); e != kSuccess) {
+    return e;
+  }
+  return Record(work);
+}
+
+Error GetLastError() {
+  const Error e = last_error;
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  if (s.lost[current_device] != kSuccess) return s.lost[current_device];
+  last_error = kSuccess;
+  return e;
+}
+
+Error PeekAtLastError() { return last_error; }
+
+const char* GetErrorString(Error error) {
+  switch (error) {
+    case kSuccess:
+      return "no error";
+    case kErrorInvalidValue:
+      return "invalid argument";
+    case kErrorMemoryAllocation:
+      return "out of memory";
+    case kErrorNoDevice:
+      return "no CUDA-capable device is detected";
+    case kErrorInvalidDevice:
+      return "invalid device ordinal";
+    case kErrorInvalidResourceHandle:
+      return "invalid resource handle";
+    case kErrorIllegalAddress:
+      return "an illegal memory access was encountered";
+    case kErrorLaunchFailure:
+      return "unspecified launch failure";
+  }
+  return "unknown error";
+}
+
+Error GetDeviceProperties(DeviceProp* prop, int device) {
+  if (device < 0 || device >= St().config.devices) {
+    return Record(kErrorInvalidDevice);
+  }
+  prop->totalGlobalMem = St().config.memory_bytes;
+  return kSuccess;
+}
+
+Error IpcGetMemHandle(IpcMemHandle* handle, void* p) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  auto it = s.allocations.find(reinterpret_cast<uintptr_t>(p));
+  if (it == s.allocations.end() || it->second.fd < 0 ||
+      it->second.ipc_mapping) {
+    return Record(kErrorInvalidValue);
+  }
+  std::memset(handle, 0, sizeof(*handle));
+  const uintptr_t base = it->first;
+  std::memcpy(handle->reserved, "fakegpu", 7);
+  std::memcpy(handle->reserved + 8, &base, sizeof(base));
+  return kSuccess;
+}
+
+Error IpcOpenMemHandle(void** p, IpcMemHandle handle, unsigned) {
+  if (Error e = Enter("IpcOpenMemHandle", current_device); e != kSuccess) {
+    return e;
+  }
+  uintptr_t base = 0;
+  std::memcpy(&base, handle.reserved + 8, sizeof(base));
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  auto it = s.allocations.find(base);
+  if (std::memcmp(handle.reserved, "fakegpu", 7) != 0 ||
+      it == s.allocations.end() || it->second.ipc_mapping ||
+      it->second.fd < 0) {
+    return Record(kErrorInvalidResourceHandle);
+  }
+  const Allocation origin = it->second;
+  void* mapped = mmap(nullptr, origin.size, PROT_READ | PROT_WRITE, MAP_SHARED,
+                      origin.fd, 0);
+  if (mapped == MAP_FAILED) return Record(kErrorMemoryAllocation);
+  Allocation mapping = origin;
+  mapping.ipc_mapping = true;
+  mapping.mapped_on = current_device;
+  mapping.origin = base;
+  s.allocations[reinterpret_cast<uintptr_t>(mapped)] = mapping;
+  ++s.ipc_mappings;
+  *p = mapped;
+  return kSuccess;
+}
+
+Error IpcCloseMemHandle(void* p) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  auto it = s.allocations.find(reinterpret_cast<uintptr_t>(p));
+  if (it == s.allocations.end() || !it->second.ipc_mapping) {
+    return Record(kErrorInvalidValue);
+  }
+  munmap(p, it->second.size);
+  s.allocations.erase(it);
+  --s.ipc_mappings;
+  return kSuccess;
+}
+
+Error MemGetAddressRange(void** base, size_t* size, const void* p) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = s.allocations.upper_bound(a);
+  if (it != s.allocations.begin()) {
+    --it;
+    if (it->second.fd >= 0 && a - it->first < it->second.size) {
+      *base = reinterpret_cast<void*>(it->first);
+      *size = it->second.size;
+      return kSuccess;
+    }
+  }
+  return Record(kErrorInvalidValue);
+}
+
+Error PointerGetDevice(int* device, const void* p) {
+  void* base = nullptr;
+  size_t size = 0;
+  if (Error e = MemGetAddressRange(&base, &size, p); e != kSuccess) return e;
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  *device = s.allocations[reinterpret_cast<uintptr_t>(base)].device;
+  return kSuccess;
+}
+
+Error Launch(Stream stream, std::function<Error(const Accessible&)> work) {
+  if (Error e = Enter("Launch", current_device); e != kSuccess) return e;
+  StreamImpl* s = Resolve(stream);
+  const int device = s->device;
+  QueueFaulting(s, [device, work = std::move(work)]() {
+    return work([device](const void* p, size_t n) {
+      return AccessibleFrom(device, p, n);
+    });
+  });
+  // As the real launchers do after kernel<<<...>>>: the thread's last error,
+  // which may be an earlier call's that nobody cleared.
+  return GetLastError();
+}
+
+namespace testing {
+
+void Configure(Config config) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  s.config = config;
+  s.used.assign(config.devices, 0);
+  s.lost.assign(config.devices, kSuccess);
+}
+
+void DrainStreams() {
+  std::vector<StreamImpl*> streams;
+  {
+    absl::MutexLock lock(&St().mu);
+    streams = St().streams;
+  }
+  for (StreamImpl* s : streams) s->Wait();
+}
+
+void FailNext(const char* function, Error error) {
+  absl::MutexLock lock(&St().mu);
+  St().fail_next[function] = error;
+}
+
+void LoseDevice(int device, Error error) { Lose(device, error); }
+
+void RestoreDevice(int device) {
+  absl::MutexLock lock(&St().mu);
+  St().lost[device] = kSuccess;
+}
+
+void SetStreamDelay(absl::Duration delay) {
+  absl::MutexLock lock(&St().mu);
+  St().delay = delay;
+}
+
+size_t LargestPinnedAllocation() {
+  absl::MutexLock lock(&St().mu);
+  return St().largest_pinned;
+}
+
+size_t PinnedBytesInUse() {
+  absl::MutexLock lock(&St().mu);
+  return St().pinned_in_use;
+}
+
+int OpenIpcMappings() {
+  absl::MutexLock lock(&St().mu);
+  return St().ipc_mappings;
+}
+
+}  // namespace testing
+}  // namespace fakegpu

@@ -1,0 +1,118 @@
+// fakegpu: a GPU runtime in host memory with CUDA's semantics where packd
+// depends on them, so that the real GPU sources (kernels/gpu/gpu_backend.cc,
+// gpu_device_runtime.cc) run and fail here as they would on a device:
+//   - asynchronous streams: queued work (copies, kernels) runs later on the
+//     stream's own thread, after a delay tests may set;
+//   - one last error per host thread, which a failing call records and
+//     GetLastError returns and clears; PeekAtLastError returns it only;
+//   - sticky errors: a fault (an access outside device memory) or LoseDevice
+//     makes every later call on that device fail, and GetLastError never
+//     clears it;
+//   - device memory with bounds: allocations per device under a memory limit,
+//     IPC handles that open whole allocations, MemGetAddressRange;
+//   - injected failures (FailNext) and counters (pinned memory, mappings).
+// kernels/gpu/gpu_runtime.h maps the gpu* names here when PACKD_GPU_FAKE is
+// defined; tests/fake_gpu/fake_gpu_kernels.cc runs the kernels on the host.
+//
+// clang-format off
+//   fakegpu::testing::Configure({.devices = 2, .memory_bytes = 64 << 20});
+//   fakegpu::testing::FailNext("Malloc", fakegpu::kErrorMemoryAllocation);
+//   fakegpu::testing::SetStreamDelay(absl::Milliseconds(50));
+// clang-format on
+#ifndef PACKD_TESTS_FAKE_GPU_FAKE_GPU_RUNTIME_H_
+#define PACKD_TESTS_FAKE_GPU_FAKE_GPU_RUNTIME_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#include "absl/time/time.h"
+
+namespace fakegpu {
+
+enum Error : int {
+  kSuccess = 0,
+  kErrorInvalidValue = 1,
+  kErrorMemoryAllocation = 2,
+  kErrorNoDevice = 100,
+  kErrorInvalidDevice = 101,
+  kErrorInvalidResourceHandle = 400,
+  kErrorIllegalAddress = 700,
+  kErrorLaunchFailure = 719,
+};
+
+enum MemcpyKind { kHostToDevice = 1, kDeviceToHost = 2, kDeviceToDevice = 3 };
+constexpr unsigned kStreamNonBlocking = 1;
+constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;
+
+struct StreamImpl;
+using Stream = StreamImpl*;
+struct IpcMemHandle {
+  unsigned char reserved[64];
+};
+struct DeviceProp {
+  size_t totalGlobalMem = 0;
+};
+
+Error GetDeviceCount(int* count);
+Error SetDevice(int device);
+Error GetDevice(int* device);
+Error Malloc(void** p, size_t bytes);
+Error Free(void* p);
+Error MallocHost(void** p, size_t bytes);
+Error FreeHost(void* p);
+Error MemcpyAsync(void* dst, const void* src, size_t bytes, MemcpyKind kind,
+                  Stream stream);
+Error MemsetAsync(void* dst, int value, size_t bytes, Stream stream);
+Error MemGetInfo(size_t* free, size_t* total);
+Error StreamCreateWithFlags(Stream* stream, unsigned flags);
+Error StreamDestroy(Stream stream);
+Error StreamSynchronize(Stream stream);
+Error GetLastError();
+Error PeekAtLastError();
+const char* GetErrorString(Error error);
+Error GetDeviceProperties(DeviceProp* prop, int device);
+Error IpcGetMemHandle(IpcMemHandle* handle, void* p);
+Error IpcOpenMemHandle(void** p, IpcMemHandle handle, unsigned flags);
+Error IpcCloseMemHandle(void* p);
+// The allocation holding `p` (device memory or an IPC mapping).
+Error MemGetAddressRange(void** base, size_t* size, const void* p);
+// The device whose memory `p` is.
+Error PointerGetDevice(int* device, const void* p);
+
+// For the fake kernels: queues `work` on `stream` of the current device. The
+// work gets an accessor that says whether [p, p + n) is device memory of that
+// device; work that returns an error faults the device (a sticky error).
+using Accessible = std::function<bool(const void* p, size_t n)>;
+Error Launch(Stream stream, std::function<Error(const Accessible&)> work);
+
+namespace testing {
+
+struct Config {
+  int devices = 1;
+  size_t memory_bytes = size_t{1} << 30;  // per device
+};
+// Sets the devices and their memory; call before the first runtime call.
+void Configure(Config config);
+// Waits until every stream is idle.
+void DrainStreams();
+// The next call of `function` ("Malloc", "MallocHost", "MemcpyAsync",
+// "IpcOpenMemHandle", "Launch", ...) on any thread fails with `error` (not
+// sticky).
+void FailNext(const char* function, Error error);
+// Every later call on `device` fails with `error`, as after a fault;
+// RestoreDevice ends that (as a new process would).
+void LoseDevice(int device, Error error);
+void RestoreDevice(int device);
+// Work queued on a stream runs this long after it is queued.
+void SetStreamDelay(absl::Duration delay);
+// The largest single pinned allocation so far, and pinned bytes now held.
+size_t LargestPinnedAllocation();
+size_t PinnedBytesInUse();
+// IPC mappings now open.
+int OpenIpcMappings();
+
+}  // namespace testing
+}  // namespace fakegpu
+
+#endif  // PACKD_TESTS_FAKE_GPU_FAKE_GPU_RUNTIME_H_
