@@ -82,6 +82,37 @@ absl::Status Client::Call(Rpc&& rpc) {
   }
 }
 
+absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
+                                            const void* allocation_base,
+                                            const void* data, uint64_t bytes) {
+  const auto base = reinterpret_cast<uintptr_t>(allocation_base);
+  const auto at = reinterpret_cast<uintptr_t>(data);
+  if (at < base) {
+    return absl::InvalidArgumentError(
+        "the tensor's data lies before the allocation's base");
+  }
+  v1::RegionSlice slice;
+  slice.set_region(region);
+  slice.set_offset(at - base);
+  slice.set_byte_size(bytes);
+  return slice;
+}
+
+absl::Status Client::RegisterDeviceMemory(const std::string& name,
+                                          const std::string& ipc_handle,
+                                          const std::string& device,
+                                          uint64_t byte_size) {
+  v1::RegisterDeviceRegionRequest request;
+  request.set_name(name);
+  request.set_ipc_handle(ipc_handle);
+  request.set_device(device);
+  request.set_byte_size(byte_size);
+  v1::RegisterRegionResponse response;
+  return Call([&](grpc::ClientContext* c) {
+    return stub_->RegisterDeviceRegion(c, request, &response);
+  });
+}
+
 absl::StatusOr<v1::ServerInfo> Client::Info() {
   v1::ServerInfo info;
   PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {

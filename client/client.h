@@ -73,6 +73,15 @@ struct PackedBatch {
   at::Tensor last_index;    // [B] int64, -1 for an empty row
 };
 
+// The slice of region `region` (registered from an IPC handle of the
+// allocation starting at `allocation_base`) that holds the `bytes` bytes at
+// `data`: its offset is data - allocation_base, because an IPC handle maps an
+// allocation from its start (cuMemGetAddressRange, or PyTorch's storage
+// offset, give the base). INVALID_ARGUMENT when data lies before the base.
+absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
+                                            const void* allocation_base,
+                                            const void* data, uint64_t bytes);
+
 class Client {
  public:
   // Connects (lazily: the first call dials). INVALID_ARGUMENT for an empty
@@ -96,6 +105,18 @@ class Client {
       const std::vector<at::Tensor>& packed, const at::Tensor& mask,
       const std::optional<std::vector<int64_t>>& tail_shape = std::nullopt,
       const std::string& device = "");
+
+  // Registers device memory another library exported as region `name`:
+  // `ipc_handle` from cudaIpcGetMemHandle / hipIpcGetMemHandle (64 bytes),
+  // which maps the whole allocation from its start, on the server's `device`
+  // ("cuda:N"), covering `byte_size` bytes from the allocation's start. Address
+  // a tensor in it with DeviceSlice. Errors: the server's (FAILED_PRECONDITION
+  // without a GPU; INVALID_ARGUMENT when byte_size passes the allocation or
+  // the memory is on another device).
+  absl::Status RegisterDeviceMemory(const std::string& name,
+                                    const std::string& ipc_handle,
+                                    const std::string& device,
+                                    uint64_t byte_size);
 
   absl::StatusOr<v1::ServerInfo> Info();
   // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"

@@ -20,7 +20,7 @@ namespace {
 class GpuPlan : public MaskPlan {
  public:
   MaskScan scan{};
-  // On the device: tile arrays, cu_seqlens, last_index and the row index.
+  // On the device: the scan's arrays (MakeMaskScan).
   Buffer work;
 };
 
@@ -41,26 +41,13 @@ class GpuBackend : public Backend {
     const int64_t B = mask.shape[0], S = mask.shape[1];
     plan->batch = B;
     plan->seq = S;
-    const int64_t tiles = B * TilesPerRow(S);
-    // One device block: tile counts, offsets, lasts, cu_seqlens, last_index,
-    // index.
-    const int64_t words = tiles + (tiles + 1) + tiles + (B + 1) + B + B * S;
     PACKD_GPU_CHECK("set device", gpuSetDevice(mask.device.index));
-    PACKD_ASSIGN_OR_RETURN(plan->work,
-                           runtime_->Allocate(words * 8, mask.device));
-    auto* w = static_cast<int64_t*>(plan->work.data());
-    MaskScan& scan = plan->scan;
-    scan.mask = mask.data;
-    scan.batch = B;
-    scan.seq = S;
-    scan.width = static_cast<int>(ItemSize(mask.dtype));
-    scan.is_float = IsFloatingPoint(mask.dtype);
-    scan.tile_counts = w;
-    scan.tile_offsets = scan.tile_counts + tiles;
-    scan.tile_last = scan.tile_offsets + tiles + 1;
-    scan.cu_seqlens = scan.tile_last + tiles;
-    scan.last_index = scan.cu_seqlens + B + 1;
-    scan.index = scan.last_index + B;
+    PACKD_ASSIGN_OR_RETURN(
+        plan->work, runtime_->Allocate(MaskScanWords(B, S) * 8, mask.device));
+    plan->scan = MakeMaskScan(
+        mask.data, B, S, static_cast<int>(ItemSize(mask.dtype)),
+        IsFloatingPoint(mask.dtype), static_cast<int64_t*>(plan->work.data()));
+    const MaskScan& scan = plan->scan;
     PACKD_GPU_CHECK("mask scan launch",
                     LaunchMaskScan(scan, NativeStream(stream)));
     // The one synchronisation of a call: cu_seqlens and last_index (adjacent

@@ -1,7 +1,7 @@
-// GPU pack kernels: mask scan (tile counts -> scan -> cu_seqlens, last_index
-// and the row index) and row gather / scatter, templated on the copy width (1,
-// 2, 4, 8 or 16 bytes). Built by nvcc for CUDA and by hipcc for ROCm from this
-// one source through gpu_runtime.h.
+// GPU pack kernels: mask scan (tile counts and per-row last index -> two-level
+// scan of the tile counts -> cu_seqlens and the row index) and row gather /
+// scatter, templated on the copy width (1, 2, 4, 8 or 16 bytes). Built by nvcc
+// for CUDA and by hipcc for ROCm from this one source through gpu_runtime.h.
 #include <algorithm>
 
 #include "kernels/gpu/gpu_kernels.h"
@@ -11,11 +11,11 @@ namespace {
 
 constexpr int kScanThreads = 1024;
 constexpr int kCopyThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+int64_t max_blocks = int64_t{1} << 20;
 
 int64_t Blocks(int64_t work, int64_t per_block) {
   return std::max<int64_t>(
-      1, std::min(kMaxBlocks, (work + per_block - 1) / per_block));
+      1, std::min(max_blocks, (work + per_block - 1) / per_block));
 }
 
 // Whether mask element i is nonzero, read byte by byte so that any alignment
@@ -50,8 +50,9 @@ __device__ int64_t BlockInclusiveScan(int64_t v, int64_t* shared,
   return out;
 }
 
-// One block per tile (kTile positions of one row): its active count and last
-// active s.
+// One block per tile (kTile positions of one row): its active count, and the
+// row's last active s raised by an atomic max. last_index holds s + 1 over
+// zeroed memory until RowMetaKernel, so an unsigned max works everywhere.
 __global__ void TileCountsKernel(MaskScan scan) {
   __shared__ int64_t shared[kTile];
   const int64_t tiles_per_row = TilesPerRow(scan.seq);
@@ -77,42 +78,70 @@ __global__ void TileCountsKernel(MaskScan scan) {
     }
     if (threadIdx.x == 0) {
       scan.tile_counts[tile] = count;
-      scan.tile_last[tile] = shared[0];
+      if (shared[0] >= 0) {
+        atomicMax(reinterpret_cast<unsigned long long*>(scan.last_index + b),
+                  static_cast<unsigned long long>(shared[0] + 1));
+      }
     }
     __syncthreads();
   }
 }
 
-// One block: tile_offsets = exclusive prefix sums of tile_counts,
-// tile_offsets[tiles] = total.
-__global__ void ScanTilesKernel(MaskScan scan) {
-  __shared__ int64_t shared[kScanThreads];
+// First level of the tile scan, one block per chunk of kScanChunk tiles:
+// tile_offsets = exclusive prefix sums within the chunk, chunk_offsets[c] =
+// the chunk's total.
+__global__ void ScanChunksKernel(MaskScan scan) {
+  __shared__ int64_t shared[kScanChunk];
   const int64_t tiles = scan.batch * TilesPerRow(scan.seq);
-  int64_t carry = 0;
-  for (int64_t base = 0; base < tiles; base += kScanThreads) {
-    const int64_t i = base + threadIdx.x;
+  const int64_t chunks = ScanChunks(tiles);
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int64_t i = c * kScanChunk + threadIdx.x;
     const int64_t v = i < tiles ? scan.tile_counts[i] : 0;
-    int64_t chunk = 0;
-    const int64_t inclusive =
-        BlockInclusiveScan<kScanThreads>(v, shared, &chunk);
-    if (i < tiles) scan.tile_offsets[i] = carry + inclusive - v;
-    carry += chunk;
+    int64_t total = 0;
+    const int64_t inclusive = BlockInclusiveScan<kScanChunk>(v, shared, &total);
+    if (i < tiles) scan.tile_offsets[i] = inclusive - v;
+    if (threadIdx.x == 0) scan.chunk_offsets[c] = total;
   }
-  if (threadIdx.x == 0) scan.tile_offsets[tiles] = carry;
 }
 
-// cu_seqlens and last_index per row from the tiles.
+// Second level, one block: chunk_offsets = exclusive prefix sums of the chunk
+// totals (in place: each thread reads its own entry before it writes it), and
+// the grand total at chunk_offsets[chunks] and tile_offsets[tiles].
+__global__ void ScanChunkTotalsKernel(MaskScan scan) {
+  __shared__ int64_t shared[kScanThreads];
+  const int64_t tiles = scan.batch * TilesPerRow(scan.seq);
+  const int64_t chunks = ScanChunks(tiles);
+  int64_t carry = 0;
+  for (int64_t base = 0; base < chunks; base += kScanThreads) {
+    const int64_t i = base + threadIdx.x;
+    const int64_t v = i < chunks ? scan.chunk_offsets[i] : 0;
+    int64_t sum = 0;
+    const int64_t inclusive = BlockInclusiveScan<kScanThreads>(v, shared, &sum);
+    if (i < chunks) scan.chunk_offsets[i] = carry + inclusive - v;
+    carry += sum;
+  }
+  if (threadIdx.x == 0) {
+    scan.chunk_offsets[chunks] = carry;
+    scan.tile_offsets[tiles] = carry;
+  }
+}
+
+// tile_offsets become global: each adds its chunk's offset.
+__global__ void AddChunkOffsetsKernel(MaskScan scan) {
+  const int64_t tiles = scan.batch * TilesPerRow(scan.seq);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < tiles;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    scan.tile_offsets[i] += scan.chunk_offsets[i / kScanChunk];
+  }
+}
+
+// cu_seqlens and last_index per row, in constant time each.
 __global__ void RowMetaKernel(MaskScan scan) {
   const int64_t tiles_per_row = TilesPerRow(scan.seq);
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
        b <= scan.batch; b += int64_t(gridDim.x) * blockDim.x) {
     scan.cu_seqlens[b] = scan.tile_offsets[b * tiles_per_row];
-    if (b == scan.batch) continue;
-    int64_t last = -1;
-    for (int64_t t = 0; t < tiles_per_row; ++t) {
-      last = max(last, scan.tile_last[b * tiles_per_row + t]);
-    }
-    scan.last_index[b] = last;
+    if (b < scan.batch) scan.last_index[b] -= 1;  // s + 1 -> s; 0 -> -1
   }
 }
 
@@ -244,14 +273,28 @@ struct ZeroLaunch {
 
 }  // namespace
 
+void SetMaxBlocksForTesting(int64_t blocks) { max_blocks = blocks; }
+
 gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
   const int64_t tiles = scan.batch * TilesPerRow(scan.seq);
+  if (scan.batch > 0) {
+    const gpuError_t err = gpuMemsetAsync(scan.last_index, 0,
+                                          scan.batch * sizeof(int64_t), stream);
+    if (err != gpuSuccess) return err;
+  }
   if (tiles > 0) {
     TileCountsKernel<<<Blocks(tiles, 1), kTile, 0, stream>>>(scan);
     if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+    ScanChunksKernel<<<Blocks(ScanChunks(tiles), 1),
+                       static_cast<int>(kScanChunk), 0, stream>>>(scan);
+    if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
   }
-  ScanTilesKernel<<<1, kScanThreads, 0, stream>>>(scan);
+  ScanChunkTotalsKernel<<<1, kScanThreads, 0, stream>>>(scan);
   if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+  if (tiles > 0) {
+    AddChunkOffsetsKernel<<<Blocks(tiles, 256), 256, 0, stream>>>(scan);
+    if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+  }
   RowMetaKernel<<<Blocks(scan.batch + 1, 256), 256, 0, stream>>>(scan);
   if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
   if (tiles > 0) {

@@ -23,6 +23,13 @@ PACKD_HOST_DEVICE inline int64_t TilesPerRow(int64_t S) {
   return (S + kTile - 1) / kTile;
 }
 
+// Tiles per block of the first level of the two-level tile scan.
+constexpr int64_t kScanChunk = 1024;
+
+PACKD_HOST_DEVICE inline int64_t ScanChunks(int64_t tiles) {
+  return (tiles + kScanChunk - 1) / kScanChunk;
+}
+
 // Device buffers of one mask scan. The mask is [B, S] of `width`-byte elements;
 // an element is active when any of its bits is set, ignoring the sign bit of
 // floats (`is_float`).
@@ -35,13 +42,43 @@ struct MaskScan {
   int64_t* tile_counts;
   // [B * TilesPerRow(S) + 1]: exclusive prefix sums; the last is the total.
   int64_t* tile_offsets;
-  // [B * TilesPerRow(S)]: the last active s in each tile, or -1.
-  int64_t* tile_last;
+  // [ScanChunks(tiles) + 1]: exclusive prefix sums of the chunks' totals.
+  int64_t* chunk_offsets;
   int64_t* cu_seqlens;  // [B + 1]
   int64_t* last_index;  // [B]
   // [B * S]: the flattened dense position of packed row k, for k < total.
   int64_t* index;
 };
+
+// The int64 words of device memory one scan of a [B, S] mask needs.
+inline int64_t MaskScanWords(int64_t B, int64_t S) {
+  const int64_t tiles = B * TilesPerRow(S);
+  return tiles + (tiles + 1) + (ScanChunks(tiles) + 1) + (B + 1) + B + B * S;
+}
+
+// A scan of `mask` with its arrays laid out in `work` (MaskScanWords(B, S)
+// words of device memory).
+inline MaskScan MakeMaskScan(const void* mask, int64_t B, int64_t S, int width,
+                             bool is_float, int64_t* work) {
+  const int64_t tiles = B * TilesPerRow(S);
+  MaskScan scan{};
+  scan.mask = mask;
+  scan.batch = B;
+  scan.seq = S;
+  scan.width = width;
+  scan.is_float = is_float;
+  scan.tile_counts = work;
+  scan.tile_offsets = scan.tile_counts + tiles;
+  scan.chunk_offsets = scan.tile_offsets + tiles + 1;
+  scan.cu_seqlens = scan.chunk_offsets + ScanChunks(tiles) + 1;
+  scan.last_index = scan.cu_seqlens + B + 1;
+  scan.index = scan.last_index + B;
+  return scan;
+}
+
+// For tests: caps every grid at `blocks` blocks (default 2^20), so that the
+// grid-stride loops turn on small inputs. Not thread-safe.
+void SetMaxBlocksForTesting(int64_t blocks);
 
 // Counts, scans and indexes the mask: fills every array of `scan`.
 gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream);

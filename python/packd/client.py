@@ -59,6 +59,18 @@ def _is_node_local(address):
     return host.startswith("127.") or host in ("localhost", "[::1]")
 
 
+def device_slice(storage_offset, storage_bytes, tensor_offset, tensor_bytes):
+    """The (offset, byte_size) of a tensor in a device region registered from its IPC handle.
+
+    The handle maps the allocation from its start; the tensor's storage begins
+    `storage_offset` bytes into the allocation, and the tensor `tensor_offset` bytes into its
+    storage. The region must cover storage_offset + storage_bytes."""
+    if tensor_offset < 0 or tensor_offset + tensor_bytes > storage_bytes:
+        raise ValueError("the tensor (%d bytes at %d) is not inside its storage of %d bytes"
+                         % (tensor_bytes, tensor_offset, storage_bytes))
+    return storage_offset + tensor_offset, tensor_bytes
+
+
 class Client:
     """A connection to packd.
 
@@ -198,6 +210,30 @@ class Client:
         reply = self._call(self._stub.Scatter, request)
         dense = [self._decode(m, scratch) for m in reply.dense]
         return dense[0] if single else dense
+
+    def register_cuda_tensor(self, name, tensor, device=None):
+        """Registers the CUDA memory holding `tensor` as device region `name` and returns the
+        slice (packd.v1.RegionSlice) that addresses the tensor in it, for requests' inputs or
+        outputs on the server's GPU.
+
+        An IPC handle exports a whole allocation from its start, and PyTorch's caching
+        allocator puts many tensors in one allocation, so the region is the allocation's head
+        up to the end of the tensor's storage, and the slice's offset is the tensor's offset
+        from the allocation's start (docs/gpu.md, "Device regions"). `device` is the server's
+        name for the GPU ("cuda:N"), by default the tensor's own index.
+        """
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise ValueError("register_cuda_tensor takes a contiguous CUDA tensor")
+        storage = tensor.untyped_storage()
+        shared = storage._share_cuda_()
+        handle, storage_bytes, storage_offset = shared[1], shared[2], shared[3]
+        offset, byte_size = device_slice(storage_offset, storage_bytes,
+                                         tensor.storage_offset() * tensor.element_size(),
+                                         tensor.numel() * tensor.element_size())
+        self._call(self._stub.RegisterDeviceRegion, pb.RegisterDeviceRegionRequest(
+            name=name, ipc_handle=handle, device=device or "cuda:%d" % tensor.device.index,
+            byte_size=storage_offset + storage_bytes))
+        return pb.RegionSlice(region=name, offset=offset, byte_size=byte_size)
 
     def info(self):
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())

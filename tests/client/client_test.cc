@@ -109,6 +109,36 @@ TEST_F(ClientTest, ScatterAndErrorsCarryTheServersCode) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(ClientTest, DeviceMemoryFollowsTheIpcOffsetRule) {
+  // A tensor 4 KiB + 256 B into an exported allocation is addressed by that
+  // offset from the allocation's start.
+  std::vector<char> allocation(1 << 16);
+  absl::StatusOr<v1::RegionSlice> slice =
+      DeviceSlice("w0", allocation.data(), allocation.data() + 4352, 1024);
+  ASSERT_TRUE(slice.ok()) << slice.status();
+  EXPECT_EQ(slice->region(), "w0");
+  EXPECT_EQ(slice->offset(), 4352u);
+  EXPECT_EQ(slice->byte_size(), 1024u);
+  EXPECT_EQ(DeviceSlice("w0", allocation.data() + 8, allocation.data(), 1)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  // A zero handle is refused, with the server's code: FAILED_PRECONDITION
+  // where the server has no cuda:0.
+  const absl::Status status = client_->RegisterDeviceMemory(
+      "w0", std::string(64, '\0'), "cuda:0", 1 << 16);
+  EXPECT_FALSE(status.ok());
+  absl::StatusOr<v1::ServerInfo> info = client_->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  bool has_cuda0 = false;
+  for (const v1::DeviceInfo& d : info->devices()) {
+    has_cuda0 = has_cuda0 || d.name() == "cuda:0";
+  }
+  if (!has_cuda0) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  }
+}
+
 TEST_F(ClientTest, InfoAndHealth) {
   absl::StatusOr<v1::ServerInfo> info = client_->Info();
   ASSERT_TRUE(info.ok()) << info.status();

@@ -21,6 +21,8 @@ size_t Words(int64_t n) { return static_cast<size_t>(n) * sizeof(int64_t); }
 
 }  // namespace
 
+void SetMaxBlocksForTesting(int64_t) {}
+
 gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
   return fakegpu::Launch(stream, [scan](const fakegpu::Accessible& ok) {
     const int64_t B = scan.batch, S = scan.seq;
@@ -28,7 +30,7 @@ gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
     if (!ok(scan.mask, static_cast<size_t>(B * S * scan.width)) ||
         !ok(scan.tile_counts, Words(tiles)) ||
         !ok(scan.tile_offsets, Words(tiles + 1)) ||
-        !ok(scan.tile_last, Words(tiles)) ||
+        !ok(scan.chunk_offsets, Words(ScanChunks(tiles) + 1)) ||
         !ok(scan.cu_seqlens, Words(B + 1)) || !ok(scan.last_index, Words(B)) ||
         !ok(scan.index, Words(B * S))) {
       return fakegpu::kErrorIllegalAddress;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -44,6 +45,16 @@ struct DeviceMem {
 
 // Reference: is the mask element active? Floats ignore the sign bit; the rest
 // any bit.
+constexpr unsigned char kGuard = 0xA5;
+
+// Whether every byte of `buf` outside [at, at + n) still holds the guard.
+bool Guarded(const std::vector<unsigned char>& buf, size_t at, size_t n) {
+  for (size_t i = 0; i < buf.size(); ++i) {
+    if ((i < at || i >= at + n) && buf[i] != kGuard) return false;
+  }
+  return true;
+}
+
 bool RefActive(const std::vector<unsigned char>& mask, int width, bool is_float,
                int64_t i) {
   uint64_t v = 0;
@@ -57,20 +68,9 @@ struct Scan {
   MaskScan scan{};
   std::vector<int64_t> cu, last;
   Scan(const char* d_mask, int64_t B, int64_t S, int width, bool is_float)
-      : work(8 * (3 * B * packd::gpu::TilesPerRow(S) + 1 + 2 * B + 1 + B * S)) {
-    const int64_t tiles = B * packd::gpu::TilesPerRow(S);
-    auto* w = reinterpret_cast<int64_t*>(work.p);
-    scan = MaskScan{d_mask,
-                    B,
-                    S,
-                    width,
-                    is_float,
-                    w,
-                    w + tiles,
-                    w + 2 * tiles + 1,
-                    w + 3 * tiles + 1,
-                    w + 3 * tiles + 2 + B,
-                    w + 3 * tiles + 2 + 2 * B};
+      : work(8 * packd::gpu::MaskScanWords(B, S)) {
+    scan = packd::gpu::MakeMaskScan(d_mask, B, S, width, is_float,
+                                    reinterpret_cast<int64_t*>(work.p));
   }
   void Run() {
     CHECK_GPU(packd::gpu::LaunchMaskScan(scan, 0));
@@ -113,8 +113,12 @@ void CheckCase(std::mt19937_64& rng, int64_t B, int64_t S, int64_t row_bytes,
     }
   }
   const int64_t total = cu[B];
+  // Outputs sit inside larger buffers filled with a guard byte, so that a
+  // write before or past them is caught.
   DeviceMem d_mask(mask.size()), d_x(x.size()), d_out(packed.size()),
       d_dense(x.size());
+  CHECK_GPU(gpuMemsetAsync(d_out.p, kGuard, packed.size() + 64, 0));
+  CHECK_GPU(gpuMemsetAsync(d_dense.p, kGuard, x.size() + 64, 0));
   char* mp = d_mask.p + misalign;
   char* xp = d_x.p + misalign;
   char* op = d_out.p + (misalign * 3) % 16;
@@ -127,21 +131,25 @@ void CheckCase(std::mt19937_64& rng, int64_t B, int64_t S, int64_t row_bytes,
   bool ok = scan.cu == cu && scan.last == last;
   CHECK_GPU(
       packd::gpu::LaunchGather(xp, op, scan.scan.index, total, row_bytes, 0));
-  std::vector<unsigned char> got(packed.size());
-  CHECK_GPU(
-      gpuMemcpyAsync(got.data(), op, got.size(), gpuMemcpyDeviceToHost, 0));
+  std::vector<unsigned char> got(packed.size() + 64);
+  CHECK_GPU(gpuMemcpyAsync(got.data(), d_out.p, got.size(),
+                           gpuMemcpyDeviceToHost, 0));
   CHECK_GPU(gpuStreamSynchronize(0));
-  ok = ok && got == packed;
+  const size_t out_at = op - d_out.p;
+  ok = ok && std::equal(packed.begin(), packed.end(), got.begin() + out_at) &&
+       Guarded(got, out_at, packed.size());
   // Scatter the packed rows back: dense must equal x at active rows, zero
   // elsewhere.
-  CHECK_GPU(gpuMemsetAsync(dp, 0xA5, x.size(), 0));
   CHECK_GPU(packd::gpu::LaunchZeroInactive(scan.scan, dp, row_bytes, 0));
   CHECK_GPU(packd::gpu::LaunchScatterRows(op, dp, scan.scan.index, total,
                                           row_bytes, 0));
-  std::vector<unsigned char> dense(x.size());
-  CHECK_GPU(
-      gpuMemcpyAsync(dense.data(), dp, dense.size(), gpuMemcpyDeviceToHost, 0));
+  std::vector<unsigned char> dense_all(x.size() + 64);
+  CHECK_GPU(gpuMemcpyAsync(dense_all.data(), d_dense.p, dense_all.size(),
+                           gpuMemcpyDeviceToHost, 0));
   CHECK_GPU(gpuStreamSynchronize(0));
+  const size_t dense_at = dp - d_dense.p;
+  ok = ok && Guarded(dense_all, dense_at, x.size());
+  const unsigned char* dense = dense_all.data() + dense_at;
   for (int64_t i = 0; i < N && ok; ++i) {
     const bool a = RefActive(mask, mask_width, mask_float, i);
     for (int64_t j = 0; j < row_bytes; ++j) {
@@ -257,6 +265,30 @@ int main() {
         ++cases;
       }
     }
+  }
+  // Again with every grid capped at 3 blocks, so that each grid-stride loop
+  // turns (the scan's chunks and tiles, the row copies) on these sizes.
+  packd::gpu::SetMaxBlocksForTesting(3);
+  const int first_pass = cases;
+  for (auto& sh : shapes) {
+    for (int64_t r : {int64_t{1}, int64_t{12}, int64_t{130}}) {
+      for (double d : {0.3, 1.0}) {
+        CheckCase(rng, sh[0], sh[1], r, 1 << (cases % 4), false, d, 0);
+        ++cases;
+      }
+    }
+  }
+  // More tiles than one scan chunk holds, with few blocks.
+  CheckCase(rng, 3, 300000, 2, 1, false, 0.5, 0);
+  ++cases;
+  packd::gpu::SetMaxBlocksForTesting(int64_t{1} << 20);
+  std::printf("grid capped at 3 blocks: %d cases\n", cases - first_pass);
+  // Over 4 GiB of input: 64-bit offsets everywhere (B = 1, S = 2^20 + 3,
+  // rows of 2050 bf16).
+  if (std::getenv("PACKD_GPU_CHECK_SKIP_LARGE") == nullptr) {
+    CheckCase(rng, 1, (int64_t{1} << 20) + 3, 4100, 1, false, 0.5, 0);
+    ++cases;
+    std::printf("over 4 GiB: 1 case\n");
   }
   std::printf("correctness: %d cases, %d failed\n\n", cases, failures);
   std::printf("%-6s %5s %6s %5s %5s %9s %9s %9s %7s %7s %9s %7s\n", "mask", "B",

@@ -154,3 +154,12 @@ def test_absent_device_is_failed_precondition(client):
     with pytest.raises(packd.PackdError) as err:
         client.pack(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), device="cuda:0")
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_device_slice_follows_the_ipc_offset_rule():
+    # A tensor 256 bytes into a storage that starts 1 MiB into its allocation: the slice is at
+    # the tensor's offset from the allocation's start.
+    assert packd.device_slice(1 << 20, 4096, 256, 1024) == ((1 << 20) + 256, 1024)
+    assert packd.device_slice(0, 4096, 0, 4096) == (0, 4096)
+    with pytest.raises(ValueError):
+        packd.device_slice(0, 4096, 3584, 1024)
