@@ -113,6 +113,23 @@ absl::Status Client::RegisterDeviceMemory(const std::string& name,
   });
 }
 
+absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
+    const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
+    int32_t num_ranks, int32_t micro_batch_multiple,
+    const std::vector<int64_t>& loss_tokens) {
+  v1::PlanRequest request;
+  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
+  request.mutable_loss_tokens()->Assign(loss_tokens.begin(), loss_tokens.end());
+  request.set_max_tokens_per_micro_batch(max_tokens_per_micro_batch);
+  request.set_num_ranks(num_ranks);
+  request.set_micro_batch_multiple(micro_batch_multiple);
+  v1::PlanResponse response;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
+    return stub_->PlanMicroBatches(c, request, &response);
+  }));
+  return response;
+}
+
 absl::StatusOr<v1::ServerInfo> Client::Info() {
   v1::ServerInfo info;
   PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {

@@ -118,6 +118,17 @@ class Client {
                                     const std::string& device,
                                     uint64_t byte_size);
 
+  // Plans micro-batches over data-parallel ranks (DESIGN.md section 9): each
+  // sample of `lengths` in one micro-batch of at most
+  // max_tokens_per_micro_batch tokens, every rank with the same count, and
+  // global_loss_tokens to divide the summed token loss by. `loss_tokens` is
+  // empty or one per sample. Errors: the server's (INVALID_ARGUMENT for bad
+  // lengths or options).
+  absl::StatusOr<v1::PlanResponse> PlanMicroBatches(
+      const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
+      int32_t num_ranks = 1, int32_t micro_batch_multiple = 1,
+      const std::vector<int64_t>& loss_tokens = {});
+
   absl::StatusOr<v1::ServerInfo> Info();
   // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"
   // readiness): "SERVING", "NOT_SERVING", ...

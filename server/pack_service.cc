@@ -1,5 +1,6 @@
 #include "server/pack_service.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "kernels/pack.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
+#include "planner/planner.h"
 #include "proto/tensor_codec.h"
 
 #ifndef PACKD_VERSION
@@ -214,6 +216,58 @@ grpc::ServerUnaryReactor* PackServiceImpl::Scatter(
     if (!status.ok()) CheckDefaultDevice();
   }
   return Finish(context, "Scatter", start, status, request, response);
+}
+
+absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
+                                     v1::PlanResponse* response) {
+  PACKD_RETURN_IF_ERROR(decoder_.CheckSize("request", request.ByteSizeLong()));
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = request.max_tokens_per_micro_batch();
+  options.num_ranks = request.num_ranks();
+  options.micro_batch_multiple = request.micro_batch_multiple();
+  const absl::Span<const int64_t> lengths(request.lengths().data(),
+                                          request.lengths_size());
+  const absl::Span<const int64_t> loss(request.loss_tokens().data(),
+                                       request.loss_tokens_size());
+  // Every micro-batch slot costs a message: refuse plans whose slots alone
+  // would pass the message limit before planning them.
+  const int64_t lower = MicroBatchLowerBound(lengths, options);
+  const int64_t ranks = std::max<int32_t>(1, options.num_ranks);
+  if (lower > options_.max_message_bytes / 8 / ranks) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the plan would hold at least ", lower,
+                     " micro-batches on each of ", ranks,
+                     " ranks, too many for one response (--max_message_bytes); "
+                     "raise max_tokens_per_micro_batch"));
+  }
+  PACKD_ASSIGN_OR_RETURN(Plan plan,
+                         ::packd::PlanMicroBatches(lengths, loss, options));
+  for (MicroBatch& mb : plan.micro_batches) {
+    v1::MicroBatch* out = response->add_micro_batches();
+    out->set_rank(mb.rank);
+    out->mutable_samples()->Assign(mb.samples.begin(), mb.samples.end());
+    out->set_tokens(mb.tokens);
+    out->set_loss_tokens(mb.loss_tokens);
+  }
+  response->set_micro_batches_per_rank(plan.micro_batches_per_rank);
+  response->set_global_loss_tokens(plan.global_loss_tokens);
+  response->set_imbalance(plan.imbalance);
+  absl::Status size = decoder_.CheckSize("response", response->ByteSizeLong());
+  if (!size.ok()) response->Clear();
+  return size;
+}
+
+grpc::ServerUnaryReactor* PackServiceImpl::PlanMicroBatches(
+    grpc::CallbackServerContext* context, const v1::PlanRequest* request,
+    v1::PlanResponse* response) {
+  const absl::Time start = absl::Now();
+  absl::Status status = absl::UnavailableError(
+      "packd is shutting down; retry on another replica");
+  if (Admit()) {
+    status = DoPlan(*request, response);
+    Release();
+  }
+  return Finish(context, "PlanMicroBatches", start, status, request, response);
 }
 
 void PackServiceImpl::CheckDefaultDevice() {

@@ -86,6 +86,9 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::GetServerInfoRequest* request,
       v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* PlanMicroBatches(
+      grpc::CallbackServerContext* context, const v1::PlanRequest* request,
+      v1::PlanResponse* response) override;
 
   // Prometheus text of the calls served so far.
   std::string RenderMetrics() const;
@@ -96,6 +99,8 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
                       v1::PackResponse* response);
   absl::Status DoScatter(const v1::ScatterRequest& request,
                          v1::ScatterResponse* response);
+  absl::Status DoPlan(const v1::PlanRequest& request,
+                      v1::PlanResponse* response);
 
  private:
   // Admits a call unless draining; every admitted call must be released.

@@ -211,6 +211,21 @@ class Client:
         dense = [self._decode(m, scratch) for m in reply.dense]
         return dense[0] if single else dense
 
+    def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,
+                           loss_tokens=None):
+        """Plans micro-batches over data-parallel ranks (DESIGN.md section 9).
+
+        Returns the PlanResponse: micro_batches (rank, samples, tokens, loss_tokens; by rank,
+        then position), micro_batches_per_rank, imbalance, and global_loss_tokens, the one
+        number to divide the summed per-token loss of all micro-batches of all ranks by.
+        """
+        request = pb.PlanRequest(lengths=[int(v) for v in lengths],
+                                 max_tokens_per_micro_batch=int(max_tokens),
+                                 num_ranks=num_ranks, micro_batch_multiple=micro_batch_multiple)
+        if loss_tokens is not None:
+            request.loss_tokens.extend(int(v) for v in loss_tokens)
+        return self._call(self._stub.PlanMicroBatches, request)
+
     def register_cuda_tensor(self, name, tensor, device=None):
         """Registers the CUDA memory holding `tensor` as device region `name` and returns the
         slice (packd.v1.RegionSlice) that addresses the tensor in it, for requests' inputs or

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "planner/planner.h"
 #include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
@@ -297,6 +298,58 @@ TEST_F(ServiceTest, ServerInfoAnswers) {
   EXPECT_EQ(info.devices(0).name(), "cpu");
   EXPECT_GT(info.devices(0).memory_bytes(), 0u);
   EXPECT_TRUE(info.shared_memory_enabled());  // loopback listener, auto
+  ExpectStillServing();
+}
+
+TEST_F(ServiceTest, PlanMicroBatchesKeepsTheRulesAndRefusesBadInput) {
+  Rng rng = Rng::Fresh();
+  v1::PlanRequest request;
+  std::vector<int64_t> lengths, loss;
+  for (int i = 0; i < 500; ++i) {
+    lengths.push_back(1 + rng.Next() % 3000);
+    loss.push_back(rng.Next() % (lengths.back() + 1));
+  }
+  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
+  request.mutable_loss_tokens()->Assign(loss.begin(), loss.end());
+  request.set_max_tokens_per_micro_batch(4096);
+  request.set_num_ranks(4);
+  request.set_micro_batch_multiple(2);
+  v1::PlanResponse response;
+  {
+    grpc::ClientContext context;
+    grpc::Status status = stub_->PlanMicroBatches(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  // The wire plan is the library's plan, and keeps every rule.
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = 4096;
+  options.num_ranks = 4;
+  options.micro_batch_multiple = 2;
+  Plan plan;
+  plan.micro_batches_per_rank = response.micro_batches_per_rank();
+  plan.global_loss_tokens = response.global_loss_tokens();
+  plan.imbalance = response.imbalance();
+  for (const v1::MicroBatch& mb : response.micro_batches()) {
+    MicroBatch m;
+    m.rank = mb.rank();
+    m.samples.assign(mb.samples().begin(), mb.samples().end());
+    m.tokens = mb.tokens();
+    m.loss_tokens = mb.loss_tokens();
+    plan.micro_batches.push_back(std::move(m));
+  }
+  EXPECT_TRUE(CheckPlan(plan, lengths, loss, options).ok())
+      << CheckPlan(plan, lengths, loss, options);
+  int64_t loss_total = 0;
+  for (int64_t v : loss) loss_total += v;
+  EXPECT_EQ(response.global_loss_tokens(), loss_total);
+  EXPECT_LE(response.imbalance(), 1.01);
+
+  request.set_lengths(3, -5);
+  grpc::ClientContext context;
+  const grpc::Status bad =
+      stub_->PlanMicroBatches(&context, request, &response);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(), HasSubstr("lengths[3] is -5"));
   ExpectStillServing();
 }
 

@@ -163,3 +163,19 @@ def test_device_slice_follows_the_ipc_offset_rule():
     assert packd.device_slice(0, 4096, 0, 4096) == (0, 4096)
     with pytest.raises(ValueError):
         packd.device_slice(0, 4096, 3584, 1024)
+
+
+def test_plan_micro_batches(client):
+    lengths = [100, 2000, 3000, 50, 4096, 700, 10, 1500] * 8
+    plan = client.plan_micro_batches(lengths, 4096, num_ranks=2, micro_batch_multiple=2)
+    seen = sorted(i for mb in plan.micro_batches for i in mb.samples)
+    assert seen == list(range(len(lengths)))
+    assert plan.global_loss_tokens == sum(lengths)
+    assert len(plan.micro_batches) == 2 * plan.micro_batches_per_rank
+    assert plan.micro_batches_per_rank % 2 == 0
+    for mb in plan.micro_batches:
+        assert mb.tokens == sum(lengths[i] for i in mb.samples)
+        assert mb.tokens <= 4096 or len(mb.samples) == 1
+    with pytest.raises(packd.PackdError) as e:
+        client.plan_micro_batches([1, -1], 10)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT

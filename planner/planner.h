@@ -1,0 +1,91 @@
+// The micro-batch planner (DESIGN.md §9): a batch of samples, known only by
+// their lengths, split into token-budgeted micro-batches over data-parallel
+// ranks, every rank with the same number of micro-batches, and the one global
+// count of loss tokens that the summed token loss must be divided by. It works
+// on lengths, not tensors: one call plans the whole global batch.
+//
+// clang-format off
+//   PlanOptions options{.max_tokens_per_micro_batch = 16384, .num_ranks = 8};
+//   PACKD_ASSIGN_OR_RETURN(Plan plan, PlanMicroBatches(lengths, {}, options));
+//   loss = sum_of_token_losses_over_all_micro_batches_and_ranks / plan.global_loss_tokens;
+// clang-format on
+#ifndef PACKD_PLANNER_PLANNER_H_
+#define PACKD_PLANNER_PLANNER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace packd {
+
+struct PlanOptions {
+  // The token budget of one micro-batch; > 0.
+  int64_t max_tokens_per_micro_batch = 0;
+  // Data-parallel ranks; 0 means 1.
+  int32_t num_ranks = 1;
+  // Micro-batches per rank are a multiple of this (pipeline schedules); 0
+  // means 1.
+  int32_t micro_batch_multiple = 1;
+};
+
+struct MicroBatch {
+  int32_t rank = 0;
+  std::vector<int64_t> samples;  // indices into lengths, ascending
+  int64_t tokens = 0;            // sum of their lengths
+  int64_t loss_tokens = 0;       // sum of their loss tokens
+};
+
+struct Plan {
+  // By rank, then position in the rank: micro_batches_per_rank of each.
+  std::vector<MicroBatch> micro_batches;
+  int64_t micro_batches_per_rank = 0;
+  // Sum of loss_tokens (or lengths): divide the summed token loss by this.
+  int64_t global_loss_tokens = 0;
+  // Max rank tokens / mean rank tokens (1.0 when there are no tokens).
+  double imbalance = 1.0;
+};
+
+// Plans `lengths` (tokens per sample; what the budget counts). `loss_tokens`
+// is empty (equal to lengths) or one per sample, each at most its length.
+//
+// Every sample is in exactly one micro-batch; a micro-batch holds at most the
+// budget unless it is one sample that alone exceeds it; every rank has the
+// same number of micro-batches, a multiple of micro_batch_multiple; a
+// micro-batch is empty only when there are fewer samples than micro-batches.
+// Ranks are balanced by tokens; the number of micro-batches per rank is the
+// fewest the packing finds, starting from MicroBatchLowerBound.
+//
+// Errors: INVALID_ARGUMENT for a negative length, a non-positive budget,
+// loss_tokens of another length or with a value outside [0, its length], a
+// negative num_ranks or micro_batch_multiple, or sizes that overflow int64.
+absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
+                                      absl::Span<const int64_t> loss_tokens,
+                                      const PlanOptions& options);
+
+// The peer packd is measured against, as verl plans: samples balanced over
+// ranks with Karmarkar-Karp (equal counts when they divide), then per rank
+// ceil(tokens / budget) micro-batches (the maximum over ranks, rounded up to
+// the multiple), split with Karmarkar-Karp, one more while any micro-batch of
+// several samples holds more than the budget. Same errors.
+absl::StatusOr<Plan> PlanMicroBatchesLikeVerl(
+    absl::Span<const int64_t> lengths, absl::Span<const int64_t> loss_tokens,
+    const PlanOptions& options);
+
+// ceil(total tokens / (ranks * budget)), a sample over the budget counted as
+// one budget (it fills a micro-batch alone), rounded up to the multiple: no
+// plan can have fewer micro-batches per rank. 0 for invalid options.
+int64_t MicroBatchLowerBound(absl::Span<const int64_t> lengths,
+                             const PlanOptions& options);
+
+// OK when `plan` keeps every rule above for these inputs; INTERNAL saying which
+// rule it breaks otherwise. For tests, and for the planner's own output.
+absl::Status CheckPlan(const Plan& plan, absl::Span<const int64_t> lengths,
+                       absl::Span<const int64_t> loss_tokens,
+                       const PlanOptions& options);
+
+}  // namespace packd
+
+#endif  // PACKD_PLANNER_PLANNER_H_
