@@ -297,6 +297,10 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   for (const at::Tensor& t : tensors) {
     PACKD_RETURN_IF_ERROR(EncodeTensor(t, scratch, request.add_inputs()));
   }
+  if (options.segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(EncodeTensor(options.segment_ids, scratch,
+                                       request.mutable_segment_ids()));
+  }
   // Results into shared memory: room for the largest possible result (every row
   // active). The scratch segment is sized for that; a caller's segment may not
   // be.
@@ -339,6 +343,15 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   if (options.with_position_ids)
     batch.position_ids = long_tensor(response.position_ids());
   batch.last_index = long_tensor(response.last_index());
+  if (options.segment_ids.defined()) {
+    batch.doc_cu_seqlens = long_tensor(response.doc_cu_seqlens());
+    if (options.cu_seqlens_int32) {
+      batch.doc_cu_seqlens = batch.doc_cu_seqlens.to(at::kInt);
+    }
+    batch.doc_max_seqlen = response.doc_max_seqlen();
+    batch.doc_row = long_tensor(response.doc_row());
+    batch.doc_last_index = long_tensor(response.doc_last_index());
+  }
   return batch;
 }
 

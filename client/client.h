@@ -56,6 +56,10 @@ struct PackCallOptions {
   bool cu_seqlens_int32 = false;
   // "cpu", "cuda:N", "hip:N"; empty: the server's default.
   std::string device;
+  // Documents within rows (DESIGN.md section 8): [B, S] of an integer dtype,
+  // or undefined for none. position_ids then restart at every document and
+  // the doc_* fields of the result are set.
+  at::Tensor segment_ids;
   // When set, results are written into this segment and returned as views of it
   // (read in place, valid until the segment is reset or destroyed) instead of
   // being copied out.
@@ -71,6 +75,12 @@ struct PackedBatch {
   int64_t max_seqlen = 0;
   at::Tensor position_ids;  // [total_active] int64 when asked, else undefined
   at::Tensor last_index;    // [B] int64, -1 for an empty row
+  // With segment_ids (else undefined / 0): doc_cu_seqlens [D + 1] (int64, or
+  // int32 like cu_seqlens), doc_row and doc_last_index [D] int64.
+  at::Tensor doc_cu_seqlens;
+  int64_t doc_max_seqlen = 0;
+  at::Tensor doc_row;
+  at::Tensor doc_last_index;
 };
 
 // The slice of region `region` (registered from an IPC handle of the

@@ -65,6 +65,13 @@ class Backend {
   virtual absl::Status Scatter(const MaskPlan& plan, const TensorView& packed,
                                const TensorView& dense,
                                const Stream& stream) = 0;
+
+  // The flattened dense position (b * S + s) of every packed row, in host
+  // memory: `positions` gets total_active entries. For documents (segment
+  // ids), whose last tokens are reported by position.
+  virtual absl::Status PackedPositions(const MaskPlan& plan,
+                                       std::vector<int64_t>* positions,
+                                       const Stream& stream) = 0;
 };
 
 }  // namespace packd

@@ -79,6 +79,30 @@ absl::Status ValidatePackArgs(absl::Span<const TensorView> inputs,
   return absl::OkStatus();
 }
 
+absl::Status ValidateSegmentIds(const TensorView& segment_ids,
+                                const TensorView& mask,
+                                const CallDevice& call) {
+  switch (segment_ids.dtype) {
+    case DType::kUInt8:
+    case DType::kInt8:
+    case DType::kInt16:
+    case DType::kInt32:
+    case DType::kInt64:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment_ids.dtype is ", DTypeName(segment_ids.dtype),
+          "; segment ids must be uint8, int8, int16, int32 or int64"));
+  }
+  if (absl::MakeConstSpan(segment_ids.shape) !=
+      absl::MakeConstSpan(mask.shape)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment_ids.shape ", ShapeString(segment_ids.shape),
+                     " must equal mask shape ", ShapeString(mask.shape)));
+  }
+  return ValidateTensor(segment_ids, "segment_ids", call).status();
+}
+
 absl::Status ValidateScatterArgs(absl::Span<const TensorView> packed,
                                  const TensorView& mask,
                                  const std::optional<Shape>& tail_shape,
@@ -217,11 +241,61 @@ using OpFn = std::function<absl::Status(
 // implementation and runtime, stage host tensors to the device, scan the mask
 // once, place the results, run the op on every source, copy host-bound
 // results back, and wait for the device. Returns the results and the plan.
+// What a call with segment ids learns besides its results: the segment id and
+// the dense position of every packed row, on the host.
+struct PackedSegments {
+  std::vector<int64_t> ids;
+  std::vector<int64_t> positions;
+};
+
+// Segment ids gathered with the call's plan and brought to the host.
+absl::Status GatherSegments(Backend& backend, DeviceRuntime& runtime,
+                            const MaskPlan& plan, const TensorView& ids,
+                            const Stream& stream, PackedSegments* out) {
+  const int64_t total = plan.total_active();
+  const int64_t item = ItemSize(ids.dtype);
+  PACKD_ASSIGN_OR_RETURN(Buffer packed,
+                         runtime.Allocate(total * item, stream.device()));
+  TensorView view;
+  view.data = packed.data();
+  view.dtype = ids.dtype;
+  view.shape = {total};
+  view.device = stream.device();
+  PACKD_RETURN_IF_ERROR(backend.Gather(plan, ids, view, stream));
+  std::vector<char> host(total * item);
+  PACKD_RETURN_IF_ERROR(
+      runtime.CopyToHost(host.data(), packed.data(), host.size(), stream));
+  out->ids.resize(total);
+  for (int64_t k = 0; k < total; ++k) {
+    const char* p = host.data() + k * item;
+    switch (ids.dtype) {
+      case DType::kUInt8:
+        out->ids[k] = *reinterpret_cast<const uint8_t*>(p);
+        break;
+      case DType::kInt8:
+        out->ids[k] = *reinterpret_cast<const int8_t*>(p);
+        break;
+      case DType::kInt16:
+        out->ids[k] = *reinterpret_cast<const int16_t*>(p);
+        break;
+      case DType::kInt32:
+        out->ids[k] = *reinterpret_cast<const int32_t*>(p);
+        break;
+      default:
+        out->ids[k] = *reinterpret_cast<const int64_t*>(p);
+        break;
+    }
+  }
+  return backend.PackedPositions(plan, &out->positions, stream);
+}
+
 absl::StatusOr<std::vector<ResultTensor>> RunCall(
     const CallOptions& options, const CallDevice& call,
     absl::Span<const TensorView> sources, const TensorView& mask,
     const ShapesFn& result_shapes, const OpFn& op,
-    std::unique_ptr<MaskPlan>* plan) {
+    std::unique_ptr<MaskPlan>* plan,
+    const std::optional<TensorView>& segment_ids = std::nullopt,
+    PackedSegments* segments = nullptr) {
   PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime,
                          Registry::Runtime(call.device));
   PACKD_ASSIGN_OR_RETURN(Backend * backend,
@@ -246,6 +320,12 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
     out.device = call.device;
     PACKD_RETURN_IF_ERROR(op(*backend, **plan, staged[i], out, stream));
   }
+  if (segment_ids.has_value()) {
+    TensorView ids = *segment_ids;
+    PACKD_RETURN_IF_ERROR(staging.Upload(&ids));
+    PACKD_RETURN_IF_ERROR(
+        GatherSegments(*backend, *runtime, **plan, ids, stream, segments));
+  }
   PACKD_RETURN_IF_ERROR(staging.Download());
   // The call's work is complete when it returns: results on the device are
   // written, and the stream goes back to the runtime idle.
@@ -265,6 +345,9 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
                                 const PackOptions& options) {
   const CallDevice call = CallDeviceOf(options, mask);
   PACKD_RETURN_IF_ERROR(ValidatePackArgs(inputs, mask, call));
+  if (options.segment_ids.has_value()) {
+    PACKD_RETURN_IF_ERROR(ValidateSegmentIds(*options.segment_ids, mask, call));
+  }
   auto shapes =
       [&](const MaskPlan& plan) -> absl::StatusOr<std::vector<Shape>> {
     std::vector<Shape> out;
@@ -282,8 +365,10 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   };
   std::unique_ptr<MaskPlan> plan;
   PackResult result;
-  PACKD_ASSIGN_OR_RETURN(result.packed, RunCall(options, call, inputs, mask,
-                                                shapes, gather, &plan));
+  PackedSegments segments;
+  PACKD_ASSIGN_OR_RETURN(
+      result.packed, RunCall(options, call, inputs, mask, shapes, gather, &plan,
+                             options.segment_ids, &segments));
 
   const int64_t total = plan->total_active();
   result.total_active = total;
@@ -291,13 +376,42 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
     result.max_seqlen = std::max(result.max_seqlen,
                                  plan->cu_seqlens[b + 1] - plan->cu_seqlens[b]);
   }
-  if (options.with_position_ids) {
-    // A packed token's rank among its row's active tokens: cumsum(mask != 0) -
-    // 1 at that token.
-    result.position_ids.resize(total);
+  if (options.segment_ids.has_value()) {
+    // Documents: a row's active tokens, cut where the segment id changes from
+    // one to the next; every row starts one.
+    const int64_t seq = mask.shape[1];
     for (size_t b = 0; b + 1 < plan->cu_seqlens.size(); ++b) {
       for (int64_t k = plan->cu_seqlens[b]; k < plan->cu_seqlens[b + 1]; ++k) {
-        result.position_ids[k] = k - plan->cu_seqlens[b];
+        if (k == plan->cu_seqlens[b] ||
+            segments.ids[k] != segments.ids[k - 1]) {
+          if (!result.doc_cu_seqlens.empty()) {
+            result.doc_last_index.push_back(segments.positions[k - 1] % seq);
+          }
+          result.doc_cu_seqlens.push_back(k);
+          result.doc_row.push_back(static_cast<int64_t>(b));
+        }
+      }
+    }
+    if (!result.doc_cu_seqlens.empty()) {
+      result.doc_last_index.push_back(segments.positions[total - 1] % seq);
+    }
+    result.doc_cu_seqlens.push_back(total);
+    for (size_t d = 0; d + 1 < result.doc_cu_seqlens.size(); ++d) {
+      result.doc_max_seqlen =
+          std::max(result.doc_max_seqlen,
+                   result.doc_cu_seqlens[d + 1] - result.doc_cu_seqlens[d]);
+    }
+  }
+  if (options.with_position_ids) {
+    // A packed token's rank among its row's active tokens (cumsum(mask != 0) -
+    // 1 at that token), or among its document's with segment ids.
+    const std::vector<int64_t>& starts = options.segment_ids.has_value()
+                                             ? result.doc_cu_seqlens
+                                             : plan->cu_seqlens;
+    result.position_ids.resize(total);
+    for (size_t b = 0; b + 1 < starts.size(); ++b) {
+      for (int64_t k = starts[b]; k < starts[b + 1]; ++k) {
+        result.position_ids[k] = k - starts[b];
       }
     }
   }

@@ -72,6 +72,12 @@ struct CallOptions {
 struct PackOptions : CallOptions {
   // Also return position_ids.
   bool with_position_ids = false;
+  // Documents within rows (DESIGN.md section 8): [B, S] of an integer dtype;
+  // the active tokens of a row are cut into documents wherever it changes
+  // from one active token to the next, and every row starts one. Inactive
+  // positions are never read. When set, position_ids restart at every
+  // document and the doc_* results are filled.
+  std::optional<TensorView> segment_ids;
 };
 
 struct PackResult {
@@ -81,6 +87,12 @@ struct PackResult {
   int64_t max_seqlen = 0;             // 0 when B is 0
   std::vector<int64_t> position_ids;  // [total_active] when asked, else empty
   std::vector<int64_t> last_index;    // [B], -1 for an empty row
+  // With segment_ids (else empty, and doc_max_seqlen 0): documents in packed
+  // order; document d is packed rows doc_cu_seqlens[d] .. doc_cu_seqlens[d+1].
+  std::vector<int64_t> doc_cu_seqlens;  // [D + 1]
+  int64_t doc_max_seqlen = 0;
+  std::vector<int64_t> doc_row;         // [D]: the row of each document
+  std::vector<int64_t> doc_last_index;  // [D]: dense s of its last token
 };
 
 struct ScatterOptions : CallOptions {
@@ -96,7 +108,8 @@ struct ScatterResult {
 // CallOptions::device).
 //
 // Errors (nothing is written when one is returned):
-//   INVALID_ARGUMENT: mask not of rank 2; no inputs; an input of rank < 2 or
+//   INVALID_ARGUMENT: mask not of rank 2; segment_ids not of the mask's shape
+//     or not of an integer dtype; no inputs; an input of rank < 2 or
 //     whose shape does not start with the mask's; an invalid dtype; a negative
 //     dim or a byte size that overflows int64; a null data pointer for a
 //     non-empty tensor; a tensor (or an output place) on another device than

@@ -156,8 +156,16 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
     PackOptions options;
     static_cast<CallOptions&>(options) = base;
     options.with_position_ids = request.with_position_ids();
+    options.segment_ids = call.segment_ids;
     PACKD_ASSIGN_OR_RETURN(PackResult result,
                            ::packd::Pack(call.tensors, call.mask, options));
+    response->mutable_doc_cu_seqlens()->Assign(result.doc_cu_seqlens.begin(),
+                                               result.doc_cu_seqlens.end());
+    response->set_doc_max_seqlen(result.doc_max_seqlen);
+    response->mutable_doc_row()->Assign(result.doc_row.begin(),
+                                        result.doc_row.end());
+    response->mutable_doc_last_index()->Assign(result.doc_last_index.begin(),
+                                               result.doc_last_index.end());
     response->mutable_cu_seqlens()->Assign(result.cu_seqlens.begin(),
                                            result.cu_seqlens.end());
     response->set_total_active(result.total_active);

@@ -101,7 +101,14 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const v1::PackRequest& request) const {
-  return DecodeCall(request, request.inputs(), "inputs");
+  PACKD_ASSIGN_OR_RETURN(DecodedCall call,
+                         DecodeCall(request, request.inputs(), "inputs"));
+  if (request.has_segment_ids()) {
+    PACKD_ASSIGN_OR_RETURN(
+        call.segment_ids,
+        DecodeTensor(request.segment_ids(), "segment_ids", &call.held));
+  }
+  return call;
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(

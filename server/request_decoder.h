@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -30,6 +31,8 @@ struct DecodedCall {
   TensorView mask;
   // inputs (Pack) or packed (Scatter), in request order.
   std::vector<TensorView> tensors;
+  // Pack's segment_ids, when the request has them.
+  std::optional<TensorView> segment_ids;
   // One resolved slice per result when the request names outputs; empty for
   // inline results.
   std::vector<ResolvedSlice> outputs;

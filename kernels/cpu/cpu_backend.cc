@@ -317,6 +317,20 @@ class SpanBackend : public Backend {
     return plan;
   }
 
+  absl::Status PackedPositions(const MaskPlan& base,
+                               std::vector<int64_t>* positions,
+                               const Stream&) override {
+    const auto& plan = static_cast<const CpuPlan&>(base);
+    positions->clear();
+    positions->reserve(plan.total_active());
+    for (const Run& run : plan.runs()) {
+      for (int64_t p = run.src; p < run.src + run.len; ++p) {
+        positions->push_back(p);
+      }
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Gather(const MaskPlan& base, const TensorView& x,
                       const TensorView& out, const Stream&) override {
     const auto& plan = static_cast<const CpuPlan&>(base);

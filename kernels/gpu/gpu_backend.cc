@@ -60,6 +60,15 @@ class GpuBackend : public Backend {
     return plan;
   }
 
+  absl::Status PackedPositions(const MaskPlan& base,
+                               std::vector<int64_t>* positions,
+                               const Stream& stream) override {
+    const auto& plan = static_cast<const GpuPlan&>(base);
+    positions->resize(plan.total_active());
+    return runtime_->CopyToHost(positions->data(), plan.scan.index,
+                                positions->size() * sizeof(int64_t), stream);
+  }
+
   absl::Status Gather(const MaskPlan& base, const TensorView& x,
                       const TensorView& out, const Stream& stream) override {
     const auto& plan = static_cast<const GpuPlan&>(base);

@@ -69,6 +69,15 @@ class TorchBackend : public Backend {
     return plan;
   }
 
+  absl::Status PackedPositions(const MaskPlan& base,
+                               std::vector<int64_t>* positions,
+                               const Stream&) override {
+    const auto& plan = static_cast<const TorchPlan&>(base);
+    const int64_t* idx = plan.indices.data_ptr<int64_t>();
+    positions->assign(idx, idx + plan.indices.numel());
+    return absl::OkStatus();
+  }
+
   absl::Status Gather(const MaskPlan& base, const TensorView& x,
                       const TensorView& out, const Stream&) override {
     const auto& plan = static_cast<const TorchPlan&>(base);

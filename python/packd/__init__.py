@@ -10,7 +10,8 @@ through a packd server.
         r = client.pack([hidden, token_ids], mask, with_position_ids=True,
                         cu_seqlens_dtype=torch.int32)
 """
-from packd.client import Client, PackdError, PackResult, device_slice
+from packd.client import Client, PackdError, PackResult, device_slice, varlen_kwargs
 from packd.ops import RemotePackOp
 
-__all__ = ["Client", "PackdError", "PackResult", "RemotePackOp", "device_slice"]
+__all__ = ["Client", "PackdError", "PackResult", "RemotePackOp", "device_slice",
+           "varlen_kwargs"]

@@ -43,6 +43,22 @@ class PackResult:
     max_seqlen: int
     position_ids: Optional[torch.Tensor]  # [total_active] int64 when asked
     last_index: torch.Tensor        # [B] int64, -1 for an empty row
+    # With segment_ids (documents within rows), else None / 0:
+    doc_cu_seqlens: Optional[torch.Tensor] = None  # [D + 1], cu_seqlens_dtype
+    doc_max_seqlen: int = 0
+    doc_row: Optional[torch.Tensor] = None         # [D] int64
+    doc_last_index: Optional[torch.Tensor] = None  # [D] int64
+
+
+def varlen_kwargs(result: PackResult):
+    """The keyword arguments varlen attention takes (flash_attn_varlen_func and the like) for a
+    pack result: cu_seqlens_q/k (int32) and max_seqlen_q/k, per document when the pack had
+    segment ids, per row otherwise."""
+    docs = result.doc_cu_seqlens is not None
+    cu = (result.doc_cu_seqlens if docs else result.cu_seqlens).to(torch.int32)
+    longest = result.doc_max_seqlen if docs else result.max_seqlen
+    return {"cu_seqlens_q": cu, "cu_seqlens_k": cu,
+            "max_seqlen_q": longest, "max_seqlen_k": longest}
 
 
 def _is_node_local(address):
@@ -162,10 +178,12 @@ class Client:
     # -- the API ----------------------------------------------------------------------------
 
     def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor, with_position_ids=False,
-             cu_seqlens_dtype=torch.int64, device="") -> PackResult:
+             cu_seqlens_dtype=torch.int64, device="", segment_ids=None) -> PackResult:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
-        packed[i] = tensors[i][mask != 0]. Raises PackdValueError (a ValueError) for malformed
-        input, PackdError for the rest."""
+        packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
+        active tokens of each row are also cut into documents where the id changes: the doc_*
+        fields describe them and position_ids restart at each (DESIGN.md section 8). Raises
+        PackdValueError (a ValueError) for malformed input, PackdError for the rest."""
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         nbytes = mask.numel() * mask.element_size() + sum(
@@ -175,10 +193,19 @@ class Client:
         self._encode(mask, request.mask, scratch)
         for t in tensors:
             self._encode(t, request.inputs.add(), scratch)
+        if segment_ids is not None:
+            self._encode(segment_ids, request.segment_ids, scratch)
         self._outputs(scratch, [t.numel() * t.element_size() for t in tensors], request.outputs)
         reply = self._call(self._stub.Pack, request)
         packed = [self._decode(m, scratch) for m in reply.packed]
+        docs = segment_ids is not None
         return PackResult(
+            doc_cu_seqlens=(torch.tensor(list(reply.doc_cu_seqlens), dtype=torch.int64)
+                            .to(cu_seqlens_dtype) if docs else None),
+            doc_max_seqlen=reply.doc_max_seqlen,
+            doc_row=torch.tensor(list(reply.doc_row), dtype=torch.int64) if docs else None,
+            doc_last_index=(torch.tensor(list(reply.doc_last_index), dtype=torch.int64)
+                            if docs else None),
             packed=packed[0] if single else packed,
             cu_seqlens=torch.tensor(list(reply.cu_seqlens), dtype=torch.int64).to(cu_seqlens_dtype),
             total_active=reply.total_active,

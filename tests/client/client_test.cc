@@ -109,6 +109,33 @@ TEST_F(ClientTest, ScatterAndErrorsCarryTheServersCode) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(ClientTest, DocumentsWithinRows) {
+  const at::Tensor mask =
+      at::tensor({1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0}, at::kInt).view({2, 6});
+  const at::Tensor ids =
+      at::tensor({4, 4, 9, 4, 5, 5, 5, 5, 6, 0, 0, 0}, at::kLong).view({2, 6});
+  const at::Tensor x = at::randn({2, 6, 3});
+  PackCallOptions options;
+  options.with_position_ids = true;
+  options.segment_ids = ids;
+  options.cu_seqlens_int32 = true;
+  absl::StatusOr<PackedBatch> r = client_->Pack({x}, mask, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(SameBytes(x.index({mask.ne(0)}), r->packed[0]));
+  EXPECT_TRUE(
+      at::equal(r->doc_cu_seqlens, at::tensor({0, 3, 5, 7, 8}, at::kInt)));
+  EXPECT_TRUE(at::equal(r->doc_row, at::tensor({0, 0, 1, 1}, at::kLong)));
+  EXPECT_TRUE(
+      at::equal(r->doc_last_index, at::tensor({3, 5, 1, 2}, at::kLong)));
+  EXPECT_EQ(r->doc_max_seqlen, 3);
+  EXPECT_TRUE(at::equal(r->position_ids,
+                        at::tensor({0, 1, 2, 0, 1, 0, 1, 0}, at::kLong)));
+  options.segment_ids = ids.to(at::kFloat);
+  r = client_->Pack({x}, mask, options);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("segment_ids"));
+}
+
 TEST_F(ClientTest, DeviceMemoryFollowsTheIpcOffsetRule) {
   // A tensor 4 KiB + 256 B into an exported allocation is addressed by that
   // offset from the allocation's start.

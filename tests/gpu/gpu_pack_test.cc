@@ -84,7 +84,25 @@ class GpuPackTest : public ::testing::Test {
         Pack(cpu_inputs, AsView(mask), pack_options);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
 
+    // Documents: segment ids cut every few tokens, the same on both devices.
+    const at::Tensor ids =
+        (at::arange(B * S, at::kLong).view({B, S}) / 5 % 3).to(at::kInt);
+    PackOptions doc_options = pack_options;
+    doc_options.segment_ids = AsView(ids);
+    absl::StatusOr<PackResult> cpu_docs =
+        Pack(cpu_inputs, AsView(mask), doc_options);
+    ASSERT_TRUE(cpu_docs.ok()) << cpu_docs.status();
     const std::vector<TensorView> gpu_inputs = {Upload(x, misalign)};
+    doc_options.segment_ids = Upload(ids, 0);
+    absl::StatusOr<PackResult> gpu_docs =
+        Pack(gpu_inputs, Upload(mask, misalign), doc_options);
+    ASSERT_TRUE(gpu_docs.ok()) << gpu_docs.status();
+    EXPECT_EQ(gpu_docs->doc_cu_seqlens, cpu_docs->doc_cu_seqlens);
+    EXPECT_EQ(gpu_docs->doc_row, cpu_docs->doc_row);
+    EXPECT_EQ(gpu_docs->doc_last_index, cpu_docs->doc_last_index);
+    EXPECT_EQ(gpu_docs->doc_max_seqlen, cpu_docs->doc_max_seqlen);
+    EXPECT_EQ(gpu_docs->position_ids, cpu_docs->position_ids);
+
     absl::StatusOr<PackResult> gpu =
         Pack(gpu_inputs, Upload(mask, misalign), pack_options);
     ASSERT_TRUE(gpu.ok()) << gpu.status();

@@ -179,3 +179,26 @@ def test_plan_micro_batches(client):
     with pytest.raises(packd.PackdError) as e:
         client.plan_micro_batches([1, -1], 10)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_documents_and_varlen_kwargs(client):
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    ids = torch.tensor([[4, 4, 9, 4, 5, 5], [5, 5, 6, 0, 0, 0]], dtype=torch.int16)
+    x = random_tensor(torch.bfloat16, (2, 6, 3))
+    r = client.pack(x, mask, with_position_ids=True, segment_ids=ids,
+                    cu_seqlens_dtype=torch.int32)
+    assert same(x[mask], r.packed)
+    assert r.doc_cu_seqlens.tolist() == [0, 3, 5, 7, 8]
+    assert r.doc_cu_seqlens.dtype == torch.int32
+    assert r.doc_row.tolist() == [0, 0, 1, 1]
+    assert r.doc_last_index.tolist() == [3, 5, 1, 2]
+    assert r.doc_max_seqlen == 3
+    assert r.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 0]
+    kw = packd.varlen_kwargs(r)
+    assert kw["cu_seqlens_q"].tolist() == [0, 3, 5, 7, 8] and kw["max_seqlen_k"] == 3
+    assert kw["cu_seqlens_k"].dtype == torch.int32
+    plain = client.pack(x, mask)
+    assert plain.doc_cu_seqlens is None
+    assert packd.varlen_kwargs(plain)["cu_seqlens_q"].tolist() == [0, 5, 8]
+    with pytest.raises(ValueError):
+        client.pack(x, mask, segment_ids=ids.float())
