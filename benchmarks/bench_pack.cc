@@ -29,11 +29,15 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
+#include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
 #include "kernels/torch/torch_interop.h"
@@ -454,6 +458,84 @@ void RunTokenIds(const Config& c, std::mt19937_64& rng, Bench& bench) {
   }
 }
 
+// Segment ids of documents of 64 to 1024 tokens laid end to end in each row.
+at::Tensor DocumentIds(std::mt19937_64& rng, int64_t B, int64_t S) {
+  at::Tensor ids = at::empty({B, S}, at::kInt);
+  int32_t* p = ids.data_ptr<int32_t>();
+  std::uniform_int_distribution<int64_t> len(64, 1024);
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t id = 0;
+    for (int64_t s = 0; s < S;) {
+      const int64_t end = std::min(S, s + len(rng));
+      for (; s < end; ++s) p[b * S + s] = id;
+      ++id;
+    }
+  }
+  return ids;
+}
+
+// The mask scan against a memcpy of the mask's bytes, and what documents
+// (segment ids) add to a pack: token ids [64, 4096] int64 and hidden states
+// [16, 1024, 4096] bf16 at density 0.3.
+void RunScanAndDocuments(const Config& c, std::mt19937_64& rng) {
+  const int64_t tb = c.token_rows, ts = c.token_len;
+  const int64_t hb = c.prompts * c.g_sizes[0], hs = c.lens[0];
+  std::printf(
+      "\nmask scan and documents (median of %d; ratios: the limit or the same "
+      "pack without segment ids over this row)\n",
+      c.repeats);
+  std::printf("%-44s %-22s %8s %10s %8s\n", "what", "shape", "density", "ms",
+              "ratio");
+  Backend* span = *Registry::Get(Device::Cpu());
+  const Stream no_stream;
+  for (double density : {0.1, 0.5, 1.0}) {
+    const at::Tensor mask = MakeMask(rng, tb, ts, density, MaskPattern::kHoles);
+    at::Tensor copy = at::zeros_like(mask);
+    const double limit = MedianMs(c.repeats, [&] {
+      std::memcpy(copy.data_ptr(), mask.data_ptr(), mask.nbytes());
+    });
+    const double scan = MedianMs(c.repeats, [&] {
+      if (!span->Plan(AsView(mask), no_stream).ok()) std::exit(1);
+    });
+    const std::string shape = absl::StrFormat("[%d, %d] bool", tb, ts);
+    std::printf("%-44s %-22s %8.2f %10.4f %8.2f\n",
+                "memcpy of the mask bytes (limit)", shape.c_str(), density,
+                limit, 1.0);
+    std::printf("%-44s %-22s %8.2f %10.4f %8.2f\n", "mask scan (plan)",
+                shape.c_str(), density, scan, limit / scan);
+  }
+  auto pair = [&](const char* name, const at::Tensor& x, const at::Tensor& mask,
+                  const at::Tensor& ids, double density) {
+    const std::vector<TensorView> inputs = {AsView(x)};
+    PackOptions plain, docs;
+    docs.segment_ids = AsView(ids);
+    const double a = MedianMs(c.repeats, [&] {
+      if (!Pack(inputs, AsView(mask), plain).ok()) std::exit(1);
+    });
+    const double b = MedianMs(c.repeats, [&] {
+      if (!Pack(inputs, AsView(mask), docs).ok()) std::exit(1);
+    });
+    const std::string shape =
+        absl::StrFormat("[%s] %s", absl::StrJoin(x.sizes(), ", "),
+                        DTypeName(FromScalarType(x.scalar_type())));
+    std::printf("%-44s %-22s %8.2f %10.4f %8s\n",
+                absl::StrCat("pack ", name).c_str(), shape.c_str(), density, a,
+                "");
+    std::printf("%-44s %-22s %8.2f %10.4f %8.2f\n",
+                absl::StrCat("pack ", name, " + segment ids").c_str(),
+                shape.c_str(), density, b, b / a);
+  };
+  const at::Tensor ids = at::randint(0, 1 << 30, {tb, ts}, at::kLong);
+  const at::Tensor token_mask = MakeMask(rng, tb, ts, 0.5, MaskPattern::kHoles);
+  pair("token ids", ids, token_mask, DocumentIds(rng, tb, ts), 0.5);
+  const at::Tensor hidden =
+      at::randint(-1000, 1000, {hb, hs, c.hidden}, at::kFloat)
+          .to(at::kBFloat16);
+  const at::Tensor hidden_mask =
+      MakeMask(rng, hb, hs, 0.3, MaskPattern::kPrefix);
+  pair("hidden states", hidden, hidden_mask, DocumentIds(rng, hb, hs), 0.3);
+}
+
 void PrintMemory(const std::vector<std::string>& memory_lines) {
   std::printf(
       "\nmemory: logits for every position (B*S*V) against "
@@ -495,6 +577,7 @@ int Main(int argc, char** argv) {
   bench.Print();
   bench.PrintRatios();
   PrintMemory(memory_lines);
+  RunScanAndDocuments(*config, rng);
   if (!absl::GetFlag(FLAGS_json).empty()) {
     bench.WriteJson(absl::GetFlag(FLAGS_json));
   }

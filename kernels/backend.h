@@ -37,6 +37,15 @@ class MaskPlan {
   bool all_active() const { return total_active() == batch * seq; }
 };
 
+// Documents within rows (DESIGN.md section 8), in packed order: document d is
+// packed rows cu[d] .. cu[d + 1] of row row[d], its last token at dense s
+// last_index[d]. cu ends with total_active.
+struct DocumentCuts {
+  std::vector<int64_t> cu;
+  std::vector<int64_t> row;
+  std::vector<int64_t> last_index;
+};
+
 // One implementation of both ops, pack and scatter, for one kind of device
 // ("span" and "torch" on cpu, "gpu" on cuda or hip). It works on memory of the
 // device that the DeviceRuntime of its kind gives it, and queues its work on
@@ -67,12 +76,25 @@ class Backend {
                                const Stream& stream) = 0;
 
   // The flattened dense position (b * S + s) of every packed row, in host
-  // memory: `positions` gets total_active entries. For documents (segment
-  // ids), whose last tokens are reported by position.
+  // memory: `positions` gets total_active entries.
   virtual absl::Status PackedPositions(const MaskPlan& plan,
                                        std::vector<int64_t>* positions,
                                        const Stream& stream) = 0;
+
+  // Cuts the active tokens of each row into documents where `segment_ids`
+  // ([B, S], an integer dtype, on the plan's device) changes between
+  // consecutive active tokens; every row starts one. The default gathers the
+  // ids with the plan and cuts on the host (any device); a backend that can
+  // read the mask's plan on the host does it in one pass instead.
+  virtual absl::Status Documents(const MaskPlan& plan,
+                                 const TensorView& segment_ids,
+                                 DocumentCuts* out, const Stream& stream);
 };
+
+// The documents of a row-major run of packed tokens given their segment ids
+// (as int64) and dense positions: the host half of Backend::Documents.
+void CutDocuments(const MaskPlan& plan, const std::vector<int64_t>& ids,
+                  const std::vector<int64_t>& positions, DocumentCuts* out);
 
 }  // namespace packd
 

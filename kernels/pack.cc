@@ -241,61 +241,13 @@ using OpFn = std::function<absl::Status(
 // implementation and runtime, stage host tensors to the device, scan the mask
 // once, place the results, run the op on every source, copy host-bound
 // results back, and wait for the device. Returns the results and the plan.
-// What a call with segment ids learns besides its results: the segment id and
-// the dense position of every packed row, on the host.
-struct PackedSegments {
-  std::vector<int64_t> ids;
-  std::vector<int64_t> positions;
-};
-
-// Segment ids gathered with the call's plan and brought to the host.
-absl::Status GatherSegments(Backend& backend, DeviceRuntime& runtime,
-                            const MaskPlan& plan, const TensorView& ids,
-                            const Stream& stream, PackedSegments* out) {
-  const int64_t total = plan.total_active();
-  const int64_t item = ItemSize(ids.dtype);
-  PACKD_ASSIGN_OR_RETURN(Buffer packed,
-                         runtime.Allocate(total * item, stream.device()));
-  TensorView view;
-  view.data = packed.data();
-  view.dtype = ids.dtype;
-  view.shape = {total};
-  view.device = stream.device();
-  PACKD_RETURN_IF_ERROR(backend.Gather(plan, ids, view, stream));
-  std::vector<char> host(total * item);
-  PACKD_RETURN_IF_ERROR(
-      runtime.CopyToHost(host.data(), packed.data(), host.size(), stream));
-  out->ids.resize(total);
-  for (int64_t k = 0; k < total; ++k) {
-    const char* p = host.data() + k * item;
-    switch (ids.dtype) {
-      case DType::kUInt8:
-        out->ids[k] = *reinterpret_cast<const uint8_t*>(p);
-        break;
-      case DType::kInt8:
-        out->ids[k] = *reinterpret_cast<const int8_t*>(p);
-        break;
-      case DType::kInt16:
-        out->ids[k] = *reinterpret_cast<const int16_t*>(p);
-        break;
-      case DType::kInt32:
-        out->ids[k] = *reinterpret_cast<const int32_t*>(p);
-        break;
-      default:
-        out->ids[k] = *reinterpret_cast<const int64_t*>(p);
-        break;
-    }
-  }
-  return backend.PackedPositions(plan, &out->positions, stream);
-}
-
 absl::StatusOr<std::vector<ResultTensor>> RunCall(
     const CallOptions& options, const CallDevice& call,
     absl::Span<const TensorView> sources, const TensorView& mask,
     const ShapesFn& result_shapes, const OpFn& op,
     std::unique_ptr<MaskPlan>* plan,
     const std::optional<TensorView>& segment_ids = std::nullopt,
-    PackedSegments* segments = nullptr) {
+    DocumentCuts* documents = nullptr) {
   PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime,
                          Registry::Runtime(call.device));
   PACKD_ASSIGN_OR_RETURN(Backend * backend,
@@ -323,8 +275,7 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
   if (segment_ids.has_value()) {
     TensorView ids = *segment_ids;
     PACKD_RETURN_IF_ERROR(staging.Upload(&ids));
-    PACKD_RETURN_IF_ERROR(
-        GatherSegments(*backend, *runtime, **plan, ids, stream, segments));
+    PACKD_RETURN_IF_ERROR(backend->Documents(**plan, ids, documents, stream));
   }
   PACKD_RETURN_IF_ERROR(staging.Download());
   // The call's work is complete when it returns: results on the device are
@@ -365,10 +316,10 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   };
   std::unique_ptr<MaskPlan> plan;
   PackResult result;
-  PackedSegments segments;
+  DocumentCuts documents;
   PACKD_ASSIGN_OR_RETURN(
       result.packed, RunCall(options, call, inputs, mask, shapes, gather, &plan,
-                             options.segment_ids, &segments));
+                             options.segment_ids, &documents));
 
   const int64_t total = plan->total_active();
   result.total_active = total;
@@ -377,25 +328,9 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
                                  plan->cu_seqlens[b + 1] - plan->cu_seqlens[b]);
   }
   if (options.segment_ids.has_value()) {
-    // Documents: a row's active tokens, cut where the segment id changes from
-    // one to the next; every row starts one.
-    const int64_t seq = mask.shape[1];
-    for (size_t b = 0; b + 1 < plan->cu_seqlens.size(); ++b) {
-      for (int64_t k = plan->cu_seqlens[b]; k < plan->cu_seqlens[b + 1]; ++k) {
-        if (k == plan->cu_seqlens[b] ||
-            segments.ids[k] != segments.ids[k - 1]) {
-          if (!result.doc_cu_seqlens.empty()) {
-            result.doc_last_index.push_back(segments.positions[k - 1] % seq);
-          }
-          result.doc_cu_seqlens.push_back(k);
-          result.doc_row.push_back(static_cast<int64_t>(b));
-        }
-      }
-    }
-    if (!result.doc_cu_seqlens.empty()) {
-      result.doc_last_index.push_back(segments.positions[total - 1] % seq);
-    }
-    result.doc_cu_seqlens.push_back(total);
+    result.doc_cu_seqlens = std::move(documents.cu);
+    result.doc_row = std::move(documents.row);
+    result.doc_last_index = std::move(documents.last_index);
     for (size_t d = 0; d + 1 < result.doc_cu_seqlens.size(); ++d) {
       result.doc_max_seqlen =
           std::max(result.doc_max_seqlen,

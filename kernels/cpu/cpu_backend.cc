@@ -139,6 +139,44 @@ void ScanMask(const U* m, U magnitude, CpuPlan& plan) {
   for (int64_t r : runs) plan.num_runs += r;
 }
 
+// Documents of rows [0, B) in one pass over the plan's active flags and the
+// ids: branch-free but for the rare document start, so fragmented masks cost
+// no mispredictions.
+template <typename T>
+void CutDocumentRows(const CpuPlan& plan, const T* ids, DocumentCuts* out) {
+  const int64_t S = plan.seq;
+  int64_t last_s = -1;
+  for (int64_t b = 0; b < plan.batch; ++b) {
+    const int64_t k0 = plan.cu_seqlens[b];
+    if (plan.cu_seqlens[b + 1] == k0) continue;
+    const uint8_t* act = plan.active.data() + b * S;
+    const T* row = ids + b * S;
+    // Arithmetic selects rather than branches: under a fragmented mask the
+    // active flag is unpredictable; a document start is rare.
+    int64_t k = k0, row_last = -1;
+    int64_t prev = 0, first = 1;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t on = act[s];
+      const int64_t v = static_cast<int64_t>(row[s]);
+      const int64_t start = on & (first | (v != prev));
+      if (__builtin_expect(start, 0)) {
+        if (!out->cu.empty()) {
+          out->last_index.push_back(out->row.back() == b ? row_last : last_s);
+        }
+        out->cu.push_back(k);
+        out->row.push_back(b);
+      }
+      prev += (v - prev) * on;
+      first &= on ^ 1;
+      row_last += (s - row_last) * on;
+      k += on;
+    }
+    last_s = row_last;
+  }
+  if (!out->cu.empty()) out->last_index.push_back(last_s);
+  out->cu.push_back(plan.total_active());
+}
+
 // The number of pieces to split `bytes` of work into.
 int Pieces(int64_t bytes) {
   const int64_t by_size = std::max<int64_t>(1, bytes / kMinBytesPerPiece);
@@ -315,6 +353,34 @@ class SpanBackend : public Backend {
         break;
     }
     return plan;
+  }
+
+  absl::Status Documents(const MaskPlan& base, const TensorView& segment_ids,
+                         DocumentCuts* out, const Stream&) override {
+    const auto& plan = static_cast<const CpuPlan&>(base);
+    switch (segment_ids.dtype) {
+      case DType::kUInt8:
+        CutDocumentRows(plan, static_cast<const uint8_t*>(segment_ids.data),
+                        out);
+        break;
+      case DType::kInt8:
+        CutDocumentRows(plan, static_cast<const int8_t*>(segment_ids.data),
+                        out);
+        break;
+      case DType::kInt16:
+        CutDocumentRows(plan, static_cast<const int16_t*>(segment_ids.data),
+                        out);
+        break;
+      case DType::kInt32:
+        CutDocumentRows(plan, static_cast<const int32_t*>(segment_ids.data),
+                        out);
+        break;
+      default:
+        CutDocumentRows(plan, static_cast<const int64_t*>(segment_ids.data),
+                        out);
+        break;
+    }
+    return absl::OkStatus();
   }
 
   absl::Status PackedPositions(const MaskPlan& base,

@@ -1,0 +1,77 @@
+#include "kernels/backend.h"
+
+#include <utility>
+
+#include "kernels/registry.h"
+#include "kernels/status_macros.h"
+
+namespace packd {
+namespace {
+
+// The value of element k of an integer tensor's bytes, as int64.
+int64_t IntAt(const char* data, DType dtype, int64_t k) {
+  switch (dtype) {
+    case DType::kUInt8:
+      return reinterpret_cast<const uint8_t*>(data)[k];
+    case DType::kInt8:
+      return reinterpret_cast<const int8_t*>(data)[k];
+    case DType::kInt16:
+      return reinterpret_cast<const int16_t*>(data)[k];
+    case DType::kInt32:
+      return reinterpret_cast<const int32_t*>(data)[k];
+    default:
+      return reinterpret_cast<const int64_t*>(data)[k];
+  }
+}
+
+}  // namespace
+
+void CutDocuments(const MaskPlan& plan, const std::vector<int64_t>& ids,
+                  const std::vector<int64_t>& positions, DocumentCuts* out) {
+  const int64_t total = plan.total_active();
+  for (size_t b = 0; b + 1 < plan.cu_seqlens.size(); ++b) {
+    for (int64_t k = plan.cu_seqlens[b]; k < plan.cu_seqlens[b + 1]; ++k) {
+      if (k == plan.cu_seqlens[b] || ids[k] != ids[k - 1]) {
+        if (!out->cu.empty()) {
+          out->last_index.push_back(positions[k - 1] % plan.seq);
+        }
+        out->cu.push_back(k);
+        out->row.push_back(static_cast<int64_t>(b));
+      }
+    }
+  }
+  if (!out->cu.empty()) {
+    out->last_index.push_back(positions[total - 1] % plan.seq);
+  }
+  out->cu.push_back(total);
+}
+
+absl::Status Backend::Documents(const MaskPlan& plan,
+                                const TensorView& segment_ids,
+                                DocumentCuts* out, const Stream& stream) {
+  PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime,
+                         Registry::Runtime(stream.device()));
+  const int64_t total = plan.total_active();
+  const int64_t item = ItemSize(segment_ids.dtype);
+  PACKD_ASSIGN_OR_RETURN(Buffer packed,
+                         runtime->Allocate(total * item, stream.device()));
+  TensorView view;
+  view.data = packed.data();
+  view.dtype = segment_ids.dtype;
+  view.shape = {total};
+  view.device = stream.device();
+  PACKD_RETURN_IF_ERROR(Gather(plan, segment_ids, view, stream));
+  std::vector<char> host(total * item);
+  PACKD_RETURN_IF_ERROR(
+      runtime->CopyToHost(host.data(), packed.data(), host.size(), stream));
+  std::vector<int64_t> ids(total);
+  for (int64_t k = 0; k < total; ++k) {
+    ids[k] = IntAt(host.data(), segment_ids.dtype, k);
+  }
+  std::vector<int64_t> positions;
+  PACKD_RETURN_IF_ERROR(PackedPositions(plan, &positions, stream));
+  CutDocuments(plan, ids, positions, out);
+  return absl::OkStatus();
+}
+
+}  // namespace packd
