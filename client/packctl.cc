@@ -6,6 +6,7 @@
 //   packctl probe --max_latency_ms=50  # one small Pack round trip; a Kubernetes exec probe
 //   packctl pack --shape=16,1024,4096 --dtype=bfloat16 --density=0.3
 //   packctl bench --concurrency=4 --duration=10 --transport=shm --json=out.json
+//   packctl plan --samples=1024 --distribution=lognormal --max_tokens=16384 --ranks=8
 // clang-format on
 //
 // Exit codes: 0 ok; 1 a check failed (not serving, too slow, wrong result); 2
@@ -36,6 +37,7 @@
 #include "kernels/dtype.h"
 #include "kernels/mask_patterns.h"
 #include "kernels/torch/torch_interop.h"
+#include "planner/planner.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051",
           "packd address: HOST:PORT or unix:PATH");
@@ -55,6 +57,17 @@ ABSL_FLAG(int, concurrency, 1, "bench: calls in flight");
 ABSL_FLAG(double, duration, 5, "bench: seconds to run");
 ABSL_FLAG(std::string, transport, "inline",
           "bench: inline bytes or shm (shared-memory handles)");
+ABSL_FLAG(std::string, lengths_file, "",
+          "plan: sample lengths, one per line (else generated: --samples, "
+          "--distribution)");
+ABSL_FLAG(int, samples, 1024, "plan: how many lengths to generate");
+ABSL_FLAG(std::string, distribution, "lognormal",
+          "plan: lognormal (RL rollouts up to 8192), uniform (1-4096) or "
+          "bimodal (64-128 and 8000-8192)");
+ABSL_FLAG(int64_t, max_tokens, 16384, "plan: token budget of a micro-batch");
+ABSL_FLAG(int, ranks, 8, "plan: data-parallel ranks");
+ABSL_FLAG(int, multiple, 1,
+          "plan: micro-batches per rank are a multiple of this");
 ABSL_FLAG(std::string, json, "",
           "bench: also write the summary as JSON to this file");
 
@@ -344,15 +357,102 @@ int Bench() {
   return kOk;
 }
 
+absl::StatusOr<std::vector<int64_t>> PlanLengths() {
+  std::vector<int64_t> lengths;
+  const std::string file = absl::GetFlag(FLAGS_lengths_file);
+  if (!file.empty()) {
+    std::ifstream f(file);
+    if (!f)
+      return absl::InvalidArgumentError("cannot read --lengths_file=" + file);
+    std::string line;
+    while (std::getline(f, line)) {
+      if (line.empty()) continue;
+      int64_t v = 0;
+      if (!absl::SimpleAtoi(line, &v)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--lengths_file: \"", line, "\" is not a length"));
+      }
+      lengths.push_back(v);
+    }
+    return lengths;
+  }
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string d = absl::GetFlag(FLAGS_distribution);
+  const int n = std::max(0, absl::GetFlag(FLAGS_samples));
+  std::lognormal_distribution<double> lognormal(6.8, 1.0);
+  std::uniform_int_distribution<int64_t> uniform(1, 4096), short_len(64, 128),
+      long_len(8000, 8192);
+  for (int i = 0; i < n; ++i) {
+    if (d == "lognormal") {
+      lengths.push_back(
+          std::clamp<int64_t>(static_cast<int64_t>(lognormal(rng)), 1, 8192));
+    } else if (d == "uniform") {
+      lengths.push_back(uniform(rng));
+    } else if (d == "bimodal") {
+      lengths.push_back(i % 8 == 0 ? long_len(rng) : short_len(rng));
+    } else {
+      return absl::InvalidArgumentError(
+          "--distribution must be lognormal, uniform or bimodal");
+    }
+  }
+  return lengths;
+}
+
+int PlanCommand(Client& client) {
+  absl::StatusOr<std::vector<int64_t>> lengths = PlanLengths();
+  if (!lengths.ok())
+    return Fail(kUsage, std::string(lengths.status().message()));
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = absl::GetFlag(FLAGS_max_tokens);
+  options.num_ranks = absl::GetFlag(FLAGS_ranks);
+  options.micro_batch_multiple = absl::GetFlag(FLAGS_multiple);
+  absl::StatusOr<v1::PlanResponse> plan =
+      client.PlanMicroBatches(*lengths, options.max_tokens_per_micro_batch,
+                              options.num_ranks, options.micro_batch_multiple);
+  if (!plan.ok()) return Fail(kRpcError, plan.status().ToString());
+  int64_t total = 0;
+  for (int64_t v : *lengths) total += v;
+  std::printf("%zu samples, %lld tokens, %d ranks, budget %lld, multiple %d\n",
+              lengths->size(), static_cast<long long>(total), options.num_ranks,
+              static_cast<long long>(options.max_tokens_per_micro_batch),
+              std::max(1, options.micro_batch_multiple));
+  std::printf("packd:       %lld micro-batches per rank, imbalance %.6f\n",
+              static_cast<long long>(plan->micro_batches_per_rank()),
+              plan->imbalance());
+  std::printf("lower bound: %lld\n",
+              static_cast<long long>(MicroBatchLowerBound(*lengths, options)));
+  absl::StatusOr<Plan> peer = PlanMicroBatchesLikeVerl(*lengths, {}, options);
+  if (peer.ok()) {
+    std::printf("peer (verl): %lld micro-batches per rank, imbalance %.6f\n",
+                static_cast<long long>(peer->micro_batches_per_rank),
+                peer->imbalance);
+  }
+  std::printf(
+      "global_loss_tokens: %lld (divide the summed token loss by this)\n",
+      static_cast<long long>(plan->global_loss_tokens()));
+  for (int r = 0; r < std::max(1, options.num_ranks); ++r) {
+    std::string line;
+    int64_t tokens = 0;
+    for (const v1::MicroBatch& mb : plan->micro_batches()) {
+      if (mb.rank() != r) continue;
+      absl::StrAppend(&line, line.empty() ? "" : " ", mb.tokens());
+      tokens += mb.tokens();
+    }
+    std::printf("rank %-3d %10lld tokens: %s\n", r,
+                static_cast<long long>(tokens), line.c_str());
+  }
+  return kOk;
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "packctl [--address=HOST:PORT|unix:PATH] <health|info|probe|pack|bench> "
-      "[flags]");
+      "packctl [--address=HOST:PORT|unix:PATH] "
+      "<health|info|probe|pack|bench|plan> [flags]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     return Fail(
         kUsage,
-        "usage: packctl [--address=...] <health|info|probe|pack|bench>");
+        "usage: packctl [--address=...] <health|info|probe|pack|bench|plan>");
   }
   const std::string command = args[1];
   if (command == "bench") return Bench();
@@ -362,9 +462,10 @@ int Main(int argc, char** argv) {
   if (command == "info") return Info(**client);
   if (command == "probe") return Probe(**client);
   if (command == "pack") return PackCommand(**client);
+  if (command == "plan") return PlanCommand(**client);
   return Fail(kUsage,
               absl::StrCat("unknown command \"", command,
-                           "\": use health, info, probe, pack or bench"));
+                           "\": use health, info, probe, pack, bench or plan"));
 }
 
 }  // namespace

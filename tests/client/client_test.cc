@@ -335,6 +335,21 @@ TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
   EXPECT_THAT(out, HasSubstr("total_active: 256   max_seqlen: 64"));
   EXPECT_THAT(out, HasSubstr("cu_seqlens:   [0, 64, 128, 192, 256]"));
 
+  const std::string lengths = ::testing::TempDir() + "/packctl_lengths.txt";
+  {
+    std::ofstream f(lengths);
+    f << "100\n200\n300\n400\n";
+  }
+  EXPECT_EQ(
+      Packctl(at + "plan --ranks=2 --max_tokens=500 --lengths_file=" + lengths,
+              &out),
+      0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("packd:       1 micro-batches per rank, "
+                             "imbalance 1.000000"));
+  EXPECT_THAT(out, HasSubstr("global_loss_tokens: 1000"));
+  EXPECT_EQ(Packctl(at + "plan --distribution=zipf", &out), 2) << out;
+
   const std::string input = ::testing::TempDir() + "/packctl_input.bin";
   {
     std::ofstream f(input, std::ios::binary);
