@@ -15,30 +15,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "planner/planner.h"
+#include "planner/workloads.h"
 
 ABSL_FLAG(bool, smoke, false, "Small workloads, few repeats");
 ABSL_FLAG(int, seed, 7, "Random seed of the workloads");
 
 namespace packd {
 namespace {
-
-std::vector<int64_t> Lognormal(std::mt19937_64& rng, int64_t n, double mu,
-                               double sigma, int64_t max) {
-  std::lognormal_distribution<double> d(mu, sigma);
-  std::vector<int64_t> out(n);
-  for (int64_t& v : out) {
-    v = std::clamp<int64_t>(static_cast<int64_t>(d(rng)), 1, max);
-  }
-  return out;
-}
-
-std::vector<int64_t> Uniform(std::mt19937_64& rng, int64_t n, int64_t lo,
-                             int64_t hi) {
-  std::uniform_int_distribution<int64_t> d(lo, hi);
-  std::vector<int64_t> out(n);
-  for (int64_t& v : out) v = d(rng);
-  return out;
-}
 
 template <typename Fn>
 double Ms(Fn fn) {
@@ -88,22 +71,20 @@ int Main(int argc, char** argv) {
   rl.num_ranks = 8;
   rl.max_tokens_per_micro_batch = 16384;
   Row("RL rollouts, lognormal <= 8192",
-      Lognormal(rng, 1024 / scale, 6.8, 1.0, 8192), rl);
-  std::vector<int64_t> bimodal = Uniform(rng, 900 / scale, 64, 128);
-  for (int64_t v : Uniform(rng, 124 / scale, 8000, 8192)) bimodal.push_back(v);
-  std::shuffle(bimodal.begin(), bimodal.end(), rng);
-  Row("bimodal 64-128 / 8000-8192", bimodal, rl);
+      LognormalLengths(rng, 1024 / scale, 6.8, 1.0, 8192), rl);
+  Row("bimodal 64-128 / 8000-8192",
+      BimodalLengths(rng, 900 / scale, 124 / scale), rl);
   PlanOptions uni;
   uni.num_ranks = 16;
   uni.max_tokens_per_micro_batch = 8192;
   uni.micro_batch_multiple = 2;
-  Row("uniform 1-4096", Uniform(rng, 4096 / scale, 1, 4096), uni);
+  Row("uniform 1-4096", UniformLengths(rng, 4096 / scale, 1, 4096), uni);
   PlanOptions big;
   big.num_ranks = 64;
   big.max_tokens_per_micro_batch = 32768;
   big.micro_batch_multiple = 4;
   Row("65,536 lognormal over 64 ranks",
-      Lognormal(rng, 65536 / scale, 6.8, 1.0, 16384), big);
+      LognormalLengths(rng, 65536 / scale, 6.8, 1.0, 16384), big);
   std::printf(
       "\n(lower bound: ceil(total / (ranks x budget)), a sample over the "
       "budget counted as one budget, rounded up to the multiple)\n");

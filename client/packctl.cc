@@ -38,6 +38,7 @@
 #include "kernels/mask_patterns.h"
 #include "kernels/torch/torch_interop.h"
 #include "planner/planner.h"
+#include "planner/workloads.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051",
           "packd address: HOST:PORT or unix:PATH");
@@ -378,24 +379,12 @@ absl::StatusOr<std::vector<int64_t>> PlanLengths() {
   }
   std::mt19937_64 rng(std::random_device{}());
   const std::string d = absl::GetFlag(FLAGS_distribution);
-  const int n = std::max(0, absl::GetFlag(FLAGS_samples));
-  std::lognormal_distribution<double> lognormal(6.8, 1.0);
-  std::uniform_int_distribution<int64_t> uniform(1, 4096), short_len(64, 128),
-      long_len(8000, 8192);
-  for (int i = 0; i < n; ++i) {
-    if (d == "lognormal") {
-      lengths.push_back(
-          std::clamp<int64_t>(static_cast<int64_t>(lognormal(rng)), 1, 8192));
-    } else if (d == "uniform") {
-      lengths.push_back(uniform(rng));
-    } else if (d == "bimodal") {
-      lengths.push_back(i % 8 == 0 ? long_len(rng) : short_len(rng));
-    } else {
-      return absl::InvalidArgumentError(
-          "--distribution must be lognormal, uniform or bimodal");
-    }
-  }
-  return lengths;
+  const int64_t n = std::max(0, absl::GetFlag(FLAGS_samples));
+  if (d == "lognormal") return LognormalLengths(rng, n, 6.8, 1.0, 8192);
+  if (d == "uniform") return UniformLengths(rng, n, 1, 4096);
+  if (d == "bimodal") return BimodalLengths(rng, n - n / 8, n / 8);
+  return absl::InvalidArgumentError(
+      "--distribution must be lognormal, uniform or bimodal");
 }
 
 int PlanCommand(Client& client) {

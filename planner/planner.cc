@@ -397,7 +397,12 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
   // balance, and for few samples); the better one wins.
   const bool few =
       static_cast<int64_t>(lengths.size()) <= kBalancedPackingMaxSamples;
-  const int rounds = few ? 4 * c->ranks + 64 : 8;
+  // Refinement rounds: enough to walk every rank pair a few times, within
+  // about 4e6 sample pairs compared in all (a round compares the heaviest
+  // rank's samples with the lightest's).
+  const int64_t per_rank = static_cast<int64_t>(lengths.size()) / c->ranks + 1;
+  const int rounds = static_cast<int>(std::clamp<int64_t>(
+      int64_t{4000000} / (per_rank * per_rank), 8, 2 * c->ranks + 16));
   Bins bins;
   while (!TryPack(lengths, order, *c, m, &bins)) m += c->multiple;
   FillEmpty(lengths, &bins);

@@ -103,6 +103,22 @@ void PackServiceImpl::Release() {
   --in_flight_;
 }
 
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
+    grpc::CallbackServerContext* context, const char* method,
+    const Request& request, Response* response,
+    absl::Status (PackServiceImpl::*work)(const Request&, Response*)) {
+  const absl::Time start = absl::Now();
+  absl::Status status = absl::UnavailableError(
+      "packd is shutting down; retry on another replica");
+  if (Admit()) {
+    status = (this->*work)(request, response);
+    Release();
+    if (!status.ok()) CheckDefaultDevice();
+  }
+  return Finish(context, method, start, status, &request, response);
+}
+
 grpc::ServerUnaryReactor* PackServiceImpl::Finish(
     grpc::CallbackServerContext* context, const char* method, absl::Time start,
     const absl::Status& status, const google::protobuf::Message* request,
@@ -201,29 +217,15 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
 grpc::ServerUnaryReactor* PackServiceImpl::Pack(
     grpc::CallbackServerContext* context, const v1::PackRequest* request,
     v1::PackResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::Status status = absl::UnavailableError(
-      "packd is shutting down; retry on another replica");
-  if (Admit()) {
-    status = DoPack(*request, response);
-    Release();
-    if (!status.ok()) CheckDefaultDevice();
-  }
-  return Finish(context, "Pack", start, status, request, response);
+  return Admitted(context, "Pack", *request, response,
+                  &PackServiceImpl::DoPack);
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Scatter(
     grpc::CallbackServerContext* context, const v1::ScatterRequest* request,
     v1::ScatterResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::Status status = absl::UnavailableError(
-      "packd is shutting down; retry on another replica");
-  if (Admit()) {
-    status = DoScatter(*request, response);
-    Release();
-    if (!status.ok()) CheckDefaultDevice();
-  }
-  return Finish(context, "Scatter", start, status, request, response);
+  return Admitted(context, "Scatter", *request, response,
+                  &PackServiceImpl::DoScatter);
 }
 
 absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
@@ -268,14 +270,8 @@ absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
 grpc::ServerUnaryReactor* PackServiceImpl::PlanMicroBatches(
     grpc::CallbackServerContext* context, const v1::PlanRequest* request,
     v1::PlanResponse* response) {
-  const absl::Time start = absl::Now();
-  absl::Status status = absl::UnavailableError(
-      "packd is shutting down; retry on another replica");
-  if (Admit()) {
-    status = DoPlan(*request, response);
-    Release();
-  }
-  return Finish(context, "PlanMicroBatches", start, status, request, response);
+  return Admitted(context, "PlanMicroBatches", *request, response,
+                  &PackServiceImpl::DoPlan);
 }
 
 void PackServiceImpl::CheckDefaultDevice() {

@@ -106,6 +106,13 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   // Admits a call unless draining; every admitted call must be released.
   bool Admit();
   void Release();
+  // Runs `work` as an admitted call (UNAVAILABLE while draining), checks the
+  // default device after a failure, and finishes the call.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Admitted(
+      grpc::CallbackServerContext* context, const char* method,
+      const Request& request, Response* response,
+      absl::Status (PackServiceImpl::*work)(const Request&, Response*));
   // Finishes the call with `status` and records it in the metrics: latency
   // since `start`, and the message sizes when given.
   grpc::ServerUnaryReactor* Finish(

@@ -12,6 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/workloads.h"
 
 namespace packd {
 namespace {
@@ -26,24 +27,6 @@ std::mt19937_64 Fresh() {
 }
 
 // Lengths of RL rollouts: lognormal, clipped to [1, max].
-std::vector<int64_t> Lognormal(std::mt19937_64& rng, int64_t n, double mu,
-                               double sigma, int64_t max) {
-  std::lognormal_distribution<double> d(mu, sigma);
-  std::vector<int64_t> out(n);
-  for (int64_t& v : out) {
-    v = std::clamp<int64_t>(static_cast<int64_t>(d(rng)), 1, max);
-  }
-  return out;
-}
-
-std::vector<int64_t> Uniform(std::mt19937_64& rng, int64_t n, int64_t lo,
-                             int64_t hi) {
-  std::uniform_int_distribution<int64_t> d(lo, hi);
-  std::vector<int64_t> out(n);
-  for (int64_t& v : out) v = d(rng);
-  return out;
-}
-
 TEST(Planner, KeepsEveryRuleOnRandomInputs) {
   std::mt19937_64 rng = Fresh();
   const std::vector<int64_t> sizes = {0, 1, 2, 3, 7, 64, 100, 1000, 5000};
@@ -53,7 +36,8 @@ TEST(Planner, KeepsEveryRuleOnRandomInputs) {
     options.num_ranks = static_cast<int32_t>(rng() % 65);  // 0 means 1
     options.micro_batch_multiple = static_cast<int32_t>(rng() % 9);
     options.max_tokens_per_micro_batch = 1 + rng() % 5000;
-    std::vector<int64_t> lengths = Uniform(rng, n, 0, 6000);  // some over
+    std::vector<int64_t> lengths =
+        UniformLengths(rng, n, 0, 6000);  // some over
     for (int64_t& v : lengths) {
       if (rng() % 10 == 0) v = 0;
     }
@@ -85,7 +69,8 @@ TEST(Planner, OneHundredThousandSamples) {
   options.num_ranks = 64;
   options.micro_batch_multiple = 4;
   options.max_tokens_per_micro_batch = 32768;
-  const std::vector<int64_t> lengths = Lognormal(rng, 100000, 6.5, 1.0, 40000);
+  const std::vector<int64_t> lengths =
+      LognormalLengths(rng, 100000, 6.5, 1.0, 40000);
   absl::StatusOr<Plan> plan = PlanMicroBatches(lengths, {}, options);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_TRUE(CheckPlan(*plan, lengths, {}, options).ok());
@@ -135,17 +120,15 @@ std::vector<Workload> Workloads(std::mt19937_64& rng) {
   PlanOptions rl;
   rl.num_ranks = 8;
   rl.max_tokens_per_micro_batch = 16384;
+  w.push_back({"1024 lognormal rollouts",
+               LognormalLengths(rng, 1024, 6.8, 1.0, 8192), rl});
   w.push_back(
-      {"1024 lognormal rollouts", Lognormal(rng, 1024, 6.8, 1.0, 8192), rl});
-  std::vector<int64_t> bimodal = Uniform(rng, 900, 64, 128);
-  for (int64_t v : Uniform(rng, 124, 8000, 8192)) bimodal.push_back(v);
-  std::shuffle(bimodal.begin(), bimodal.end(), rng);
-  w.push_back({"bimodal 64-128 and 8000-8192", bimodal, rl});
+      {"bimodal 64-128 and 8000-8192", BimodalLengths(rng, 900, 124), rl});
   PlanOptions uni;
   uni.num_ranks = 16;
   uni.max_tokens_per_micro_batch = 8192;
   uni.micro_batch_multiple = 2;
-  w.push_back({"4096 uniform 1-4096", Uniform(rng, 4096, 1, 4096), uni});
+  w.push_back({"4096 uniform 1-4096", UniformLengths(rng, 4096, 1, 4096), uni});
   return w;
 }
 
