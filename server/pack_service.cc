@@ -1,6 +1,7 @@
 #include "server/pack_service.h"
 
 #include <algorithm>
+#include <exception>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,7 +113,18 @@ grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
   absl::Status status = absl::UnavailableError(
       "packd is shutting down; retry on another replica");
   if (Admit()) {
-    status = (this->*work)(request, response);
+    // Nothing a handler throws (an allocation that failed, a library's
+    // exception) may leave the call admitted or reach gRPC, which would answer
+    // UNIMPLEMENTED: it becomes INTERNAL with its message.
+    try {
+      status = (this->*work)(request, response);
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
+      response->Clear();
+    } catch (...) {
+      status = absl::InternalError(absl::StrCat(method, " failed"));
+      response->Clear();
+    }
     Release();
     if (!status.ok()) CheckDefaultDevice();
   }
@@ -146,8 +158,11 @@ template <typename Request, typename Response, typename Field, typename Op>
 absl::Status PackServiceImpl::RunCall(const char* method,
                                       const Request& request,
                                       Response* response, Field* results,
-                                      int64_t reserved, Op&& op) {
+                                      int64_t bytes_per_row, Op&& op) {
   PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder_.Decode(request));
+  // The decoder has held the mask's rows against the message limit, so this
+  // cannot overflow.
+  const int64_t reserved = bytes_per_row * (call.mask.shape[0] + 1);
   CallOptions options;
   options.device = call.device;
   options.allocate =
@@ -164,9 +179,6 @@ absl::Status PackServiceImpl::RunCall(const char* method,
 
 absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
                                      v1::PackResponse* response) {
-  // Room for cu_seqlens and last_index (at most 10 bytes per varint).
-  const int64_t metadata =
-      request.mask().shape_size() == 2 ? 20 * (request.mask().shape(0) + 1) : 0;
   auto pack = [&](const DecodedCall& call, const CallOptions& base)
       -> absl::StatusOr<std::vector<ResultTensor>> {
     PackOptions options;
@@ -193,7 +205,7 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
     return std::move(result.packed);
   };
   return RunCall("Pack", request, response, response->mutable_packed(),
-                 metadata, pack);
+                 RequestDecoder::kBytesPerMaskRow, pack);
 }
 
 absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,

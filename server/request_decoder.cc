@@ -75,6 +75,25 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   }
   PACKD_ASSIGN_OR_RETURN(call.mask,
                          DecodeTensor(request.mask(), "mask", &call.held));
+  if (call.mask.shape.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mask.shape ", ShapeString(call.mask.shape),
+        " must have rank 2 ([B, S]), not ", call.mask.shape.size()));
+  }
+  // A mask of zero-length rows has no bytes, so every size check passes, but
+  // the plan and the response hold about 20 bytes per row: hold B against the
+  // limit before anything is allocated.
+  const int64_t rows = call.mask.shape[0];
+  if (rows > max_message_bytes_ / kBytesPerMaskRow) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mask has B = ", rows,
+                     " rows: their cu_seqlens and last_index alone "
+                     "need about ",
+                     kBytesPerMaskRow,
+                     " bytes each, over the server's "
+                     "limit of ",
+                     max_message_bytes_, " bytes (--max_message_bytes)"));
+  }
   call.tensors.reserve(tensors.size());
   for (int i = 0; i < tensors.size(); ++i) {
     PACKD_ASSIGN_OR_RETURN(

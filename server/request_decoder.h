@@ -42,6 +42,10 @@ struct DecodedCall {
 
 class RequestDecoder {
  public:
+  // What one mask row costs in a plan and a response (cu_seqlens and
+  // last_index as varints of up to 10 bytes).
+  static constexpr int64_t kBytesPerMaskRow = 20;
+
   // `regions` must outlive the decoder.
   RequestDecoder(const RegionRegistry& regions, Device default_device,
                  int64_t max_message_bytes)
@@ -49,7 +53,8 @@ class RequestDecoder {
         default_device_(default_device),
         max_message_bytes_(max_message_bytes) {}
 
-  // Errors: RESOURCE_EXHAUSTED when the request is over max_message_bytes;
+  // Errors: RESOURCE_EXHAUSTED when the request is over max_message_bytes, or
+  // its mask has more rows than that limit allows metadata for;
   // INVALID_ARGUMENT for a missing mask, a bad device name, a tensor whose
   // dtype, shape or byte count is wrong, or outputs of the wrong count;
   // FAILED_PRECONDITION for a device this build or machine lacks; the region

@@ -7,6 +7,7 @@
 
 #include <climits>
 #include <cstring>
+#include <exception>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -36,7 +37,13 @@ absl::Status SelfCheck(PackServiceImpl& service, const Device& device) {
   x->set_data("aAbBcCdDeEfF");
   request.set_with_position_ids(true);
   v1::PackResponse response;
-  absl::Status status = service.DoPack(request, &response);
+  absl::Status status;
+  try {
+    status = service.DoPack(request, &response);
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat(
+        "self-check pack on ", device.ToString(), " threw: ", e.what()));
+  }
   if (!status.ok()) return status;
   if (response.packed_size() != 1 || response.packed(0).data() != "aAcCfF" ||
       response.total_active() != 3 || response.cu_seqlens_size() != 3 ||

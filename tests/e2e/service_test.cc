@@ -359,6 +359,71 @@ TEST_F(ServiceTest, HealthIsServingForLivenessAndReadiness) {
             "SERVING");
 }
 
+// A [B, 0] mask has no bytes, so a 21-byte request can name B = 2^31 rows;
+// their metadata is held against the limit before anything is allocated.
+TEST(ServiceLimits, ATinyRequestForHugeBIsRefusedAtOnce) {
+  auto server = ServerProcess::Start({"--drain_seconds=30"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  for (int64_t rows : {int64_t{1} << 31, int64_t{1} << 40}) {
+    v1::PackRequest pack;
+    pack.mutable_mask()->set_dtype(v1::DTYPE_BOOL);
+    pack.mutable_mask()->add_shape(rows);
+    pack.mutable_mask()->add_shape(0);
+    v1::Tensor* x = pack.add_inputs();
+    x->set_dtype(v1::DTYPE_FLOAT32);
+    x->add_shape(rows);
+    x->add_shape(0);
+    v1::PackResponse response;
+    grpc::ClientContext c1;
+    c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::Status status = stub->Pack(&c1, pack, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << status.error_message();
+    EXPECT_THAT(status.error_message(),
+                HasSubstr(absl::StrCat("mask has B = ", rows, " rows")));
+
+    v1::ScatterRequest scatter;
+    *scatter.mutable_mask() = pack.mask();
+    scatter.add_packed()->set_dtype(v1::DTYPE_FLOAT32);
+    scatter.mutable_packed(0)->add_shape(0);
+    v1::ScatterResponse dense;
+    grpc::ClientContext c2;
+    c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    status = stub->Scatter(&c2, scatter, &dense);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << status.error_message();
+  }
+  // Nothing was left in flight: the drain is immediate.
+  const absl::Time start = absl::Now();
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(absl::Seconds(20)), 0) << server->Log();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// Whatever a handler throws becomes INTERNAL, and the call is released.
+TEST(ServiceLimits, AnExceptionInAHandlerIsInternalAndReleasesTheCall) {
+  auto server = ServerProcess::Start({"--call_throws", "--drain_seconds=30"},
+                                     ServerProcess::Binary::kTesting);
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(at::ones({1, 2}, at::kBool));
+  *request.add_inputs() = ToProto(at::zeros({1, 2}, at::kFloat));
+  v1::PackResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status = stub->Pack(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("Pack failed: injected by --call_throws"));
+  EXPECT_EQ(testing::HealthStatus(server->Channel(), "packd.v1.PackService"),
+            "SERVING");
+  const absl::Time start = absl::Now();
+  server->Signal(SIGTERM);
+  EXPECT_EQ(server->Wait(absl::Seconds(20)), 0) << server->Log();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
 TEST(ServiceLimits, OversizedRequestsAndResponsesAreResourceExhausted) {
   auto server = ServerProcess::Start({"--max_message_bytes=1048576"});
   ASSERT_NE(server, nullptr);
