@@ -254,6 +254,16 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
                          Registry::Get(call.device, options.impl));
   PACKD_ASSIGN_OR_RETURN(Stream stream, runtime->AcquireStream(call.device));
   DeviceStaging staging(runtime, &stream);
+  // However the call ends, the device is done with it before the staging
+  // buffers (released after this guard) and the caller's regions are let go.
+  struct WaitOnExit {
+    DeviceRuntime* runtime;
+    const Stream* stream;
+    bool waited = false;
+    ~WaitOnExit() {
+      if (!waited) (void)runtime->Synchronize(*stream);
+    }
+  } wait_on_exit{runtime, &stream};
 
   TensorView staged_mask = mask;
   PACKD_RETURN_IF_ERROR(staging.Upload(&staged_mask));
@@ -280,6 +290,7 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
   PACKD_RETURN_IF_ERROR(staging.Download());
   // The call's work is complete when it returns: results on the device are
   // written, and the stream goes back to the runtime idle.
+  wait_on_exit.waited = true;
   PACKD_RETURN_IF_ERROR(runtime->Synchronize(stream));
   return results;
 }

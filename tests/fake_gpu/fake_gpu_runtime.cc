@@ -36,7 +36,8 @@ struct State {
   std::map<uintptr_t, Allocation> allocations ABSL_GUARDED_BY(mu);
   std::vector<size_t> used ABSL_GUARDED_BY(mu);
   std::vector<Error> lost ABSL_GUARDED_BY(mu);
-  std::map<std::string, Error> fail_next ABSL_GUARDED_BY(mu);
+  // Injected failures: the error, and how many calls still pass first.
+  std::map<std::string, std::pair<Error, int>> fail_next ABSL_GUARDED_BY(mu);
   absl::Duration delay ABSL_GUARDED_BY(mu);
   size_t largest_pinned ABSL_GUARDED_BY(mu) = 0;
   size_t pinned_in_use ABSL_GUARDED_BY(mu) = 0;
@@ -74,7 +75,11 @@ Error Enter(const char* function, int device) {
   }
   auto it = s.fail_next.find(function);
   if (it != s.fail_next.end()) {
-    const Error e = it->second;
+    if (it->second.second > 0) {
+      --it->second.second;
+      return kSuccess;
+    }
+    const Error e = it->second.first;
     s.fail_next.erase(it);
     return Record(e);
   }
@@ -507,9 +512,9 @@ void DrainStreams() {
   for (StreamImpl* s : streams) s->Wait();
 }
 
-void FailNext(const char* function, Error error) {
+void FailNext(const char* function, Error error, int skip) {
   absl::MutexLock lock(&St().mu);
-  St().fail_next[function] = error;
+  St().fail_next[function] = {error, skip};
 }
 
 void LoseDevice(int device, Error error) { Lose(device, error); }

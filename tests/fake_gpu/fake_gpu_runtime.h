@@ -99,7 +99,8 @@ void DrainStreams();
 // The next call of `function` ("Malloc", "MallocHost", "MemcpyAsync",
 // "IpcOpenMemHandle", "Launch", ...) on any thread fails with `error` (not
 // sticky).
-void FailNext(const char* function, Error error);
+// `skip` calls of it succeed first.
+void FailNext(const char* function, Error error, int skip = 0);
 // Every later call on `device` fails with `error`, as after a fault;
 // RestoreDevice ends that (as a new process would).
 void LoseDevice(int device, Error error);

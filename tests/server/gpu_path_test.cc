@@ -240,6 +240,40 @@ TEST_F(FakeGpuTest, ReplyComesOnlyOnceTheDeviceHasFinished) {
   StopServer();
 }
 
+// A call that fails after it queued device work still waits for that work
+// before it returns: no region or staging buffer is let go under a kernel.
+TEST_F(FakeGpuTest, AFailedCallWaitsForTheWorkItQueued) {
+  StartServer();
+  testing::Rng rng = testing::Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 4, 100, 0.5, MaskPattern::kHoles);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kInt16, {4, 100, 8});
+  DeviceBuffer in(0, 2 * x.nbytes()), out(0, 2 * x.nbytes());
+  in.Put(x);
+  in.Put(x, x.nbytes());
+  ASSERT_TRUE(RegisterDevice("in2", in, "cuda:0", 2 * x.nbytes()).ok());
+  ASSERT_TRUE(RegisterDevice("out2", out, "cuda:0", 2 * x.nbytes()).ok());
+  fakegpu::testing::SetStreamDelay(absl::Milliseconds(150));
+  // Launches: the mask scan, the first gather, then the second fails.
+  fakegpu::testing::FailNext("Launch", fakegpu::kErrorLaunchFailure, 2);
+  v1::PackRequest request;
+  request.set_device("cuda:0");
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = InRegion(x, "in2", 0);
+  *request.add_inputs() = InRegion(x, "in2", x.nbytes());
+  *request.add_outputs() = Slice("out2", 0, x.nbytes());
+  *request.add_outputs() = Slice("out2", x.nbytes(), x.nbytes());
+  v1::PackResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status = stub_->Pack(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(status.error_message(), HasSubstr("unspecified launch failure"));
+  // The first gather, queued before the failure, has finished.
+  EXPECT_TRUE(
+      testing::SameBytesAt(testing::ReferencePack(x, mask), out.data()));
+  StopServer();
+}
+
 // Bug: an output slice in device memory was never checked against the call's
 // device; a CPU call memcpy'd into GPU memory.
 TEST_F(FakeGpuTest, SlicesOnAnotherDeviceThanTheCallAreRefused) {
