@@ -248,10 +248,12 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
     std::unique_ptr<MaskPlan>* plan,
     const std::optional<TensorView>& segment_ids = std::nullopt,
     DocumentCuts* documents = nullptr) {
-  PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime,
-                         Registry::Runtime(call.device));
-  PACKD_ASSIGN_OR_RETURN(Backend * backend,
-                         Registry::Get(call.device, options.impl));
+  // One device check per call (a GPU runtime asks the driver).
+  PACKD_ASSIGN_OR_RETURN(
+      const Registry::ForCall found,
+      Registry::Global().FindForCall(call.device, options.impl));
+  DeviceRuntime* const runtime = found.runtime;
+  Backend* const backend = found.backend;
   PACKD_ASSIGN_OR_RETURN(Stream stream, runtime->AcquireStream(call.device));
   DeviceStaging staging(runtime, &stream);
   // However the call ends, the device is done with it before the staging

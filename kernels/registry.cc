@@ -82,6 +82,19 @@ absl::StatusOr<DeviceRuntime*> Registry::FindRuntime(
 absl::StatusOr<Backend*> Registry::Find(const Device& device,
                                         absl::string_view impl) const {
   PACKD_RETURN_IF_ERROR(FindRuntime(device).status());
+  return FindBackend(device, impl);
+}
+
+absl::StatusOr<Registry::ForCall> Registry::FindForCall(
+    const Device& device, absl::string_view impl) const {
+  ForCall out;
+  PACKD_ASSIGN_OR_RETURN(out.runtime, FindRuntime(device));
+  PACKD_ASSIGN_OR_RETURN(out.backend, FindBackend(device, impl));
+  return out;
+}
+
+absl::StatusOr<Backend*> Registry::FindBackend(const Device& device,
+                                               absl::string_view impl) const {
   absl::MutexLock lock(&mu_);
   std::vector<std::string> names;
   for (const Entry& e : entries_) {

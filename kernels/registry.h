@@ -61,10 +61,24 @@ class Registry {
   // no such device.
   absl::StatusOr<DeviceRuntime*> FindRuntime(const Device& device) const;
 
+  // What a call on `device` runs with: its runtime and the implementation
+  // `impl` (default when empty), with the device checked once. The errors of
+  // FindRuntime and Find.
+  struct ForCall {
+    DeviceRuntime* runtime = nullptr;
+    Backend* backend = nullptr;
+  };
+  absl::StatusOr<ForCall> FindForCall(const Device& device,
+                                      absl::string_view impl = "") const;
+
   // Names of the implementations for `kind`, the default first.
   std::vector<std::string> Names(DeviceKind kind) const;
 
  private:
+  // Find without the device check.
+  absl::StatusOr<Backend*> FindBackend(const Device& device,
+                                       absl::string_view impl) const;
+
   struct Entry {
     DeviceKind kind;
     std::unique_ptr<Backend> backend;
