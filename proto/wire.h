@@ -1,0 +1,107 @@
+// Tensor-aware protobuf wire format: packd.v1 messages read from, and written
+// to, a sequence of byte chunks (gRPC's slices) without copying tensor bytes.
+//
+// The top-level packd.v1.Tensor fields of a message (PackRequest.mask, inputs,
+// segment_ids; PackResponse.packed; ...) carry their inline `data` as a
+// Payload: the chunks that hold it, in place. Everything else is small and is
+// parsed by protobuf. The bytes on the wire are exactly the protobuf encoding
+// of the message, so plain protobuf peers cannot tell the difference.
+//
+// clang-format off
+//   PACKD_RETURN_IF_ERROR(ParseWithPayloads(chunks, "PackRequest", &request, &payloads));
+//   Spliced out = SerializeWithPayloads(response, payloads);
+// clang-format on
+#ifndef PACKD_PROTO_WIRE_H_
+#define PACKD_PROTO_WIRE_H_
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "google/protobuf/message.h"
+#include "packd/v1/pack_service.pb.h"
+
+namespace packd {
+
+// Inline tensor bytes, in place: the concatenation of `pieces`.
+struct Payload {
+  std::vector<absl::string_view> pieces;
+  int64_t size = 0;
+
+  // A payload of one contiguous range.
+  static Payload Of(const void* data, int64_t bytes);
+  // Whether the bytes are contiguous (one piece, or none).
+  bool contiguous() const { return pieces.size() <= 1; }
+  // The first byte when contiguous (nullptr for an empty payload).
+  const char* data() const {
+    return pieces.empty() ? nullptr : pieces.front().data();
+  }
+  // Copies bytes [offset, offset + n) to `out`. Precondition: the range lies
+  // within the payload.
+  void CopyOut(int64_t offset, int64_t n, char* out) const;
+};
+
+// The payload of each inline tensor of a message, by the tensor it belongs to.
+// A tensor of the message not listed here has its bytes (if any) in its own
+// `data` field.
+using Payloads = absl::flat_hash_map<const v1::Tensor*, Payload>;
+
+// Parses the bytes `chunks` hold as `message` (cleared first). Tensor fields at
+// the top level keep their inline bytes in place: their `data` is set empty
+// and `payloads` gets the bytes, which live as long as the chunks. Protobuf's
+// rules hold: fields in any order, repeated fields appended, singular messages
+// merged, the last of a oneof winning, unknown fields kept.
+// INVALID_ARGUMENT naming `what` (the message type, as the caller calls it),
+// the field and its byte offset when the bytes do not parse: a truncated tag,
+// varint or field, a length past the end of its message, a bad wire type or
+// field number, or a field protobuf refuses (such as a string that is not
+// UTF-8).
+absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
+                               absl::string_view what,
+                               google::protobuf::Message* message,
+                               Payloads* payloads);
+
+// A message to send: `header` holds every byte but the payloads, and payload
+// i goes in at byte `inserts[i].first` of `header` (in order).
+struct Spliced {
+  std::string header;
+  std::vector<std::pair<size_t, absl::string_view>> inserts;
+
+  int64_t size() const;
+  // For tests and plain transports: the message as one string.
+  std::string Flatten() const;
+};
+
+// `message` serialized with the top-level tensors in `payloads` carrying those
+// bytes as their `data`: the protobuf encoding of the message those tensors'
+// data fields set (their own `data` and `region` are ignored). Other tensors
+// are written as they are.
+Spliced SerializeWithPayloads(const google::protobuf::Message& message,
+                              const Payloads& payloads);
+
+// gRPC's side. The chunks of a received message: views of the slices of
+// `buffer`, which `slices` holds (they must outlive the views). INTERNAL when
+// gRPC cannot read the buffer.
+absl::Status ReadChunks(const grpc::ByteBuffer& buffer,
+                        std::vector<grpc::Slice>* slices,
+                        std::vector<absl::string_view>* chunks);
+
+// `message` as a ByteBuffer to send: its header copied once into one slice,
+// its payloads wrapped without a copy in slices that hold `keep_alive` (the
+// owner of the payloads' memory) until gRPC releases them.
+grpc::ByteBuffer ToByteBuffer(const Spliced& message,
+                              std::shared_ptr<const void> keep_alive);
+
+}  // namespace packd
+
+#endif  // PACKD_PROTO_WIRE_H_
