@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
+#include "google/protobuf/stubs/logging.h"
 #include "kernels/status_macros.h"
 
 namespace packd {
@@ -264,6 +265,8 @@ absl::Status ParseTensor(Reader& reader, int64_t length,
         end, number, wire_type, absl::StrCat(field, " field ", number)));
     CopyField(start, reader, &rest);
   }
+  // Protobuf would also log what it refuses: the status says it instead.
+  google::protobuf::LogSilencer silence;
   if (!rest.empty() && !tensor->MergeFromString(rest)) {
     return reader.Error(end - length, field,
                         "protobuf refuses its fields (a dtype, shape or "
@@ -346,6 +349,7 @@ absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
     PACKD_RETURN_IF_ERROR(reader.SkipValue(end, number, wire_type, name));
     field_bytes.clear();
     CopyField(start, reader, &field_bytes);
+    google::protobuf::LogSilencer silence;
     if (!message->MergeFromString(field_bytes)) {
       return reader.Error(at, name,
                           "protobuf refuses its value (a string that is not "
