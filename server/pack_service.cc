@@ -12,6 +12,7 @@
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "planner/planner.h"
+#include "proto/buffer_pool.h"
 #include "proto/tensor_codec.h"
 
 #ifndef PACKD_VERSION
@@ -21,14 +22,16 @@
 namespace packd {
 namespace {
 
-// Writes result i into the i-th tensor of a response field, sized once the
-// mask scan has counted the active rows: the kernels write packed bytes
-// straight into the response. The running total is checked against the
-// message limit first.
+// Writes result i into a pooled buffer that the reply wraps without a copy,
+// recorded in `payloads` for the i-th tensor of a response field, sized once
+// the mask scan has counted the active rows. The running total is checked
+// against the message limit first.
 template <typename Field>
-OutputAllocator IntoResponse(Field* field, int64_t limit, int64_t reserved) {
+OutputAllocator IntoReply(Field* field,
+                          std::vector<std::shared_ptr<char>>* buffers,
+                          Payloads* payloads, int64_t limit, int64_t reserved) {
   return
-      [field, limit, used = reserved](
+      [field, buffers, payloads, limit, used = reserved](
           size_t index, int64_t bytes) mutable -> absl::StatusOr<OutputPlace> {
         used += bytes;
         if (used > limit) {
@@ -39,9 +42,20 @@ OutputAllocator IntoResponse(Field* field, int64_t limit, int64_t reserved) {
               "handles"));
         }
         while (field->size() <= static_cast<int>(index)) field->Add();
-        std::string* data = (*field)[index].mutable_data();
-        data->resize(bytes);
-        return OutputPlace{bytes == 0 ? nullptr : data->data(), Device::Cpu()};
+        const v1::Tensor* tensor = &(*field)[index];
+        if (bytes == 0) {
+          (*payloads)[tensor] = Payload();
+          return OutputPlace{nullptr, Device::Cpu()};
+        }
+        std::shared_ptr<char> buffer = BufferPool::Global().Get(bytes);
+        if (buffer == nullptr) {
+          return absl::ResourceExhaustedError(
+              absl::StrCat("no memory left for a result of ", bytes, " bytes"));
+        }
+        (*payloads)[tensor] = Payload::Of(buffer.get(), bytes);
+        char* data = buffer.get();
+        buffers->push_back(std::move(buffer));
+        return OutputPlace{data, Device::Cpu()};
       };
 }
 
@@ -128,17 +142,62 @@ grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
     Release();
     if (!status.ok()) CheckDefaultDevice();
   }
-  return Finish(context, method, start, status, &request, response);
+  return Finish(context, method, start, status, request.ByteSizeLong(),
+                status.ok() ? response->ByteSizeLong() : 0);
+}
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* PackServiceImpl::AdmittedRaw(
+    grpc::CallbackServerContext* context, const char* method,
+    const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
+    absl::Status (PackServiceImpl::*work)(const Request&, const Payloads*,
+                                          Response*, CallReply*)) {
+  const absl::Time start = absl::Now();
+  size_t response_bytes = 0;
+  absl::Status status = absl::UnavailableError(
+      "packd is shutting down; retry on another replica");
+  if (Admit()) {
+    // As in Admitted: nothing a handler throws escapes.
+    try {
+      std::vector<grpc::Slice> slices;
+      std::vector<absl::string_view> chunks;
+      Request parsed;
+      Payloads payloads;
+      Response out;
+      // Owned by the slices of the reply until gRPC has sent them.
+      auto reply = std::make_shared<CallReply>();
+      status = ReadChunks(request, &slices, &chunks);
+      if (status.ok()) {
+        status = ParseWithPayloads(chunks, Request::descriptor()->name(),
+                                   &parsed, &payloads);
+      }
+      if (status.ok())
+        status = (this->*work)(parsed, &payloads, &out, reply.get());
+      if (status.ok()) {
+        const Spliced spliced = SerializeWithPayloads(out, reply->payloads);
+        status = decoder_.CheckSize("response", spliced.size());
+        if (status.ok()) {
+          *response = ToByteBuffer(spliced, reply);
+          response_bytes = spliced.size();
+        }
+      }
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
+    } catch (...) {
+      status = absl::InternalError(absl::StrCat(method, " failed"));
+    }
+    Release();
+    if (!status.ok()) CheckDefaultDevice();
+  }
+  return Finish(context, method, start, status, request.Length(),
+                response_bytes);
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Finish(
     grpc::CallbackServerContext* context, const char* method, absl::Time start,
-    const absl::Status& status, const google::protobuf::Message* request,
-    const google::protobuf::Message* response) {
-  metrics_.Record(
-      method, status.code(), absl::Now() - start,
-      request != nullptr ? request->ByteSizeLong() : 0,
-      response != nullptr && status.ok() ? response->ByteSizeLong() : 0);
+    const absl::Status& status, size_t request_bytes, size_t response_bytes) {
+  metrics_.Record(method, status.code(), absl::Now() - start, request_bytes,
+                  response_bytes);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -157,28 +216,64 @@ std::string PackServiceImpl::RenderMetrics() const {
 template <typename Request, typename Response, typename Field, typename Op>
 absl::Status PackServiceImpl::RunCall(const char* method,
                                       const Request& request,
+                                      const Payloads* payloads,
                                       Response* response, Field* results,
-                                      int64_t bytes_per_row, Op&& op) {
-  PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder_.Decode(request));
+                                      int64_t bytes_per_row, CallReply* reply,
+                                      Op&& op) {
+  PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder_.Decode(request, payloads));
   // The decoder has held the mask's rows against the message limit, so this
   // cannot overflow.
   const int64_t reserved = bytes_per_row * (call.mask.shape[0] + 1);
   CallOptions options;
   options.device = call.device;
-  options.allocate =
-      call.outputs.empty()
-          ? IntoResponse(results, options_.max_message_bytes, reserved)
-          : IntoSlices(&call.outputs);
+  options.allocate = call.outputs.empty()
+                         ? IntoReply(results, &reply->buffers, &reply->payloads,
+                                     options_.max_message_bytes, reserved)
+                         : IntoSlices(&call.outputs);
   if (options_.testing_call_hook) options_.testing_call_hook(method);
   PACKD_ASSIGN_OR_RETURN(std::vector<ResultTensor> out, op(call, options));
   EncodeResults(out, request.outputs(), results);
-  absl::Status size = decoder_.CheckSize("response", response->ByteSizeLong());
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Copies inline results into their tensors' data fields (a reply that is not
+// sent through gRPC's slices), and checks the response's size.
+absl::Status Materialize(const Payloads& payloads,
+                         const RequestDecoder& decoder,
+                         google::protobuf::Message* response) {
+  for (const auto& [tensor, payload] : payloads) {
+    // The tensors are the response's own, which the caller may change.
+    std::string* data = const_cast<v1::Tensor*>(tensor)->mutable_data();
+    data->resize(payload.size);
+    payload.CopyOut(0, payload.size, data->data());
+  }
+  absl::Status size = decoder.CheckSize("response", response->ByteSizeLong());
   if (!size.ok()) response->Clear();
   return size;
 }
 
+}  // namespace
+
 absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
                                      v1::PackResponse* response) {
+  CallReply reply;
+  PACKD_RETURN_IF_ERROR(RunPack(request, nullptr, response, &reply));
+  return Materialize(reply.payloads, decoder_, response);
+}
+
+absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
+                                        v1::ScatterResponse* response) {
+  CallReply reply;
+  PACKD_RETURN_IF_ERROR(RunScatter(request, nullptr, response, &reply));
+  return Materialize(reply.payloads, decoder_, response);
+}
+
+absl::Status PackServiceImpl::RunPack(const v1::PackRequest& request,
+                                      const Payloads* payloads,
+                                      v1::PackResponse* response,
+                                      CallReply* reply) {
   auto pack = [&](const DecodedCall& call, const CallOptions& base)
       -> absl::StatusOr<std::vector<ResultTensor>> {
     PackOptions options;
@@ -204,12 +299,15 @@ absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
                                            result.last_index.end());
     return std::move(result.packed);
   };
-  return RunCall("Pack", request, response, response->mutable_packed(),
-                 RequestDecoder::kBytesPerMaskRow, pack);
+  return RunCall("Pack", request, payloads, response,
+                 response->mutable_packed(), RequestDecoder::kBytesPerMaskRow,
+                 reply, pack);
 }
 
-absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
-                                        v1::ScatterResponse* response) {
+absl::Status PackServiceImpl::RunScatter(const v1::ScatterRequest& request,
+                                         const Payloads* payloads,
+                                         v1::ScatterResponse* response,
+                                         CallReply* reply) {
   auto scatter = [&](const DecodedCall& call, const CallOptions& base)
       -> absl::StatusOr<std::vector<ResultTensor>> {
     ScatterOptions options;
@@ -222,22 +320,22 @@ absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
                            ::packd::Scatter(call.tensors, call.mask, options));
     return std::move(result.dense);
   };
-  return RunCall("Scatter", request, response, response->mutable_dense(), 0,
-                 scatter);
+  return RunCall("Scatter", request, payloads, response,
+                 response->mutable_dense(), 0, reply, scatter);
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Pack(
-    grpc::CallbackServerContext* context, const v1::PackRequest* request,
-    v1::PackResponse* response) {
-  return Admitted(context, "Pack", *request, response,
-                  &PackServiceImpl::DoPack);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return AdmittedRaw(context, "Pack", *request, response,
+                     &PackServiceImpl::RunPack);
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Scatter(
-    grpc::CallbackServerContext* context, const v1::ScatterRequest* request,
-    v1::ScatterResponse* response) {
-  return Admitted(context, "Scatter", *request, response,
-                  &PackServiceImpl::DoScatter);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return AdmittedRaw(context, "Scatter", *request, response,
+                     &PackServiceImpl::RunScatter);
 }
 
 absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,

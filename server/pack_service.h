@@ -1,7 +1,10 @@
-// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API. Each
-// Pack and Scatter call is decoded (server/request_decoder.h), run by the op
-// library on its device (kernels/pack.h), and encoded with results written
-// straight into the response or into region slices. Region RPCs go to the
+// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API.
+// Pack and Scatter are raw methods: the request is read from the received
+// slices with tensor bytes in place (proto/wire.h), decoded
+// (server/request_decoder.h), run by the op library on its device
+// (kernels/pack.h), and answered with slices that wrap the result buffers, or
+// with results written into region slices. The wire format is the protobuf
+// one: plain protobuf clients cannot tell. Region RPCs go to the
 // RegionRegistry (server/regions.h). Calls in flight are tracked so that
 // shutdown can drain them.
 //
@@ -23,6 +26,7 @@
 #include "kernels/pack.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "proto/wire.h"
 #include "server/metrics.h"
 #include "server/regions.h"
 #include "server/request_decoder.h"
@@ -45,7 +49,10 @@ struct ServiceOptions {
   std::function<void(const absl::Status& reason)> on_device_lost;
 };
 
-class PackServiceImpl final : public v1::PackService::CallbackService {
+class PackServiceImpl final
+    : public v1::PackService::WithRawCallbackMethod_Pack<
+          v1::PackService::WithRawCallbackMethod_Scatter<
+              v1::PackService::CallbackService>> {
  public:
   explicit PackServiceImpl(ServiceOptions options)
       : options_(std::move(options)),
@@ -60,12 +67,14 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   // when none is.
   bool WaitForIdle(absl::Time deadline);
 
+  // packd.v1.PackRequest in, packd.v1.PackResponse out, as raw bytes.
   grpc::ServerUnaryReactor* Pack(grpc::CallbackServerContext* context,
-                                 const v1::PackRequest* request,
-                                 v1::PackResponse* response) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  // packd.v1.ScatterRequest in, packd.v1.ScatterResponse out.
   grpc::ServerUnaryReactor* Scatter(grpc::CallbackServerContext* context,
-                                    const v1::ScatterRequest* request,
-                                    v1::ScatterResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* RegisterSystemRegion(
       grpc::CallbackServerContext* context,
       const v1::RegisterSystemRegionRequest* request,
@@ -94,7 +103,7 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
   std::string RenderMetrics() const;
 
   // The work behind the RPCs, callable without gRPC (the start-up self-check
-  // uses DoPack).
+  // uses DoPack), with inline results copied into the response.
   absl::Status DoPack(const v1::PackRequest& request,
                       v1::PackResponse* response);
   absl::Status DoScatter(const v1::ScatterRequest& request,
@@ -103,6 +112,13 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
                       v1::PlanResponse* response);
 
  private:
+  // Inline results of a Pack or Scatter call: the buffers they were written
+  // to, and the response tensors they belong to.
+  struct CallReply {
+    std::vector<std::shared_ptr<char>> buffers;
+    Payloads payloads;
+  };
+
   // Admits a call unless draining; every admitted call must be released.
   bool Admit();
   void Release();
@@ -113,22 +129,38 @@ class PackServiceImpl final : public v1::PackService::CallbackService {
       grpc::CallbackServerContext* context, const char* method,
       const Request& request, Response* response,
       absl::Status (PackServiceImpl::*work)(const Request&, Response*));
-  // Finishes the call with `status` and records it in the metrics: latency
-  // since `start`, and the message sizes when given.
-  grpc::ServerUnaryReactor* Finish(
+  // The same for a raw method: parses the request from the received slices
+  // (INVALID_ARGUMENT saying where it does not parse), runs `work`, and
+  // answers with the result buffers wrapped in slices.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* AdmittedRaw(
       grpc::CallbackServerContext* context, const char* method,
-      absl::Time start, const absl::Status& status,
-      const google::protobuf::Message* request = nullptr,
-      const google::protobuf::Message* response = nullptr);
+      const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
+      absl::Status (PackServiceImpl::*work)(const Request&, const Payloads*,
+                                            Response*, CallReply*));
+  // Finishes the call with `status` and records it in the metrics: latency
+  // since `start`, and the message sizes.
+  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
+                                   const char* method, absl::Time start,
+                                   const absl::Status& status,
+                                   size_t request_bytes = 0,
+                                   size_t response_bytes = 0);
 
-  // The steps every Pack and Scatter call takes: decode, place results (into
-  // `results`, the response's repeated tensor field, or the request's output
+  // The steps every Pack and Scatter call takes: decode (inline bytes from
+  // `payloads` when given), place results (pooled buffers recorded in `reply`
+  // for the response's repeated tensor field `results`, or the request's output
   // slices), run `op` with the call's options, encode the result headers, and
   // check the response size. `reserved`: response bytes besides the tensors.
   template <typename Request, typename Response, typename Field, typename Op>
   absl::Status RunCall(const char* method, const Request& request,
-                       Response* response, Field* results, int64_t reserved,
+                       const Payloads* payloads, Response* response,
+                       Field* results, int64_t reserved, CallReply* reply,
                        Op&& op);
+  absl::Status RunPack(const v1::PackRequest& request, const Payloads* payloads,
+                       v1::PackResponse* response, CallReply* reply);
+  absl::Status RunScatter(const v1::ScatterRequest& request,
+                          const Payloads* payloads,
+                          v1::ScatterResponse* response, CallReply* reply);
   // After a failed call: whether the default device is lost, and if so, tells
   // on_device_lost (once).
   void CheckDefaultDevice();

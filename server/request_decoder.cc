@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
+#include "proto/buffer_pool.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -32,7 +33,7 @@ absl::StatusOr<Device> RequestDecoder::ResolveDevice(
 
 absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
     const v1::Tensor& tensor, absl::string_view field,
-    std::vector<std::shared_ptr<Region>>* held) const {
+    DecodedCall* call) const {
   PACKD_ASSIGN_OR_RETURN(TensorView view, DecodeTensorHeader(tensor, field));
   const int64_t bytes = view.nbytes();
   if (tensor.storage_case() == v1::Tensor::kRegion) {
@@ -47,34 +48,61 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
     }
     view.data = slice.data;
     view.device = slice.region->device();
-    held->push_back(std::move(slice.region));
+    call->held.push_back(std::move(slice.region));
     return view;
   }
-  const std::string& data = tensor.data();
-  if (static_cast<int64_t>(data.size()) != bytes) {
+  const Payload* payload = nullptr;
+  if (call->payloads != nullptr) {
+    auto it = call->payloads->find(&tensor);
+    if (it != call->payloads->end()) payload = &it->second;
+  }
+  const int64_t given = payload != nullptr
+                            ? payload->size
+                            : static_cast<int64_t>(tensor.data().size());
+  if (given != bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".data has ", data.size(), " bytes but shape ",
+        absl::StrCat(field, ".data has ", given, " bytes but shape ",
                      ShapeString(view.shape), " of ", DTypeName(view.dtype),
                      " needs ", bytes));
   }
+  const char* data = tensor.data().data();
+  if (payload != nullptr && payload->contiguous()) {
+    data = payload->data();
+  } else if (payload != nullptr) {
+    std::shared_ptr<char> gathered = BufferPool::Global().Get(bytes);
+    if (gathered == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no memory left for ", field, " (", bytes, " bytes)"));
+    }
+    payload->CopyOut(0, bytes, gathered.get());
+    data = gathered.get();
+    call->gathered.push_back(std::move(gathered));
+  }
   // The kernels only read inputs; the cast is the usual DLPack-style one.
-  view.data = bytes == 0 ? nullptr : const_cast<char*>(data.data());
+  view.data = bytes == 0 ? nullptr : const_cast<char*>(data);
   return view;
 }
 
 template <typename Request>
 absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
-    const Request& request,
+    const Request& request, const Payloads* payloads,
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
     absl::string_view field) const {
-  PACKD_RETURN_IF_ERROR(CheckSize("request", request.ByteSizeLong()));
+  size_t inline_bytes = 0;
+  if (payloads != nullptr) {
+    for (const auto& [tensor, payload] : *payloads)
+      inline_bytes += payload.size;
+  }
+  PACKD_RETURN_IF_ERROR(
+      CheckSize("request", request.ByteSizeLong() + inline_bytes));
   DecodedCall call;
+  call.payloads = payloads;
   PACKD_ASSIGN_OR_RETURN(call.device, ResolveDevice(request.device()));
   if (!request.has_mask()) {
     return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
   }
   PACKD_ASSIGN_OR_RETURN(call.mask,
-                         DecodeTensor(request.mask(), "mask", &call.held));
+                         DecodeTensor(request.mask(), "mask", &call));
   if (call.mask.shape.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         "mask.shape ", ShapeString(call.mask.shape),
@@ -98,7 +126,7 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   for (int i = 0; i < tensors.size(); ++i) {
     PACKD_ASSIGN_OR_RETURN(
         TensorView v,
-        DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"), &call.held));
+        DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"), &call));
     call.tensors.push_back(std::move(v));
   }
   const auto& outputs = request.outputs();
@@ -119,20 +147,21 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
-    const v1::PackRequest& request) const {
-  PACKD_ASSIGN_OR_RETURN(DecodedCall call,
-                         DecodeCall(request, request.inputs(), "inputs"));
+    const v1::PackRequest& request, const Payloads* payloads) const {
+  PACKD_ASSIGN_OR_RETURN(
+      DecodedCall call,
+      DecodeCall(request, payloads, request.inputs(), "inputs"));
   if (request.has_segment_ids()) {
     PACKD_ASSIGN_OR_RETURN(
         call.segment_ids,
-        DecodeTensor(request.segment_ids(), "segment_ids", &call.held));
+        DecodeTensor(request.segment_ids(), "segment_ids", &call));
   }
   return call;
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
-    const v1::ScatterRequest& request) const {
-  return DecodeCall(request, request.packed(), "packed");
+    const v1::ScatterRequest& request, const Payloads* payloads) const {
+  return DecodeCall(request, payloads, request.packed(), "packed");
 }
 
 }  // namespace packd

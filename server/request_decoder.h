@@ -1,8 +1,9 @@
 // RequestDecoder: a Pack or Scatter request, checked and turned into what the
 // op library takes — the call's device, the mask and tensors as views (of the
 // request's bytes in place, or of region memory), and where each result goes.
-// Nothing is copied: inline views point into the request message, which must
-// outlive the call.
+// Inline bytes are read in place: from the request's payloads (proto/wire.h,
+// the received slices) or its data fields, which must outlive the call. Bytes
+// split over several slices are first gathered into one pooled buffer.
 //
 // clang-format off
 //   RequestDecoder decoder(regions, Device::Cpu(), max_message_bytes);
@@ -21,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
+#include "proto/wire.h"
 #include "server/regions.h"
 
 namespace packd {
@@ -38,6 +40,10 @@ struct DecodedCall {
   std::vector<ResolvedSlice> outputs;
   // The regions the call's tensors live in, kept mapped until it returns.
   std::vector<std::shared_ptr<Region>> held;
+  // Buffers that inline tensors split over several slices were gathered into.
+  std::vector<std::shared_ptr<char>> gathered;
+  // Where inline bytes are: the request's payloads, or none (data fields).
+  const Payloads* payloads = nullptr;
 };
 
 class RequestDecoder {
@@ -59,17 +65,23 @@ class RequestDecoder {
   // dtype, shape or byte count is wrong, or outputs of the wrong count;
   // FAILED_PRECONDITION for a device this build or machine lacks; the region
   // errors of RegionRegistry::Resolve for handles.
-  absl::StatusOr<DecodedCall> Decode(const v1::PackRequest& request) const;
-  absl::StatusOr<DecodedCall> Decode(const v1::ScatterRequest& request) const;
+  // `payloads`: the inline bytes of the request's tensors when it was parsed
+  // with ParseWithPayloads, else nullptr.
+  absl::StatusOr<DecodedCall> Decode(const v1::PackRequest& request,
+                                     const Payloads* payloads = nullptr) const;
+  absl::StatusOr<DecodedCall> Decode(const v1::ScatterRequest& request,
+                                     const Payloads* payloads = nullptr) const;
 
-  // A view of one tensor's bytes: inline `data` (a cpu view into `tensor`) or
-  // a region slice, whose region is appended to `held`. INVALID_ARGUMENT
-  // naming `field` for a bad header, or when the bytes given (`data`, or the
-  // slice's byte_size) are not exactly numel * itemsize; the region errors of
-  // RegionRegistry::Resolve (FAILED_PRECONDITION while handles are disabled).
-  absl::StatusOr<TensorView> DecodeTensor(
-      const v1::Tensor& tensor, absl::string_view field,
-      std::vector<std::shared_ptr<Region>>* held) const;
+  // A view of one tensor's bytes: inline (a cpu view of its payload in
+  // call->payloads, or of its `data`) or a region slice, whose region is
+  // appended to call->held. INVALID_ARGUMENT naming `field` for a bad header,
+  // or when the bytes given (inline, or the slice's byte_size) are not exactly
+  // numel * itemsize; the region errors of RegionRegistry::Resolve
+  // (FAILED_PRECONDITION while handles are disabled); RESOURCE_EXHAUSTED when
+  // no memory is left to gather split bytes into.
+  absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
+                                          absl::string_view field,
+                                          DecodedCall* call) const;
 
   // OK when a message of `bytes` fits max_message_bytes; RESOURCE_EXHAUSTED
   // naming `what` ("request", "response") and the flag otherwise.
@@ -78,7 +90,7 @@ class RequestDecoder {
  private:
   template <typename Request>
   absl::StatusOr<DecodedCall> DecodeCall(
-      const Request& request,
+      const Request& request, const Payloads* payloads,
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
       absl::string_view field) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
