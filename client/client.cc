@@ -5,14 +5,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <future>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
 #include "kernels/torch/torch_interop.h"
 #include "proto/address.h"
+#include "proto/buffer_pool.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -38,6 +41,23 @@ bool AddOutputSlices(
   return true;
 }
 
+// An uninitialised tensor in pooled memory that stays mapped (proto/
+// buffer_pool.h): results of large calls, written once, without the page
+// faults of fresh memory.
+at::Tensor PooledEmpty(at::IntArrayRef shape, at::TensorOptions options) {
+  int64_t bytes = static_cast<int64_t>(options.dtype().itemsize());
+  for (int64_t d : shape) bytes *= d;
+  std::shared_ptr<char> buffer;
+  if (bytes >= BufferPool::kMinPooledBytes) {
+    buffer = BufferPool::Global().Get(bytes);
+  }
+  if (buffer == nullptr) return at::empty(shape, options);
+  char* data = buffer.get();
+  return at::from_blob(
+      data, shape,
+      [buffer = std::move(buffer)](void*) mutable { buffer.reset(); }, options);
+}
+
 // Shared-memory room a call needs, rounded up so that slightly larger batches
 // reuse the segment: a quarter more, plus 1 MiB. (The Python client's rule is
 // the same: python/packd/client.py, _scratch_for.)
@@ -54,13 +74,19 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
 }
 
 Client::Client(ClientOptions options) : options_(std::move(options)) {
-  grpc::ChannelArguments args;
-  const int limit = static_cast<int>(
-      std::min<int64_t>(options_.max_message_bytes, INT32_MAX));
-  args.SetMaxReceiveMessageSize(limit);
-  args.SetMaxSendMessageSize(limit);
-  channel_ = grpc::CreateCustomChannel(
-      options_.address, grpc::InsecureChannelCredentials(), args);
+  for (int i = 0; i < 2; ++i) {
+    grpc::ChannelArguments args;
+    const int limit = static_cast<int>(
+        std::min<int64_t>(options_.max_message_bytes, INT32_MAX));
+    args.SetMaxReceiveMessageSize(limit);
+    args.SetMaxSendMessageSize(limit);
+    // Channels with different arguments do not share a connection.
+    args.SetInt("packd.connection", i);
+    channels_[i] = grpc::CreateCustomChannel(
+        options_.address, grpc::InsecureChannelCredentials(), args);
+    generic_[i] = std::make_unique<grpc::GenericStub>(channels_[i]);
+  }
+  channel_ = channels_[0];
   stub_ = v1::PackService::NewStub(channel_);
 }
 
@@ -80,6 +106,37 @@ absl::Status Client::Call(Rpc&& rpc) {
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
+}
+
+absl::Status Client::RawCall(int connection, const std::string& method,
+                             const google::protobuf::Message& request,
+                             const Outgoing& outgoing,
+                             google::protobuf::Message* response,
+                             Incoming* incoming) {
+  const grpc::ByteBuffer sent = ToByteBuffer(
+      SerializeWithPayloads(request, outgoing.payloads), outgoing.keep);
+  grpc::ByteBuffer received;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* context) {
+    absl::Notification done;
+    grpc::Status status;
+    received.Clear();
+    generic_[connection]->UnaryCall(context, method, grpc::StubOptions(), &sent,
+                                    &received, [&](grpc::Status s) {
+                                      status = std::move(s);
+                                      done.Notify();
+                                    });
+    done.WaitForNotification();
+    return status;
+  }));
+  std::vector<absl::string_view> chunks;
+  PACKD_RETURN_IF_ERROR(ReadChunks(received, &incoming->slices, &chunks));
+  const absl::Status parsed = ParseWithPayloads(
+      chunks, response->GetDescriptor()->name(), response, &incoming->payloads);
+  if (!parsed.ok()) {
+    return absl::InternalError(
+        absl::StrCat("the server's reply: ", parsed.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
@@ -213,7 +270,7 @@ absl::StatusOr<SharedMemory*> Client::ScratchFor(int64_t bytes) {
 }
 
 absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
-                                  v1::Tensor* out) {
+                                  v1::Tensor* out, Outgoing* outgoing) {
   const DType dtype = FromScalarType(t_in.scalar_type());
   if (dtype == DType::kUnspecified) {
     return absl::InvalidArgumentError(
@@ -243,12 +300,14 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
       return absl::OkStatus();
     }
   }
-  out->set_data(static_cast<const char*>(t.data_ptr()), bytes);
+  outgoing->payloads[out] = Payload::Of(t.data_ptr(), bytes);
+  outgoing->keep->push_back(t);
   return absl::OkStatus();
 }
 
 absl::StatusOr<at::Tensor> Client::DecodeResult(const v1::Tensor& t,
-                                                bool copy_out) {
+                                                bool copy_out,
+                                                const Incoming& incoming) {
   const DType dtype = static_cast<DType>(t.dtype());
   if (!IsValidDType(dtype)) {
     return absl::InternalError(
@@ -271,35 +330,149 @@ absl::StatusOr<at::Tensor> Client::DecodeResult(const v1::Tensor& t,
     out = at::from_blob(segment->At(t.region().offset()), ShapeOf(t), options);
     return copy_out ? out.clone() : out;
   }
-  out = at::empty(ShapeOf(t), options);
-  if (static_cast<int64_t>(t.data().size()) != out.nbytes()) {
+  out = PooledEmpty(ShapeOf(t), options);
+  auto it = incoming.payloads.find(&t);
+  const Payload payload = it != incoming.payloads.end()
+                              ? it->second
+                              : Payload::Of(t.data().data(), t.data().size());
+  if (payload.size != static_cast<int64_t>(out.nbytes())) {
     return absl::InternalError("server returned a tensor of the wrong size");
   }
-  if (out.nbytes() > 0) {
-    std::memcpy(out.data_ptr(), t.data().data(), out.nbytes());
+  payload.CopyOut(0, payload.size, static_cast<char*>(out.data_ptr()));
+  return out;
+}
+
+namespace {
+
+// Rows [begin, begin + n) of each [B, ...] tensor; undefined stays undefined.
+at::Tensor Rows(const at::Tensor& t, int64_t begin, int64_t n) {
+  return t.defined() ? t.narrow(0, begin, n) : t;
+}
+std::vector<at::Tensor> Rows(const std::vector<at::Tensor>& tensors,
+                             int64_t begin, int64_t n) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : tensors) out.push_back(Rows(t, begin, n));
+  return out;
+}
+
+// Whether every tensor, and the segment ids if given, is [B, S, ...] like the
+// [B, S] mask with B >= 2: then the halves of the rows are two batches whose
+// results, joined, are the whole batch's.
+bool SplitsByRows(const std::vector<at::Tensor>& tensors,
+                  const at::Tensor& mask, const at::Tensor& segment_ids) {
+  if (mask.dim() != 2 || mask.size(0) < 2) return false;
+  std::vector<at::Tensor> all = tensors;
+  if (segment_ids.defined()) all.push_back(segment_ids);
+  for (const at::Tensor& t : all) {
+    if (t.dim() < 2 || t.size(0) != mask.size(0) || t.size(1) != mask.size(1)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void AppendShifted(const google::protobuf::RepeatedField<int64_t>& from,
+                   int skip, int64_t shift,
+                   google::protobuf::RepeatedField<int64_t>* to) {
+  for (int i = skip; i < from.size(); ++i) to->Add(from[i] + shift);
+}
+
+// The response of a whole batch from those of its row ranges, which start at
+// rows `first_rows`: offsets, maxima and row numbers joined. The packed
+// tensors are joined separately.
+v1::PackResponse JoinPackResponses(
+    const std::vector<const v1::PackResponse*>& parts,
+    const std::vector<int64_t>& first_rows) {
+  v1::PackResponse out;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const v1::PackResponse& part = *parts[k];
+    const int64_t tokens = out.total_active();
+    AppendShifted(part.cu_seqlens(), out.cu_seqlens_size() > 0 ? 1 : 0, tokens,
+                  out.mutable_cu_seqlens());
+    AppendShifted(part.doc_cu_seqlens(), out.doc_cu_seqlens_size() > 0 ? 1 : 0,
+                  tokens, out.mutable_doc_cu_seqlens());
+    AppendShifted(part.position_ids(), 0, 0, out.mutable_position_ids());
+    AppendShifted(part.last_index(), 0, 0, out.mutable_last_index());
+    AppendShifted(part.doc_row(), 0, first_rows[k], out.mutable_doc_row());
+    AppendShifted(part.doc_last_index(), 0, 0, out.mutable_doc_last_index());
+    out.set_total_active(tokens + part.total_active());
+    out.set_max_seqlen(std::max(out.max_seqlen(), part.max_seqlen()));
+    out.set_doc_max_seqlen(
+        std::max(out.doc_max_seqlen(), part.doc_max_seqlen()));
   }
   return out;
 }
 
-absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
-                                         const at::Tensor& mask,
-                                         const PackCallOptions& options) {
-  int64_t bytes = mask.nbytes();
-  for (const at::Tensor& t : tensors)
-    bytes += 2 * t.nbytes();  // inputs and, at most, results
-  PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch, options.results_in != nullptr
-                                                     ? nullptr
-                                                     : ScratchFor(bytes));
+// One tensor from the results of each part (same dtype and trailing dims),
+// joined along dim 0 with one copy out of the received bytes.
+absl::StatusOr<at::Tensor> JoinRows(
+    const std::vector<const v1::Tensor*>& heads,
+    const std::vector<const Payload*>& payloads) {
+  const v1::Tensor& first = *heads[0];
+  const DType dtype = static_cast<DType>(first.dtype());
+  if (!IsValidDType(dtype) || first.shape_size() == 0) {
+    return absl::InternalError("server returned a result without rows");
+  }
+  std::vector<int64_t> shape = ShapeOf(first);
+  shape[0] = 0;
+  for (size_t k = 0; k < heads.size(); ++k) {
+    const bool same =
+        heads[k]->dtype() == first.dtype() &&
+        heads[k]->shape_size() == first.shape_size() &&
+        std::equal(heads[k]->shape().begin() + 1, heads[k]->shape().end(),
+                   first.shape().begin() + 1);
+    if (!same || payloads[k] == nullptr) {
+      return absl::InternalError("server returned parts that do not join");
+    }
+    shape[0] += heads[k]->shape(0);
+  }
+  at::Tensor out =
+      PooledEmpty(shape, at::TensorOptions().dtype(ToScalarType(dtype)));
+  char* to = static_cast<char*>(out.data_ptr());
+  const int64_t row_bytes = shape[0] > 0 ? out.nbytes() / shape[0] : 0;
+  for (size_t k = 0; k < heads.size(); ++k) {
+    const int64_t bytes = heads[k]->shape(0) * row_bytes;
+    if (payloads[k]->size != bytes) {
+      return absl::InternalError("server returned a tensor of the wrong size");
+    }
+    payloads[k]->CopyOut(0, bytes, to);
+    to += bytes;
+  }
+  return out;
+}
+
+constexpr char kPackMethod[] = "/packd.v1.PackService/Pack";
+constexpr char kScatterMethod[] = "/packd.v1.PackService/Scatter";
+
+}  // namespace
+
+struct Client::PackPart {
+  v1::PackResponse response;
+  Incoming incoming;
+};
+
+bool Client::Splits(int64_t bytes, SharedMemory* scratch) const {
+  return scratch == nullptr && options_.split_threshold_bytes > 0 &&
+         bytes >= options_.split_threshold_bytes;
+}
+
+absl::StatusOr<Client::PackPart> Client::PackRows(
+    const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
+    const at::Tensor& segment_ids, const PackCallOptions& options,
+    SharedMemory* scratch, int connection) {
   v1::PackRequest request;
+  Outgoing outgoing;
   request.set_device(options.device);
   request.set_with_position_ids(options.with_position_ids);
-  PACKD_RETURN_IF_ERROR(EncodeTensor(mask, scratch, request.mutable_mask()));
+  PACKD_RETURN_IF_ERROR(
+      EncodeTensor(mask, scratch, request.mutable_mask(), &outgoing));
   for (const at::Tensor& t : tensors) {
-    PACKD_RETURN_IF_ERROR(EncodeTensor(t, scratch, request.add_inputs()));
+    PACKD_RETURN_IF_ERROR(
+        EncodeTensor(t, scratch, request.add_inputs(), &outgoing));
   }
-  if (options.segment_ids.defined()) {
-    PACKD_RETURN_IF_ERROR(EncodeTensor(options.segment_ids, scratch,
-                                       request.mutable_segment_ids()));
+  if (segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(EncodeTensor(
+        segment_ids, scratch, request.mutable_segment_ids(), &outgoing));
   }
   // Results into shared memory: room for the largest possible result (every row
   // active). The scratch segment is sized for that; a caller's segment may not
@@ -317,18 +490,79 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
         " bytes free, too few for the results (up to the inputs' size); "
         "Reset() it or give a larger one"));
   }
-  v1::PackResponse response;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return stub_->Pack(c, request, &response);
-  }));
+  PackPart part;
+  PACKD_RETURN_IF_ERROR(RawCall(connection, kPackMethod, request, outgoing,
+                                &part.response, &part.incoming));
+  return part;
+}
+
+absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
+                                         const at::Tensor& mask,
+                                         const PackCallOptions& options) {
+  int64_t bytes = mask.nbytes();
+  for (const at::Tensor& t : tensors)
+    bytes += 2 * t.nbytes();  // inputs and, at most, results
+  PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch, options.results_in != nullptr
+                                                     ? nullptr
+                                                     : ScratchFor(bytes));
+  std::vector<PackPart> parts;
+  std::vector<int64_t> first_rows = {0};
+  if (options.results_in == nullptr && Splits(bytes, scratch) &&
+      SplitsByRows(tensors, mask, options.segment_ids)) {
+    // Each half of the rows on its own connection, at once.
+    const int64_t B = mask.size(0), half = B / 2;
+    auto second = std::async(std::launch::async, [&] {
+      return PackRows(Rows(tensors, half, B - half), Rows(mask, half, B - half),
+                      Rows(options.segment_ids, half, B - half), options,
+                      nullptr, 1);
+    });
+    absl::StatusOr<PackPart> first =
+        PackRows(Rows(tensors, 0, half), Rows(mask, 0, half),
+                 Rows(options.segment_ids, 0, half), options, nullptr, 0);
+    absl::StatusOr<PackPart> rest = second.get();
+    PACKD_RETURN_IF_ERROR(first.status());
+    PACKD_RETURN_IF_ERROR(rest.status());
+    parts.push_back(std::move(*first));
+    parts.push_back(std::move(*rest));
+    first_rows.push_back(half);
+  } else {
+    PACKD_ASSIGN_OR_RETURN(
+        PackPart part,
+        PackRows(tensors, mask, options.segment_ids, options, scratch, 0));
+    parts.push_back(std::move(part));
+  }
 
   PackedBatch batch;
-  for (const v1::Tensor& t : response.packed()) {
-    PACKD_ASSIGN_OR_RETURN(
-        at::Tensor p,
-        DecodeResult(t, /*copy_out=*/options.results_in == nullptr));
+  std::vector<const v1::PackResponse*> responses;
+  for (const PackPart& part : parts) {
+    responses.push_back(&part.response);
+    if (part.response.packed_size() != parts[0].response.packed_size()) {
+      return absl::InternalError("server returned parts that do not join");
+    }
+  }
+  for (int i = 0; i < parts[0].response.packed_size(); ++i) {
+    if (parts.size() == 1) {
+      PACKD_ASSIGN_OR_RETURN(
+          at::Tensor p, DecodeResult(parts[0].response.packed(i),
+                                     /*copy_out=*/options.results_in == nullptr,
+                                     parts[0].incoming));
+      batch.packed.push_back(std::move(p));
+      continue;
+    }
+    std::vector<const v1::Tensor*> heads;
+    std::vector<const Payload*> payloads;
+    for (const PackPart& part : parts) {
+      heads.push_back(&part.response.packed(i));
+      auto it = part.incoming.payloads.find(heads.back());
+      payloads.push_back(it == part.incoming.payloads.end() ? nullptr
+                                                            : &it->second);
+    }
+    PACKD_ASSIGN_OR_RETURN(at::Tensor p, JoinRows(heads, payloads));
     batch.packed.push_back(std::move(p));
   }
+  const v1::PackResponse response =
+      parts.size() == 1 ? std::move(parts[0].response)
+                        : JoinPackResponses(responses, first_rows);
   auto long_tensor = [](const google::protobuf::RepeatedField<int64_t>& f) {
     at::Tensor t = at::empty({f.size()}, at::kLong);
     if (f.size() > 0)
@@ -370,25 +604,85 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     bytes += t.nbytes() + dense_sizes.back();
   }
   PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch, ScratchFor(bytes));
-  v1::ScatterRequest request;
-  request.set_device(device);
-  PACKD_RETURN_IF_ERROR(EncodeTensor(mask, scratch, request.mutable_mask()));
-  for (const at::Tensor& t : packed) {
-    PACKD_RETURN_IF_ERROR(EncodeTensor(t, scratch, request.add_packed()));
+  struct Part {
+    v1::ScatterResponse response;
+    Incoming incoming;
+  };
+  auto scatter_rows = [&](const std::vector<at::Tensor>& rows_packed,
+                          const at::Tensor& rows_mask, SharedMemory* segment,
+                          int connection) -> absl::StatusOr<Part> {
+    v1::ScatterRequest request;
+    Outgoing outgoing;
+    request.set_device(device);
+    PACKD_RETURN_IF_ERROR(
+        EncodeTensor(rows_mask, segment, request.mutable_mask(), &outgoing));
+    for (const at::Tensor& t : rows_packed) {
+      PACKD_RETURN_IF_ERROR(
+          EncodeTensor(t, segment, request.add_packed(), &outgoing));
+    }
+    if (tail_shape.has_value()) {
+      for (int64_t d : *tail_shape) request.mutable_tail_shape()->add_dims(d);
+    }
+    if (segment != nullptr && rows_mask.dim() == 2) {
+      AddOutputSlices(*segment, dense_sizes, request.mutable_outputs());
+    }
+    Part part;
+    PACKD_RETURN_IF_ERROR(RawCall(connection, kScatterMethod, request, outgoing,
+                                  &part.response, &part.incoming));
+    return part;
+  };
+
+  // A large inline call goes as two halves of the rows, each with the packed
+  // rows of its half, on two connections at once.
+  int64_t half = 0, active = 0, active_first = 0;
+  bool split = Splits(bytes, scratch) && mask.dim() == 2 && mask.size(0) >= 2;
+  if (split) {
+    half = mask.size(0) / 2;
+    active = mask.ne(0).sum().item<int64_t>();
+    active_first = mask.narrow(0, 0, half).ne(0).sum().item<int64_t>();
+    for (const at::Tensor& t : packed) {
+      split = split && t.dim() >= 1 && t.size(0) == active;
+    }
   }
-  if (tail_shape.has_value()) {
-    for (int64_t d : *tail_shape) request.mutable_tail_shape()->add_dims(d);
+  std::vector<Part> parts;
+  if (split) {
+    const int64_t B = mask.size(0);
+    auto second = std::async(std::launch::async, [&] {
+      return scatter_rows(Rows(packed, active_first, active - active_first),
+                          Rows(mask, half, B - half), nullptr, 1);
+    });
+    absl::StatusOr<Part> first = scatter_rows(Rows(packed, 0, active_first),
+                                              Rows(mask, 0, half), nullptr, 0);
+    absl::StatusOr<Part> rest = second.get();
+    PACKD_RETURN_IF_ERROR(first.status());
+    PACKD_RETURN_IF_ERROR(rest.status());
+    parts.push_back(std::move(*first));
+    parts.push_back(std::move(*rest));
+  } else {
+    PACKD_ASSIGN_OR_RETURN(Part part, scatter_rows(packed, mask, scratch, 0));
+    parts.push_back(std::move(part));
   }
-  if (scratch != nullptr && mask.dim() == 2) {
-    AddOutputSlices(*scratch, dense_sizes, request.mutable_outputs());
-  }
-  v1::ScatterResponse response;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return stub_->Scatter(c, request, &response);
-  }));
   std::vector<at::Tensor> dense;
-  for (const v1::Tensor& t : response.dense()) {
-    PACKD_ASSIGN_OR_RETURN(at::Tensor d, DecodeResult(t, /*copy_out=*/true));
+  for (int i = 0; i < parts[0].response.dense_size(); ++i) {
+    if (parts.size() == 1) {
+      PACKD_ASSIGN_OR_RETURN(
+          at::Tensor d, DecodeResult(parts[0].response.dense(i),
+                                     /*copy_out=*/true, parts[0].incoming));
+      dense.push_back(std::move(d));
+      continue;
+    }
+    std::vector<const v1::Tensor*> heads;
+    std::vector<const Payload*> payloads;
+    for (const Part& part : parts) {
+      if (part.response.dense_size() != parts[0].response.dense_size()) {
+        return absl::InternalError("server returned parts that do not join");
+      }
+      heads.push_back(&part.response.dense(i));
+      auto it = part.incoming.payloads.find(heads.back());
+      payloads.push_back(it == part.incoming.payloads.end() ? nullptr
+                                                            : &it->second);
+    }
+    PACKD_ASSIGN_OR_RETURN(at::Tensor d, JoinRows(heads, payloads));
     dense.push_back(std::move(d));
   }
   return dense;

@@ -1,6 +1,8 @@
 // packd::Client: the C++ client of packd.v1.PackService for rollout workers and
 // trainers, with libtorch tensors in and out, per-call deadlines, retry with
-// backoff on UNAVAILABLE, and shared-memory tensor handles on one node.
+// backoff on UNAVAILABLE, and shared-memory tensor handles on one node. Inline
+// tensors are sent from their own memory and results copied once out of the
+// received slices (proto/wire.h).
 //
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(auto client, Client::Connect({.address = "127.0.0.1:50051"}));
@@ -10,6 +12,7 @@
 #define PACKD_CLIENT_CLIENT_H_
 
 #include <ATen/ATen.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
@@ -23,6 +26,7 @@
 #include "absl/time/time.h"
 #include "client/shared_memory.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "proto/wire.h"
 
 namespace packd {
 
@@ -47,6 +51,10 @@ struct ClientOptions {
   // The server's --shm_key_prefix: segments this client creates are named under
   // it.
   std::string shm_key_prefix = "/packd";
+  // Inline calls whose tensors hold at least this many bytes are split by rows
+  // into two calls on two connections that run at once (a single connection
+  // leaves the wire idle while the server works); 0 never splits.
+  int64_t split_threshold_bytes = int64_t{16} << 20;
 };
 
 struct PackCallOptions {
@@ -155,25 +163,60 @@ class Client {
   v1::PackService::Stub& stub() { return *stub_; }
 
  private:
+  // A request on its way: the inline tensors' bytes, in place, and the
+  // tensors that own them.
+  struct Outgoing {
+    Payloads payloads;
+    std::shared_ptr<std::vector<at::Tensor>> keep =
+        std::make_shared<std::vector<at::Tensor>>();
+  };
+  // A reply: its inline tensors' bytes in the received slices.
+  struct Incoming {
+    std::vector<grpc::Slice> slices;
+    Payloads payloads;
+  };
+  struct PackPart;
+
   explicit Client(ClientOptions options);
 
   // Runs `rpc(context)` with the deadline, retrying on UNAVAILABLE.
   template <typename Rpc>
   absl::Status Call(Rpc&& rpc);
+  // Calls `method` ("/packd.v1.PackService/Pack") on connection `connection`
+  // with `request` and its inline bytes, without copying them; parses the
+  // reply into `response` with its inline bytes in place (INTERNAL when it
+  // does not parse).
+  absl::Status RawCall(int connection, const std::string& method,
+                       const google::protobuf::Message& request,
+                       const Outgoing& outgoing,
+                       google::protobuf::Message* response, Incoming* incoming);
+  // One Pack call over rows of the batch, on `connection`.
+  absl::StatusOr<PackPart> PackRows(const std::vector<at::Tensor>& tensors,
+                                    const at::Tensor& mask,
+                                    const at::Tensor& segment_ids,
+                                    const PackCallOptions& options,
+                                    SharedMemory* scratch, int connection);
+  // Whether a call of `bytes` with inline tensors is split into two.
+  bool Splits(int64_t bytes, SharedMemory* scratch) const;
   // Whether this call's tensors should travel through shared memory; sets up
   // the scratch segment of at least `bytes`.
   absl::StatusOr<SharedMemory*> ScratchFor(int64_t bytes);
   // Fills `out` from `t`: a handle when `t` lies in a registered segment (or is
   // copied into `scratch`), inline bytes otherwise.
+  // Inline bytes are recorded in `outgoing`, not copied.
   absl::Status EncodeTensor(const at::Tensor& t, SharedMemory* scratch,
-                            v1::Tensor* out);
+                            v1::Tensor* out, Outgoing* outgoing);
   // A result as a tensor: a view of its region slice (cloned when
-  // `copy_out`), or a copy of its inline bytes.
-  absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t, bool copy_out);
+  // `copy_out`), or a copy of its inline bytes (from `incoming`).
+  absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t, bool copy_out,
+                                          const Incoming& incoming);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PackService::Stub> stub_;
+  // Two connections for large inline calls (the first is channel_'s).
+  std::shared_ptr<grpc::Channel> channels_[2];
+  std::unique_ptr<grpc::GenericStub> generic_[2];
   absl::Mutex mu_;
   // Registered segments, for lookups.
   std::vector<SharedMemory*> segments_ ABSL_GUARDED_BY(mu_);

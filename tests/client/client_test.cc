@@ -109,6 +109,92 @@ TEST_F(ClientTest, ScatterAndErrorsCarryTheServersCode) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Large inline calls go as two halves of the rows on two connections: the
+// joined result must be the one call's, metadata and documents included.
+TEST_F(ClientTest, SplitCallsEqualOneCall) {
+  ClientOptions options;
+  options.address = server_->address();
+  options.shared_memory_threshold_bytes = 0;
+  options.split_threshold_bytes = 1;  // every call splits
+  std::unique_ptr<Client> split = std::move(*Client::Connect(options));
+  options.split_threshold_bytes = 0;  // none does
+  std::unique_ptr<Client> whole = std::move(*Client::Connect(options));
+  Rng rng = Rng::Fresh();
+  for (int64_t B : {2, 5, 8}) {
+    const at::Tensor mask = testing::RandomMask(rng, DType::kFloat32, B, 37,
+                                                0.5, MaskPattern::kHoles);
+    mask.narrow(0, 0, 1).zero_();  // an empty row in the first half
+    const at::Tensor ids = at::randint(0, 3, {B, 37}, at::kLong);
+    std::vector<at::Tensor> xs;
+    for (DType d : kAllDTypes)
+      xs.push_back(testing::RandomTensor(rng, d, {B, 37, 3}));
+    PackCallOptions call;
+    call.with_position_ids = true;
+    call.segment_ids = ids;
+    absl::StatusOr<PackedBatch> a = split->Pack(xs, mask, call);
+    absl::StatusOr<PackedBatch> b = whole->Pack(xs, mask, call);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (size_t i = 0; i < xs.size(); ++i) {
+      EXPECT_TRUE(SameBytes(testing::ReferencePack(xs[i], mask), a->packed[i]))
+          << i;
+    }
+    for (const auto& [x, y] : {std::pair{a->cu_seqlens, b->cu_seqlens},
+                               {a->position_ids, b->position_ids},
+                               {a->last_index, b->last_index},
+                               {a->doc_cu_seqlens, b->doc_cu_seqlens},
+                               {a->doc_row, b->doc_row},
+                               {a->doc_last_index, b->doc_last_index}}) {
+      EXPECT_TRUE(at::equal(x, y)) << B << ": " << x << " vs " << y;
+    }
+    EXPECT_EQ(a->total_active, b->total_active);
+    EXPECT_EQ(a->max_seqlen, b->max_seqlen);
+    EXPECT_EQ(a->doc_max_seqlen, b->doc_max_seqlen);
+
+    const at::Tensor packed =
+        testing::RandomTensor(rng, DType::kBFloat16, {a->total_active, 2, 3});
+    absl::StatusOr<std::vector<at::Tensor>> dense =
+        split->Scatter({packed, packed.view({-1, 6})}, mask);
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    EXPECT_TRUE(SameBytes(
+        testing::ReferenceScatter(packed, mask, {B, 37, 2, 3}), (*dense)[0]));
+    EXPECT_TRUE(SameBytes(
+        testing::ReferenceScatter(packed.view({-1, 6}), mask, {B, 37, 6}),
+        (*dense)[1]));
+  }
+  // Shapes that do not split go whole, with the whole call's error.
+  const at::Tensor mask = at::ones({4, 8}, at::kBool);
+  absl::StatusOr<PackedBatch> r = split->Pack({at::zeros({4, 7})}, mask);
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("inputs[0].shape [4, 7] does not start with mask "
+                        "shape [4, 8]"));
+  absl::StatusOr<std::vector<at::Tensor>> d =
+      split->Scatter({at::zeros({31, 2})}, mask);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(d.status().message()), HasSubstr("32"));
+}
+
+// The halves travel as two calls: each fits a server limit the whole batch
+// passes.
+TEST(ClientSplitTest, HalvesAreSeparateCalls) {
+  auto server = ServerProcess::Start({"--max_message_bytes=100000"});
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.address = server->address();
+  options.shared_memory_threshold_bytes = 0;
+  options.split_threshold_bytes = 1;
+  std::unique_ptr<Client> split = std::move(*Client::Connect(options));
+  options.split_threshold_bytes = 0;
+  std::unique_ptr<Client> whole = std::move(*Client::Connect(options));
+  const at::Tensor x = at::randn({8, 64, 64});  // 128 KiB
+  const at::Tensor mask = at::rand({8, 64}) < 0.5;
+  EXPECT_EQ(whole->Pack({x}, mask).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<PackedBatch> r = split->Pack({x}, mask);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(SameBytes(testing::ReferencePack(x, mask), r->packed[0]));
+}
+
 TEST_F(ClientTest, DocumentsWithinRows) {
   const at::Tensor mask =
       at::tensor({1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0}, at::kInt).view({2, 6});

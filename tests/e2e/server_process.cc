@@ -62,15 +62,21 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(
 }
 
 bool ServerProcess::WaitUntilReady(absl::Time deadline) {
-  auto health = grpc::health::v1::Health::NewStub(Channel());
   grpc::health::v1::HealthCheckRequest request;
   request.set_service("packd.v1.PackService");
+  int attempts = 0;
   while (absl::Now() < deadline) {
     int status = 0;
     if (waitpid(pid_, &status, WNOHANG) == pid_) {
       exited_ = true;
       return false;
     }
+    // A channel dialled before the server listens backs off for seconds
+    // between attempts: each attempt dials afresh.
+    grpc::ChannelArguments args;
+    args.SetInt("packd.attempt", ++attempts);
+    auto health = grpc::health::v1::Health::NewStub(grpc::CreateCustomChannel(
+        address_, grpc::InsecureChannelCredentials(), args));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
     grpc::health::v1::HealthCheckResponse response;
