@@ -1,16 +1,24 @@
-// bench_service: the Pack RPC, inline and through shared-memory tensor handles,
-// against the in-process kernel on the same data, in one run.
+// bench_service: the Pack RPC inline (C++ and Python clients, unix socket and
+// TCP loopback) and through shared-memory tensor handles, against its limits
+// measured in the same run: the same bytes through a plain socket, a
+// zero-copy do-nothing RPC, and the in-process kernel.
 //
 // clang-format off
 //   bench_service           # [16, 1024, 4096] bf16 (128 MiB), density 0.3
 //   bench_service --smoke   # tiny, for ctest
 // clang-format on
 //
-// The server runs in this process on a loopback port, so the RPCs take the real
-// gRPC path.
+// The servers run in this process (one on a loopback port, one on a unix
+// socket), so the RPCs take the real gRPC path; the Python client runs in a
+// child process.
 #include <ATen/ATen.h>
-#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,10 +35,16 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
+#include "client/client.h"
 #include "client/shm_segment.h"
 #include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
@@ -38,6 +52,7 @@
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/tensor_codec.h"
+#include "proto/wire.h"
 #include "server/server.h"
 
 ABSL_FLAG(bool, smoke, false, "Tiny batch and few repeats");
@@ -50,12 +65,27 @@ ABSL_FLAG(std::string, json, "", "Also write the rows as JSON to this file");
 ABSL_FLAG(std::string, concurrencies, "1,4,16",
           "Small calls: calls in flight to measure at");
 ABSL_FLAG(int, small_calls, 400, "Small calls: calls per concurrency level");
+ABSL_FLAG(int, rss_calls, 16,
+          "Peak memory: inline calls at once against a packd process (0 "
+          "skips)");
+ABSL_FLAG(std::string, python, "/usr/bin/python3",
+          "Python with torch and grpcio for the Python client's rows; empty "
+          "skips them");
+
+#ifndef PACKD_PYTHON_DIR
+#define PACKD_PYTHON_DIR ""
+#endif
+#ifndef PACKD_BENCH_PYTHON_SCRIPT
+#define PACKD_BENCH_PYTHON_SCRIPT ""
+#endif
 
 namespace packd {
 namespace {
 
+// The median of `repeats` timed calls, after three untimed ones (a new
+// connection's flow-control windows grow over its first calls).
 double MedianMs(int repeats, const std::function<void()>& fn) {
-  fn();
+  for (int i = 0; i < 3; ++i) fn();
   std::vector<double> ms;
   for (int i = 0; i < repeats; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -68,125 +98,206 @@ double MedianMs(int repeats, const std::function<void()>& fn) {
   return ms[ms.size() / 2];
 }
 
-void Check(const grpc::Status& status, const char* what) {
-  if (!status.ok()) {
-    std::fprintf(stderr, "bench_service: %s: %s\n", what,
-                 status.error_message().c_str());
-    std::exit(1);
-  }
+void Die(const std::string& what) {
+  std::fprintf(stderr, "bench_service: %s\n", what.c_str());
+  std::exit(1);
 }
 
-// A do-nothing RPC on the same gRPC stack: the limit for inline calls. It reads
-// the request and answers with as many bytes as the client names in
-// "x-response-bytes", from a static buffer.
-class NullService : public grpc::CallbackGenericService {
- public:
-  explicit NullService(size_t max_response) : payload_(max_response, 'x') {}
+void Check(const grpc::Status& status, const char* what) {
+  if (!status.ok()) Die(absl::StrCat(what, ": ", status.error_message()));
+}
 
-  grpc::ServerGenericBidiReactor* CreateReactor(
-      grpc::GenericCallbackServerContext* context) override {
-    size_t bytes = 0;
-    const auto& metadata = context->client_metadata();
-    if (auto it = metadata.find("x-response-bytes"); it != metadata.end()) {
-      absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()),
-                       &bytes);
+void Check(const absl::Status& status, const char* what) {
+  if (!status.ok()) Die(absl::StrCat(what, ": ", status.ToString()));
+}
+
+// ---- The limits ----------------------------------------------------------
+
+// The same bytes through a plain socket: the client sends `up` bytes, a
+// thread reads them all and answers with `down` bytes; both reuse their
+// buffers. Median ms of a round trip.
+class RawSocketLimit {
+ public:
+  RawSocketLimit(bool unix_socket, size_t up, size_t down)
+      : up_(up), down_(down), out_(up, 'u'), reply_(down, 'd') {
+    int listener = -1;
+    if (unix_socket) {
+      path_ = absl::StrCat("/tmp/packd-bench-", getpid(), ".sock");
+      unlink(path_.c_str());
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path_.c_str());
+      listener = socket(AF_UNIX, SOCK_STREAM, 0);
+      if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) !=
+              0 ||
+          listen(listener, 1) != 0) {
+        Die("raw socket: cannot listen on a unix socket");
+      }
+      client_ = socket(AF_UNIX, SOCK_STREAM, 0);
+      if (connect(client_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) !=
+          0) {
+        Die("raw socket: cannot connect");
+      }
+    } else {
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      listener = socket(AF_INET, SOCK_STREAM, 0);
+      socklen_t len = sizeof(addr);
+      if (bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+          listen(listener, 1) != 0 ||
+          getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) !=
+              0) {
+        Die("raw socket: cannot listen on loopback");
+      }
+      client_ = socket(AF_INET, SOCK_STREAM, 0);
+      if (connect(client_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+        Die("raw socket: cannot connect");
+      }
+      const int one = 1;
+      setsockopt(client_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     }
-    return new Reactor(payload_.data(), std::min(bytes, payload_.size()));
+    server_ = accept(listener, nullptr, nullptr);
+    close(listener);
+    echo_ = std::thread([this] {
+      std::string in(up_, '\0');
+      while (ReadAll(server_, in.data(), up_) && WriteAll(server_, reply_)) {
+      }
+    });
+  }
+  ~RawSocketLimit() {
+    shutdown(client_, SHUT_RDWR);
+    close(client_);
+    echo_.join();
+    close(server_);
+    if (!path_.empty()) unlink(path_.c_str());
+  }
+
+  void RoundTrip() {
+    if (!WriteAll(client_, out_) || !ReadAll(client_, in_.data(), down_)) {
+      Die("raw socket: round trip failed");
+    }
   }
 
  private:
-  class Reactor : public grpc::ServerGenericBidiReactor {
-   public:
-    Reactor(const char* data, size_t bytes) : data_(data), bytes_(bytes) {
-      StartRead(&request_);
+  static bool WriteAll(int fd, const std::string& bytes) {
+    for (size_t at = 0; at < bytes.size();) {
+      const ssize_t n = send(fd, bytes.data() + at, bytes.size() - at, 0);
+      if (n <= 0) return false;
+      at += n;
     }
-    void OnReadDone(bool ok) override {
-      if (!ok) {
-        Finish(grpc::Status::OK);
-        return;
-      }
-      grpc::Slice slice(data_, bytes_, grpc::Slice::STATIC_SLICE);
-      response_ = grpc::ByteBuffer(&slice, 1);
-      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+    return true;
+  }
+  static bool ReadAll(int fd, char* out, size_t bytes) {
+    for (size_t at = 0; at < bytes;) {
+      const ssize_t n = recv(fd, out + at, bytes - at, 0);
+      if (n <= 0) return false;
+      at += n;
     }
-    void OnDone() override { delete this; }
+    return true;
+  }
 
-   private:
-    const char* data_;
-    size_t bytes_;
-    grpc::ByteBuffer request_, response_;
-  };
+  size_t up_, down_;
+  std::string out_, reply_, in_ = std::string(down_, '\0');
+  std::string path_;
+  int client_ = -1, server_ = -1;
+  std::thread echo_;
+};
+
+// A do-nothing RPC on the same gRPC stack and the same kind of method as
+// Pack (a raw unary callback method), zero-copy at both ends: the request
+// wraps the caller's memory, the server reads nothing and answers with
+// `response_bytes` from a static buffer, and the client leaves the reply in
+// gRPC's slices.
+class NullService : public v1::PackService::WithRawCallbackMethod_Pack<
+                        v1::PackService::CallbackService> {
+ public:
+  explicit NullService(size_t response_bytes) : payload_(response_bytes, 'x') {}
+
+  grpc::ServerUnaryReactor* Pack(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer*,
+                                 grpc::ByteBuffer* response) override {
+    grpc::Slice slice(payload_.data(), payload_.size(),
+                      grpc::Slice::STATIC_SLICE);
+    *response = grpc::ByteBuffer(&slice, 1);
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
   std::string payload_;
 };
 
-grpc::ByteBuffer Serialized(const google::protobuf::Message& message) {
-  const std::string bytes = message.SerializeAsString();
-  grpc::Slice slice(bytes);
-  return grpc::ByteBuffer(&slice, 1);
-}
+// The do-nothing RPC's server on `listen`, and the stub that calls it.
+struct NullServer {
+  std::unique_ptr<NullService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<grpc::GenericStub> stub;
 
-// One do-nothing call carrying `request` and asking for `response_bytes` back.
-// Like a real call, it serialises the request and copies the response out of
-// gRPC's buffers (what parsing a bytes field costs); the server side does
-// nothing at all.
-void NullCall(grpc::GenericStub& stub, const google::protobuf::Message& request,
-              size_t response_bytes) {
-  grpc::ClientContext context;
-  context.AddMetadata("x-response-bytes", std::to_string(response_bytes));
-  const grpc::ByteBuffer request_bytes = Serialized(request);
-  grpc::ByteBuffer response;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&context, "/packd.bench.Null/Call", grpc::StubOptions(),
-                 &request_bytes, &response,
-                 [&](grpc::Status s) { done.set_value(std::move(s)); });
-  Check(done.get_future().get(), "do-nothing call");
-  std::vector<grpc::Slice> slices;
-  (void)response.Dump(&slices);
-  std::string copy;
-  copy.reserve(response_bytes);
-  for (const grpc::Slice& slice : slices) {
-    copy.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  // One call sending `request` (wrapped, not copied).
+  void Call(const grpc::ByteBuffer& request) const {
+    grpc::ClientContext context;
+    grpc::ByteBuffer response;
+    absl::Notification done;
+    grpc::Status status;
+    stub->UnaryCall(&context, "/packd.v1.PackService/Pack", grpc::StubOptions(),
+                    &request, &response, [&](grpc::Status s) {
+                      status = std::move(s);
+                      done.Notify();
+                    });
+    done.WaitForNotification();
+    Check(status, "do-nothing call");
+    std::vector<grpc::Slice> slices;
+    (void)response.Dump(&slices);
   }
-}
-
-// p50 and p99 in ms of `total` calls of `call`, `concurrency` at a time.
-std::pair<double, double> Latencies(int concurrency, int total,
-                                    const std::function<void()>& call) {
-  std::vector<double> ms;
-  std::mutex mu;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < concurrency; ++t) {
-    threads.emplace_back([&] {
-      std::vector<double> mine;
-      for (int i = 0; i < total / concurrency; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        call();
-        mine.push_back(std::chrono::duration<double, std::milli>(
-                           std::chrono::steady_clock::now() - t0)
-                           .count());
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      ms.insert(ms.end(), mine.begin(), mine.end());
-    });
-  }
-  for (auto& t : threads) t.join();
-  std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]};
-}
-
-struct Row {
-  std::string name, memory;
-  double ms;
 };
+
+grpc::ChannelArguments LargeMessages() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  return args;
+}
+
+NullServer StartNullServer(const std::string& listen, size_t response_bytes) {
+  NullServer null;
+  null.service = std::make_unique<NullService>(response_bytes);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  builder.RegisterService(null.service.get());
+  null.server = builder.BuildAndStart();
+  if (null.server == nullptr) Die("cannot start the do-nothing server");
+  const std::string address =
+      absl::StartsWith(listen, "unix:")
+          ? listen
+          : absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  null.stub = std::make_unique<grpc::GenericStub>(grpc::CreateCustomChannel(
+      address, grpc::InsecureChannelCredentials(), LargeMessages()));
+  return null;
+}
+
+// A request's bytes as the zero-copy do-nothing RPC sends them.
+grpc::ByteBuffer Wrapped(const v1::PackRequest& request,
+                         const Payloads& payloads) {
+  return ToByteBuffer(SerializeWithPayloads(request, payloads), nullptr);
+}
+
+// ---- The batch -----------------------------------------------------------
 
 // The large batch: x [B, S, H] bf16 and a prefix mask, with x copied into a
 // shared-memory segment (registered as region "bench") whose second half takes
-// the results of the handle path.
+// the results of the handle path. `header` is the inline request without its
+// tensors' bytes, which `payloads` point at.
 struct LargeBatch {
   at::Tensor x, mask;
   std::unique_ptr<ShmSegment> segment;
   int64_t active = 0, packed_bytes = 0;
-  v1::PackRequest inline_request, shm_request;
+  v1::PackRequest inline_request, header, shm_request;
+  Payloads payloads;
 };
 
 absl::StatusOr<LargeBatch> MakeLargeBatch(int64_t B, int64_t S, int64_t H,
@@ -206,14 +317,22 @@ absl::StatusOr<LargeBatch> MakeLargeBatch(int64_t B, int64_t S, int64_t H,
   std::memcpy(batch.segment->data(), batch.x.data_ptr(), x_bytes);
   std::memset(batch.segment->data() + x_bytes, 0, x_bytes);
 
-  v1::Tensor mask_proto;
+  EncodeTensorHeader(DType::kBool, batch.mask.sizes().vec(),
+                     batch.header.mutable_mask());
+  EncodeTensorHeader(DType::kBFloat16, batch.x.sizes().vec(),
+                     batch.header.add_inputs());
+  batch.payloads[&batch.header.mask()] =
+      Payload::Of(batch.mask.data_ptr(), batch.mask.nbytes());
+  batch.payloads[&batch.header.inputs(0)] =
+      Payload::Of(batch.x.data_ptr(), x_bytes);
+
   EncodeInlineTensor(DType::kBool, batch.mask.sizes().vec(),
-                     batch.mask.data_ptr(), batch.mask.nbytes(), &mask_proto);
-  *batch.inline_request.mutable_mask() = mask_proto;
+                     batch.mask.data_ptr(), batch.mask.nbytes(),
+                     batch.inline_request.mutable_mask());
   EncodeInlineTensor(DType::kBFloat16, batch.x.sizes().vec(),
                      batch.x.data_ptr(), x_bytes,
                      batch.inline_request.add_inputs());
-  *batch.shm_request.mutable_mask() = mask_proto;
+  *batch.shm_request.mutable_mask() = batch.inline_request.mask();
   v1::Tensor* handle = batch.shm_request.add_inputs();
   EncodeTensorHeader(DType::kBFloat16, batch.x.sizes().vec(), handle);
   handle->mutable_region()->set_region("bench");
@@ -225,148 +344,274 @@ absl::StatusOr<LargeBatch> MakeLargeBatch(int64_t B, int64_t S, int64_t H,
   return batch;
 }
 
-// The do-nothing RPC's server, on a loopback port; the stub that calls it.
-struct NullServer {
-  std::unique_ptr<NullService> service;
-  std::unique_ptr<grpc::Server> server;
-  std::unique_ptr<grpc::GenericStub> stub;
+// ---- Rows ----------------------------------------------------------------
+
+struct Row {
+  std::string name;
+  double unix_ms = 0, tcp_ms = 0;  // 0: not measured
 };
 
-NullServer StartNullServer(size_t max_response,
-                           const grpc::ChannelArguments& args) {
-  NullServer null;
-  null.service = std::make_unique<NullService>(max_response);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                           &port);
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(1 << 30);
-  builder.RegisterCallbackGenericService(null.service.get());
-  null.server = builder.BuildAndStart();
-  null.stub = std::make_unique<grpc::GenericStub>(
-      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
-                                grpc::InsecureChannelCredentials(), args));
-  return null;
+// The active length of each row of a prefix mask, comma-separated.
+std::string RowLengths(const at::Tensor& mask) {
+  const at::Tensor lengths = mask.sum(1).to(at::kLong).contiguous();
+  return absl::StrJoin(
+      absl::MakeConstSpan(lengths.data_ptr<int64_t>(), lengths.numel()), ",");
 }
 
-// The in-process kernel (into a touched buffer, and on the segment's pages),
-// then the Pack RPC through handles and inline, then the do-nothing RPC with
-// the inline call's bytes.
-std::vector<Row> MeasureLargeCalls(LargeBatch& batch,
-                                   v1::PackService::Stub& stub,
-                                   grpc::GenericStub& null_stub,
-                                   size_t response_bytes, int repeats) {
+// p50 of a Python client's inline Pack of a batch of the same shape, dtype
+// and row lengths, or 0 when Python is not available.
+double PythonPackMs(const std::string& address, const LargeBatch& batch,
+                    int repeats) {
+  const std::string python = absl::GetFlag(FLAGS_python);
+  if (python.empty() || std::string(PACKD_PYTHON_DIR).empty()) return 0;
+  const std::string out = absl::StrCat("/tmp/packd-bench-py-", getpid());
+  const std::string command =
+      absl::StrCat("PYTHONPATH=", PACKD_PYTHON_DIR, " ", python, " ",
+                   PACKD_BENCH_PYTHON_SCRIPT, " --address=", address,
+                   " --shape=", batch.x.size(0), ",", batch.x.size(1), ",",
+                   batch.x.size(2), " --lengths=", RowLengths(batch.mask),
+                   " --repeats=", repeats, " > ", out);
+  if (std::system(command.c_str()) != 0) {
+    std::fprintf(stderr, "bench_service: the Python client's run failed\n");
+    return 0;
+  }
+  std::ifstream f(out);
+  double ms = 0;
+  f >> ms;
+  unlink(out.c_str());
+  return ms;
+}
+
+struct Servers {
+  std::unique_ptr<PackdServer> tcp, unix_socket;
+};
+
+Servers StartServers() {
+  Servers servers;
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.service.regions.enabled = true;
+  options.service.regions.key_prefix = "/packd_bench";
+  auto tcp = PackdServer::Start(options);
+  Check(tcp.status(), "start the TCP server");
+  options.listen =
+      absl::StrCat("unix:/tmp/packd-bench-grpc-", getpid(), ".sock");
+  auto unix_socket = PackdServer::Start(options);
+  Check(unix_socket.status(), "start the unix-socket server");
+  servers.tcp = std::move(*tcp);
+  servers.unix_socket = std::move(*unix_socket);
+  return servers;
+}
+
+std::unique_ptr<Client> ConnectClient(const std::string& address,
+                                      int64_t split_threshold) {
+  ClientOptions options;
+  options.address = address;
+  options.shared_memory_threshold_bytes = 0;  // inline
+  options.split_threshold_bytes = split_threshold;
+  auto client = Client::Connect(options);
+  Check(client.status(), "connect");
+  return std::move(*client);
+}
+
+std::vector<Row> MeasureLargeCalls(LargeBatch& batch, const Servers& servers,
+                                   double density, int repeats) {
   const int64_t x_bytes = batch.x.nbytes();
-  char* seg = batch.segment->data();
+  const size_t request_bytes = batch.inline_request.ByteSizeLong();
+  size_t response_bytes = 0;
+  auto stub_for = [](const std::string& address) {
+    return v1::PackService::NewStub(grpc::CreateCustomChannel(
+        address, grpc::InsecureChannelCredentials(), LargeMessages()));
+  };
+  auto tcp_stub = stub_for(servers.tcp->address());
+  auto unix_stub = stub_for(servers.unix_socket->address());
+  {
+    v1::PackResponse response;
+    grpc::ClientContext c;
+    Check(tcp_stub->Pack(&c, batch.inline_request, &response), "Pack");
+    response_bytes = response.ByteSizeLong();
+    // The result must be the kernel's.
+    at::Tensor expected =
+        at::empty({batch.active, batch.x.size(2)}, at::kBFloat16);
+    PackOptions into;
+    const std::vector<TensorView> inputs = {AsView(batch.x)};
+    const std::vector<TensorView> outputs = {AsView(expected)};
+    into.outputs = outputs;
+    Check(Pack(inputs, AsView(batch.mask), into).status(), "in-process Pack");
+    if (response.packed(0).data() !=
+        std::string(static_cast<const char*>(expected.data_ptr()),
+                    expected.nbytes())) {
+      Die("the inline Pack's result differs from the kernel's");
+    }
+  }
+  {
+    v1::RegisterSystemRegionRequest reg;
+    reg.set_name("bench");
+    reg.set_key(batch.segment->key());
+    reg.set_byte_size(batch.segment->size());
+    for (auto* stub : {tcp_stub.get(), unix_stub.get()}) {
+      grpc::ClientContext c;
+      v1::RegisterRegionResponse r;
+      Check(stub->RegisterSystemRegion(&c, reg, &r), "RegisterSystemRegion");
+    }
+  }
+  const int slow = std::max(2, repeats / 3);
+  std::vector<Row> rows;
+
+  // The kernel in this process.
   at::Tensor touched =
       at::zeros({batch.active, batch.x.size(2)}, at::kBFloat16);
   const std::vector<TensorView> inputs = {AsView(batch.x)};
   const std::vector<TensorView> outputs = {AsView(touched)};
   PackOptions into;
   into.outputs = outputs;
-  // The same kernel on the segment's pages (4 KiB shmem pages unless the
-  // system enables shmem huge pages), which is what the server works on.
-  TensorView x_in_shm = AsView(batch.x);
-  x_in_shm.data = seg;
-  TensorView out_in_shm = AsView(touched);
-  out_in_shm.data = seg + x_bytes;
-  const std::vector<TensorView> shm_inputs = {x_in_shm};
-  const std::vector<TensorView> shm_outputs = {out_in_shm};
-  PackOptions into_shm;
-  into_shm.outputs = shm_outputs;
-  const TensorView mask = AsView(batch.mask);
+  const double kernel = MedianMs(repeats, [&] {
+    Check(Pack(inputs, AsView(batch.mask), into).status(), "in-process Pack");
+  });
+  rows.push_back({"in-process kernel (packd::Pack)", kernel, kernel});
 
-  std::vector<Row> rows;
-  rows.push_back({"in-process kernel (packd::Pack)", "caller buffer, touched",
-                  MedianMs(repeats, [&] {
-                    if (!Pack(inputs, mask, into).ok()) std::exit(1);
-                  })});
-  rows.push_back({"in-process kernel on the segment", "output in the segment",
-                  MedianMs(repeats, [&] {
-                    if (!Pack(shm_inputs, mask, into_shm).ok()) std::exit(1);
-                  })});
-  rows.push_back({"Pack RPC, shared-memory handles", "output region slice",
-                  MedianMs(repeats, [&] {
-                    grpc::ClientContext c;
-                    v1::PackResponse r;
-                    Check(stub.Pack(&c, batch.shm_request, &r),
-                          "Pack (handles)");
-                  })});
-  rows.push_back({"Pack RPC, inline bytes", "response message",
-                  MedianMs(std::max(2, repeats / 3), [&] {
-                    grpc::ClientContext c;
-                    v1::PackResponse r;
-                    Check(stub.Pack(&c, batch.inline_request, &r),
-                          "Pack (inline)");
-                  })});
-  rows.push_back({"do-nothing RPC, same bytes (limit)", "static buffer",
-                  MedianMs(std::max(2, repeats / 3), [&] {
-                    NullCall(null_stub, batch.inline_request, response_bytes);
-                  })});
-  // The handle path must have produced the same bytes as the kernel.
-  if (std::memcmp(seg + x_bytes, touched.data_ptr(), batch.packed_bytes) != 0) {
-    std::fprintf(stderr,
-                 "bench_service: the handle path's result differs from the "
-                 "kernel's\n");
-    std::exit(1);
+  // The limits.
+  Row raw{"raw socket, same bytes (limit)"};
+  for (bool unix_socket : {true, false}) {
+    RawSocketLimit limit(unix_socket, request_bytes, response_bytes);
+    (unix_socket ? raw.unix_ms : raw.tcp_ms) =
+        MedianMs(repeats, [&] { limit.RoundTrip(); });
   }
+  rows.push_back(raw);
+  Row null{"zero-copy do-nothing RPC (limit)"};
+  const grpc::ByteBuffer wrapped = Wrapped(batch.header, batch.payloads);
+  for (bool unix_socket : {true, false}) {
+    NullServer server = StartNullServer(
+        unix_socket
+            ? absl::StrCat("unix:/tmp/packd-bench-null-", getpid(), ".sock")
+            : "127.0.0.1:0",
+        response_bytes);
+    (unix_socket ? null.unix_ms : null.tcp_ms) =
+        MedianMs(repeats, [&] { server.Call(wrapped); });
+    server.server->Shutdown();
+  }
+  rows.push_back(null);
+
+  // Pack through the clients.
+  for (int64_t split : {int64_t{16} << 20, int64_t{0}}) {
+    Row row{split > 0 ? "Pack, C++ client (2 connections)"
+                      : "Pack, C++ client (1 connection)"};
+    for (bool unix_socket : {true, false}) {
+      auto client = ConnectClient(
+          unix_socket ? servers.unix_socket->address() : servers.tcp->address(),
+          split);
+      (unix_socket ? row.unix_ms : row.tcp_ms) = MedianMs(repeats, [&] {
+        Check(client->Pack({batch.x}, batch.mask).status(), "Pack (client)");
+      });
+    }
+    rows.push_back(row);
+  }
+  Row python{"Pack, Python client"};
+  python.unix_ms = PythonPackMs(servers.unix_socket->address(), batch, repeats);
+  python.tcp_ms = PythonPackMs(servers.tcp->address(), batch, repeats);
+  rows.push_back(python);
+  Row typed{"Pack, generated stub (bytes fields)"};
+  for (bool unix_socket : {true, false}) {
+    auto* stub = unix_socket ? unix_stub.get() : tcp_stub.get();
+    (unix_socket ? typed.unix_ms : typed.tcp_ms) = MedianMs(slow, [&] {
+      grpc::ClientContext c;
+      v1::PackResponse r;
+      Check(stub->Pack(&c, batch.inline_request, &r), "Pack (stub)");
+    });
+  }
+  rows.push_back(typed);
+  Row shm{"Pack, shared-memory handles"};
+  for (bool unix_socket : {true, false}) {
+    auto* stub = unix_socket ? unix_stub.get() : tcp_stub.get();
+    (unix_socket ? shm.unix_ms : shm.tcp_ms) = MedianMs(repeats, [&] {
+      grpc::ClientContext c;
+      v1::PackResponse r;
+      Check(stub->Pack(&c, batch.shm_request, &r), "Pack (handles)");
+    });
+  }
+  rows.push_back(shm);
+  if (std::memcmp(batch.segment->data() + x_bytes, touched.data_ptr(),
+                  batch.packed_bytes) != 0) {
+    Die("the handle path's result differs from the kernel's");
+  }
+  std::printf(
+      "bench_service: x [%lld, %lld, %lld] bf16 (%.1f MiB), prefix mask "
+      "density %.2f, %lld active rows (%.1f MiB packed); inline calls move "
+      "%.1f MiB up and %.1f MiB back; median of %d (%d for the generated "
+      "stub)\n\n",
+      (long long)batch.x.size(0), (long long)batch.x.size(1),
+      (long long)batch.x.size(2), x_bytes / 1048576.0, density,
+      (long long)batch.active, batch.packed_bytes / 1048576.0,
+      request_bytes / 1048576.0, response_bytes / 1048576.0, repeats, slow);
+  const double moved = static_cast<double>(request_bytes + response_bytes);
+  std::printf("%-38s %10s %10s %10s %10s\n", "path", "unix ms", "unix GB/s",
+              "tcp ms", "tcp GB/s");
+  for (const Row& r : rows) {
+    auto cell = [&](double ms) {
+      return ms > 0 ? absl::StrFormat("%10.2f %10.2f", ms, moved / (ms * 1e6))
+                    : absl::StrFormat("%10s %10s", "-", "-");
+    };
+    std::printf("%-38s %s %s\n", r.name.c_str(), cell(r.unix_ms).c_str(),
+                cell(r.tcp_ms).c_str());
+  }
+  auto ratio = [](double limit_ms, double ms) {
+    return ms > 0 && limit_ms > 0 ? absl::StrFormat("%5.2f", limit_ms / ms)
+                                  : std::string("    -");
+  };
+  const Row& cpp = rows[3];
+  std::printf(
+      "\nratios (time of the limit / time of the path; 1.0 = at the "
+      "limit)                unix    tcp\n");
+  std::printf("%-74s %s  %s\n", "Pack C++ / raw socket (target >= 0.5)",
+              ratio(raw.unix_ms, cpp.unix_ms).c_str(),
+              ratio(raw.tcp_ms, cpp.tcp_ms).c_str());
+  std::printf("%-74s %s  %s\n",
+              "Pack C++ / zero-copy do-nothing RPC (target >= 0.8)",
+              ratio(null.unix_ms, cpp.unix_ms).c_str(),
+              ratio(null.tcp_ms, cpp.tcp_ms).c_str());
+  std::printf("%-74s %s  %s\n", "Pack Python / Pack C++ (target >= 0.5)",
+              ratio(cpp.unix_ms, python.unix_ms).c_str(),
+              ratio(cpp.tcp_ms, python.tcp_ms).c_str());
+  std::printf("%-74s %s  %s\n",
+              "Pack C++ 2 connections / 1 connection (speed-up)",
+              ratio(rows[4].unix_ms, cpp.unix_ms).c_str(),
+              ratio(rows[4].tcp_ms, cpp.tcp_ms).c_str());
+  std::printf("%-74s %s  %s\n", "generated stub / Pack C++ (speed-up)",
+              ratio(typed.unix_ms, cpp.unix_ms).c_str(),
+              ratio(typed.tcp_ms, cpp.tcp_ms).c_str());
+  std::printf("%-74s %s  %s\n", "in-process kernel / shared-memory handles",
+              ratio(kernel, shm.unix_ms).c_str(),
+              ratio(kernel, shm.tcp_ms).c_str());
   return rows;
 }
 
-void PrintLargeCalls(const LargeBatch& batch, double density, int repeats,
-                     size_t response_bytes, const std::vector<Row>& rows) {
-  const int64_t B = batch.x.size(0), S = batch.x.size(1), H = batch.x.size(2);
-  std::printf(
-      "bench_service: x [%lld, %lld, %lld] bf16 (%.1f MiB), prefix mask "
-      "density %.2f, %lld active rows (%.1f MiB packed), median of %d\n\n",
-      (long long)B, (long long)S, (long long)H, batch.x.nbytes() / 1048576.0,
-      density, (long long)batch.active, batch.packed_bytes / 1048576.0,
-      repeats);
-  std::printf("%-34s %10s %10s %14s  %s\n", "path", "ms", "GB/s",
-              "x in-process", "result memory");
-  for (const Row& r : rows) {
-    std::printf("%-34s %10.3f %10.2f %14.3f  %s\n", r.name.c_str(), r.ms,
-                batch.packed_bytes / (r.ms * 1e6), rows[0].ms / r.ms,
-                r.memory.c_str());
-  }
-  std::printf("\nshared memory / in-process throughput: %.2f (target >= 0.8)\n",
-              rows[0].ms / rows[2].ms);
-  std::printf("shared memory / in-process on the same pages: %.2f\n",
-              rows[1].ms / rows[2].ms);
-  std::printf("shared memory / inline speed-up:        %.1fx (target >= 20)\n",
-              rows[3].ms / rows[2].ms);
-  std::printf(
-      "do-nothing RPC / inline Pack RPC time, same %.1f MiB: %.2f (1.0 = at "
-      "the limit)\n",
-      (batch.inline_request.ByteSizeLong() + response_bytes) / 1048576.0,
-      rows[4].ms / rows[3].ms);
-}
-
-// Latency of a small inline Pack at several concurrencies, against the
-// do-nothing RPC carrying the same bytes at the same concurrency.
-void MeasureSmallCalls(v1::PackService::Stub& stub,
-                       grpc::GenericStub& null_stub, bool smoke) {
+// Latency of a small inline Pack through the C++ client at several
+// concurrencies, against the zero-copy do-nothing RPC carrying the same bytes.
+void MeasureSmallCalls(const Servers& servers, bool smoke) {
   const at::Tensor small_x =
       at::randint(-1000, 1000, {4, 128, 64}, at::kFloat).to(at::kBFloat16);
   const at::Tensor small_mask = at::rand({4, 128}) < 0.5;
-  v1::PackRequest request;
-  EncodeInlineTensor(DType::kBool, small_mask.sizes().vec(),
-                     small_mask.data_ptr(), small_mask.nbytes(),
-                     request.mutable_mask());
-  EncodeInlineTensor(DType::kBFloat16, small_x.sizes().vec(),
-                     small_x.data_ptr(), small_x.nbytes(),
-                     request.add_inputs());
-  v1::PackResponse response;
-  {
-    grpc::ClientContext c;
-    Check(stub.Pack(&c, request, &response), "Pack (small)");
-  }
+  v1::PackRequest header;
+  Payloads payloads;
+  EncodeTensorHeader(DType::kBool, small_mask.sizes().vec(),
+                     header.mutable_mask());
+  EncodeTensorHeader(DType::kBFloat16, small_x.sizes().vec(),
+                     header.add_inputs());
+  payloads[&header.mask()] =
+      Payload::Of(small_mask.data_ptr(), small_mask.nbytes());
+  payloads[&header.inputs(0)] =
+      Payload::Of(small_x.data_ptr(), small_x.nbytes());
+  const grpc::ByteBuffer wrapped = Wrapped(header, payloads);
+  const int64_t active = small_mask.sum().item<int64_t>();
+  const size_t response_bytes = active * 64 * 2 + 64;
+  auto client = ConnectClient(servers.tcp->address(), 0);
+  Check(client->Pack({small_x}, small_mask).status(), "Pack (small)");
+  NullServer null = StartNullServer("127.0.0.1:0", response_bytes);
   const int calls = absl::GetFlag(FLAGS_small_calls);
   std::printf(
-      "\nsmall calls: x [4, 128, 64] bf16, random mask 0.5 (%zu request "
-      "bytes, %zu response bytes), %d calls per level\n",
-      request.ByteSizeLong(), response.ByteSizeLong(), calls);
+      "\nsmall calls over TCP loopback: x [4, 128, 64] bf16, random mask 0.5 "
+      "(%zu request bytes, about %zu response bytes), %d calls per level\n",
+      wrapped.Length(), response_bytes, calls);
   std::printf("%12s %12s %12s %14s %14s %10s %10s\n", "concurrency", "Pack p50",
               "Pack p99", "nothing p50", "nothing p99", "p50 x", "p99 x");
   for (absl::string_view level : absl::StrSplit(
@@ -374,18 +619,91 @@ void MeasureSmallCalls(v1::PackService::Stub& stub,
     int c = 1;
     if (!absl::SimpleAtoi(level, &c) || c < 1) continue;
     const int total = smoke ? 2 * c : calls;
-    const auto pack = Latencies(c, total, [&] {
-      grpc::ClientContext ctx;
-      v1::PackResponse r;
-      Check(stub.Pack(&ctx, request, &r), "Pack (small)");
+    auto latencies = [&](const std::function<void()>& call) {
+      std::vector<double> ms;
+      std::mutex mu;
+      std::vector<std::thread> threads;
+      for (int t = 0; t < c; ++t) {
+        threads.emplace_back([&] {
+          std::vector<double> mine;
+          for (int i = 0; i < total / c; ++i) {
+            const auto t0 = std::chrono::steady_clock::now();
+            call();
+            mine.push_back(std::chrono::duration<double, std::milli>(
+                               std::chrono::steady_clock::now() - t0)
+                               .count());
+          }
+          std::lock_guard<std::mutex> lock(mu);
+          ms.insert(ms.end(), mine.begin(), mine.end());
+        });
+      }
+      for (auto& t : threads) t.join();
+      std::sort(ms.begin(), ms.end());
+      return std::make_pair(ms[ms.size() / 2],
+                            ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]);
+    };
+    const auto pack = latencies([&] {
+      Check(client->Pack({small_x}, small_mask).status(), "Pack (small)");
     });
-    const auto nothing = Latencies(c, total, [&] {
-      NullCall(null_stub, request, response.ByteSizeLong());
-    });
+    const auto nothing = latencies([&] { null.Call(wrapped); });
     std::printf("%12d %10.3fms %10.3fms %12.3fms %12.3fms %10.2f %10.2f\n", c,
                 pack.first, pack.second, nothing.first, nothing.second,
                 pack.first / nothing.first, pack.second / nothing.second);
   }
+  null.server->Shutdown();
+}
+
+// Peak resident memory (VmHWM) of a packd process that served `concurrent`
+// inline Packs of the batch at once, each through its own client; 0 when the
+// binary could not be started.
+int64_t PackdPeakRssBytes(const LargeBatch& batch, int concurrent,
+                          bool keep_freed_memory) {
+  const std::string socket =
+      absl::StrCat("/tmp/packd-bench-rss-", getpid(), ".sock");
+  const std::string listen = absl::StrCat("--listen=unix:", socket);
+  const std::string keep = absl::StrCat("--keep_freed_memory=",
+                                        keep_freed_memory ? "true" : "false");
+  const pid_t pid = fork();
+  if (pid == 0) {
+    freopen("/dev/null", "w", stderr);
+    execl(PACKD_BINARY, PACKD_BINARY, listen.c_str(), keep.c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int64_t peak = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  bool ready = false;
+  while (!ready && absl::Now() < deadline) {
+    auto probe = ConnectClient(absl::StrCat("unix:", socket), 0);
+    ready = access(socket.c_str(), F_OK) == 0 && probe->Health("").ok();
+    if (!ready) absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (ready) {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < concurrent; ++i) {
+      threads.emplace_back([&] {
+        auto client =
+            ConnectClient(absl::StrCat("unix:", socket), int64_t{16} << 20);
+        Check(client->Pack({batch.x}, batch.mask).status(), "Pack (rss)");
+      });
+    }
+    for (auto& t : threads) t.join();
+    std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+    std::string line;
+    while (std::getline(status, line)) {
+      if (absl::StartsWith(line, "VmHWM:")) {
+        int64_t kb = 0;
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::StripSuffix(
+                             absl::StripPrefix(line, "VmHWM:"), "kB")),
+                         &kb);
+        peak = kb * 1024;
+      }
+    }
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  unlink(socket.c_str());
+  return peak;
 }
 
 void WriteJson(const std::string& path, const LargeBatch& batch, double density,
@@ -395,10 +713,10 @@ void WriteJson(const std::string& path, const LargeBatch& batch, double density,
   for (size_t i = 0; i < rows.size(); ++i) {
     f << absl::StrFormat(
         "  {\"path\": \"%s\", \"B\": %d, \"S\": %d, \"hidden\": %d, "
-        "\"density\": %g, \"active_rows\": %d, \"bytes_moved\": %d, "
-        "\"median_ms\": %.4f}%s\n",
+        "\"density\": %g, \"active_rows\": %d, \"unix_median_ms\": %.4f, "
+        "\"tcp_median_ms\": %.4f}%s\n",
         rows[i].name, batch.x.size(0), batch.x.size(1), batch.x.size(2),
-        density, batch.active, batch.packed_bytes, rows[i].ms,
+        density, batch.active, rows[i].unix_ms, rows[i].tcp_ms,
         i + 1 < rows.size() ? "," : "");
   }
   f << "]\n";
@@ -413,53 +731,32 @@ int Main(int argc, char** argv) {
   const int repeats = smoke ? 2 : absl::GetFlag(FLAGS_repeats);
   const double density = absl::GetFlag(FLAGS_density);
 
-  ServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.service.regions.enabled = true;
-  options.service.regions.key_prefix = "/packd_bench";
-  auto server = PackdServer::Start(options);
+  Servers servers = StartServers();
   absl::StatusOr<LargeBatch> batch = MakeLargeBatch(B, S, H, density);
-  if (!server.ok() || !batch.ok()) {
-    std::fprintf(
-        stderr, "bench_service: %s\n",
-        (server.ok() ? batch.status() : server.status()).ToString().c_str());
-    return 1;
-  }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(1 << 30);
-  args.SetMaxSendMessageSize(1 << 30);
-  auto stub = v1::PackService::NewStub(grpc::CreateCustomChannel(
-      (*server)->address(), grpc::InsecureChannelCredentials(), args));
-  {
-    v1::RegisterSystemRegionRequest reg;
-    reg.set_name("bench");
-    reg.set_key(batch->segment->key());
-    reg.set_byte_size(batch->segment->size());
-    grpc::ClientContext c;
-    v1::RegisterRegionResponse r;
-    Check(stub->RegisterSystemRegion(&c, reg, &r), "RegisterSystemRegion");
-  }
-  // The inline call's response size, for the do-nothing RPC.
-  v1::PackResponse inline_response;
-  {
-    grpc::ClientContext c;
-    Check(stub->Pack(&c, batch->inline_request, &inline_response),
-          "Pack (inline)");
-  }
-  const size_t response_bytes = inline_response.ByteSizeLong();
-  NullServer null =
-      StartNullServer(std::max<size_t>(response_bytes, 1 << 20), args);
-
+  Check(batch.status(), "make the batch");
   const std::vector<Row> rows =
-      MeasureLargeCalls(*batch, *stub, *null.stub, response_bytes, repeats);
-  PrintLargeCalls(*batch, density, repeats, response_bytes, rows);
-  MeasureSmallCalls(*stub, *null.stub, smoke);
-  null.server->Shutdown();
+      MeasureLargeCalls(*batch, servers, density, repeats);
+  MeasureSmallCalls(servers, smoke);
+  const int concurrent = smoke ? 2 : absl::GetFlag(FLAGS_rss_calls);
+  if (concurrent > 0) {
+    std::printf(
+        "\npeak resident memory of a packd process serving %d inline "
+        "calls at once (target: no more than about 0.9 GiB):\n",
+        concurrent);
+    for (bool keep : {true, false}) {
+      std::printf("  --keep_freed_memory=%-5s  %8.2f GiB\n",
+                  keep ? "true" : "false",
+                  PackdPeakRssBytes(*batch, concurrent, keep) /
+                      static_cast<double>(1 << 30));
+    }
+  }
   if (!absl::GetFlag(FLAGS_json).empty()) {
     WriteJson(absl::GetFlag(FLAGS_json), *batch, density, rows);
   }
-  (*server)->Drain();
-  (*server)->Wait();
+  for (auto* server : {servers.tcp.get(), servers.unix_socket.get()}) {
+    server->Drain();
+    server->Wait();
+  }
   return 0;
 }
 

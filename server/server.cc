@@ -2,6 +2,7 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -76,8 +77,14 @@ void PackdServer::OnDeviceLost(const absl::Status& reason) {
   }
 }
 
+void KeepFreedMemoryMapped() {
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     const ServerOptions& options) {
+  if (options.keep_freed_memory) KeepFreedMemoryMapped();
   PACKD_RETURN_IF_ERROR(
       Registry::Runtime(options.service.default_device).status());
 

@@ -33,18 +33,3 @@ def as_bytes_view(t):
 def header(t, msg):
     msg.dtype = wire_dtype(t)
     msg.shape.extend(t.shape)
-
-
-def to_inline(t, msg):
-    header(t, msg)
-    msg.data = as_bytes_view(t).numpy().tobytes()
-
-
-def from_inline(msg):
-    dtype = FROM_WIRE.get(msg.dtype)
-    if dtype is None:
-        raise RuntimeError(f"server returned dtype {msg.dtype}")
-    shape = list(msg.shape)
-    if len(msg.data) == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).reshape(shape)

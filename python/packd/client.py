@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Union
 import grpc
 import torch
 
-from packd import _tensors
+from packd import _tensors, _wire
 from packd._shm import Segment
 from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
@@ -110,6 +110,13 @@ class Client:
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit)])
         self._stub = pb_grpc.PackServiceStub(self._channel)
+        # Pack and Scatter skip protobuf's copies of tensor bytes (packd/_wire.py).
+        self._pack = self._channel.unary_unary(
+            "/packd.v1.PackService/Pack", request_serializer=_wire.serialize,
+            response_deserializer=_wire.parser(pb.PackResponse, pb.Tensor))
+        self._scatter = self._channel.unary_unary(
+            "/packd.v1.PackService/Scatter", request_serializer=_wire.serialize,
+            response_deserializer=_wire.parser(pb.ScatterResponse, pb.Tensor))
         self._shm_allowed = None
         self._scratch = None
 
@@ -143,25 +150,29 @@ class Client:
         return self._scratch
 
     @staticmethod
-    def _encode(t, msg, scratch):
+    def _encode(t, number, outgoing, scratch):
+        """Adds `t` as tensor field `number`: a handle into `scratch` when given, else its bytes
+        (sent from the tensor's own memory)."""
+        header = pb.Tensor()
+        _tensors.header(t, header)
+        src = _tensors.as_bytes_view(t)
         if scratch is not None and t.numel() > 0:
-            src = _tensors.as_bytes_view(t)
             got = scratch.allocate(src.numel())
             if got is not None:
                 offset, dst = got
                 dst.copy_(src)
-                _tensors.header(t, msg)
-                msg.region.CopyFrom(scratch.slice(offset, src.numel()))
+                header.region.CopyFrom(scratch.slice(offset, src.numel()))
+                outgoing.add(number, header)
                 return
-        _tensors.to_inline(t, msg)
+        outgoing.add(number, header, memoryview(src.numpy()))
 
     @staticmethod
-    def _decode(msg, scratch):
+    def _decode(msg, tensor, scratch):
         if msg.HasField("region"):
             dtype = _tensors.FROM_WIRE[msg.dtype]
             raw = scratch.view(msg.region.offset, msg.region.byte_size).clone()
             return raw.view(dtype).reshape(list(msg.shape))
-        return _tensors.from_inline(msg)
+        return tensor
 
     @staticmethod
     def _outputs(scratch, sizes, outputs):
@@ -189,15 +200,17 @@ class Client:
         nbytes = mask.numel() * mask.element_size() + sum(
             2 * t.numel() * t.element_size() for t in tensors)
         scratch = self._scratch_for(nbytes)
-        request = pb.PackRequest(device=device, with_position_ids=with_position_ids)
-        self._encode(mask, request.mask, scratch)
+        request = _wire.Outgoing(pb.PackRequest(device=device,
+                                                with_position_ids=with_position_ids))
+        self._encode(mask, 1, request, scratch)
         for t in tensors:
-            self._encode(t, request.inputs.add(), scratch)
+            self._encode(t, 2, request, scratch)
         if segment_ids is not None:
-            self._encode(segment_ids, request.segment_ids, scratch)
-        self._outputs(scratch, [t.numel() * t.element_size() for t in tensors], request.outputs)
-        reply = self._call(self._stub.Pack, request)
-        packed = [self._decode(m, scratch) for m in reply.packed]
+            self._encode(segment_ids, 6, request, scratch)
+        self._outputs(scratch, [t.numel() * t.element_size() for t in tensors],
+                      request.message.outputs)
+        reply, results = self._call(self._pack, request)
+        packed = [self._decode(m, t, scratch) for m, t in zip(reply.packed, results.get(1, []))]
         docs = segment_ids is not None
         return PackResult(
             doc_cu_seqlens=(torch.tensor(list(reply.doc_cu_seqlens), dtype=torch.int64)
@@ -226,16 +239,16 @@ class Client:
         nbytes = mask.numel() * mask.element_size() + sum(
             t.numel() * t.element_size() for t in tensors) + sum(dense_sizes)
         scratch = self._scratch_for(nbytes)
-        request = pb.ScatterRequest(device=device)
-        self._encode(mask, request.mask, scratch)
+        request = _wire.Outgoing(pb.ScatterRequest(device=device))
+        self._encode(mask, 1, request, scratch)
         for t in tensors:
-            self._encode(t, request.packed.add(), scratch)
+            self._encode(t, 2, request, scratch)
         if tail_shape is not None:
-            request.tail_shape.dims.extend(list(tail_shape))
+            request.message.tail_shape.dims.extend(list(tail_shape))
         if all(n > 0 for n in dense_sizes):
-            self._outputs(scratch, dense_sizes, request.outputs)
-        reply = self._call(self._stub.Scatter, request)
-        dense = [self._decode(m, scratch) for m in reply.dense]
+            self._outputs(scratch, dense_sizes, request.message.outputs)
+        reply, results = self._call(self._scatter, request)
+        dense = [self._decode(m, t, scratch) for m, t in zip(reply.dense, results.get(1, []))]
         return dense[0] if single else dense
 
     def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,

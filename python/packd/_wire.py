@@ -1,0 +1,152 @@
+"""packd.v1 messages with tensor bytes kept out of protobuf.
+
+A request is one hand-built join of protobuf-encoded headers and the tensors' own bytes (the one
+copy on the way out); a reply is parsed in place, its tensors built over the received buffer (no
+copy on the way in). The bytes are exactly the protobuf encoding of the message, so the server sees
+an ordinary packd.v1 message.
+"""
+import warnings
+
+import torch
+
+from packd import _tensors
+
+_LEN = 2
+_DATA = 3  # packd.v1.Tensor.data
+
+
+def _varint(value):
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(number, wire_type):
+    return _varint((number << 3) | wire_type)
+
+
+class Outgoing:
+    """A request: `message` holds every field but the tensors; `tensors` lists (field number,
+    packd.v1.Tensor header, bytes-like data or None) in order."""
+
+    def __init__(self, message):
+        self.message = message
+        self.tensors = []
+
+    def add(self, number, header, data=None):
+        self.tensors.append((number, header, data))
+
+
+def serialize(outgoing):
+    pieces = [outgoing.message.SerializeToString()]
+    for number, header, data in outgoing.tensors:
+        head = header.SerializeToString()
+        if data is None:
+            pieces += [_tag(number, _LEN), _varint(len(head)), head]
+            continue
+        n = data.nbytes
+        inner = head + _tag(_DATA, _LEN) + _varint(n)
+        pieces += [_tag(number, _LEN), _varint(len(inner) + n), inner, data]
+    return b"".join(pieces)
+
+
+class _Reader:
+    def __init__(self, buf, end):
+        self.buf, self.at, self.end = buf, 0, end
+
+    def varint(self):
+        value, shift = 0, 0
+        while True:
+            if self.at >= self.end or shift > 63:
+                raise ValueError("packd reply: a varint is cut off or too long")
+            byte = self.buf[self.at]
+            self.at += 1
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+            shift += 7
+
+    def skip(self, wire_type):
+        if wire_type == 0:
+            self.varint()
+        elif wire_type == 1:
+            self.at += 8
+        elif wire_type == 2:
+            n = self.varint()
+            self.at += n
+        elif wire_type == 5:
+            self.at += 4
+        else:
+            raise ValueError("packd reply: wire type %d" % wire_type)
+        if self.at > self.end:
+            raise ValueError("packd reply: a field runs past the end")
+
+
+def _tensor(buf, start, end, tensor_type):
+    """A packd.v1.Tensor header and a torch tensor over its inline bytes (None for a region)."""
+    reader = _Reader(buf, end)
+    reader.at = start
+    rest, data = [], None
+    while reader.at < end:
+        field_start = reader.at
+        tag = reader.varint()
+        if tag == (_DATA << 3) | _LEN:
+            n = reader.varint()
+            data = (reader.at, n)
+            reader.at += n
+            if reader.at > end:
+                raise ValueError("packd reply: tensor data runs past the end")
+            continue
+        reader.skip(tag & 7)
+        rest.append(buf[field_start:reader.at])
+    header = tensor_type.FromString(b"".join(rest))
+    if header.HasField("region"):
+        return header, None
+    dtype = _tensors.FROM_WIRE.get(header.dtype)
+    if dtype is None:
+        raise ValueError("packd reply: dtype %d" % header.dtype)
+    shape = list(header.shape)
+    offset, n = data if data is not None else (0, 0)
+    if n == 0:
+        return header, torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # The reply's buffer is immutable bytes that only this tensor refers to.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
+    return header, flat.view(dtype).reshape(shape)
+
+
+def parser(message_type, tensor_type):
+    """A response deserializer: bytes -> (message, {field number: [torch tensor or None]}).
+    The message has every field; its tensors carry no data (the torch tensors do)."""
+    tensor_fields = {f.number for f in message_type.DESCRIPTOR.fields
+                     if f.message_type is not None and f.message_type.name == "Tensor"}
+
+    def parse(buf):
+        reader = _Reader(buf, len(buf))
+        rest, tensors, headers = [], {}, []
+        while reader.at < reader.end:
+            field_start = reader.at
+            tag = reader.varint()
+            number, wire_type = tag >> 3, tag & 7
+            if number in tensor_fields and wire_type == _LEN:
+                n = reader.varint()
+                if reader.at + n > reader.end:
+                    raise ValueError("packd reply: a tensor runs past the end")
+                header, tensor = _tensor(buf, reader.at, reader.at + n, tensor_type)
+                reader.at += n
+                headers.append((number, header))
+                tensors.setdefault(number, []).append(tensor)
+                continue
+            reader.skip(wire_type)
+            rest.append(buf[field_start:reader.at])
+        message = message_type.FromString(b"".join(rest))
+        for number, header in headers:
+            field = message_type.DESCRIPTOR.fields_by_number[number]
+            getattr(message, field.name).add().CopyFrom(header)
+        return message, tensors
+
+    return parse
