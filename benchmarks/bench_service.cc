@@ -15,6 +15,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -55,6 +56,10 @@
 #include "proto/wire.h"
 #include "server/server.h"
 
+#ifndef PACKD_BINARY
+#define PACKD_BINARY "packd"
+#endif
+
 ABSL_FLAG(bool, smoke, false, "Tiny batch and few repeats");
 ABSL_FLAG(int64_t, batch, 16, "B");
 ABSL_FLAG(int64_t, seq, 1024, "S");
@@ -68,6 +73,13 @@ ABSL_FLAG(int, small_calls, 400, "Small calls: calls per concurrency level");
 ABSL_FLAG(int, rss_calls, 16,
           "Peak memory: inline calls at once against a packd process (0 "
           "skips)");
+ABSL_FLAG(bool, rss_only, false, "Only the peak-memory rows");
+ABSL_FLAG(std::string, packd, PACKD_BINARY,
+          "Peak memory: the packd binary to measure");
+ABSL_FLAG(std::string, packd_flags,
+          "--keep_freed_memory=true --keep_freed_memory=false",
+          "--rss_only: one packd flag (or none, '') per measurement, "
+          "space-separated");
 ABSL_FLAG(std::string, python, "/usr/bin/python3",
           "Python with torch and grpcio for the Python client's rows; empty "
           "skips them");
@@ -657,17 +669,19 @@ void MeasureSmallCalls(const Servers& servers, bool smoke) {
 // inline Packs of the batch at once, each through its own client; 0 when the
 // binary could not be started.
 int64_t PackdPeakRssBytes(const LargeBatch& batch, int concurrent,
-                          bool keep_freed_memory) {
+                          const std::string& flag) {
   const std::string socket =
       absl::StrCat("/tmp/packd-bench-rss-", getpid(), ".sock");
   const std::string listen = absl::StrCat("--listen=unix:", socket);
-  const std::string keep = absl::StrCat("--keep_freed_memory=",
-                                        keep_freed_memory ? "true" : "false");
+  const std::string binary = absl::GetFlag(FLAGS_packd);
+  std::fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the benchmark
+    freopen("/dev/null", "w", stdout);
     freopen("/dev/null", "w", stderr);
-    execl(PACKD_BINARY, PACKD_BINARY, listen.c_str(), keep.c_str(),
-          static_cast<char*>(nullptr));
+    execl(binary.c_str(), binary.c_str(), listen.c_str(),
+          flag.empty() ? nullptr : flag.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
   int64_t peak = 0;
@@ -731,9 +745,19 @@ int Main(int argc, char** argv) {
   const int repeats = smoke ? 2 : absl::GetFlag(FLAGS_repeats);
   const double density = absl::GetFlag(FLAGS_density);
 
-  Servers servers = StartServers();
   absl::StatusOr<LargeBatch> batch = MakeLargeBatch(B, S, H, density);
   Check(batch.status(), "make the batch");
+  if (absl::GetFlag(FLAGS_rss_only)) {
+    for (const std::string& flag : std::vector<std::string>(
+             absl::StrSplit(absl::GetFlag(FLAGS_packd_flags), ' '))) {
+      std::printf(
+          "'%s': %.2f GiB\n", flag.c_str(),
+          PackdPeakRssBytes(*batch, absl::GetFlag(FLAGS_rss_calls), flag) /
+              1073741824.0);
+    }
+    return 0;
+  }
+  Servers servers = StartServers();
   const std::vector<Row> rows =
       MeasureLargeCalls(*batch, servers, density, repeats);
   MeasureSmallCalls(servers, smoke);
@@ -743,11 +767,13 @@ int Main(int argc, char** argv) {
         "\npeak resident memory of a packd process serving %d inline "
         "calls at once (target: no more than about 0.9 GiB):\n",
         concurrent);
-    for (bool keep : {true, false}) {
-      std::printf("  --keep_freed_memory=%-5s  %8.2f GiB\n",
-                  keep ? "true" : "false",
-                  PackdPeakRssBytes(*batch, concurrent, keep) /
-                      static_cast<double>(1 << 30));
+    for (const char* flag :
+         {"--keep_freed_memory=true", "--keep_freed_memory=false"}) {
+      const absl::Time start = absl::Now();
+      const double gib = PackdPeakRssBytes(*batch, concurrent, flag) /
+                         static_cast<double>(1 << 30);
+      std::printf("  %-36s %8.2f GiB  (%.1f s for the calls)\n", flag, gib,
+                  absl::ToDoubleSeconds(absl::Now() - start));
     }
   }
   if (!absl::GetFlag(FLAGS_json).empty()) {

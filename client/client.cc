@@ -70,6 +70,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
     return absl::InvalidArgumentError(
         "address is empty: give HOST:PORT or unix:PATH");
   }
+  if (options.keep_freed_memory) KeepFreedMemoryMapped();
   return std::unique_ptr<Client>(new Client(std::move(options)));
 }
 

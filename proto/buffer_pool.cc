@@ -1,5 +1,6 @@
 #include "proto/buffer_pool.h"
 
+#include <malloc.h>
 #include <sys/mman.h>
 
 #include <cstdlib>
@@ -98,6 +99,11 @@ void BufferPool::TrimLocked() {
     cached_bytes_ -= it->first;
     free_.erase(it);
   }
+}
+
+void KeepFreedMemoryMapped() {
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 }  // namespace packd

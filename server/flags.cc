@@ -33,7 +33,6 @@ ABSL_FLAG(bool, keep_freed_memory, true,
           "Keep memory freed by finished calls mapped for the next ones "
           "(faster inline calls; the process keeps up to 1 GiB it no longer "
           "uses)");
-
 namespace packd {
 
 absl::StatusOr<ServerOptions> OptionsFromFlags() {

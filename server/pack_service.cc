@@ -153,6 +153,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::AdmittedRaw(
     absl::Status (PackServiceImpl::*work)(const Request&, const Payloads*,
                                           Response*, CallReply*)) {
   const absl::Time start = absl::Now();
+  const size_t request_bytes = request.Length();
   size_t response_bytes = 0;
   absl::Status status = absl::UnavailableError(
       "packd is shutting down; retry on another replica");
@@ -171,8 +172,15 @@ grpc::ServerUnaryReactor* PackServiceImpl::AdmittedRaw(
         status = ParseWithPayloads(chunks, Request::descriptor()->name(),
                                    &parsed, &payloads);
       }
-      if (status.ok())
+      if (status.ok()) {
         status = (this->*work)(parsed, &payloads, &out, reply.get());
+      }
+      // The request's bytes are no longer needed: release them now rather
+      // than when the reply has been sent.
+      payloads.clear();
+      chunks.clear();
+      slices.clear();
+      const_cast<grpc::ByteBuffer&>(request).Clear();
       if (status.ok()) {
         const Spliced spliced = SerializeWithPayloads(out, reply->payloads);
         status = decoder_.CheckSize("response", spliced.size());
@@ -189,8 +197,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::AdmittedRaw(
     Release();
     if (!status.ok()) CheckDefaultDevice();
   }
-  return Finish(context, method, start, status, request.Length(),
-                response_bytes);
+  return Finish(context, method, start, status, request_bytes, response_bytes);
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Finish(

@@ -1,9 +1,11 @@
 #include "server/request_decoder.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/dtype.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "proto/buffer_pool.h"
@@ -31,9 +33,36 @@ absl::StatusOr<Device> RequestDecoder::ResolveDevice(
   return device;
 }
 
+namespace {
+
+// For each row of a [B, S] mask, one past the last position whose bytes are
+// not all zero: every active position lies before it (a superset of the
+// active ones, whatever the dtype).
+std::vector<int64_t> RowExtents(const TensorView& mask) {
+  const int64_t B = mask.shape[0], S = mask.shape[1];
+  const int64_t item = ItemSize(mask.dtype);
+  const char* data = static_cast<const char*>(mask.data);
+  std::vector<int64_t> extents(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const char* row = data + b * S * item;
+    int64_t end = S * item;
+    while (end > 0 && row[end - 1] == 0) --end;
+    extents[b] = (end + item - 1) / item;
+  }
+  return extents;
+}
+
+}  // namespace
+
 absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
     const v1::Tensor& tensor, absl::string_view field,
     DecodedCall* call) const {
+  return DecodeTensor(tensor, field, call, nullptr);
+}
+
+absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
+    const v1::Tensor& tensor, absl::string_view field, DecodedCall* call,
+    const std::vector<int64_t>* row_extents) const {
   PACKD_ASSIGN_OR_RETURN(TensorView view, DecodeTensorHeader(tensor, field));
   const int64_t bytes = view.nbytes();
   if (tensor.storage_case() == v1::Tensor::kRegion) {
@@ -74,7 +103,24 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
       return absl::ResourceExhaustedError(
           absl::StrCat("no memory left for ", field, " (", bytes, " bytes)"));
     }
-    payload->CopyOut(0, bytes, gathered.get());
+    const bool by_rows =
+        row_extents != nullptr && view.shape.size() >= 2 &&
+        view.shape[0] == static_cast<int64_t>(row_extents->size()) &&
+        view.shape[0] > 0 &&
+        *std::max_element(row_extents->begin(), row_extents->end()) <=
+            view.shape[1];
+    if (by_rows) {
+      // Only the positions the op may read (Pack on the host reads active
+      // positions only): the rest of the buffer is never looked at.
+      const int64_t row = bytes / view.shape[0];
+      const int64_t position = row / view.shape[1];
+      for (size_t b = 0; b < row_extents->size(); ++b) {
+        payload->CopyOut(b * row, (*row_extents)[b] * position,
+                         gathered.get() + b * row);
+      }
+    } else {
+      payload->CopyOut(0, bytes, gathered.get());
+    }
     data = gathered.get();
     call->gathered.push_back(std::move(gathered));
   }
@@ -87,7 +133,7 @@ template <typename Request>
 absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
     const Request& request, const Payloads* payloads,
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-    absl::string_view field) const {
+    absl::string_view field, bool reads_active_only) const {
   size_t inline_bytes = 0;
   if (payloads != nullptr) {
     for (const auto& [tensor, payload] : *payloads)
@@ -122,11 +168,20 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
                      "limit of ",
                      max_message_bytes_, " bytes (--max_message_bytes)"));
   }
+  // Inline tensors split over several slices are gathered into one buffer;
+  // when the op reads active positions only (Pack on the host), only the
+  // positions up to each row's last nonzero mask element are.
+  std::vector<int64_t> extents;
+  if (reads_active_only && call.device.kind == DeviceKind::kCpu &&
+      call.mask.device.kind == DeviceKind::kCpu && call.mask.shape[1] > 0) {
+    extents = RowExtents(call.mask);
+  }
   call.tensors.reserve(tensors.size());
   for (int i = 0; i < tensors.size(); ++i) {
     PACKD_ASSIGN_OR_RETURN(
         TensorView v,
-        DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"), &call));
+        DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"), &call,
+                     extents.empty() ? nullptr : &extents));
     call.tensors.push_back(std::move(v));
   }
   const auto& outputs = request.outputs();
@@ -150,7 +205,8 @@ absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const v1::PackRequest& request, const Payloads* payloads) const {
   PACKD_ASSIGN_OR_RETURN(
       DecodedCall call,
-      DecodeCall(request, payloads, request.inputs(), "inputs"));
+      DecodeCall(request, payloads, request.inputs(), "inputs",
+                 /*reads_active_only=*/true));
   if (request.has_segment_ids()) {
     PACKD_ASSIGN_OR_RETURN(
         call.segment_ids,
@@ -161,7 +217,8 @@ absl::StatusOr<DecodedCall> RequestDecoder::Decode(
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const v1::ScatterRequest& request, const Payloads* payloads) const {
-  return DecodeCall(request, payloads, request.packed(), "packed");
+  return DecodeCall(request, payloads, request.packed(), "packed",
+                    /*reads_active_only=*/false);
 }
 
 }  // namespace packd

@@ -82,6 +82,12 @@ class RequestDecoder {
   absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
                                           absl::string_view field,
                                           DecodedCall* call) const;
+  // The same; when `row_extents` is given and the tensor is [B, S, ...] with
+  // one extent per row, split bytes are gathered only for positions
+  // [0, row_extents[b]) of each row b (the others are left undefined).
+  absl::StatusOr<TensorView> DecodeTensor(
+      const v1::Tensor& tensor, absl::string_view field, DecodedCall* call,
+      const std::vector<int64_t>* row_extents) const;
 
   // OK when a message of `bytes` fits max_message_bytes; RESOURCE_EXHAUSTED
   // naming `what` ("request", "response") and the flag otherwise.
@@ -92,7 +98,7 @@ class RequestDecoder {
   absl::StatusOr<DecodedCall> DecodeCall(
       const Request& request, const Payloads* payloads,
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-      absl::string_view field) const;
+      absl::string_view field, bool reads_active_only) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
 
   const RegionRegistry& regions_;

@@ -2,7 +2,6 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -16,6 +15,7 @@
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
+#include "proto/buffer_pool.h"
 #include "server/log.h"
 
 namespace packd {
@@ -75,11 +75,6 @@ void PackdServer::OnDeviceLost(const absl::Status& reason) {
     server_->GetHealthCheckService()->SetServingStatus(kReadinessService,
                                                        false);
   }
-}
-
-void KeepFreedMemoryMapped() {
-  mallopt(M_MMAP_MAX, 0);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(

@@ -29,18 +29,10 @@ struct ServerOptions {
   // "HOST:PORT" for Prometheus metrics at /metrics; empty: none.
   std::string metrics_listen;
   // Keep memory freed by finished calls mapped for the next ones
-  // (KeepFreedMemoryMapped) instead of returning it to the system.
+  // (KeepFreedMemoryMapped, proto/buffer_pool.h) instead of returning it to
+  // the system.
   bool keep_freed_memory = true;
 };
-
-// Tunes the process's allocator (glibc malloc) to keep freed memory mapped:
-// large blocks come from the heap instead of fresh mappings, and up to 1 GiB
-// of freed heap stays with the process. gRPC receives each large message into
-// buffers it frees when the call ends; returned to the kernel at once, they
-// cost the next call a page fault per 4 KiB (about 20,000 for a 128 MiB
-// call), more than the copy itself. PackdServer::Start calls it when
-// ServerOptions::keep_freed_memory is set.
-void KeepFreedMemoryMapped();
 
 // The readiness service name for grpc.health.v1.
 inline constexpr char kReadinessService[] = "packd.v1.PackService";

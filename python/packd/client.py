@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Union
 import grpc
 import torch
 
-from packd import _tensors, _wire
+from packd import _memory, _tensors, _wire
 from packd._shm import Segment
 from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
@@ -61,6 +61,30 @@ def varlen_kwargs(result: PackResult):
             "max_seqlen_q": longest, "max_seqlen_k": longest}
 
 
+def _rows(t, rows):
+    """t[rows], or t itself for rows None."""
+    return t if rows is None else t[rows]
+
+
+def _joined(replies, first_rows):
+    """The PackResponse of a whole batch from those of its row ranges ((message, tensors) pairs,
+    starting at rows `first_rows`): offsets, maxima and row numbers joined; tensors apart."""
+    out = pb.PackResponse()
+    for (r, _), first_row in zip(replies, first_rows):
+        tokens = out.total_active
+        out.cu_seqlens.extend(v + tokens for v in r.cu_seqlens[1 if out.cu_seqlens else 0:])
+        out.doc_cu_seqlens.extend(
+            v + tokens for v in r.doc_cu_seqlens[1 if out.doc_cu_seqlens else 0:])
+        out.position_ids.extend(r.position_ids)
+        out.last_index.extend(r.last_index)
+        out.doc_row.extend(v + first_row for v in r.doc_row)
+        out.doc_last_index.extend(r.doc_last_index)
+        out.total_active = tokens + r.total_active
+        out.max_seqlen = max(out.max_seqlen, r.max_seqlen)
+        out.doc_max_seqlen = max(out.doc_max_seqlen, r.doc_max_seqlen)
+    return out
+
+
 def _is_node_local(address):
     """Whether only this node can reach `address`: unix sockets and loopback hosts (127.0.0.0/8,
     localhost, [::1]), with or without a gRPC scheme. The same rule as the server's and the C++
@@ -94,29 +118,42 @@ class Client:
     calls answered UNAVAILABLE (a draining or restarting server), with exponential backoff.
     shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
     memory when the server is on this node and allows it (0 disables). shm_key_prefix: the
-    server's --shm_key_prefix, under which segments are named.
+    server's --shm_key_prefix, under which segments are named. split_threshold_bytes: inline
+    calls at least this large go as two halves of the rows on two connections at once (0:
+    never). keep_freed_memory: tune this process's malloc to keep freed memory mapped (see
+    packd._memory), which makes large inline calls several times faster.
     """
 
     def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=3,
                  max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20,
-                 shm_key_prefix="/packd"):
+                 shm_key_prefix="/packd", split_threshold_bytes=16 << 20,
+                 keep_freed_memory=True):
         self.address = address
         self.timeout = timeout
         self.retries = retries
         self.shm_threshold_bytes = shm_threshold_bytes
         self.shm_key_prefix = shm_key_prefix
+        self.split_threshold_bytes = split_threshold_bytes
+        if keep_freed_memory:
+            _memory.keep_freed_memory()
         limit = min(max_message_bytes, (1 << 31) - 1)
-        self._channel = grpc.insecure_channel(address, options=[
+        # Two connections (channels with different arguments share none): large inline calls go
+        # as two halves of the rows, one on each, at once.
+        self._channels = [grpc.insecure_channel(address, options=[
             ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit)])
+            ("grpc.max_receive_message_length", limit),
+            ("packd.connection", i)]) for i in range(2)]
+        self._channel = self._channels[0]
         self._stub = pb_grpc.PackServiceStub(self._channel)
         # Pack and Scatter skip protobuf's copies of tensor bytes (packd/_wire.py).
-        self._pack = self._channel.unary_unary(
+        self._pack = [channel.unary_unary(
             "/packd.v1.PackService/Pack", request_serializer=_wire.serialize,
             response_deserializer=_wire.parser(pb.PackResponse, pb.Tensor))
-        self._scatter = self._channel.unary_unary(
+            for channel in self._channels]
+        self._scatter = [channel.unary_unary(
             "/packd.v1.PackService/Scatter", request_serializer=_wire.serialize,
             response_deserializer=_wire.parser(pb.ScatterResponse, pb.Tensor))
+            for channel in self._channels]
         self._shm_allowed = None
         self._scratch = None
 
@@ -133,6 +170,29 @@ class Client:
                     raise _error(e) from None
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
+
+    def _call_parts(self, methods, requests):
+        """methods[i](requests[i]), all at once; the replies in order."""
+        if len(requests) == 1:
+            return [self._call(methods[0], requests[0])]
+        futures = [m.future(r, timeout=self.timeout) for m, r in zip(methods, requests)]
+        replies = []
+        for method, request, future in zip(methods, requests, futures):
+            try:
+                replies.append(future.result())
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _error(e) from None
+                replies.append(self._call(method, request))  # retried as one call
+        return replies
+
+    def _splits(self, nbytes, scratch, mask, tensors):
+        """Whether an inline call goes as two halves of the rows: large, and every tensor
+        [B, S, ...] like the [B, S] mask with B >= 2."""
+        return (scratch is None and self.split_threshold_bytes > 0
+                and nbytes >= self.split_threshold_bytes and mask.dim() == 2
+                and mask.shape[0] >= 2
+                and all(t.dim() >= 2 and t.shape[:2] == mask.shape for t in tensors))
 
     def _scratch_for(self, nbytes):
         if (self.shm_threshold_bytes <= 0 or nbytes < self.shm_threshold_bytes
@@ -200,17 +260,30 @@ class Client:
         nbytes = mask.numel() * mask.element_size() + sum(
             2 * t.numel() * t.element_size() for t in tensors)
         scratch = self._scratch_for(nbytes)
-        request = _wire.Outgoing(pb.PackRequest(device=device,
+
+        def request(rows):
+            out = _wire.Outgoing(pb.PackRequest(device=device,
                                                 with_position_ids=with_position_ids))
-        self._encode(mask, 1, request, scratch)
-        for t in tensors:
-            self._encode(t, 2, request, scratch)
-        if segment_ids is not None:
-            self._encode(segment_ids, 6, request, scratch)
-        self._outputs(scratch, [t.numel() * t.element_size() for t in tensors],
-                      request.message.outputs)
-        reply, results = self._call(self._pack, request)
-        packed = [self._decode(m, t, scratch) for m, t in zip(reply.packed, results.get(1, []))]
+            self._encode(_rows(mask, rows), 1, out, scratch)
+            for t in tensors:
+                self._encode(_rows(t, rows), 2, out, scratch)
+            if segment_ids is not None:
+                self._encode(_rows(segment_ids, rows), 6, out, scratch)
+            self._outputs(scratch, [t.numel() * t.element_size() for t in tensors],
+                          out.message.outputs)
+            return out
+
+        extra = [] if segment_ids is None else [segment_ids]
+        if self._splits(nbytes, scratch, mask, tensors + extra):
+            half = mask.shape[0] // 2
+            replies = self._call_parts(self._pack, [request(slice(0, half)),
+                                                    request(slice(half, None))])
+            reply = _joined(replies, [0, half])
+            packed = [torch.cat([r[1][1][i] for r in replies]) for i in range(len(tensors))]
+        else:
+            reply, results = self._call(self._pack[0], request(None))
+            packed = [self._decode(m, t, scratch)
+                      for m, t in zip(reply.packed, results.get(1, []))]
         docs = segment_ids is not None
         return PackResult(
             doc_cu_seqlens=(torch.tensor(list(reply.doc_cu_seqlens), dtype=torch.int64)
@@ -239,15 +312,30 @@ class Client:
         nbytes = mask.numel() * mask.element_size() + sum(
             t.numel() * t.element_size() for t in tensors) + sum(dense_sizes)
         scratch = self._scratch_for(nbytes)
-        request = _wire.Outgoing(pb.ScatterRequest(device=device))
-        self._encode(mask, 1, request, scratch)
-        for t in tensors:
-            self._encode(t, 2, request, scratch)
-        if tail_shape is not None:
-            request.message.tail_shape.dims.extend(list(tail_shape))
-        if all(n > 0 for n in dense_sizes):
-            self._outputs(scratch, dense_sizes, request.message.outputs)
-        reply, results = self._call(self._scatter, request)
+
+        def request(mask_rows, packed_rows):
+            out = _wire.Outgoing(pb.ScatterRequest(device=device))
+            self._encode(_rows(mask, mask_rows), 1, out, scratch)
+            for t in tensors:
+                self._encode(_rows(t, packed_rows), 2, out, scratch)
+            if tail_shape is not None:
+                out.message.tail_shape.dims.extend(list(tail_shape))
+            if all(n > 0 for n in dense_sizes):
+                self._outputs(scratch, dense_sizes, out.message.outputs)
+            return out
+
+        if self._splits(nbytes, scratch, mask, []):
+            half = mask.shape[0] // 2
+            active = int((mask != 0).sum())
+            first = int((mask[:half] != 0).sum())
+            if all(t.dim() >= 1 and t.shape[0] == active for t in tensors):
+                replies = self._call_parts(self._scatter, [
+                    request(slice(0, half), slice(0, first)),
+                    request(slice(half, None), slice(first, None))])
+                dense = [torch.cat([r[1][1][i] for r in replies])
+                         for i in range(len(tensors))]
+                return dense[0] if single else dense
+        reply, results = self._call(self._scatter[0], request(None, None))
         dense = [self._decode(m, t, scratch) for m, t in zip(reply.dense, results.get(1, []))]
         return dense[0] if single else dense
 

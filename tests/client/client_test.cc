@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -172,6 +173,39 @@ TEST_F(ClientTest, SplitCallsEqualOneCall) {
       split->Scatter({at::zeros({31, 2})}, mask);
   EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(d.status().message()), HasSubstr("32"));
+}
+
+// Inline tensors of several MiB arrive in many slices: gathered (on the host,
+// only up to each row's last active position), they must pack and scatter
+// exactly, whatever the mask.
+TEST_F(ClientTest, LargeInlineCallsAreExact) {
+  Rng rng = Rng::Fresh();
+  ClientOptions options;
+  options.address = server_->address();
+  options.shared_memory_threshold_bytes = 0;
+  options.split_threshold_bytes = 0;
+  std::unique_ptr<Client> whole = std::move(*Client::Connect(options));
+  for (MaskPattern pattern : {MaskPattern::kPrefix, MaskPattern::kHoles}) {
+    at::Tensor mask =
+        testing::RandomMask(rng, DType::kFloat32, 8, 512, 0.4, pattern);
+    mask[1].zero_();
+    mask[2].fill_(1);
+    mask[3][511] = -0.0;          // inactive
+    mask[4][500] = std::nan("");  // active
+    const at::Tensor x =
+        testing::RandomTensor(rng, DType::kFloat32, {8, 512, 256});
+    for (Client* client : {client_.get(), whole.get()}) {
+      absl::StatusOr<PackedBatch> r = client->Pack({x}, mask);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(SameBytes(testing::ReferencePack(x, mask), r->packed[0]));
+      absl::StatusOr<std::vector<at::Tensor>> dense =
+          client->Scatter({r->packed[0]}, mask);
+      ASSERT_TRUE(dense.ok()) << dense.status();
+      EXPECT_TRUE(SameBytes(
+          testing::ReferenceScatter(r->packed[0], mask, {8, 512, 256}),
+          (*dense)[0]));
+    }
+  }
 }
 
 // The halves travel as two calls: each fits a server limit the whole batch

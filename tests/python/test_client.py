@@ -202,3 +202,31 @@ def test_documents_and_varlen_kwargs(client):
     assert packd.varlen_kwargs(plain)["cu_seqlens_q"].tolist() == [0, 5, 8]
     with pytest.raises(ValueError):
         client.pack(x, mask, segment_ids=ids.float())
+
+
+def test_split_calls_equal_one_call(address):
+    """Large inline calls go as two halves of the rows on two connections: the joined result
+    must be the one call's."""
+    split = packd.Client(address, shm_threshold_bytes=0, split_threshold_bytes=1)
+    whole = packd.Client(address, shm_threshold_bytes=0, split_threshold_bytes=0)
+    for B in (2, 5):
+        mask = torch.rand(B, 33) < 0.6
+        mask[0] = False
+        ids = torch.randint(0, 3, (B, 33))
+        xs = [torch.randn(B, 33, 4), torch.randint(0, 100, (B, 33), dtype=torch.int64)]
+        a = split.pack(xs, mask, with_position_ids=True, segment_ids=ids)
+        b = whole.pack(xs, mask, with_position_ids=True, segment_ids=ids)
+        for x, p in zip(xs, a.packed):
+            assert torch.equal(p, x[mask])
+        for field in ("cu_seqlens", "position_ids", "last_index", "doc_cu_seqlens", "doc_row",
+                      "doc_last_index"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert (a.total_active, a.max_seqlen, a.doc_max_seqlen) == (
+            b.total_active, b.max_seqlen, b.doc_max_seqlen)
+        packed = torch.randn(a.total_active, 2, 3)
+        dense = split.scatter(packed, mask)
+        expected = torch.zeros(B, 33, 2, 3)
+        expected[mask] = packed
+        assert torch.equal(dense, expected)
+    split.close()
+    whole.close()
