@@ -110,6 +110,31 @@ double MedianMs(int repeats, const std::function<void()>& fn) {
   return ms[ms.size() / 2];
 }
 
+// The median ms of each of `fns`, called in turn `repeats` times (after three
+// untimed rounds).
+std::vector<double> InterleavedMedianMs(
+    int repeats, const std::vector<std::function<void()>>& fns) {
+  for (int i = 0; i < 3; ++i) {
+    for (const auto& fn : fns) fn();
+  }
+  std::vector<std::vector<double>> ms(fns.size());
+  for (int i = 0; i < repeats; ++i) {
+    for (size_t k = 0; k < fns.size(); ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fns[k]();
+      ms[k].push_back(std::chrono::duration<double, std::milli>(
+                          std::chrono::steady_clock::now() - t0)
+                          .count());
+    }
+  }
+  std::vector<double> medians;
+  for (std::vector<double>& m : ms) {
+    std::nth_element(m.begin(), m.begin() + m.size() / 2, m.end());
+    medians.push_back(m[m.size() / 2]);
+  }
+  return medians;
+}
+
 void Die(const std::string& what) {
   std::fprintf(stderr, "bench_service: %s\n", what.c_str());
   std::exit(1);
@@ -482,42 +507,39 @@ std::vector<Row> MeasureLargeCalls(LargeBatch& batch, const Servers& servers,
   });
   rows.push_back({"in-process kernel (packd::Pack)", kernel, kernel});
 
-  // The limits.
-  Row raw{"raw socket, same bytes (limit)"};
-  for (bool unix_socket : {true, false}) {
-    RawSocketLimit limit(unix_socket, request_bytes, response_bytes);
-    (unix_socket ? raw.unix_ms : raw.tcp_ms) =
-        MedianMs(repeats, [&] { limit.RoundTrip(); });
-  }
-  rows.push_back(raw);
-  Row null{"zero-copy do-nothing RPC (limit)"};
+  // The limits and the C++ client, interleaved call by call so that the
+  // machine's drift over the run falls on all of them alike.
   const grpc::ByteBuffer wrapped = Wrapped(batch.header, batch.payloads);
-  for (bool unix_socket : {true, false}) {
-    NullServer server = StartNullServer(
-        unix_socket
-            ? absl::StrCat("unix:/tmp/packd-bench-null-", getpid(), ".sock")
-            : "127.0.0.1:0",
-        response_bytes);
-    (unix_socket ? null.unix_ms : null.tcp_ms) =
-        MedianMs(repeats, [&] { server.Call(wrapped); });
-    server.server->Shutdown();
-  }
+  RawSocketLimit raw_unix(true, request_bytes, response_bytes);
+  RawSocketLimit raw_tcp(false, request_bytes, response_bytes);
+  NullServer null_unix = StartNullServer(
+      absl::StrCat("unix:/tmp/packd-bench-null-", getpid(), ".sock"),
+      response_bytes);
+  NullServer null_tcp = StartNullServer("127.0.0.1:0", response_bytes);
+  const int64_t two = int64_t{16} << 20;
+  auto split_unix = ConnectClient(servers.unix_socket->address(), two);
+  auto split_tcp = ConnectClient(servers.tcp->address(), two);
+  auto one_unix = ConnectClient(servers.unix_socket->address(), 0);
+  auto one_tcp = ConnectClient(servers.tcp->address(), 0);
+  auto pack = [&](Client* client) {
+    return [&batch, client] {
+      Check(client->Pack({batch.x}, batch.mask).status(), "Pack (client)");
+    };
+  };
+  const std::vector<double> ms = InterleavedMedianMs(
+      repeats,
+      {[&] { raw_unix.RoundTrip(); }, [&] { raw_tcp.RoundTrip(); },
+       [&] { null_unix.Call(wrapped); }, [&] { null_tcp.Call(wrapped); },
+       pack(split_unix.get()), pack(split_tcp.get()), pack(one_unix.get()),
+       pack(one_tcp.get())});
+  null_unix.server->Shutdown();
+  null_tcp.server->Shutdown();
+  const Row raw{"raw socket, same bytes (limit)", ms[0], ms[1]};
+  const Row null{"zero-copy do-nothing RPC (limit)", ms[2], ms[3]};
+  rows.push_back(raw);
   rows.push_back(null);
-
-  // Pack through the clients.
-  for (int64_t split : {int64_t{16} << 20, int64_t{0}}) {
-    Row row{split > 0 ? "Pack, C++ client (2 connections)"
-                      : "Pack, C++ client (1 connection)"};
-    for (bool unix_socket : {true, false}) {
-      auto client = ConnectClient(
-          unix_socket ? servers.unix_socket->address() : servers.tcp->address(),
-          split);
-      (unix_socket ? row.unix_ms : row.tcp_ms) = MedianMs(repeats, [&] {
-        Check(client->Pack({batch.x}, batch.mask).status(), "Pack (client)");
-      });
-    }
-    rows.push_back(row);
-  }
+  rows.push_back({"Pack, C++ client (2 connections)", ms[4], ms[5]});
+  rows.push_back({"Pack, C++ client (1 connection)", ms[6], ms[7]});
   Row python{"Pack, Python client"};
   python.unix_ms = PythonPackMs(servers.unix_socket->address(), batch, repeats);
   python.tcp_ms = PythonPackMs(servers.tcp->address(), batch, repeats);
