@@ -544,26 +544,24 @@ std::vector<Row> MeasureLargeCalls(LargeBatch& batch, const Servers& servers,
   python.unix_ms = PythonPackMs(servers.unix_socket->address(), batch, repeats);
   python.tcp_ms = PythonPackMs(servers.tcp->address(), batch, repeats);
   rows.push_back(python);
-  Row typed{"Pack, generated stub (bytes fields)"};
-  for (bool unix_socket : {true, false}) {
-    auto* stub = unix_socket ? unix_stub.get() : tcp_stub.get();
-    (unix_socket ? typed.unix_ms : typed.tcp_ms) = MedianMs(slow, [&] {
-      grpc::ClientContext c;
-      v1::PackResponse r;
-      Check(stub->Pack(&c, batch.inline_request, &r), "Pack (stub)");
-    });
-  }
-  rows.push_back(typed);
-  Row shm{"Pack, shared-memory handles"};
-  for (bool unix_socket : {true, false}) {
-    auto* stub = unix_socket ? unix_stub.get() : tcp_stub.get();
-    (unix_socket ? shm.unix_ms : shm.tcp_ms) = MedianMs(repeats, [&] {
-      grpc::ClientContext c;
-      v1::PackResponse r;
-      Check(stub->Pack(&c, batch.shm_request, &r), "Pack (handles)");
-    });
-  }
-  rows.push_back(shm);
+  // The generated stub, with a request of bytes fields or of handles.
+  auto stub_row = [&](const char* name, const v1::PackRequest& request,
+                      int times) {
+    Row row{name};
+    for (bool unix_socket : {true, false}) {
+      auto* stub = unix_socket ? unix_stub.get() : tcp_stub.get();
+      (unix_socket ? row.unix_ms : row.tcp_ms) = MedianMs(times, [&] {
+        grpc::ClientContext c;
+        v1::PackResponse r;
+        Check(stub->Pack(&c, request, &r), name);
+      });
+    }
+    rows.push_back(row);
+  };
+  stub_row("Pack, generated stub (bytes fields)", batch.inline_request, slow);
+  stub_row("Pack, shared-memory handles", batch.shm_request, repeats);
+  const Row& typed = rows[rows.size() - 2];
+  const Row& shm = rows.back();
   if (std::memcmp(batch.segment->data() + x_bytes, touched.data_ptr(),
                   batch.packed_bytes) != 0) {
     Die("the handle path's result differs from the kernel's");
