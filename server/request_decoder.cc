@@ -1,6 +1,7 @@
 #include "server/request_decoder.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -95,7 +96,12 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
                      " needs ", bytes));
   }
   const char* data = tensor.data().data();
-  if (payload != nullptr && payload->contiguous()) {
+  // In place only when contiguous and aligned for the dtype (the kernels read
+  // elements as their type); otherwise gathered into an aligned buffer.
+  const bool in_place =
+      payload != nullptr && payload->contiguous() &&
+      reinterpret_cast<uintptr_t>(payload->data()) % ItemSize(view.dtype) == 0;
+  if (in_place) {
     data = payload->data();
   } else if (payload != nullptr) {
     std::shared_ptr<char> gathered = BufferPool::Global().Get(bytes);

@@ -116,6 +116,9 @@ def _tensor(buf, start, end, tensor_type):
         # The reply's buffer is immutable bytes that only this tensor refers to.
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if flat.data_ptr() % itemsize:
+        flat = flat.clone()  # the dtype's alignment, which torch's kernels expect
     return header, flat.view(dtype).reshape(shape)
 
 
