@@ -11,11 +11,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "kernels/buffer.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
 #include "kernels/torch/torch_interop.h"
 #include "proto/address.h"
-#include "proto/buffer_pool.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -41,21 +41,20 @@ bool AddOutputSlices(
   return true;
 }
 
-// An uninitialised tensor in pooled memory that stays mapped (proto/
-// buffer_pool.h): results of large calls, written once, without the page
+// An uninitialised tensor in pooled memory that stays mapped (HostBufferPool,
+// kernels/buffer.h): results of large calls, written once, without the page
 // faults of fresh memory.
 at::Tensor PooledEmpty(at::IntArrayRef shape, at::TensorOptions options) {
   int64_t bytes = static_cast<int64_t>(options.dtype().itemsize());
   for (int64_t d : shape) bytes *= d;
-  std::shared_ptr<char> buffer;
-  if (bytes >= BufferPool::kMinPooledBytes) {
-    buffer = BufferPool::Global().Get(bytes);
-  }
-  if (buffer == nullptr) return at::empty(shape, options);
-  char* data = buffer.get();
+  if (bytes < (int64_t{1} << 16)) return at::empty(shape, options);
+  absl::StatusOr<Buffer> buffer =
+      HostBufferPool::Global().Acquire(static_cast<size_t>(bytes));
+  if (!buffer.ok()) return at::empty(shape, options);
+  auto owner = std::make_shared<Buffer>(*std::move(buffer));
+  void* data = owner->data();
   return at::from_blob(
-      data, shape,
-      [buffer = std::move(buffer)](void*) mutable { buffer.reset(); }, options);
+      data, shape, [owner](void*) mutable { owner.reset(); }, options);
 }
 
 // Shared-memory room a call needs, rounded up so that slightly larger batches

@@ -56,7 +56,7 @@ struct ClientOptions {
   // leaves the wire idle while the server works); 0 never splits.
   int64_t split_threshold_bytes = int64_t{16} << 20;
   // Keep memory freed by finished calls mapped for the next ones: tunes this
-  // process's malloc (KeepFreedMemoryMapped, proto/buffer_pool.h), which
+  // process's malloc (KeepFreedMemoryMapped, kernels/buffer.h), which
   // makes large inline calls several times faster; the process then keeps up
   // to 1 GiB of freed heap.
   bool keep_freed_memory = true;

@@ -1,5 +1,6 @@
 #include "kernels/buffer.h"
 
+#include <malloc.h>
 #include <sys/mman.h>
 
 #include <cstdlib>
@@ -135,6 +136,11 @@ HostBufferPool& HostBufferPool::Global() {
     return new HostBufferPool(limit);
   }();
   return *pool;
+}
+
+void KeepFreedMemoryMapped() {
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 }  // namespace packd

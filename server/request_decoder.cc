@@ -6,10 +6,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/buffer.h"
 #include "kernels/dtype.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
-#include "proto/buffer_pool.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -104,11 +104,9 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
   if (in_place) {
     data = payload->data();
   } else if (payload != nullptr) {
-    std::shared_ptr<char> gathered = BufferPool::Global().Get(bytes);
-    if (gathered == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("no memory left for ", field, " (", bytes, " bytes)"));
-    }
+    PACKD_ASSIGN_OR_RETURN(Buffer gathered_buffer,
+                           HostBufferPool::Global().Acquire(bytes));
+    char* gathered = static_cast<char*>(gathered_buffer.data());
     const bool by_rows =
         row_extents != nullptr && view.shape.size() >= 2 &&
         view.shape[0] == static_cast<int64_t>(row_extents->size()) &&
@@ -122,13 +120,13 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
       const int64_t position = row / view.shape[1];
       for (size_t b = 0; b < row_extents->size(); ++b) {
         payload->CopyOut(b * row, (*row_extents)[b] * position,
-                         gathered.get() + b * row);
+                         gathered + b * row);
       }
     } else {
-      payload->CopyOut(0, bytes, gathered.get());
+      payload->CopyOut(0, bytes, gathered);
     }
-    data = gathered.get();
-    call->gathered.push_back(std::move(gathered));
+    data = gathered;
+    call->gathered.push_back(std::move(gathered_buffer));
   }
   // The kernels only read inputs; the cast is the usual DLPack-style one.
   view.data = bytes == 0 ? nullptr : const_cast<char*>(data);

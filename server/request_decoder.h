@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/buffer.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/wire.h"
@@ -41,7 +42,7 @@ struct DecodedCall {
   // The regions the call's tensors live in, kept mapped until it returns.
   std::vector<std::shared_ptr<Region>> held;
   // Buffers that inline tensors split over several slices were gathered into.
-  std::vector<std::shared_ptr<char>> gathered;
+  std::vector<Buffer> gathered;
   // Where inline bytes are: the request's payloads, or none (data fields).
   const Payloads* payloads = nullptr;
 };
