@@ -6,7 +6,11 @@ BUILD_TYPE ?= Release
 CMAKE_FLAGS ?=
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps configure build test run bench clean format
+FUZZ_DIR ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS = fuzz_request fuzz_regions fuzz_plan
+
+.PHONY: all deps configure build test run bench fuzz clean format
 
 all: build
 
@@ -27,6 +31,21 @@ run: build
 
 bench: build
 	$(BUILD_DIR)/bin/bench_pack
+
+# The libFuzzer targets (clang, ASan + UBSan), each run FUZZ_SECONDS from its seed corpus
+# (tests/fuzz/corpus/<target>; new inputs go to $(FUZZ_DIR)/corpus). Fails on any crash, leak or
+# sanitizer report; the input that caused it is left in $(FUZZ_DIR).
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DPACKD_FUZZ=ON -DPACKD_WITH_TORCH=OFF -DPACKD_WITH_CUDA=OFF -DPACKD_BUILD_TESTS=OFF \
+	  -DPACKD_BUILD_BENCHMARKS=OFF
+	cmake --build $(FUZZ_DIR) -j $(JOBS) --target $(FUZZ_TARGETS)
+	set -e; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p $(FUZZ_DIR)/corpus/$$t; \
+	  echo "== $$t ($(FUZZ_SECONDS) s)"; \
+	  (cd $(FUZZ_DIR) && bin/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
+	    -print_final_stats=1 corpus/$$t $(CURDIR)/tests/fuzz/corpus/$$t); \
+	done
 
 clean:
 	rm -rf $(BUILD_DIR)

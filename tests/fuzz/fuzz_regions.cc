@@ -1,0 +1,78 @@
+// libFuzzer target: region names, shared-memory keys and slices. One real
+// 64 KiB segment is registered as region "r" at start; each input is a
+// RegisterSystemRegionRequest (a name and key to register, then unregister)
+// followed by a RegionSlice to resolve against the registry, whose bytes are
+// then read end to end (an out-of-bounds slice that resolved would be caught
+// by AddressSanitizer).
+#include <google/protobuf/stubs/logging.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/shm_segment.h"
+#include "packd/v1/pack_service.pb.h"
+#include "server/regions.h"
+
+namespace {
+
+struct World {
+  std::unique_ptr<packd::ShmSegment> segment;
+  std::unique_ptr<packd::RegionRegistry> regions;
+};
+
+World& TheWorld() {
+  static World* world = [] {
+    // Protobuf logs every string that is not UTF-8: quiet.
+    google::protobuf::SetLogHandler(nullptr);
+    auto* w = new World;
+    auto segment = packd::ShmSegment::Create(
+        absl::StrCat("/packd_fuzz_", getpid()), 64 << 10);
+    if (!segment.ok()) abort();
+    w->segment = std::move(*segment);
+    packd::RegionOptions options;
+    options.enabled = true;
+    options.key_prefix = "/packd_fuzz";
+    w->regions = std::make_unique<packd::RegionRegistry>(options);
+    if (!w->regions->RegisterSystem("r", w->segment->key(), 0, 64 << 10).ok()) {
+      abort();
+    }
+    return w;
+  }();
+  return *world;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  World& world = TheWorld();
+  if (size < 1) return 0;
+  const size_t cut = data[0] % size;
+  const char* bytes = reinterpret_cast<const char*>(data);
+  packd::v1::RegisterSystemRegionRequest reg;
+  if (reg.ParseFromArray(bytes + 1, static_cast<int>(cut > 0 ? cut - 1 : 0)) &&
+      reg.name() != "r") {
+    packd::RegionRegistry::ValidateName(reg.name()).IgnoreError();
+    if (world.regions
+            ->RegisterSystem(reg.name(), reg.key(), reg.offset(),
+                             reg.byte_size())
+            .ok()) {
+      world.regions->Unregister(reg.name()).IgnoreError();
+    }
+  }
+  packd::v1::RegionSlice slice;
+  if (!slice.ParseFromArray(bytes + cut, static_cast<int>(size - cut))) {
+    return 0;
+  }
+  auto resolved = world.regions->Resolve(slice, "slice");
+  if (resolved.ok() && resolved->byte_size > 0) {
+    volatile char sum = 0;
+    const char* p = static_cast<const char*>(resolved->data);
+    sum += p[0];
+    sum += p[resolved->byte_size - 1];
+  }
+  return 0;
+}
