@@ -33,6 +33,11 @@ ABSL_FLAG(bool, keep_freed_memory, true,
           "Keep memory freed by finished calls mapped for the next ones "
           "(faster inline calls; the process keeps up to 1 GiB it no longer "
           "uses)");
+ABSL_FLAG(int64_t, max_inflight_bytes, -1,
+          "Bound on the request and result bytes of inline calls in flight; "
+          "calls over it wait until their deadline (-1: half the memory the "
+          "process may use, cgroup limit included; 0: no bound)");
+
 namespace packd {
 
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
@@ -56,6 +61,14 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   options.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.keep_freed_memory = absl::GetFlag(FLAGS_keep_freed_memory);
+  const int64_t inflight = absl::GetFlag(FLAGS_max_inflight_bytes);
+  if (inflight < -1) {
+    return absl::InvalidArgumentError(
+        "--max_inflight_bytes must be -1 (automatic), 0 (no bound) or a "
+        "number of bytes");
+  }
+  options.service.max_inflight_bytes =
+      inflight == -1 ? MemoryBudget::DefaultLimit() : inflight;
   if (absl::GetFlag(FLAGS_threads) > 0) {
     ThreadPool::SetGlobalThreads(absl::GetFlag(FLAGS_threads));
   }

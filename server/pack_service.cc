@@ -7,12 +7,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/buffer.h"
 #include "kernels/device_runtime.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "planner/planner.h"
-#include "proto/buffer_pool.h"
 #include "proto/tensor_codec.h"
 
 #ifndef PACKD_VERSION
@@ -27,8 +27,7 @@ namespace {
 // the mask scan has counted the active rows. The running total is checked
 // against the message limit first.
 template <typename Field>
-OutputAllocator IntoReply(Field* field,
-                          std::vector<std::shared_ptr<char>>* buffers,
+OutputAllocator IntoReply(Field* field, std::vector<Buffer>* buffers,
                           Payloads* payloads, int64_t limit, int64_t reserved) {
   return
       [field, buffers, payloads, limit, used = reserved](
@@ -47,13 +46,10 @@ OutputAllocator IntoReply(Field* field,
           (*payloads)[tensor] = Payload();
           return OutputPlace{nullptr, Device::Cpu()};
         }
-        std::shared_ptr<char> buffer = BufferPool::Global().Get(bytes);
-        if (buffer == nullptr) {
-          return absl::ResourceExhaustedError(
-              absl::StrCat("no memory left for a result of ", bytes, " bytes"));
-        }
-        (*payloads)[tensor] = Payload::Of(buffer.get(), bytes);
-        char* data = buffer.get();
+        PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                               HostBufferPool::Global().Acquire(bytes));
+        (*payloads)[tensor] = Payload::Of(buffer.data(), bytes);
+        void* data = buffer.data();
         buffers->push_back(std::move(buffer));
         return OutputPlace{data, Device::Cpu()};
       };
@@ -146,58 +142,157 @@ grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
                 status.ok() ? response->ByteSizeLong() : 0);
 }
 
+namespace {
+
+// Runs `fn`, turning whatever it throws into INTERNAL: nothing a handler
+// throws may reach gRPC or leave a call admitted.
+template <typename Fn>
+absl::Status Guarded(const char* method, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
+  } catch (...) {
+    return absl::InternalError(absl::StrCat(method, " failed"));
+  }
+}
+
+// a * b, or INT64_MAX when it overflows (a, b >= 0).
+int64_t SaturatingMul(int64_t a, int64_t b) {
+  int64_t out = 0;
+  return __builtin_mul_overflow(a, b, &out) ? INT64_MAX : out;
+}
+int64_t SaturatingAdd(int64_t a, int64_t b) {
+  int64_t out = 0;
+  return __builtin_add_overflow(a, b, &out) ? INT64_MAX : out;
+}
+
+// Bytes of a tensor's header (numel * itemsize), 0 when it is not valid (the
+// decoder refuses it later).
+int64_t HeaderBytes(const v1::Tensor& t) {
+  absl::StatusOr<TensorView> view = DecodeTensorHeader(t, "");
+  return view.ok() ? view->nbytes() : 0;
+}
+
+// What an inline call may hold besides its request: split inputs gathered
+// (up to their size) and results written inline.
+int64_t ResultBytes(const v1::PackRequest& request) {
+  if (!request.outputs().empty()) return 0;
+  int64_t bytes = 0;
+  for (const v1::Tensor& t : request.inputs()) {
+    bytes = SaturatingAdd(bytes, HeaderBytes(t));  // results <= inputs
+  }
+  return bytes;
+}
+int64_t ResultBytes(const v1::ScatterRequest& request) {
+  if (!request.outputs().empty() || request.mask().shape_size() != 2) return 0;
+  const int64_t positions =
+      SaturatingMul(std::max<int64_t>(0, request.mask().shape(0)),
+                    std::max<int64_t>(0, request.mask().shape(1)));
+  int64_t bytes = 0;
+  for (const v1::Tensor& t : request.packed()) {
+    if (t.shape_size() == 0 || t.shape(0) <= 0) continue;
+    const int64_t row = HeaderBytes(t) / t.shape(0);
+    bytes = SaturatingAdd(bytes, SaturatingMul(positions, row));
+  }
+  return bytes;
+}
+
+}  // namespace
+
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* PackServiceImpl::AdmittedRaw(
     grpc::CallbackServerContext* context, const char* method,
     const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
     absl::Status (PackServiceImpl::*work)(const Request&, const Payloads*,
                                           Response*, CallReply*)) {
-  const absl::Time start = absl::Now();
-  const size_t request_bytes = request.Length();
-  size_t response_bytes = 0;
-  absl::Status status = absl::UnavailableError(
-      "packd is shutting down; retry on another replica");
-  if (Admit()) {
-    // As in Admitted: nothing a handler throws escapes.
-    try {
-      std::vector<grpc::Slice> slices;
-      std::vector<absl::string_view> chunks;
-      Request parsed;
-      Payloads payloads;
-      Response out;
-      // Owned by the slices of the reply until gRPC has sent them.
-      auto reply = std::make_shared<CallReply>();
-      status = ReadChunks(request, &slices, &chunks);
-      if (status.ok()) {
-        status = ParseWithPayloads(chunks, Request::descriptor()->name(),
-                                   &parsed, &payloads);
-      }
-      if (status.ok()) {
-        status = (this->*work)(parsed, &payloads, &out, reply.get());
-      }
-      // The request's bytes are no longer needed: release them now rather
-      // than when the reply has been sent.
-      payloads.clear();
-      chunks.clear();
-      slices.clear();
-      const_cast<grpc::ByteBuffer&>(request).Clear();
-      if (status.ok()) {
-        const Spliced spliced = SerializeWithPayloads(out, reply->payloads);
-        status = decoder_.CheckSize("response", spliced.size());
-        if (status.ok()) {
-          *response = ToByteBuffer(spliced, reply);
-          response_bytes = spliced.size();
-        }
-      }
-    } catch (const std::exception& e) {
-      status = absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
-    } catch (...) {
-      status = absl::InternalError(absl::StrCat(method, " failed"));
-    }
-    Release();
-    if (!status.ok()) CheckDefaultDevice();
+  // The call's state, kept until it finishes (perhaps on the memory budget's
+  // thread, after this handler has returned).
+  struct Call {
+    absl::Time start = absl::Now();
+    size_t request_bytes = 0;
+    std::vector<grpc::Slice> slices;
+    std::vector<absl::string_view> chunks;
+    Request parsed;
+    Payloads payloads;
+  };
+  auto call = std::make_shared<Call>();
+  call->request_bytes = request.Length();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto finish = [this, reactor, method, call](const absl::Status& status,
+                                              size_t response_bytes) {
+    metrics_.Record(method, status.code(), absl::Now() - call->start,
+                    call->request_bytes, response_bytes);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  if (!Admit()) {
+    finish(absl::UnavailableError(
+               "packd is shutting down; retry on another replica"),
+           0);
+    return reactor;
   }
-  return Finish(context, method, start, status, request_bytes, response_bytes);
+  const absl::Status parsed = Guarded(method, [&] {
+    PACKD_RETURN_IF_ERROR(ReadChunks(request, &call->slices, &call->chunks));
+    return ParseWithPayloads(call->chunks, Request::descriptor()->name(),
+                             &call->parsed, &call->payloads);
+  });
+  if (!parsed.ok()) {
+    Release();
+    finish(parsed, 0);
+    return reactor;
+  }
+  // The budget counts the request, gathered inputs and inline results; the
+  // payload has not been copied anywhere yet.
+  int64_t inline_bytes = 0;
+  for (const auto& [tensor, payload] : call->payloads) {
+    inline_bytes = SaturatingAdd(inline_bytes, payload.size);
+  }
+  const int64_t bytes = SaturatingAdd(
+      SaturatingAdd(static_cast<int64_t>(call->request_bytes), inline_bytes),
+      ResultBytes(call->parsed));
+  // Give up a little before the caller's deadline, so that it hears
+  // RESOURCE_EXHAUSTED from us rather than its own DEADLINE_EXCEEDED.
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline < absl::InfiniteFuture()) {
+    deadline -=
+        std::min(absl::Milliseconds(100), (deadline - absl::Now()) / 10);
+  }
+  const grpc::ByteBuffer* received = &request;
+  budget_.Reserve(bytes, deadline,
+                  [this, call, finish, received, response, work,
+                   method](absl::StatusOr<MemoryBudget::Hold> hold) {
+                    size_t response_bytes = 0;
+                    absl::Status status = hold.status();
+                    if (status.ok()) {
+                      status = Guarded(method, [&]() -> absl::Status {
+                        Response out;
+                        // Owned by the slices of the reply until gRPC has sent
+                        // them, with the call's share of the budget.
+                        auto reply = std::make_shared<CallReply>();
+                        reply->hold = *std::move(hold);
+                        absl::Status done = (this->*work)(
+                            call->parsed, &call->payloads, &out, reply.get());
+                        // The request's bytes are no longer needed: release
+                        // them now rather than when the reply has been sent.
+                        call->payloads.clear();
+                        call->chunks.clear();
+                        call->slices.clear();
+                        const_cast<grpc::ByteBuffer*>(received)->Clear();
+                        PACKD_RETURN_IF_ERROR(done);
+                        const Spliced spliced =
+                            SerializeWithPayloads(out, reply->payloads);
+                        PACKD_RETURN_IF_ERROR(
+                            decoder_.CheckSize("response", spliced.size()));
+                        *response = ToByteBuffer(spliced, reply);
+                        response_bytes = spliced.size();
+                        return absl::OkStatus();
+                      });
+                    }
+                    Release();
+                    if (!status.ok()) CheckDefaultDevice();
+                    finish(status, response_bytes);
+                  });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Finish(

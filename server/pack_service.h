@@ -27,6 +27,7 @@
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/regions.h"
 #include "server/request_decoder.h"
@@ -43,6 +44,9 @@ struct ServiceOptions {
   // tensors are decoded (its regions held), before the op runs. Tests inject
   // it to hold a call in flight; packd itself never sets it.
   std::function<void(absl::string_view method)> testing_call_hook;
+  // Bound on the request and result bytes of inline calls in flight
+  // (--max_inflight_bytes, server/memory_budget.h); 0: none.
+  int64_t max_inflight_bytes = 0;
   // Called once, with the reason, when a failed call finds the default device
   // lost (a sticky runtime error: every later call on it fails). PackdServer
   // turns readiness NOT_SERVING.
@@ -57,8 +61,8 @@ class PackServiceImpl final
   explicit PackServiceImpl(ServiceOptions options)
       : options_(std::move(options)),
         regions_(options_.regions),
-        decoder_(regions_, options_.default_device,
-                 options_.max_message_bytes) {}
+        decoder_(regions_, options_.default_device, options_.max_message_bytes),
+        budget_(options_.max_inflight_bytes) {}
 
   // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted
   // finish.
@@ -115,8 +119,9 @@ class PackServiceImpl final
   // Inline results of a Pack or Scatter call: the buffers they were written
   // to, and the response tensors they belong to.
   struct CallReply {
-    std::vector<std::shared_ptr<char>> buffers;
+    std::vector<Buffer> buffers;
     Payloads payloads;
+    MemoryBudget::Hold hold;  // the call's share of --max_inflight_bytes
   };
 
   // Admits a call unless draining; every admitted call must be released.
@@ -130,8 +135,9 @@ class PackServiceImpl final
       const Request& request, Response* response,
       absl::Status (PackServiceImpl::*work)(const Request&, Response*));
   // The same for a raw method: parses the request from the received slices
-  // (INVALID_ARGUMENT saying where it does not parse), runs `work`, and
-  // answers with the result buffers wrapped in slices.
+  // (INVALID_ARGUMENT saying where it does not parse), reserves its bytes in
+  // the memory budget (waiting, off gRPC's threads, until its deadline), runs
+  // `work`, and answers with the result buffers wrapped in slices.
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* AdmittedRaw(
       grpc::CallbackServerContext* context, const char* method,
@@ -176,6 +182,8 @@ class PackServiceImpl final
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool device_lost_ ABSL_GUARDED_BY(mu_) = false;
+  // Last: destroyed first, its waiting calls finish while the rest is alive.
+  MemoryBudget budget_;
 };
 
 }  // namespace packd

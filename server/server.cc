@@ -12,10 +12,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/buffer.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
-#include "proto/buffer_pool.h"
 #include "server/log.h"
 
 namespace packd {
@@ -167,7 +167,11 @@ int ServeUntilSignalled(const ServerOptions& options) {
       "listening on ", (*server)->address(), ", device ",
       service.default_device.ToString(), ", ",
       ThreadPool::Global().num_threads(), " threads, messages up to ",
-      service.max_message_bytes, " bytes, shared memory ",
+      service.max_message_bytes, " bytes, inline calls in flight up to ",
+      service.max_inflight_bytes > 0
+          ? absl::StrCat(service.max_inflight_bytes, " bytes")
+          : std::string("any size"),
+      ", shared memory ",
       service.regions.enabled
           ? absl::StrCat("on (keys under ", service.regions.key_prefix, ")")
           : "off",

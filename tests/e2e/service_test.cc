@@ -11,6 +11,7 @@
 
 #include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -422,6 +423,61 @@ TEST(ServiceLimits, AnExceptionInAHandlerIsInternalAndReleasesTheCall) {
   server->Signal(SIGTERM);
   EXPECT_EQ(server->Wait(absl::Seconds(20)), 0) << server->Log();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// --max_inflight_bytes: a call that would pass the budget waits for room
+// until (just before) its deadline; one larger than the whole budget is
+// refused at once. Each call here holds about 3.2 MB (request, inline input,
+// result) for a second.
+TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
+  auto server = ServerProcess::Start(
+      {"--call_delay_ms=1000", "--max_inflight_bytes=4000000"},
+      ServerProcess::Binary::kTesting);
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask = at::ones({4, 64}, at::kBool);
+  const at::Tensor x =
+      testing::RandomTensor(rng, DType::kFloat32, {4, 64, 1024});
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);
+  auto call = [&](absl::Duration deadline, v1::PackResponse* response) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    return stub->Pack(&context, request, response);
+  };
+
+  v1::PackRequest too_large = request;
+  *too_large.mutable_inputs(0) =
+      ToProto(testing::RandomTensor(rng, DType::kFloat32, {4, 64, 2048}));
+  v1::PackResponse ignored;
+  grpc::ClientContext c0;
+  absl::Time start = absl::Now();
+  grpc::Status status = stub->Pack(&c0, too_large, &ignored);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_inflight_bytes"));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(900));  // no delay hook
+
+  v1::PackResponse first_response;
+  std::thread first(
+      [&] { EXPECT_TRUE(call(absl::Seconds(20), &first_response).ok()); });
+  absl::SleepFor(absl::Milliseconds(300));  // the first call holds its bytes
+  v1::PackResponse waited;
+  status = call(absl::Milliseconds(300), &waited);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("deadline"));
+  start = absl::Now();
+  v1::PackResponse second_response;
+  status = call(absl::Seconds(20), &second_response);  // waits, then runs
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(absl::Now() - start, absl::Milliseconds(900));
+  first.join();
+  EXPECT_TRUE(
+      SameTensor(testing::ReferencePack(x, mask), second_response.packed(0)));
+  EXPECT_TRUE(
+      SameTensor(testing::ReferencePack(x, mask), first_response.packed(0)));
 }
 
 TEST(ServiceLimits, OversizedRequestsAndResponsesAreResourceExhausted) {
