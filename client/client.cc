@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -69,8 +72,26 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
     return absl::InvalidArgumentError(
         "address is empty: give HOST:PORT or unix:PATH");
   }
+  std::string token;
+  if (!options.token_file.empty()) {
+    std::ifstream file(options.token_file);
+    std::string line;
+    while (file && token.empty() && std::getline(file, line)) {
+      token = std::string(absl::StripAsciiWhitespace(line));
+    }
+    if (token.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot read a token from ", options.token_file));
+    }
+  } else if (!options.token_env.empty()) {
+    if (const char* value = std::getenv(options.token_env.c_str())) {
+      token = std::string(absl::StripAsciiWhitespace(value));
+    }
+  }
   if (options.keep_freed_memory) KeepFreedMemoryMapped();
-  return std::unique_ptr<Client>(new Client(std::move(options)));
+  std::unique_ptr<Client> client(new Client(std::move(options)));
+  client->token_ = std::move(token);
+  return client;
 }
 
 Client::Client(ClientOptions options) : options_(std::move(options)) {
@@ -98,6 +119,8 @@ absl::Status Client::Call(Rpc&& rpc) {
   for (int attempt = 1;; ++attempt) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+    if (!token_.empty())
+      context.AddMetadata("authorization", "Bearer " + token_);
     const grpc::Status status = rpc(&context);
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
         attempt >= options_.max_attempts) {

@@ -60,6 +60,12 @@ struct ClientOptions {
   // makes large inline calls several times faster; the process then keeps up
   // to 1 GiB of freed heap.
   bool keep_freed_memory = true;
+  // A bearer token for servers started with --auth_token_file, sent as
+  // "authorization: Bearer <token>" on every call: the first line of
+  // `token_file` when set, else the environment variable `token_env` when set
+  // (never a command-line value, which `ps` would show).
+  std::string token_file;
+  std::string token_env = "PACKD_TOKEN";
 };
 
 struct PackCallOptions {
@@ -108,7 +114,8 @@ absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
 class Client {
  public:
   // Connects (lazily: the first call dials). INVALID_ARGUMENT for an empty
-  // address.
+  // address; FAILED_PRECONDITION when `token_file` cannot be read or is
+  // empty.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
   ~Client();
 
@@ -217,6 +224,7 @@ class Client {
                                           const Incoming& incoming);
 
   const ClientOptions options_;
+  std::string token_;  // empty: none
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PackService::Stub> stub_;
   // Two connections for large inline calls (the first is channel_'s).

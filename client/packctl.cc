@@ -40,6 +40,9 @@
 #include "planner/planner.h"
 #include "planner/workloads.h"
 
+ABSL_FLAG(std::string, token_file, "",
+          "Bearer token for a server with --auth_token_file: the file's first "
+          "line (default: the PACKD_TOKEN environment variable)");
 ABSL_FLAG(std::string, address, "127.0.0.1:50051",
           "packd address: HOST:PORT or unix:PATH");
 ABSL_FLAG(int, deadline_ms, 60000, "Deadline of each call");
@@ -88,6 +91,7 @@ absl::StatusOr<std::unique_ptr<Client>> Connect() {
   options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   options.max_attempts = 1;  // operators want the answer, not a retry loop
   options.shared_memory_threshold_bytes = 0;
+  options.token_file = absl::GetFlag(FLAGS_token_file);  // else $PACKD_TOKEN
   return Client::Connect(options);
 }
 

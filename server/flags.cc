@@ -37,6 +37,10 @@ ABSL_FLAG(int64_t, max_inflight_bytes, -1,
           "Bound on the request and result bytes of inline calls in flight; "
           "calls over it wait until their deadline (-1: half the memory the "
           "process may use, cgroup limit included; 0: no bound)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File of bearer tokens, one a line (re-read on SIGHUP): every "
+          "PackService call must send \"authorization: Bearer <token>\" "
+          "with one of them (health never needs it); empty: no tokens");
 
 namespace packd {
 
@@ -61,6 +65,12 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   options.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.keep_freed_memory = absl::GetFlag(FLAGS_keep_freed_memory);
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    PACKD_ASSIGN_OR_RETURN(
+        std::unique_ptr<TokenAuth> auth,
+        TokenAuth::FromFile(absl::GetFlag(FLAGS_auth_token_file)));
+    options.service.auth = std::move(auth);
+  }
   const int64_t inflight = absl::GetFlag(FLAGS_max_inflight_bytes);
   if (inflight < -1) {
     return absl::InvalidArgumentError(

@@ -120,7 +120,9 @@ grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
     const Request& request, Response* response,
     absl::Status (PackServiceImpl::*work)(const Request&, Response*)) {
   const absl::Time start = absl::Now();
-  absl::Status status = absl::UnavailableError(
+  absl::Status status = Authenticate(context);
+  if (!status.ok()) return Finish(context, method, start, status);
+  status = absl::UnavailableError(
       "packd is shutting down; retry on another replica");
   if (Admit()) {
     // Nothing a handler throws (an allocation that failed, a library's
@@ -225,6 +227,10 @@ grpc::ServerUnaryReactor* PackServiceImpl::AdmittedRaw(
                     call->request_bytes, response_bytes);
     reactor->Finish(ToGrpcStatus(status));
   };
+  if (absl::Status auth = Authenticate(context); !auth.ok()) {
+    finish(auth, 0);
+    return reactor;
+  }
   if (!Admit()) {
     finish(absl::UnavailableError(
                "packd is shutting down; retry on another replica"),
@@ -486,6 +492,12 @@ grpc::ServerUnaryReactor* PackServiceImpl::PlanMicroBatches(
                   &PackServiceImpl::DoPlan);
 }
 
+absl::Status PackServiceImpl::Authenticate(
+    const grpc::CallbackServerContext* context) const {
+  if (options_.auth == nullptr) return absl::OkStatus();
+  return options_.auth->Check(context->client_metadata());
+}
+
 void PackServiceImpl::CheckDefaultDevice() {
   const absl::Status device =
       Registry::Runtime(options_.default_device).status();
@@ -503,6 +515,9 @@ grpc::ServerUnaryReactor* PackServiceImpl::RegisterSystemRegion(
     const v1::RegisterSystemRegionRequest* request,
     v1::RegisterRegionResponse*) {
   const absl::Time start = absl::Now();
+  if (absl::Status auth = Authenticate(context); !auth.ok()) {
+    return Finish(context, "RegisterSystemRegion", start, auth);
+  }
   const absl::Status status = regions_.RegisterSystem(
       request->name(), request->key(), request->offset(), request->byte_size());
   return Finish(context, "RegisterSystemRegion", start, status);
@@ -540,6 +555,9 @@ grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(
     const v1::RegisterDeviceRegionRequest* request,
     v1::RegisterRegionResponse*) {
   const absl::Time start = absl::Now();
+  if (absl::Status auth = Authenticate(context); !auth.ok()) {
+    return Finish(context, "RegisterDeviceRegion", start, auth);
+  }
   const absl::Status status = DoRegisterDeviceRegion(*request);
   return Finish(context, "RegisterDeviceRegion", start, status);
 }
@@ -548,6 +566,9 @@ grpc::ServerUnaryReactor* PackServiceImpl::UnregisterRegion(
     grpc::CallbackServerContext* context,
     const v1::UnregisterRegionRequest* request, v1::UnregisterRegionResponse*) {
   const absl::Time start = absl::Now();
+  if (absl::Status auth = Authenticate(context); !auth.ok()) {
+    return Finish(context, "UnregisterRegion", start, auth);
+  }
   const absl::Status status = regions_.Unregister(request->name());
   return Finish(context, "UnregisterRegion", start, status);
 }
@@ -556,6 +577,9 @@ grpc::ServerUnaryReactor* PackServiceImpl::ListRegions(
     grpc::CallbackServerContext* context, const v1::ListRegionsRequest*,
     v1::ListRegionsResponse* response) {
   const absl::Time start = absl::Now();
+  if (absl::Status auth = Authenticate(context); !auth.ok()) {
+    return Finish(context, "ListRegions", start, auth);
+  }
   absl::Status status = regions_.CheckEnabled();
   if (status.ok()) {
     for (v1::RegionInfo& info : regions_.List()) {
@@ -569,6 +593,9 @@ grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
     grpc::CallbackServerContext* context, const v1::GetServerInfoRequest*,
     v1::ServerInfo* response) {
   const absl::Time start = absl::Now();
+  if (absl::Status auth = Authenticate(context); !auth.ok()) {
+    return Finish(context, "GetServerInfo", start, auth);
+  }
   response->set_version(PACKD_VERSION);
   for (DeviceKind kind :
        {DeviceKind::kCpu, DeviceKind::kCuda, DeviceKind::kHip}) {

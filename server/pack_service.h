@@ -27,6 +27,7 @@
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
+#include "server/auth.h"
 #include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/regions.h"
@@ -44,6 +45,9 @@ struct ServiceOptions {
   // tensors are decoded (its regions held), before the op runs. Tests inject
   // it to hold a call in flight; packd itself never sets it.
   std::function<void(absl::string_view method)> testing_call_hook;
+  // Bearer tokens every PackService call must carry (--auth_token_file);
+  // nullptr: none.
+  std::shared_ptr<TokenAuth> auth;
   // Bound on the request and result bytes of inline calls in flight
   // (--max_inflight_bytes, server/memory_budget.h); 0: none.
   int64_t max_inflight_bytes = 0;
@@ -167,6 +171,9 @@ class PackServiceImpl final
   absl::Status RunScatter(const v1::ScatterRequest& request,
                           const Payloads* payloads,
                           v1::ScatterResponse* response, CallReply* reply);
+  // OK without --auth_token_file, else TokenAuth::Check of the call's
+  // metadata.
+  absl::Status Authenticate(const grpc::CallbackServerContext* context) const;
   // After a failed call: whether the default device is lost, and if so, tells
   // on_device_lost (once).
   void CheckDefaultDevice();

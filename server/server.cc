@@ -154,6 +154,7 @@ int ServeUntilSignalled(const ServerOptions& options) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);  // re-reads --auth_token_file
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   absl::StatusOr<std::unique_ptr<PackdServer>> server =
@@ -178,11 +179,24 @@ int ServeUntilSignalled(const ServerOptions& options) {
       (*server)->metrics_address().empty()
           ? ""
           : absl::StrCat(", metrics on http://", (*server)->metrics_address(),
-                         "/metrics")));
+                         "/metrics"),
+      service.auth != nullptr
+          ? absl::StrCat(", bearer tokens from ", service.auth->path())
+          : ""));
 
   std::thread signal_thread([&] {
     int signal = 0;
-    sigwait(&signals, &signal);
+    while (sigwait(&signals, &signal) == 0 && signal == SIGHUP) {
+      if (service.auth == nullptr) {
+        Log("received Hangup: nothing to reload");
+        continue;
+      }
+      const absl::Status reloaded = service.auth->Reload();
+      Log(reloaded.ok() ? absl::StrCat("received Hangup: tokens reloaded from ",
+                                       service.auth->path())
+                        : absl::StrCat("received Hangup: ", reloaded.message(),
+                                       "; the previous tokens stay"));
+    }
     Log(absl::StrCat("received ", strsignal(signal)));
     (*server)->Drain();
   });

@@ -1,5 +1,6 @@
 """packd.Client: Pack and Scatter through a packd server, with torch tensors in and out."""
 import dataclasses
+import os
 import time
 from typing import List, Optional, Sequence, Union
 
@@ -59,6 +60,20 @@ def varlen_kwargs(result: PackResult):
     longest = result.doc_max_seqlen if docs else result.max_seqlen
     return {"cu_seqlens_q": cu, "cu_seqlens_k": cu,
             "max_seqlen_q": longest, "max_seqlen_k": longest}
+
+
+def _token_metadata(token_file, token_env):
+    """The call metadata carrying a bearer token: the first line of `token_file`, else the
+    environment variable `token_env`; None without one."""
+    token = ""
+    if token_file:
+        with open(token_file) as f:
+            token = next((line.strip() for line in f if line.strip()), "")
+        if not token:
+            raise ValueError("no token in %s" % token_file)
+    elif token_env:
+        token = os.environ.get(token_env, "").strip()
+    return (("authorization", "Bearer " + token),) if token else None
 
 
 def _rows(t, rows):
@@ -121,19 +136,22 @@ class Client:
     server's --shm_key_prefix, under which segments are named. split_threshold_bytes: inline
     calls at least this large go as two halves of the rows on two connections at once (0:
     never). keep_freed_memory: tune this process's malloc to keep freed memory mapped (see
-    packd._memory), which makes large inline calls several times faster.
+    packd._memory), which makes large inline calls several times faster. token_file /
+    token_env: a bearer token for a server with --auth_token_file, from a file's first line or
+    an environment variable (PACKD_TOKEN by default), sent on every call.
     """
 
     def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=3,
                  max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20,
                  shm_key_prefix="/packd", split_threshold_bytes=16 << 20,
-                 keep_freed_memory=True):
+                 keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN"):
         self.address = address
         self.timeout = timeout
         self.retries = retries
         self.shm_threshold_bytes = shm_threshold_bytes
         self.shm_key_prefix = shm_key_prefix
         self.split_threshold_bytes = split_threshold_bytes
+        self._metadata = _token_metadata(token_file, token_env)
         if keep_freed_memory:
             _memory.keep_freed_memory()
         limit = min(max_message_bytes, (1 << 31) - 1)
@@ -164,7 +182,7 @@ class Client:
         backoff = 0.05
         for attempt in range(retries + 1):
             try:
-                return method(request, timeout=self.timeout)
+                return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
                     raise _error(e) from None
@@ -175,7 +193,8 @@ class Client:
         """methods[i](requests[i]), all at once; the replies in order."""
         if len(requests) == 1:
             return [self._call(methods[0], requests[0])]
-        futures = [m.future(r, timeout=self.timeout) for m, r in zip(methods, requests)]
+        futures = [m.future(r, timeout=self.timeout, metadata=self._metadata)
+                   for m, r in zip(methods, requests)]
         replies = []
         for method, request, future in zip(methods, requests, futures):
             try:

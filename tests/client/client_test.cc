@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -206,6 +207,41 @@ TEST_F(ClientTest, LargeInlineCallsAreExact) {
           (*dense)[0]));
     }
   }
+}
+
+// A bearer token from a file or the environment, on every call.
+TEST(ClientAuthTest, TokenFromFileOrEnvironment) {
+  char dir[] = "/tmp/packd-client-auth-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/tokens";
+  std::ofstream(path) << "cc-token\n";
+  auto server = ServerProcess::Start({"--auth_token_file=" + path});
+  ASSERT_NE(server, nullptr);
+  const at::Tensor x = at::randn({2, 3, 4});
+  const at::Tensor mask = at::ones({2, 3}, at::kBool);
+  ClientOptions options;
+  options.address = server->address();
+  options.token_env = "";  // none
+  std::unique_ptr<Client> anonymous = std::move(*Client::Connect(options));
+  EXPECT_EQ(anonymous->Pack({x}, mask).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(*anonymous->Health(), "SERVING");  // health needs no token
+  options.token_file = path;
+  std::unique_ptr<Client> with_file = std::move(*Client::Connect(options));
+  absl::StatusOr<PackedBatch> r = with_file->Pack({x}, mask);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(SameBytes(testing::ReferencePack(x, mask), r->packed[0]));
+  options.token_file = "";
+  options.token_env = "PACKD_CLIENT_TEST_TOKEN";
+  setenv("PACKD_CLIENT_TEST_TOKEN", "cc-token", 1);
+  std::unique_ptr<Client> with_env = std::move(*Client::Connect(options));
+  EXPECT_TRUE(with_env->Pack({x}, mask).ok());
+  unsetenv("PACKD_CLIENT_TEST_TOKEN");
+  options.token_env = "";
+  options.token_file = std::string(dir) + "/missing";
+  EXPECT_EQ(Client::Connect(options).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  std::filesystem::remove_all(dir);
 }
 
 // The halves travel as two calls: each fits a server limit the whole batch

@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <string>
 #include <thread>
@@ -629,6 +631,85 @@ TEST(ServiceMetrics, PrometheusTextCountsCallsByMethodAndCode) {
 
 TEST(ServiceStartup, AbsentDefaultDeviceFailsClearly) {
   EXPECT_EQ(ServerProcess::Start({"--device=cuda:0"}), nullptr);
+}
+
+}  // namespace
+}  // namespace packd
+
+namespace packd {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ServerProcess;
+using testing::ToProto;
+
+// --auth_token_file: every PackService call needs a current bearer token;
+// health never does; SIGHUP reloads the file.
+TEST(ServiceAuth, BearerTokensGuardEveryCallButHealth) {
+  char dir[] = "/tmp/packd-auth-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = absl::StrCat(dir, "/tokens");
+  auto write = [&](const std::string& text) {
+    std::ofstream(path, std::ios::trunc) << text;
+  };
+  write("\n  alpha-123  \nsecond-token\n");
+  auto server = ServerProcess::Start({"--auth_token_file=" + path});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(at::ones({1, 2}, at::kBool));
+  *request.add_inputs() = ToProto(at::zeros({1, 2}, at::kFloat));
+  auto pack = [&](const char* authorization) {
+    grpc::ClientContext context;
+    if (authorization != nullptr) {
+      context.AddMetadata("authorization", authorization);
+    }
+    v1::PackResponse response;
+    return stub->Pack(&context, request, &response);
+  };
+  grpc::Status status = pack(nullptr);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(status.error_message(), HasSubstr("requires a bearer token"));
+  status = pack("Basic YWxwaGE=");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  status = pack("Bearer alpha-12");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(status.error_message(), HasSubstr("not valid"));
+  EXPECT_TRUE(pack("Bearer alpha-123").ok());
+  EXPECT_TRUE(pack("Bearer second-token").ok());
+  {
+    grpc::ClientContext context;
+    v1::ServerInfo info;
+    EXPECT_EQ(stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)
+                  .error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    grpc::ClientContext c2;
+    v1::ListRegionsResponse regions;
+    EXPECT_EQ(
+        stub->ListRegions(&c2, v1::ListRegionsRequest(), &regions).error_code(),
+        grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(testing::HealthStatus(server->Channel(), ""), "SERVING");
+  EXPECT_EQ(testing::HealthStatus(server->Channel(), "packd.v1.PackService"),
+            "SERVING");
+
+  // A new file on SIGHUP: the old token is stale at once.
+  write("beta-456\n");
+  server->Signal(SIGHUP);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (pack("Bearer alpha-123").ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(pack("Bearer alpha-123").error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(pack("Bearer beta-456").ok());
+  // An empty file is refused: the tokens stay.
+  write("\n");
+  server->Signal(SIGHUP);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_TRUE(pack("Bearer beta-456").ok());
+  EXPECT_THAT(server->Log(), HasSubstr("holds no token"));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import packd
+from packd_server import PackdServer
 from torch_reference import DTYPES, bits, random_tensor, raw, reference_scatter, same
 
 @pytest.fixture(scope="module")
@@ -230,3 +231,22 @@ def test_split_calls_equal_one_call(address):
         assert torch.equal(dense, expected)
     split.close()
     whole.close()
+
+
+def test_bearer_token_from_file_or_environment(tmp_path, monkeypatch):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("py-token\n")
+    with PackdServer(os.environ["PACKD_BINARY"], "--auth_token_file=%s" % tokens) as address:
+        mask = torch.ones(2, 3, dtype=torch.bool)
+        x = torch.randn(2, 3, 4)
+        monkeypatch.delenv("PACKD_TOKEN", raising=False)
+        with packd.Client(address) as anonymous:
+            with pytest.raises(packd.PackdError) as refused:
+                anonymous.pack(x, mask)
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with packd.Client(address, token_file=str(tokens)) as client:
+            assert torch.equal(client.pack(x, mask).packed, x[mask])
+            assert torch.equal(client.scatter(x[mask], mask), x)
+        monkeypatch.setenv("PACKD_TOKEN", "py-token")
+        with packd.Client(address, split_threshold_bytes=1) as client:  # both connections
+            assert torch.equal(client.pack(x, mask).packed, x[mask])

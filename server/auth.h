@@ -1,0 +1,59 @@
+// TokenAuth: bearer tokens for every PackService call (--auth_token_file,
+// DESIGN.md section 5). The file holds one token a line (blank lines and
+// surrounding spaces ignored) and is read again on SIGHUP. A call must carry
+// `authorization: Bearer <token>` metadata with one of them; tokens are
+// compared in constant time. Health is never behind it.
+//
+//   PACKD_ASSIGN_OR_RETURN(auto auth,
+//   TokenAuth::FromFile("/etc/packd/tokens"));
+//   PACKD_RETURN_IF_ERROR(auth->Check(context->client_metadata()));
+#ifndef PACKD_SERVER_AUTH_H_
+#define PACKD_SERVER_AUTH_H_
+
+#include <grpcpp/support/string_ref.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace packd {
+
+class TokenAuth {
+ public:
+  // Reads the tokens in `path`. FAILED_PRECONDITION when it cannot be read or
+  // holds no token.
+  static absl::StatusOr<std::unique_ptr<TokenAuth>> FromFile(std::string path);
+
+  // Reads the file again (SIGHUP). On failure the tokens stay as they were
+  // and the error says why.
+  absl::Status Reload();
+
+  // OK when `metadata` has "authorization: Bearer <token>" with a current
+  // token; UNAUTHENTICATED (saying which: missing, not a bearer token, not
+  // valid) otherwise.
+  absl::Status Check(
+      const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const;
+
+  // a == b, in time that depends on their lengths only.
+  static bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
+
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit TokenAuth(std::string path) : path_(std::move(path)) {}
+
+  const std::string path_;
+  mutable absl::Mutex mu_;
+  std::vector<std::string> tokens_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_AUTH_H_
