@@ -157,15 +157,6 @@ bool TryPack(absl::Span<const int64_t> lengths,
 // same rank (rank tokens unchanged), then from any rank. A moved sample is a
 // sample of a micro-batch of several, so it is within the budget.
 void FillEmpty(absl::Span<const int64_t> lengths, Bins* bins) {
-  auto donor = [&](std::vector<std::vector<int64_t>>& rank) {
-    std::vector<int64_t>* best = nullptr;
-    for (std::vector<int64_t>& b : rank) {
-      if (b.size() >= 2 && (best == nullptr || b.size() > best->size())) {
-        best = &b;
-      }
-    }
-    return best;
-  };
   auto move_smallest = [&](std::vector<int64_t>* from,
                            std::vector<int64_t>* to) {
     auto smallest = std::min_element(
@@ -174,23 +165,37 @@ void FillEmpty(absl::Span<const int64_t> lengths, Bins* bins) {
     to->push_back(*smallest);
     from->erase(smallest);
   };
-  for (auto& rank : *bins) {
+  // Donors (micro-batches of two or more samples), largest first, gathered
+  // once: a plan may hold many empty micro-batches and few donors, so looking
+  // for a donor per empty micro-batch would be quadratic.
+  auto donors_of = [](std::vector<std::vector<int64_t>>& rank,
+                      std::vector<std::vector<int64_t>*>* donors) {
+    for (std::vector<int64_t>& b : rank) {
+      if (b.size() >= 2) donors->push_back(&b);
+    }
+  };
+  auto fill = [&](std::vector<std::vector<int64_t>>& rank,
+                  std::vector<std::vector<int64_t>*>& donors, size_t& next) {
     for (std::vector<int64_t>& b : rank) {
       if (!b.empty()) continue;
-      if (std::vector<int64_t>* from = donor(rank)) move_smallest(from, &b);
+      while (next < donors.size() && donors[next]->size() < 2) ++next;
+      if (next == donors.size()) return;
+      move_smallest(donors[next], &b);
     }
-  }
+  };
   for (auto& rank : *bins) {
-    for (std::vector<int64_t>& b : rank) {
-      if (!b.empty()) continue;
-      for (auto& other : *bins) {
-        if (std::vector<int64_t>* from = donor(other)) {
-          move_smallest(from, &b);
-          break;
-        }
-      }
-    }
+    std::vector<std::vector<int64_t>*> donors;
+    donors_of(rank, &donors);
+    std::stable_sort(
+        donors.begin(), donors.end(),
+        [](const auto* a, const auto* b) { return a->size() > b->size(); });
+    size_t next = 0;
+    fill(rank, donors, next);
   }
+  std::vector<std::vector<int64_t>*> donors;
+  for (auto& rank : *bins) donors_of(rank, &donors);
+  size_t next = 0;
+  for (auto& rank : *bins) fill(rank, donors, next);
 }
 
 // Evens out rank tokens after packing: repeatedly moves a sample from the

@@ -76,6 +76,20 @@ TEST(Planner, OneHundredThousandSamples) {
   EXPECT_TRUE(CheckPlan(*plan, lengths, {}, options).ok());
 }
 
+// Found by fuzz_plan: four samples over 48,575 ranks leave almost every
+// micro-batch empty; filling them looked for a donor once per empty
+// micro-batch over every rank (quadratic: over 10 s). Now linear.
+TEST(Planner, FewSamplesOverVeryManyRanks) {
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = 128;
+  options.num_ranks = 48575;
+  const std::vector<int64_t> lengths = {5, 5, 37, 8238};
+  absl::StatusOr<Plan> plan = PlanMicroBatches(lengths, {}, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(CheckPlan(*plan, lengths, {}, options).ok());
+  EXPECT_EQ(plan->micro_batches_per_rank, 1);
+}
+
 TEST(Planner, ASampleOverTheBudgetSitsAlone) {
   PlanOptions options;
   options.max_tokens_per_micro_batch = 100;
