@@ -359,6 +359,14 @@ absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
   return absl::OkStatus();
 }
 
+void CopyPayloadsIntoData(const Payloads& payloads) {
+  for (const auto& [tensor, payload] : payloads) {
+    std::string* data = const_cast<v1::Tensor*>(tensor)->mutable_data();
+    data->resize(payload.size);
+    payload.CopyOut(0, payload.size, data->data());
+  }
+}
+
 namespace {
 
 void AppendVarint(uint64_t value, std::string* out) {

@@ -71,6 +71,11 @@ absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
                                google::protobuf::Message* message,
                                Payloads* payloads);
 
+// Copies each payload into its tensor's `data` field: the message as plain
+// protobuf holds it, for code that takes messages rather than payloads. The
+// tensors must belong to a message the caller may change.
+void CopyPayloadsIntoData(const Payloads& payloads);
+
 // A message to send: `header` holds every byte but the payloads, and payload
 // i goes in at byte `inserts[i].first` of `header` (in order).
 struct Spliced {

@@ -114,36 +114,6 @@ void PackServiceImpl::Release() {
   --in_flight_;
 }
 
-template <typename Request, typename Response>
-grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
-    grpc::CallbackServerContext* context, const char* method,
-    const Request& request, Response* response,
-    absl::Status (PackServiceImpl::*work)(const Request&, Response*)) {
-  const absl::Time start = absl::Now();
-  absl::Status status = Authenticate(context);
-  if (!status.ok()) return Finish(context, method, start, status);
-  status = absl::UnavailableError(
-      "packd is shutting down; retry on another replica");
-  if (Admit()) {
-    // Nothing a handler throws (an allocation that failed, a library's
-    // exception) may leave the call admitted or reach gRPC, which would answer
-    // UNIMPLEMENTED: it becomes INTERNAL with its message.
-    try {
-      status = (this->*work)(request, response);
-    } catch (const std::exception& e) {
-      status = absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
-      response->Clear();
-    } catch (...) {
-      status = absl::InternalError(absl::StrCat(method, " failed"));
-      response->Clear();
-    }
-    Release();
-    if (!status.ok()) CheckDefaultDevice();
-  }
-  return Finish(context, method, start, status, request.ByteSizeLong(),
-                status.ok() ? response->ByteSizeLong() : 0);
-}
-
 namespace {
 
 // Runs `fn`, turning whatever it throws into INTERNAL: nothing a handler
@@ -158,6 +128,33 @@ absl::Status Guarded(const char* method, Fn&& fn) {
     return absl::InternalError(absl::StrCat(method, " failed"));
   }
 }
+
+}  // namespace
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
+    grpc::CallbackServerContext* context, const char* method,
+    const Request& request, Response* response,
+    absl::Status (PackServiceImpl::*work)(const Request&, Response*)) {
+  const absl::Time start = absl::Now();
+  absl::Status status = Authenticate(context);
+  if (!status.ok()) return Finish(context, method, start, status);
+  status = absl::UnavailableError(
+      "packd is shutting down; retry on another replica");
+  if (Admit()) {
+    // Nothing a handler throws (an allocation that failed, a library's
+    // exception) may leave the call admitted or reach gRPC, which would answer
+    // UNIMPLEMENTED: it becomes INTERNAL with its message.
+    status = Guarded(method, [&] { return (this->*work)(request, response); });
+    if (!status.ok()) response->Clear();
+    Release();
+    if (!status.ok()) CheckDefaultDevice();
+  }
+  return Finish(context, method, start, status, request.ByteSizeLong(),
+                status.ok() ? response->ByteSizeLong() : 0);
+}
+
+namespace {
 
 // a * b, or INT64_MAX when it overflows (a, b >= 0).
 int64_t SaturatingMul(int64_t a, int64_t b) {
@@ -351,12 +348,7 @@ namespace {
 absl::Status Materialize(const Payloads& payloads,
                          const RequestDecoder& decoder,
                          google::protobuf::Message* response) {
-  for (const auto& [tensor, payload] : payloads) {
-    // The tensors are the response's own, which the caller may change.
-    std::string* data = const_cast<v1::Tensor*>(tensor)->mutable_data();
-    data->resize(payload.size);
-    payload.CopyOut(0, payload.size, data->data());
-  }
+  CopyPayloadsIntoData(payloads);
   absl::Status size = decoder.CheckSize("response", response->ByteSizeLong());
   if (!size.ok()) response->Clear();
   return size;

@@ -28,14 +28,22 @@ packd::PackServiceImpl& Service() {
   return *service;
 }
 
-// Copies the payloads back into their tensors' data fields: the request as
-// protobuf would have parsed it, for the typed entry points.
-void Materialize(const packd::Payloads& payloads) {
-  for (const auto& [tensor, payload] : payloads) {
-    std::string* data = const_cast<packd::v1::Tensor*>(tensor)->mutable_data();
-    data->resize(payload.size);
-    payload.CopyOut(0, payload.size, data->data());
+// Parses `chunks` as a `Request` and, when that works, runs it through
+// `op` as protobuf would have parsed it.
+template <typename Request, typename Response>
+void Run(absl::Span<const absl::string_view> chunks,
+         absl::Status (packd::PackServiceImpl::*op)(const Request&,
+                                                    Response*)) {
+  Request request;
+  packd::Payloads payloads;
+  if (!packd::ParseWithPayloads(chunks, Request::descriptor()->name(), &request,
+                                &payloads)
+           .ok()) {
+    return;
   }
+  packd::CopyPayloadsIntoData(payloads);
+  Response response;
+  (Service().*op)(request, &response).IgnoreError();
 }
 
 }  // namespace
@@ -49,25 +57,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<absl::string_view> chunks = {
       bytes.substr(0, std::min(cut, bytes.size())),
       bytes.substr(std::min(cut, bytes.size()))};
-  packd::Payloads payloads;
   if (scatter) {
-    packd::v1::ScatterRequest request;
-    if (!packd::ParseWithPayloads(chunks, "ScatterRequest", &request, &payloads)
-             .ok()) {
-      return 0;
-    }
-    Materialize(payloads);
-    packd::v1::ScatterResponse response;
-    Service().DoScatter(request, &response).IgnoreError();
+    Run(chunks, &packd::PackServiceImpl::DoScatter);
   } else {
-    packd::v1::PackRequest request;
-    if (!packd::ParseWithPayloads(chunks, "PackRequest", &request, &payloads)
-             .ok()) {
-      return 0;
-    }
-    Materialize(payloads);
-    packd::v1::PackResponse response;
-    Service().DoPack(request, &response).IgnoreError();
+    Run(chunks, &packd::PackServiceImpl::DoPack);
   }
   return 0;
 }
