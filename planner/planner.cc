@@ -15,6 +15,10 @@ namespace {
 // Samples of each micro-batch of each rank: bins[rank][m].
 using Bins = std::vector<std::vector<std::vector<int64_t>>>;
 
+// Token sums the planner accepts: the loss is divided by global_loss_tokens,
+// a double in every trainer, exact up to 2^53.
+constexpr int64_t kMaxTotalTokens = int64_t{1} << 53;
+
 struct Checked {
   int32_t ranks = 1;
   int32_t multiple = 1;
@@ -58,11 +62,18 @@ absl::StatusOr<Checked> Validate(absl::Span<const int64_t> lengths,
           "loss_tokens[", i, "] is ", loss_tokens[i],
           "; it must be in [0, lengths[", i, "] = ", lengths[i], "]"));
     }
-    if (__builtin_add_overflow(c.total, lengths[i], &c.total)) {
-      return absl::InvalidArgumentError("the sum of lengths overflows int64");
+    if (__builtin_add_overflow(c.total, lengths[i], &c.total) ||
+        c.total > kMaxTotalTokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the sum of lengths passes 2^53 (", kMaxTotalTokens,
+                       ") tokens at lengths[", i,
+                       "]: global_loss_tokens would not be exact as a double"));
     }
     c.capped_total += std::min(lengths[i], c.budget);
   }
+  // A budget above the total fits every sample, as the total does: plan with
+  // the smaller, so sums of fills and budgets stay far from int64's limit.
+  c.budget = std::min(c.budget, std::max<int64_t>(1, c.total));
   return c;
 }
 
@@ -74,8 +85,12 @@ int64_t RoundUp(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 constexpr int64_t kBalancedPackingMaxSamples = 16384;
 
 int64_t LowerBound(const Checked& c) {
-  const int64_t capacity = c.ranks * c.budget;
-  const int64_t bound = (c.capped_total + capacity - 1) / capacity;
+  int64_t capacity;
+  // Capacity past int64 holds any capped total (at most 2^53): one suffices.
+  const int64_t bound =
+      __builtin_mul_overflow(int64_t{c.ranks}, c.budget, &capacity)
+          ? 1
+          : c.capped_total / capacity + (c.capped_total % capacity != 0);
   return RoundUp(std::max<int64_t>(1, bound), c.multiple);
 }
 
@@ -489,7 +504,9 @@ absl::Status CheckPlan(const Plan& plan, absl::Span<const int64_t> lengths,
     return broken("micro_batches_per_rank ", m,
                   " is not a positive multiple of ", c->multiple);
   }
-  if (static_cast<int64_t>(plan.micro_batches.size()) != m * c->ranks) {
+  int64_t slots;
+  if (__builtin_mul_overflow(m, int64_t{c->ranks}, &slots) ||
+      static_cast<int64_t>(plan.micro_batches.size()) != slots) {
     return broken(plan.micro_batches.size(), " micro-batches for ", c->ranks,
                   " ranks of ", m);
   }
@@ -521,9 +538,9 @@ absl::Status CheckPlan(const Plan& plan, absl::Span<const int64_t> lengths,
   for (size_t i = 0; i < seen.size(); ++i) {
     if (seen[i] != 1) return broken("sample ", i, " is not placed");
   }
-  if (empty > 0 && static_cast<int64_t>(lengths.size()) >= m * c->ranks) {
+  if (empty > 0 && static_cast<int64_t>(lengths.size()) >= slots) {
     return broken(empty, " empty micro-batches with ", lengths.size(),
-                  " samples for ", m * c->ranks, " micro-batches");
+                  " samples for ", slots, " micro-batches");
   }
   if (loss != plan.global_loss_tokens) {
     return broken("global_loss_tokens ", plan.global_loss_tokens, " != ", loss);

@@ -60,7 +60,9 @@ struct Plan {
 //
 // Errors: INVALID_ARGUMENT for a negative length, a non-positive budget,
 // loss_tokens of another length or with a value outside [0, its length], a
-// negative num_ranks or micro_batch_multiple, or sizes that overflow int64.
+// negative num_ranks or micro_batch_multiple, or lengths summing past 2^53
+// (the loss divisor would not be exact as a double). Any budget is taken;
+// one above the total plans as the total.
 absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
                                       absl::Span<const int64_t> loss_tokens,
                                       const PlanOptions& options);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -121,6 +122,39 @@ TEST(Planner, BadInputsAreInvalidArgument) {
   options.num_ranks = -1;
   EXPECT_EQ(PlanMicroBatches({1}, {}, options).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Planner, HugeBudgetsAndTotalsAreSafe) {
+  // A budget near int64's limit over many ranks (fuzz_plan found the
+  // capacity product overflowing) plans like a budget of the total.
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = int64_t{0x3a3a3a3a3a3a3a3a};
+  options.num_ranks = 379;
+  const std::vector<int64_t> lengths = {7, 0, 1 << 20, 3};
+  EXPECT_EQ(MicroBatchLowerBound(lengths, options), 1);
+  absl::StatusOr<Plan> plan = PlanMicroBatches(lengths, {}, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(CheckPlan(*plan, lengths, {}, options).ok());
+  EXPECT_EQ(plan->micro_batches_per_rank, 1);
+  EXPECT_EQ(plan->global_loss_tokens, 7 + (1 << 20) + 3);
+  plan = PlanMicroBatchesLikeVerl(lengths, {}, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(CheckPlan(*plan, lengths, {}, options).ok());
+  options.max_tokens_per_micro_batch = std::numeric_limits<int64_t>::max();
+  options.num_ranks = std::numeric_limits<int32_t>::max();
+  EXPECT_EQ(MicroBatchLowerBound({}, options), 1);
+
+  // Sums past 2^53 would make the loss divisor inexact as a double.
+  const int64_t half = int64_t{1} << 52;
+  options.num_ranks = 2;
+  ASSERT_TRUE(PlanMicroBatches({half, half}, {}, options).ok());
+  absl::Status s = PlanMicroBatches({half, half, 1}, {}, options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("passes 2^53 (9007199254740992) tokens at lengths[2]"));
+  s = PlanMicroBatches({std::numeric_limits<int64_t>::max(), 1}, {}, options)
+          .status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
 }
 
 struct Workload {
