@@ -10,6 +10,7 @@
 #include <future>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -139,7 +140,7 @@ absl::Status Client::RawCall(int connection, const std::string& method,
   const grpc::ByteBuffer sent = ToByteBuffer(
       SerializeWithPayloads(request, outgoing.payloads), outgoing.keep);
   grpc::ByteBuffer received;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* context) {
+  auto call = [&](grpc::ClientContext* context) {
     absl::Notification done;
     grpc::Status status;
     received.Clear();
@@ -150,7 +151,14 @@ absl::Status Client::RawCall(int connection, const std::string& method,
                                     });
     done.WaitForNotification();
     return status;
-  }));
+  };
+  absl::Status status = Call(call);
+  if (status.code() == absl::StatusCode::kNotFound) {
+    // A region of ours may be gone (lease, restart): register, then again.
+    absl::StatusOr<int> registered = Reregister();
+    if (registered.ok() && *registered > 0) status = Call(call);
+  }
+  PACKD_RETURN_IF_ERROR(status);
   std::vector<absl::string_view> chunks;
   PACKD_RETURN_IF_ERROR(ReadChunks(received, &incoming->slices, &chunks));
   const absl::Status parsed = ParseWithPayloads(
@@ -187,10 +195,58 @@ absl::Status Client::RegisterDeviceMemory(const std::string& name,
   request.set_ipc_handle(ipc_handle);
   request.set_device(device);
   request.set_byte_size(byte_size);
+  request.set_lease_seconds(options_.lease_seconds);
   v1::RegisterRegionResponse response;
-  return Call([&](grpc::ClientContext* c) {
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
     return stub_->RegisterDeviceRegion(c, request, &response);
-  });
+  }));
+  absl::MutexLock lock(&mu_);
+  device_regions_[name] = std::move(request);
+  return absl::OkStatus();
+}
+
+absl::Status Client::RegisterSegment(SharedMemory& segment) {
+  if (!segment.linked()) {
+    PACKD_RETURN_IF_ERROR(segment.Relink(ShmSegment::UniqueKey(
+        absl::StrCat(options_.shm_key_prefix, "_client"))));
+  }
+  v1::RegisterSystemRegionRequest request;
+  request.set_name(segment.region());
+  request.set_key(segment.key());
+  request.set_byte_size(static_cast<uint64_t>(segment.size()));
+  request.set_lease_seconds(options_.lease_seconds);
+  v1::RegisterRegionResponse response;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
+    return stub_->RegisterSystemRegion(c, request, &response);
+  }));
+  // The server maps it; the name has done its work.
+  segment.Unlink();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> Client::Reregister() {
+  v1::ListRegionsResponse listed;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
+    return stub_->ListRegions(c, v1::ListRegionsRequest(), &listed);
+  }));
+  absl::flat_hash_set<std::string> known;
+  for (const v1::RegionInfo& info : listed.regions()) known.insert(info.name());
+  int registered = 0;
+  absl::MutexLock lock(&mu_);
+  for (SharedMemory* segment : segments_) {
+    if (known.contains(segment->region())) continue;
+    PACKD_RETURN_IF_ERROR(RegisterSegment(*segment));
+    ++registered;
+  }
+  for (const auto& [name, request] : device_regions_) {
+    if (known.contains(name)) continue;
+    v1::RegisterRegionResponse response;
+    PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
+      return stub_->RegisterDeviceRegion(c, request, &response);
+    }));
+    ++registered;
+  }
+  return registered;
 }
 
 absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
@@ -232,11 +288,12 @@ absl::StatusOr<std::string> Client::Health(const std::string& service) {
 
 absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
     int64_t bytes) {
-  static std::atomic<int> counter{0};
-  const int n = counter++;
   const std::string key =
-      absl::StrCat(options_.shm_key_prefix, "_client_", getpid(), "_", n);
-  const std::string region = absl::StrCat("client-", getpid(), "-", n);
+      ShmSegment::UniqueKey(absl::StrCat(options_.shm_key_prefix, "_client"));
+  // "client-<pid>_<tag>_<n>": the key's random tag keeps region names apart
+  // across pid namespaces too.
+  const std::string region =
+      absl::StrCat("client-", key.substr(options_.shm_key_prefix.size() + 8));
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<SharedMemory> shm,
       SharedMemory::Create(key, region, bytes, [this, region] {
@@ -255,19 +312,10 @@ absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
           return stub_->UnregisterRegion(c, request, &response);
         }).IgnoreError();
       }));
-  v1::RegisterSystemRegionRequest request;
-  request.set_name(region);
-  request.set_key(key);
-  request.set_byte_size(static_cast<uint64_t>(bytes));
-  v1::RegisterRegionResponse response;
-  absl::Status status = Call([&](grpc::ClientContext* c) {
-    return stub_->RegisterSystemRegion(c, request, &response);
-  });
-  if (!status.ok()) {
-    shm.reset();  // unlinks; the unregister it sends finds nothing, harmlessly
-    return status;
-  }
   absl::MutexLock lock(&mu_);
+  // On failure the segment goes (unlinked); the unregister it sends finds
+  // nothing, harmlessly.
+  PACKD_RETURN_IF_ERROR(RegisterSegment(*shm));
   segments_.push_back(shm.get());
   return shm;
 }

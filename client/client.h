@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -40,8 +41,9 @@ struct ClientOptions {
   absl::Duration deadline = absl::Seconds(60);
   // Attempts per call while the server answers UNAVAILABLE (draining,
   // restarting), with exponential backoff from initial_backoff up to
-  // max_backoff between them.
-  int max_attempts = 4;
+  // max_backoff between them: about 5 s in all by default, what a restarted
+  // packd needs to answer again.
+  int max_attempts = 8;
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);
   // Calls whose tensors hold at least this many bytes go through shared memory
@@ -51,6 +53,12 @@ struct ClientOptions {
   // The server's --shm_key_prefix: segments this client creates are named under
   // it.
   std::string shm_key_prefix = "/packd";
+  // Regions this client registers (its segments, device memory) are leased:
+  // the server unregisters one no call has named for this long, so a killed
+  // process leaks nothing for longer. The client registers a region again,
+  // transparently, when a call finds it gone (an idle spell, a restarted
+  // server). 0: no lease.
+  uint32_t lease_seconds = 30;
   // Inline calls whose tensors hold at least this many bytes are split by rows
   // into two calls on two connections that run at once (a single connection
   // leaves the wire idle while the server works); 0 never splits.
@@ -167,7 +175,9 @@ class Client {
 
   // Creates a shared-memory segment of `bytes`, registers it with the server,
   // and returns it: tensors allocated from it travel as handles, without a
-  // copy. FAILED_PRECONDITION when the server has shared memory off.
+  // copy. FAILED_PRECONDITION when the server has shared memory off. Its name
+  // is removed from /dev/shm once the server has mapped it: the memory goes
+  // when both this process and the server's lease let go.
   absl::StatusOr<std::unique_ptr<SharedMemory>> CreateSharedMemory(
       int64_t bytes);
 
@@ -208,6 +218,12 @@ class Client {
                                     const at::Tensor& segment_ids,
                                     const PackCallOptions& options,
                                     SharedMemory* scratch, int connection);
+  // Registers `segment` (named anew when unlinked) and unlinks its name.
+  absl::Status RegisterSegment(SharedMemory& segment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers again the segments and device memory of this client that the
+  // server does not hold (a lease ran out, the server restarted); how many.
+  absl::StatusOr<int> Reregister();
   // Whether a call of `bytes` with inline tensors is split into two.
   bool Splits(int64_t bytes, SharedMemory* scratch) const;
   // Whether this call's tensors should travel through shared memory; sets up
@@ -233,6 +249,9 @@ class Client {
   absl::Mutex mu_;
   // Registered segments, for lookups.
   std::vector<SharedMemory*> segments_ ABSL_GUARDED_BY(mu_);
+  // Device memory registered through this client, by region name.
+  absl::flat_hash_map<std::string, v1::RegisterDeviceRegionRequest>
+      device_regions_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SharedMemory> scratch_;  // automatic handles
   std::optional<bool> server_allows_shm_;
 };

@@ -7,17 +7,18 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 
 namespace packd {
 
-absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(std::string key,
-                                                               int64_t bytes) {
-  if (bytes <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shared memory size must be positive, not ", bytes));
-  }
+namespace {
+
+// Creates (exclusively) the object `key` of `bytes` and maps it at `at`
+// (MAP_FIXED: replacing what is mapped there) or anywhere (null).
+absl::StatusOr<char*> CreateAndMap(const std::string& key, int64_t bytes,
+                                   void* at) {
   const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     return absl::InternalError(
@@ -30,7 +31,8 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(std::string key,
     return absl::ResourceExhaustedError(absl::StrCat(
         "ftruncate(\"", key, "\", ", bytes, "): ", std::strerror(err)));
   }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* data = mmap(at, bytes, PROT_READ | PROT_WRITE,
+                    MAP_SHARED | (at != nullptr ? MAP_FIXED : 0), fd, 0);
   const int err = errno;
   close(fd);  // the mapping keeps the object; no descriptor stays open
   if (data == MAP_FAILED) {
@@ -38,21 +40,73 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(std::string key,
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap(\"", key, "\"): ", std::strerror(err)));
   }
+  return static_cast<char*>(data);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(std::string key,
+                                                               int64_t bytes) {
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory size must be positive, not ", bytes));
+  }
+  absl::StatusOr<char*> data = CreateAndMap(key, bytes, nullptr);
+  if (!data.ok()) return data.status();
   std::unique_ptr<ShmSegment> segment(new ShmSegment);
   segment->key_ = std::move(key);
-  segment->data_ = static_cast<char*>(data);
+  segment->data_ = *data;
   segment->size_ = bytes;
   return segment;
 }
 
+void ShmSegment::Unlink() {
+  if (linked_) shm_unlink(key_.c_str());
+  linked_ = false;
+}
+
+absl::Status ShmSegment::Relink(std::string key) {
+  // Copy into the new object mapped elsewhere, then map it in place.
+  absl::StatusOr<char*> copy = CreateAndMap(key, size_, nullptr);
+  if (!copy.ok()) return copy.status();
+  std::memcpy(*copy, data_, static_cast<size_t>(size_));
+  munmap(*copy, static_cast<size_t>(size_));
+  absl::StatusOr<char*> data = [&]() -> absl::StatusOr<char*> {
+    const int fd = shm_open(key.c_str(), O_RDWR, 0600);
+    if (fd < 0) {
+      return absl::InternalError(
+          absl::StrCat("shm_open(\"", key, "\"): ", std::strerror(errno)));
+    }
+    void* p = mmap(data_, static_cast<size_t>(size_), PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_FIXED, fd, 0);
+    const int err = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("mmap(\"", key, "\"): ", std::strerror(err)));
+    }
+    return static_cast<char*>(p);
+  }();
+  if (!data.ok()) {
+    shm_unlink(key.c_str());
+    return data.status();
+  }
+  Unlink();
+  key_ = std::move(key);
+  linked_ = true;
+  return absl::OkStatus();
+}
+
 std::string ShmSegment::UniqueKey(const std::string& prefix) {
   static std::atomic<int> counter{0};
-  return absl::StrCat(prefix, "_", getpid(), "_", counter++);
+  static const uint32_t tag = std::random_device()();
+  return absl::StrCat(prefix, "_", getpid(), "_", absl::Hex(tag), "_",
+                      counter++);
 }
 
 ShmSegment::~ShmSegment() {
   munmap(data_, size_);
-  shm_unlink(key_.c_str());
+  Unlink();
 }
 
 }  // namespace packd

@@ -25,11 +25,23 @@ class ShmSegment {
   // cannot be sized or mapped.
   static absl::StatusOr<std::unique_ptr<ShmSegment>> Create(std::string key,
                                                             int64_t bytes);
-  // A fresh key "<prefix>_<pid>_<n>", unique within this process.
+  // A fresh key "<prefix>_<pid>_<tag>_<n>": unique within this process, and
+  // (a random tag) across processes of other pid namespaces sharing /dev/shm.
   static std::string UniqueKey(const std::string& prefix);
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
+
+  // Removes the object's name; the memory lives on while this mapping (or a
+  // server's) does, and goes when the last one ends, however this process
+  // ends. Idempotent.
+  void Unlink();
+  // Names the memory again as `key`: a new object holding a copy of the bytes,
+  // mapped over the old one at the same address, so views of it stay valid
+  // (a write racing the copy may be lost). The errors of Create; the old
+  // mapping stays on failure.
+  absl::Status Relink(std::string key);
+  bool linked() const { return linked_; }
 
   const std::string& key() const { return key_; }
   char* data() const { return data_; }
@@ -40,6 +52,7 @@ class ShmSegment {
   std::string key_;
   char* data_ = nullptr;
   int64_t size_ = 0;
+  bool linked_ = true;
 };
 
 }  // namespace packd

@@ -42,7 +42,8 @@ void Metrics::Record(const std::string& method, absl::StatusCode code,
   m.response_bytes += response_bytes;
 }
 
-std::string Metrics::Render(int64_t regions, int64_t calls_in_flight) const {
+std::string Metrics::Render(int64_t regions, int64_t regions_expired,
+                            int64_t calls_in_flight) const {
   std::string out;
   absl::StrAppend(
       &out,
@@ -95,6 +96,11 @@ std::string Metrics::Render(int64_t regions, int64_t calls_in_flight) const {
       "# HELP packd_regions Registered tensor-handle regions.\n"
       "# TYPE packd_regions gauge\npackd_regions ",
       regions, "\n",
+      "# HELP packd_regions_expired_total Regions unregistered because no call "
+      "named them for their lease.\n"
+      "# TYPE packd_regions_expired_total "
+      "counter\npackd_regions_expired_total ",
+      regions_expired, "\n",
       "# HELP packd_calls_in_flight Pack and Scatter calls running.\n"
       "# TYPE packd_calls_in_flight gauge\npackd_calls_in_flight ",
       calls_in_flight, "\n");

@@ -40,7 +40,8 @@ class Metrics {
 
   // Prometheus text exposition (version 0.0.4) of everything recorded, plus the
   // gauges given.
-  std::string Render(int64_t regions, int64_t calls_in_flight) const;
+  std::string Render(int64_t regions, int64_t regions_expired,
+                     int64_t calls_in_flight) const;
 
  private:
   struct PerMethod {

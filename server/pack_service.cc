@@ -314,8 +314,7 @@ std::string PackServiceImpl::RenderMetrics() const {
     absl::MutexLock lock(&mu_);
     in_flight = in_flight_;
   }
-  return metrics_.Render(regions_.enabled() ? regions_.List().size() : 0,
-                         in_flight);
+  return metrics_.Render(regions_.size(), regions_.expired(), in_flight);
 }
 
 template <typename Request, typename Response, typename Field, typename Op>
@@ -511,7 +510,8 @@ grpc::ServerUnaryReactor* PackServiceImpl::RegisterSystemRegion(
     return Finish(context, "RegisterSystemRegion", start, auth);
   }
   const absl::Status status = regions_.RegisterSystem(
-      request->name(), request->key(), request->offset(), request->byte_size());
+      request->name(), request->key(), request->offset(), request->byte_size(),
+      request->lease_seconds());
   return Finish(context, "RegisterSystemRegion", start, status);
 }
 
@@ -537,9 +537,9 @@ absl::Status PackServiceImpl::DoRegisterDeviceRegion(
   PACKD_ASSIGN_OR_RETURN(DeviceMapping mapping,
                          runtime->OpenIpcMemory(request.ipc_handle(), device,
                                                 request.byte_size()));
-  return regions_.RegisterDevice(request.name(), device,
-                                 static_cast<char*>(mapping.base),
-                                 request.byte_size(), std::move(mapping.owner));
+  return regions_.RegisterDevice(
+      request.name(), device, static_cast<char*>(mapping.base),
+      request.byte_size(), std::move(mapping.owner), request.lease_seconds());
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(

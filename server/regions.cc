@@ -118,6 +118,55 @@ absl::Status RegionRegistry::ValidateKey(absl::string_view key,
   return absl::OkStatus();
 }
 
+RegionRegistry::RegionRegistry(RegionOptions options)
+    : options_(std::move(options)) {
+  if (!options_.enabled) return;
+  lease_thread_ = std::thread([this] {
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (mu_.AwaitWithTimeout(absl::Condition(&stopping_),
+                                 options_.lease_check_interval)) {
+          return;
+        }
+      }
+      ExpireLeases(absl::GetCurrentTimeNanos());
+    }
+  });
+}
+
+RegionRegistry::~RegionRegistry() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (lease_thread_.joinable()) lease_thread_.join();
+}
+
+int64_t RegionRegistry::ExpireLeases(int64_t now_ns) {
+  std::vector<std::shared_ptr<Region>> ended;  // unmapped outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      // use_count 1: only the registry holds it, no call is using it.
+      if (it->second->Expired(now_ns) && it->second.use_count() == 1) {
+        ended.push_back(std::move(it->second));
+        regions_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  expired_.fetch_add(static_cast<int64_t>(ended.size()),
+                     std::memory_order_relaxed);
+  return static_cast<int64_t>(ended.size());
+}
+
+int64_t RegionRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(regions_.size());
+}
+
 absl::Status RegionRegistry::CheckEnabled() const {
   if (options_.enabled) return absl::OkStatus();
   return absl::FailedPreconditionError(
@@ -128,8 +177,8 @@ absl::Status RegionRegistry::CheckEnabled() const {
 
 absl::Status RegionRegistry::RegisterSystem(const std::string& name,
                                             const std::string& key,
-                                            uint64_t offset,
-                                            uint64_t byte_size) {
+                                            uint64_t offset, uint64_t byte_size,
+                                            uint32_t lease_seconds) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   if (absl::Status s = ValidateName(name); !s.ok()) return s;
   if (absl::Status s = ValidateKey(key, options_.key_prefix); !s.ok()) return s;
@@ -155,17 +204,18 @@ absl::Status RegionRegistry::RegisterSystem(const std::string& name,
                          MapSharedMemory(name, key, offset, end));
   return Add(std::make_shared<Region>(name, "system", Device::Cpu(),
                                       mapping.base, byte_size,
-                                      std::move(mapping.owner)));
+                                      std::move(mapping.owner), lease_seconds));
 }
 
 absl::Status RegionRegistry::RegisterDevice(const std::string& name,
                                             Device device, char* base,
                                             uint64_t byte_size,
-                                            std::shared_ptr<void> mapping) {
+                                            std::shared_ptr<void> mapping,
+                                            uint32_t lease_seconds) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   if (absl::Status s = ValidateName(name); !s.ok()) return s;
   return Add(std::make_shared<Region>(name, "device", device, base, byte_size,
-                                      std::move(mapping)));
+                                      std::move(mapping), lease_seconds));
 }
 
 absl::Status RegionRegistry::Add(std::shared_ptr<Region> region) {
@@ -205,6 +255,7 @@ std::vector<v1::RegionInfo> RegionRegistry::List() const {
       info.set_kind(region->kind());
       info.set_byte_size(region->byte_size());
       info.set_device(region->device().ToString());
+      info.set_lease_seconds(region->lease_seconds());
       out.push_back(std::move(info));
     }
   }
@@ -226,6 +277,7 @@ absl::StatusOr<ResolvedSlice> RegionRegistry::Resolve(
     }
     region = it->second;
   }
+  region->Renew();
   uint64_t end = 0;
   if (__builtin_add_overflow(slice.offset(), slice.byte_size(), &end) ||
       end > region->byte_size()) {

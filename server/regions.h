@@ -11,15 +11,19 @@
 #ifndef PACKD_SERVER_REGIONS_H_
 #define PACKD_SERVER_REGIONS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 
@@ -30,19 +34,35 @@ namespace packd {
 class Region {
  public:
   Region(std::string name, std::string kind, Device device, char* base,
-         uint64_t byte_size, std::shared_ptr<void> mapping)
+         uint64_t byte_size, std::shared_ptr<void> mapping,
+         uint32_t lease_seconds = 0)
       : name_(std::move(name)),
         kind_(std::move(kind)),
         device_(device),
         base_(base),
         byte_size_(byte_size),
-        mapping_(std::move(mapping)) {}
+        mapping_(std::move(mapping)),
+        lease_seconds_(lease_seconds) {
+    Renew();
+  }
 
   const std::string& name() const { return name_; }
   const std::string& kind() const { return kind_; }  // "system" or "device"
   const Device& device() const { return device_; }
   char* base() const { return base_; }
   uint64_t byte_size() const { return byte_size_; }
+  uint32_t lease_seconds() const { return lease_seconds_; }
+
+  // A call named the region now: its lease starts again.
+  void Renew() {
+    named_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  }
+  // Whether its lease has run out at `now_ns` (never without a lease).
+  bool Expired(int64_t now_ns) const {
+    return lease_seconds_ > 0 &&
+           now_ns - named_ns_.load(std::memory_order_relaxed) >
+               int64_t{lease_seconds_} * 1000000000;
+  }
 
  private:
   const std::string name_;
@@ -51,6 +71,8 @@ class Region {
   char* const base_;
   const uint64_t byte_size_;
   const std::shared_ptr<void> mapping_;  // unmaps when the last holder lets go
+  const uint32_t lease_seconds_;
+  std::atomic<int64_t> named_ns_{0};  // when a call last named it
 };
 
 // A slice resolved to memory, holding its region alive.
@@ -66,14 +88,19 @@ struct RegionOptions {
   bool enabled = false;
   // Every system region key must start with this (--shm_key_prefix).
   std::string key_prefix = "/packd";
+  // How often leases are checked; a region outlives its lease by at most this.
+  absl::Duration lease_check_interval = absl::Milliseconds(250);
 };
 
 class RegionRegistry {
  public:
   static constexpr size_t kMaxNameLength = 256;
 
-  explicit RegionRegistry(RegionOptions options)
-      : options_(std::move(options)) {}
+  // Starts the thread that ends expired leases when handles are enabled.
+  explicit RegionRegistry(RegionOptions options);
+  ~RegionRegistry();
+  RegionRegistry(const RegionRegistry&) = delete;
+  RegionRegistry& operator=(const RegionRegistry&) = delete;
 
   bool enabled() const { return options_.enabled; }
   // OK when handles are enabled; FAILED_PRECONDITION saying how to enable them.
@@ -83,22 +110,34 @@ class RegionRegistry {
   // read-write. FAILED_PRECONDITION when handles are disabled; INVALID_ARGUMENT
   // for a bad name or key, a key outside the prefix, a zero size, or a range
   // past the object's end (or overflowing); NOT_FOUND when no such object
-  // exists; ALREADY_EXISTS when the name is taken.
+  // exists; ALREADY_EXISTS when the name is taken. With `lease_seconds` > 0
+  // the region is unregistered once no call has named it for that long.
   absl::Status RegisterSystem(const std::string& name, const std::string& key,
-                              uint64_t offset, uint64_t byte_size);
+                              uint64_t offset, uint64_t byte_size,
+                              uint32_t lease_seconds = 0);
 
   // Adds an already opened device mapping (the GPU backend opens IPC handles).
   absl::Status RegisterDevice(const std::string& name, Device device,
                               char* base, uint64_t byte_size,
-                              std::shared_ptr<void> mapping);
+                              std::shared_ptr<void> mapping,
+                              uint32_t lease_seconds = 0);
 
   // NOT_FOUND when the name is not registered. The memory is unmapped once no
   // call uses it.
   absl::Status Unregister(const std::string& name);
 
   std::vector<v1::RegionInfo> List() const;
+  // Regions registered now.
+  int64_t size() const;
 
-  // Checks `slice` against its region, overflow-safe, before any byte moves.
+  // Unregisters every region whose lease ran out at `now_ns` and that no call
+  // holds; returns how many. The lease thread calls it; so may tests.
+  int64_t ExpireLeases(int64_t now_ns);
+  // Regions unregistered because their lease ran out, since start.
+  int64_t expired() const { return expired_.load(std::memory_order_relaxed); }
+
+  // Checks `slice` against its region, overflow-safe, before any byte moves,
+  // and renews the region's lease.
   // FAILED_PRECONDITION when handles are disabled; NOT_FOUND for an
   // unregistered region; INVALID_ARGUMENT naming `field` when the slice passes
   // the region's end.
@@ -120,6 +159,9 @@ class RegionRegistry {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Region>> regions_
       ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int64_t> expired_{0};
+  std::thread lease_thread_;
 };
 
 }  // namespace packd

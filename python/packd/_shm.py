@@ -5,36 +5,68 @@ import os
 import weakref
 from multiprocessing import resource_tracker, shared_memory
 
+import _posixshmem
+
 import torch
 
 from packd.v1 import pack_service_pb2 as pb
 
 _counter = itertools.count()
+# Apart from the pid, names carry a random tag: processes of other pid namespaces may share
+# /dev/shm and the server.
+_TAG = os.urandom(4).hex()
 _live = weakref.WeakSet()
 
 
 class Segment:
-    """One POSIX shared-memory object under the server's key prefix, registered as a region.
-    A bump allocator hands out 64-byte aligned slices; reset() frees them all."""
+    """One POSIX shared-memory object under the server's key prefix, registered as a region
+    with a lease. A bump allocator hands out 64-byte aligned slices; reset() frees them all.
 
-    def __init__(self, client, size, key_prefix="/packd"):
+    The object's name is removed as soon as the server has mapped it: the memory lives while
+    this process or the server's lease holds it, and nothing is left in /dev/shm however the
+    process ends."""
+
+    def __init__(self, client, size, key_prefix="/packd", lease_seconds=30):
         n = next(_counter)
-        base = key_prefix.lstrip("/")
-        self.name = f"{base}_py_{os.getpid()}_{n}"
-        self.region = f"py-{os.getpid()}-{n}"
-        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=size)
-        # packd unlinks nothing; this process owns the segment and unlinks it in close().
+        self._base = f"{key_prefix.lstrip('/')}_py_{os.getpid()}_{_TAG}_{n}"
+        self._generation = itertools.count()
+        self.region = f"py-{os.getpid()}-{_TAG}-{n}"
+        self.size = size
+        self.lease_seconds = lease_seconds
+        self._client = client
+        self._shm = None
+        self._create()
+        _live.add(self)
+
+    def _create(self):
+        """Maps a fresh object, registers it as this segment's region and unlinks its name."""
+        name = f"{self._base}_{next(self._generation)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=self.size)
+        # The name is unlinked below, by this process: the tracker has nothing to clean up.
         try:
-            resource_tracker.unregister(self._shm._name, "shared_memory")
+            resource_tracker.unregister(shm._name, "shared_memory")
         except Exception:  # pragma: no cover - tracker details vary by Python version
             pass
-        self.size = size
+        try:
+            self._client._call(self._client._stub.RegisterSystemRegion,
+                               pb.RegisterSystemRegionRequest(
+                                   name=self.region, key="/" + name, offset=0,
+                                   byte_size=self.size, lease_seconds=self.lease_seconds))
+        except BaseException:
+            shm.close()
+            raise
+        finally:
+            _posixshmem.shm_unlink(shm._name)
+        self._release()
+        self._shm = shm
+        self.name = name
+        self._bytes = torch.frombuffer(shm.buf, dtype=torch.uint8)
         self.used = 0
-        self._client = client
-        self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
-        client._call(client._stub.RegisterSystemRegion, pb.RegisterSystemRegionRequest(
-            name=self.region, key="/" + self.name, offset=0, byte_size=size))
-        _live.add(self)
+
+    def renew(self):
+        """Registers the region again (the server dropped it: its lease ran out, or it
+        restarted) on fresh memory; what was allocated is gone."""
+        self._create()
 
     def allocate(self, nbytes):
         """(offset, uint8 view) of `nbytes`, or None when the segment is full."""
@@ -53,6 +85,15 @@ class Segment:
     def view(self, offset, nbytes):
         return self._bytes[offset:offset + nbytes]
 
+    def _release(self):
+        self._bytes = None
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:
+                pass  # tensors still view it; the mapping goes when they do
+        self._shm = None
+
     def close(self):
         if self._shm is None:
             return
@@ -60,17 +101,8 @@ class Segment:
             self._client._call(self._client._stub.UnregisterRegion,
                                pb.UnregisterRegionRequest(name=self.region), retries=0)
         except Exception:
-            pass  # the server may be gone; the segment is ours to remove all the same
-        self._bytes = None
-        try:
-            self._shm.close()
-        except BufferError:
-            pass  # tensors still view it; the mapping goes when they do
-        try:
-            self._shm.unlink()
-        except FileNotFoundError:
-            pass
-        self._shm = None
+            pass  # the server may be gone, and its lease will end the region
+        self._release()
 
 
 @atexit.register

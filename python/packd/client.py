@@ -138,14 +138,21 @@ class Client:
     never). keep_freed_memory: tune this process's malloc to keep freed memory mapped (see
     packd._memory), which makes large inline calls several times faster. token_file /
     token_env: a bearer token for a server with --auth_token_file, from a file's first line or
-    an environment variable (PACKD_TOKEN by default), sent on every call.
+    an environment variable (PACKD_TOKEN by default), sent on every call. lease_seconds: the
+    lease of the regions this client registers (its shared-memory segment, CUDA memory): the
+    server drops a region no call has named for that long, so a killed process leaks nothing
+    for longer; the client registers it again, transparently, when a call finds it gone (0: no
+    lease).
     """
 
-    def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=3,
+    def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=7,
                  max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20,
                  shm_key_prefix="/packd", split_threshold_bytes=16 << 20,
-                 keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN"):
+                 keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN",
+                 lease_seconds=30):
         self.address = address
+        self.lease_seconds = lease_seconds
+        self._device_regions = {}
         self.timeout = timeout
         self.retries = retries
         self.shm_threshold_bytes = shm_threshold_bytes
@@ -189,6 +196,31 @@ class Client:
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
 
+    def _with_regions(self, call):
+        """call(), and once more if it finds a region of this client gone (NOT_FOUND) and
+        registering them again helps."""
+        try:
+            return call()
+        except PackdError as e:
+            if e.code != grpc.StatusCode.NOT_FOUND or not self._reregister():
+                raise
+        return call()
+
+    def _reregister(self):
+        """Registers again the regions of this client the server no longer holds (a lease ran
+        out, or the server restarted); how many."""
+        known = {r.name for r in self._call(self._stub.ListRegions,
+                                            pb.ListRegionsRequest()).regions}
+        count = 0
+        if self._scratch is not None and self._scratch.region not in known:
+            self._scratch.renew()
+            count += 1
+        for name, request in self._device_regions.items():
+            if name not in known:
+                self._call(self._stub.RegisterDeviceRegion, request)
+                count += 1
+        return count
+
     def _call_parts(self, methods, requests):
         """methods[i](requests[i]), all at once; the replies in order."""
         if len(requests) == 1:
@@ -224,7 +256,8 @@ class Client:
         if self._scratch is None or self._scratch.size < nbytes:
             if self._scratch is not None:
                 self._scratch.close()
-            self._scratch = Segment(self, nbytes + nbytes // 4 + (1 << 20), self.shm_key_prefix)
+            self._scratch = Segment(self, nbytes + nbytes // 4 + (1 << 20), self.shm_key_prefix,
+                                    self.lease_seconds)
         self._scratch.reset()
         return self._scratch
 
@@ -300,7 +333,7 @@ class Client:
             reply = _joined(replies, [0, half])
             packed = [torch.cat([r[1][1][i] for r in replies]) for i in range(len(tensors))]
         else:
-            reply, results = self._call(self._pack[0], request(None))
+            reply, results = self._with_regions(lambda: self._call(self._pack[0], request(None)))
             packed = [self._decode(m, t, scratch)
                       for m, t in zip(reply.packed, results.get(1, []))]
         docs = segment_ids is not None
@@ -354,7 +387,8 @@ class Client:
                 dense = [torch.cat([r[1][1][i] for r in replies])
                          for i in range(len(tensors))]
                 return dense[0] if single else dense
-        reply, results = self._call(self._scatter[0], request(None, None))
+        reply, results = self._with_regions(
+            lambda: self._call(self._scatter[0], request(None, None)))
         dense = [self._decode(m, t, scratch) for m, t in zip(reply.dense, results.get(1, []))]
         return dense[0] if single else dense
 
@@ -392,9 +426,11 @@ class Client:
         offset, byte_size = device_slice(storage_offset, storage_bytes,
                                          tensor.storage_offset() * tensor.element_size(),
                                          tensor.numel() * tensor.element_size())
-        self._call(self._stub.RegisterDeviceRegion, pb.RegisterDeviceRegionRequest(
+        request = pb.RegisterDeviceRegionRequest(
             name=name, ipc_handle=handle, device=device or "cuda:%d" % tensor.device.index,
-            byte_size=storage_offset + storage_bytes))
+            byte_size=storage_offset + storage_bytes, lease_seconds=self.lease_seconds)
+        self._call(self._stub.RegisterDeviceRegion, request)
+        self._device_regions[name] = request
         return pb.RegionSlice(region=name, offset=offset, byte_size=byte_size)
 
     def info(self):

@@ -419,6 +419,57 @@ TEST_F(ClientTest, AutogradBackwardIsScatterOfTheGradient) {
       << bad.status();
 }
 
+// Regions the client registers carry its lease; when the server drops one
+// (lease run out, restart), the next call registers it again, contents and
+// tensors intact, without the caller doing anything. Names never linger in
+// /dev/shm.
+TEST(ClientLeases, RegionsComeBackAfterTheirLeaseAndAfterARestart) {
+  auto server = ServerProcess::Start();
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.address = server->address();
+  options.lease_seconds = 1;
+  std::unique_ptr<Client> client = std::move(*Client::Connect(options));
+  absl::StatusOr<std::unique_ptr<SharedMemory>> in =
+      client->CreateSharedMemory(1 << 20);
+  ASSERT_TRUE(in.ok()) << in.status();
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + (*in)->key()));
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 6, 100, 0.5, MaskPattern::kHoles);
+  at::Tensor x = (*in)->Empty({6, 100, 16}, at::kFloat);
+  x.copy_(testing::RandomTensor(rng, DType::kFloat32, {6, 100, 16}));
+  const at::Tensor expected = testing::ReferencePack(x, mask);
+  auto regions = [&] {
+    grpc::ClientContext context;
+    v1::ListRegionsResponse list;
+    EXPECT_TRUE(client->stub()
+                    .ListRegions(&context, v1::ListRegionsRequest(), &list)
+                    .ok());
+    return list;
+  };
+  auto pack_is_exact = [&](const char* when) {
+    SCOPED_TRACE(when);
+    absl::StatusOr<PackedBatch> r = client->Pack({x}, mask);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(SameBytes(expected, r->packed[0]));
+  };
+  pack_is_exact("registered");
+  v1::ListRegionsResponse list = regions();
+  ASSERT_EQ(list.regions_size(), 1);
+  EXPECT_EQ(list.regions(0).lease_seconds(), 1u);
+
+  absl::SleepFor(absl::Milliseconds(1600));
+  EXPECT_EQ(regions().regions_size(), 0) << "the lease did not run out";
+  pack_is_exact("after the lease ran out");
+  EXPECT_EQ(regions().regions_size(), 1);
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + (*in)->key()));
+
+  ASSERT_TRUE(server->Restart());
+  pack_is_exact("after a restart");
+  EXPECT_EQ(regions().regions_size(), 1);
+}
+
 // A loopback port nothing listens on.
 int UnusedPort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);

@@ -26,18 +26,24 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(
   server->dir_ = dir;
   server->address_ = absl::StrCat("unix:", dir, "/packd.sock");
 
-  int fds[2];
-  if (pipe(fds) != 0) return nullptr;
-  std::vector<std::string> args = {
+  server->args_ = {
       binary == Binary::kPackd ? PACKD_BINARY : PACKD_TESTING_BINARY,
       "--listen=" + server->address_};
-  args.insert(args.end(), flags.begin(), flags.end());
+  server->args_.insert(server->args_.end(), flags.begin(), flags.end());
+  if (server->Launch()) return server;
+  return nullptr;
+}
+
+bool ServerProcess::Launch() {
+  int fds[2];
+  if (pipe(fds) != 0) return false;
   std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
+  for (std::string& a : args_) argv.push_back(a.data());
   argv.push_back(nullptr);
 
-  server->pid_ = fork();
-  if (server->pid_ == 0) {
+  exited_ = false;
+  pid_ = fork();
+  if (pid_ == 0) {
     dup2(fds[1], STDERR_FILENO);
     close(fds[0]);
     close(fds[1]);
@@ -46,19 +52,27 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(
   }
   close(fds[1]);
   const int read_fd = fds[0];
-  ServerProcess* s = server.get();
-  s->reader_ = std::thread([s, read_fd] {
+  reader_ = std::thread([this, read_fd] {
     char buf[4096];
     ssize_t n;
     while ((n = read(read_fd, buf, sizeof(buf))) > 0) {
-      absl::MutexLock lock(&s->mu_);
-      s->log_.append(buf, n);
+      absl::MutexLock lock(&mu_);
+      log_.append(buf, n);
     }
     close(read_fd);
   });
-  if (s->WaitUntilReady(absl::Now() + absl::Seconds(60))) return server;
-  std::cerr << "packd did not become ready; its log:\n" << s->Log() << "\n";
-  return nullptr;
+  if (WaitUntilReady(absl::Now() + absl::Seconds(60))) return true;
+  std::cerr << "packd did not become ready; its log:\n" << Log() << "\n";
+  return false;
+}
+
+bool ServerProcess::Restart() {
+  if (!exited_ && pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  if (reader_.joinable()) reader_.join();
+  return Launch();
 }
 
 bool ServerProcess::WaitUntilReady(absl::Time deadline) {

@@ -39,6 +39,9 @@ class ServerProcess {
   std::shared_ptr<grpc::Channel> Channel() const;
 
   void Signal(int signal);
+  // Kills the process with SIGKILL and starts it again, on the same address
+  // with the same flags; true once it is ready.
+  bool Restart();
   // Waits for the process to exit (up to `timeout`) and returns its exit code,
   // or -1 if it was killed by a signal or did not exit in time.
   int Wait(absl::Duration timeout = absl::Seconds(60));
@@ -48,6 +51,8 @@ class ServerProcess {
  private:
   ServerProcess() = default;
 
+  // Starts the process with args_ and waits until it is ready.
+  bool Launch();
   // Polls readiness until SERVING, the process exits, or `deadline`.
   bool WaitUntilReady(absl::Time deadline);
 
@@ -55,6 +60,7 @@ class ServerProcess {
   bool exited_ = false;
   std::string dir_;
   std::string address_;
+  std::vector<std::string> args_;
   std::thread reader_;
   mutable absl::Mutex mu_;
   std::string log_ ABSL_GUARDED_BY(mu_);

@@ -108,6 +108,60 @@ TEST(RegionRegistry, SlicesAreBoundsCheckedWithoutOverflow) {
   EXPECT_EQ(list[0].name(), "r");
 }
 
+TEST(RegionRegistry, LeasesEndIdleRegionsButNeverOneInUse) {
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 16).value();
+  const int before = Mappings(seg->key());
+  RegionRegistry regions({true, "/packd_test", absl::Hours(1)});  // by hand
+  ASSERT_TRUE(regions.RegisterSystem("leased", seg->key(), 0, 4096, 2).ok());
+  ASSERT_TRUE(regions.RegisterSystem("busy", seg->key(), 0, 4096, 1).ok());
+  ASSERT_TRUE(regions.RegisterSystem("kept", seg->key(), 0, 4096, 0).ok());
+  EXPECT_EQ(Mappings(seg->key()), before + 3);
+  std::vector<v1::RegionInfo> list = regions.List();
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0].name(), "busy");
+  EXPECT_EQ(list[0].lease_seconds(), 1u);
+  EXPECT_EQ(list[1].lease_seconds(), 0u);
+  EXPECT_EQ(list[2].lease_seconds(), 2u);
+
+  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t second = 1000000000;
+  EXPECT_EQ(regions.ExpireLeases(now + second / 2), 0);
+  absl::StatusOr<ResolvedSlice> held =
+      regions.Resolve(Slice("busy", 0, 8), "inputs[0]");
+  ASSERT_TRUE(held.ok()) << held.status();
+  // Long past every lease: "leased" goes, "busy" is in use, "kept" has none.
+  EXPECT_EQ(regions.ExpireLeases(now + 100 * second), 1);
+  EXPECT_EQ(regions.expired(), 1);
+  EXPECT_EQ(regions.Resolve(Slice("leased", 0, 1), "x").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Mappings(seg->key()), before + 2);
+  held = absl::CancelledError();  // the call ends
+  EXPECT_EQ(regions.ExpireLeases(now + 100 * second), 1);
+  EXPECT_EQ(regions.size(), 1);
+  EXPECT_EQ(regions.expired(), 2);
+  EXPECT_EQ(Mappings(seg->key()), before + 1);
+}
+
+TEST(RegionRegistry, CallsNamingARegionRenewItsLease) {
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 16).value();
+  RegionRegistry regions({true, "/packd_test", absl::Milliseconds(20)});
+  ASSERT_TRUE(regions.RegisterSystem("named", seg->key(), 0, 4096, 1).ok());
+  ASSERT_TRUE(regions.RegisterSystem("idle", seg->key(), 0, 4096, 1).ok());
+  // Named every 100 ms for 1.6 s (past its 1 s lease), "named" stays.
+  for (int i = 0; i < 16; ++i) {
+    ASSERT_TRUE(regions.Resolve(Slice("named", 0, 1), "x").ok()) << i;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(regions.Resolve(Slice("idle", 0, 1), "x").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(regions.expired(), 1);
+  absl::SleepFor(absl::Milliseconds(1300));
+  EXPECT_EQ(regions.size(), 0);
+  EXPECT_EQ(regions.expired(), 2);
+}
+
 TEST(RegionRegistry, KeysAndNames) {
   EXPECT_TRUE(RegionRegistry::ValidateKey("/packd_a-1.b", "/packd").ok());
   for (const char* bad :

@@ -23,29 +23,44 @@ class PackdServer:
     def __init__(self, binary, *flags, timeout=60.0):
         self._dir = tempfile.TemporaryDirectory(prefix="packd-test-")
         self.address = "unix:" + os.path.join(self._dir.name, "packd.sock")
-        self._proc = subprocess.Popen([binary, "--listen=" + self.address, *flags],
-                                      stderr=subprocess.PIPE, text=True)
+        self._args = [binary, "--listen=" + self.address, *flags]
+        self._timeout = timeout
+        self._launch()
+
+    def _launch(self):
+        self._proc = subprocess.Popen(self._args, stderr=subprocess.PIPE, text=True)
         try:
-            self._wait_ready(timeout)
+            self._wait_ready(self._timeout)
         except Exception:
             self._proc.kill()
             log = self._proc.communicate()[1]
             self._dir.cleanup()
             raise RuntimeError("packd did not become ready; its log:\n" + log)
 
+    def restart(self):
+        """SIGKILL, then the same server again on the same address, ready."""
+        self._proc.kill()
+        self._proc.communicate()
+        self._launch()
+
     def _wait_ready(self, timeout):
         deadline = time.time() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            check = channel.unary_unary("/grpc.health.v1.Health/Check")
-            while time.time() < deadline:
-                if self._proc.poll() is not None:
-                    raise RuntimeError("packd exited with code %d" % self._proc.returncode)
+        attempt = 0
+        while time.time() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError("packd exited with code %d" % self._proc.returncode)
+            # A channel dialled before the server listens backs off for seconds between
+            # attempts: each attempt dials afresh.
+            attempt += 1
+            with grpc.insecure_channel(self.address,
+                                       options=[("packd.attempt", attempt)]) as channel:
                 try:
+                    check = channel.unary_unary("/grpc.health.v1.Health/Check")
                     if check(_CHECK_REQUEST, timeout=1.0) == _SERVING:
                         return
                 except grpc.RpcError:
                     pass
-                time.sleep(0.02)
+            time.sleep(0.02)
         raise TimeoutError("packd was not SERVING within %.0f s" % timeout)
 
     def stop(self):
