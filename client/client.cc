@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -68,6 +69,25 @@ int64_t ScratchBytes(int64_t bytes) { return bytes + bytes / 4 + (1 << 20); }
 
 }  // namespace
 
+namespace {
+
+// The contents of `path` (option `what`): FAILED_PRECONDITION when it cannot
+// be read or is empty.
+absl::StatusOr<std::string> ReadFile(const std::string& path,
+                                     const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) text.clear();
+  if (text.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot read ", what, " ", path));
+  }
+  return text;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   if (options.address.empty()) {
     return absl::InvalidArgumentError(
@@ -89,13 +109,37 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
       token = std::string(absl::StripAsciiWhitespace(value));
     }
   }
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      grpc::InsecureChannelCredentials();
+  if (!options.tls_ca_file.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    PACKD_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                           ReadFile(options.tls_ca_file, "tls_ca_file"));
+    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_cert_file and tls_key_file go together");
+    }
+    if (!options.tls_cert_file.empty()) {
+      PACKD_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                             ReadFile(options.tls_cert_file, "tls_cert_file"));
+      PACKD_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                             ReadFile(options.tls_key_file, "tls_key_file"));
+    }
+    credentials = grpc::SslCredentials(ssl);
+  } else if (!options.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "a client certificate needs TLS: give tls_ca_file too");
+  }
   if (options.keep_freed_memory) KeepFreedMemoryMapped();
-  std::unique_ptr<Client> client(new Client(std::move(options)));
+  std::unique_ptr<Client> client(
+      new Client(std::move(options), std::move(credentials)));
   client->token_ = std::move(token);
   return client;
 }
 
-Client::Client(ClientOptions options) : options_(std::move(options)) {
+Client::Client(ClientOptions options,
+               std::shared_ptr<grpc::ChannelCredentials> credentials)
+    : options_(std::move(options)) {
   for (int i = 0; i < 2; ++i) {
     grpc::ChannelArguments args;
     const int limit = static_cast<int>(
@@ -104,8 +148,11 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
     args.SetMaxSendMessageSize(limit);
     // Channels with different arguments do not share a connection.
     args.SetInt("packd.connection", i);
-    channels_[i] = grpc::CreateCustomChannel(
-        options_.address, grpc::InsecureChannelCredentials(), args);
+    if (!options_.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options_.tls_server_name);
+    }
+    channels_[i] =
+        grpc::CreateCustomChannel(options_.address, credentials, args);
     generic_[i] = std::make_unique<grpc::GenericStub>(channels_[i]);
   }
   channel_ = channels_[0];

@@ -74,6 +74,15 @@ struct ClientOptions {
   // (never a command-line value, which `ps` would show).
   std::string token_file;
   std::string token_env = "PACKD_TOKEN";
+  // TLS (for a server with --tls_cert_file): the PEM CA certificates that
+  // signed the server's certificate; empty: plaintext. With mutual TLS, the
+  // client's PEM certificate chain and key too.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // The name the server's certificate must carry, when it is not the
+  // address's host (for unix sockets: "localhost").
+  std::string tls_server_name;
 };
 
 struct PackCallOptions {
@@ -122,8 +131,8 @@ absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
 class Client {
  public:
   // Connects (lazily: the first call dials). INVALID_ARGUMENT for an empty
-  // address; FAILED_PRECONDITION when `token_file` cannot be read or is
-  // empty.
+  // address or TLS files given without their partner; FAILED_PRECONDITION
+  // when `token_file` or a TLS file cannot be read or is empty.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
   ~Client();
 
@@ -199,7 +208,8 @@ class Client {
   };
   struct PackPart;
 
-  explicit Client(ClientOptions options);
+  Client(ClientOptions options,
+         std::shared_ptr<grpc::ChannelCredentials> credentials);
 
   // Runs `rpc(context)` with the deadline, retrying on UNAVAILABLE.
   template <typename Rpc>

@@ -43,6 +43,16 @@
 ABSL_FLAG(std::string, token_file, "",
           "Bearer token for a server with --auth_token_file: the file's first "
           "line (default: the PACKD_TOKEN environment variable)");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "TLS: PEM CA certificates that signed the server's certificate "
+          "(default: plaintext)");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "Mutual TLS: this client's PEM certificate chain");
+ABSL_FLAG(std::string, tls_key_file, "",
+          "Mutual TLS: the PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "TLS: the name the server's certificate carries, when not the "
+          "address's host (unix sockets: localhost)");
 ABSL_FLAG(std::string, address, "127.0.0.1:50051",
           "packd address: HOST:PORT or unix:PATH");
 ABSL_FLAG(int, deadline_ms, 60000, "Deadline of each call");
@@ -92,6 +102,10 @@ absl::StatusOr<std::unique_ptr<Client>> Connect() {
   options.max_attempts = 1;  // operators want the answer, not a retry loop
   options.shared_memory_threshold_bytes = 0;
   options.token_file = absl::GetFlag(FLAGS_token_file);  // else $PACKD_TOKEN
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   return Client::Connect(options);
 }
 

@@ -1,6 +1,10 @@
 #include "server/flags.h"
 
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -42,11 +46,65 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "PackService call must send \"authorization: Bearer <token>\" "
           "with one of them (health never needs it); empty: no tokens");
 
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain: serve TLS on --listen (with --tls_key_file)");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA certificates: with TLS, require client certificates they "
+          "signed (mutual TLS)");
+ABSL_FLAG(std::string, health_listen, "",
+          "A second, plaintext address that serves only grpc.health.v1 (for "
+          "kubelet probes when --listen speaks TLS); empty: none");
+
 namespace packd {
+namespace {
+
+// The contents of `path`, named by `flag` in errors.
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot read ", flag, "=", path, ": ", std::strerror(errno)));
+  }
+  std::string text((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  if (text.find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, "=", path, ": not a PEM file (no -----BEGIN line)"));
+  }
+  return text;
+}
+
+absl::StatusOr<TlsOptions> TlsFromFlags() {
+  TlsOptions tls;
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert_file);
+  const std::string key = absl::GetFlag(FLAGS_tls_key_file);
+  const std::string ca = absl::GetFlag(FLAGS_tls_client_ca_file);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_cert_file and --tls_key_file go together");
+  }
+  if (!ca.empty() && cert.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_client_ca_file needs TLS: give --tls_cert_file and "
+        "--tls_key_file too");
+  }
+  if (cert.empty()) return tls;
+  PACKD_ASSIGN_OR_RETURN(tls.cert_chain, ReadPem(cert, "--tls_cert_file"));
+  PACKD_ASSIGN_OR_RETURN(tls.private_key, ReadPem(key, "--tls_key_file"));
+  if (!ca.empty()) {
+    PACKD_ASSIGN_OR_RETURN(tls.client_ca, ReadPem(ca, "--tls_client_ca_file"));
+  }
+  return tls;
+}
+
+}  // namespace
 
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
+  PACKD_ASSIGN_OR_RETURN(options.tls, TlsFromFlags());
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
   PACKD_ASSIGN_OR_RETURN(options.service.default_device,
                          ParseDevice(absl::GetFlag(FLAGS_device), "--device"));
   options.service.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

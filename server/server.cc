@@ -2,9 +2,11 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <exception>
@@ -58,6 +60,54 @@ absl::Status SelfCheck(PackServiceImpl& service, const Device& device) {
   return absl::OkStatus();
 }
 
+// grpc.health.v1 Check for the health-only listener: liveness ("") always
+// SERVING, readiness as `ready` says, other services NOT_FOUND (as gRPC's own
+// health service answers). Watch is not offered: probes call Check.
+class HealthOnly : public grpc::health::v1::Health::CallbackService {
+ public:
+  explicit HealthOnly(const std::atomic<bool>* ready) : ready_(ready) {}
+
+  grpc::ServerUnaryReactor* Check(
+      grpc::CallbackServerContext* context,
+      const grpc::health::v1::HealthCheckRequest* request,
+      grpc::health::v1::HealthCheckResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    using Response = grpc::health::v1::HealthCheckResponse;
+    if (request->service().empty()) {
+      response->set_status(Response::SERVING);
+    } else if (request->service() == kReadinessService) {
+      response->set_status(ready_->load() ? Response::SERVING
+                                          : Response::NOT_SERVING);
+    } else {
+      reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                   "unknown service " + request->service()));
+      return reactor;
+    }
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  const std::atomic<bool>* ready_;
+};
+
+// Where a builder listening on `listen` got bound: `port` for HOST:PORT.
+std::string BoundAddress(const std::string& listen, int port) {
+  if (absl::StartsWith(listen, "unix:")) return listen;
+  return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+}
+
+std::shared_ptr<grpc::ServerCredentials> Credentials(const TlsOptions& tls) {
+  if (tls.cert_chain.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(
+      tls.client_ca.empty()
+          ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+          : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ssl.pem_root_certs = tls.client_ca;
+  ssl.pem_key_cert_pairs.push_back({tls.private_key, tls.cert_chain});
+  return grpc::SslServerCredentials(ssl);
+}
+
 }  // namespace
 
 PackdServer::PackdServer(const ServerOptions& options)
@@ -72,9 +122,13 @@ PackdServer::PackdServer(const ServerOptions& options)
 void PackdServer::OnDeviceLost(const absl::Status& reason) {
   Log(absl::StrCat("readiness NOT_SERVING: ", reason.message()));
   if (server_ != nullptr) {
-    server_->GetHealthCheckService()->SetServingStatus(kReadinessService,
-                                                       false);
+    SetReady(false);
   }
+}
+
+void PackdServer::SetReady(bool ready) {
+  ready_.store(ready);
+  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, ready);
 }
 
 absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
@@ -84,12 +138,29 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
       Registry::Runtime(options.service.default_device).status());
 
   std::unique_ptr<PackdServer> server(new PackdServer(options));
+  if (!options.health_listen.empty()) {
+    // Built first: the reflection plugin, once initialised below, joins every
+    // server built after it, and this one serves health alone.
+    grpc::EnableDefaultHealthCheckService(false);
+    server->health_service_ = std::make_unique<HealthOnly>(&server->ready_);
+    grpc::ServerBuilder health;
+    int health_port = 0;
+    health.AddListeningPort(options.health_listen,
+                            grpc::InsecureServerCredentials(), &health_port);
+    health.RegisterService(server->health_service_.get());
+    server->health_server_ = health.BuildAndStart();
+    if (server->health_server_ == nullptr) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", options.health_listen,
+                       " (--health_listen): address in use or not valid"));
+    }
+    server->health_address_ = BoundAddress(options.health_listen, health_port);
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
-                           &port);
+  builder.AddListeningPort(options.listen, Credentials(options.tls), &port);
   // gRPC refuses messages over its own limit with its own message; set it
   // above ours so that the service can name --max_message_bytes instead.
   const int64_t grpc_limit =
@@ -103,15 +174,8 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
         absl::StrCat("cannot listen on ", options.listen,
                      " (--listen): address in use or not valid"));
   }
-  if (absl::StartsWith(options.listen, "unix:")) {
-    server->address_ = options.listen;
-  } else {
-    server->address_ = absl::StrCat(
-        options.listen.substr(0, options.listen.rfind(':')), ":", port);
-  }
-  grpc::HealthCheckServiceInterface* health =
-      server->server_->GetHealthCheckService();
-  health->SetServingStatus(kReadinessService, false);
+  server->address_ = BoundAddress(options.listen, port);
+  server->SetReady(false);
   absl::Status check =
       SelfCheck(server->service_, options.service.default_device);
   if (!check.ok()) {
@@ -128,12 +192,12 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     }
     server->metrics_ = std::move(*metrics);
   }
-  health->SetServingStatus(kReadinessService, true);
+  server->SetReady(true);
   return server;
 }
 
 void PackdServer::Drain() {
-  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  SetReady(false);
   service_.StartDraining();
   Log(absl::StrCat(
       "draining: readiness NOT_SERVING, new calls UNAVAILABLE, "
@@ -143,9 +207,13 @@ void PackdServer::Drain() {
   if (!idle) Log("drain time is up: cancelling the calls still running");
   server_->Shutdown(
       absl::ToChronoTime(absl::Now() + absl::Milliseconds(idle ? 1000 : 100)));
+  if (health_server_ != nullptr) health_server_->Shutdown();
 }
 
-void PackdServer::Wait() { server_->Wait(); }
+void PackdServer::Wait() {
+  server_->Wait();
+  if (health_server_ != nullptr) health_server_->Wait();
+}
 
 int ServeUntilSignalled(const ServerOptions& options) {
   // Block the shutdown signals in every thread (gRPC's included, so this comes
@@ -165,8 +233,14 @@ int ServeUntilSignalled(const ServerOptions& options) {
   }
   const ServiceOptions& service = options.service;
   Log(absl::StrCat(
-      "listening on ", (*server)->address(), ", device ",
-      service.default_device.ToString(), ", ",
+      "listening on ", (*server)->address(),
+      options.tls.cert_chain.empty()
+          ? " (plaintext)"
+          : (options.tls.client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
+      (*server)->health_address().empty()
+          ? ""
+          : absl::StrCat(", health alone on ", (*server)->health_address()),
+      ", device ", service.default_device.ToString(), ", ",
       ThreadPool::Global().num_threads(), " threads, messages up to ",
       service.max_message_bytes, " bytes, inline calls in flight up to ",
       service.max_inflight_bytes > 0

@@ -10,20 +10,34 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "server/metrics.h"
 #include "server/pack_service.h"
 
 namespace packd {
 
+// Transport security of the main listener (PEM text, not paths).
+struct TlsOptions {
+  std::string cert_chain;  // empty: plaintext
+  std::string private_key;
+  // When set, clients must present a certificate this CA signed (mutual TLS).
+  std::string client_ca;
+};
+
 struct ServerOptions {
   // "HOST:PORT" (port 0 picks a free one) or "unix:PATH".
   std::string listen = "127.0.0.1:50051";
+  TlsOptions tls;
+  // A second, plaintext listener that serves only grpc.health.v1 (for kubelet
+  // probes when the main listener speaks TLS); empty: none.
+  std::string health_listen;
   ServiceOptions service;
   absl::Duration drain = absl::Seconds(30);
   // "HOST:PORT" for Prometheus metrics at /metrics; empty: none.
@@ -48,6 +62,8 @@ class PackdServer {
 
   // The address actually bound ("127.0.0.1:43123", "unix:/run/packd.sock").
   const std::string& address() const { return address_; }
+  // The health-only listener bound, or empty.
+  const std::string& health_address() const { return health_address_; }
   // The metrics endpoint bound ("127.0.0.1:9090"), or empty.
   std::string metrics_address() const {
     return metrics_ != nullptr ? metrics_->address() : "";
@@ -65,12 +81,20 @@ class PackdServer {
   explicit PackdServer(const ServerOptions& options);
   // Readiness NOT_SERVING for good: the default device is lost.
   void OnDeviceLost(const absl::Status& reason);
+  // Readiness on every listener.
+  void SetReady(bool ready);
 
   const ServerOptions options_;
   PackServiceImpl service_;
   std::unique_ptr<grpc::Server> server_;
+  // What the health-only listener answers, and the listener (which goes
+  // first).
+  std::unique_ptr<grpc::health::v1::Health::CallbackService> health_service_;
+  std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<MetricsServer> metrics_;
   std::string address_;
+  std::string health_address_;
+  std::atomic<bool> ready_{false};
 };
 
 // The life of the packd process: blocks SIGTERM and SIGINT in every thread,

@@ -126,6 +126,32 @@ def device_slice(storage_offset, storage_bytes, tensor_offset, tensor_bytes):
     return storage_offset + tensor_offset, tensor_bytes
 
 
+def _read(path, what):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise PackdError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "cannot read %s %s: %s" % (what, path, e.strerror)) from None
+    if not data:
+        raise PackdError(grpc.StatusCode.FAILED_PRECONDITION, "%s %s is empty" % (what, path))
+    return data
+
+
+def _tls_credentials(ca_file, cert_file, key_file):
+    """Channel credentials for TLS (None: plaintext)."""
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("tls_cert_file and tls_key_file go together")
+    if not ca_file:
+        if cert_file:
+            raise ValueError("a client certificate needs TLS: give tls_ca_file too")
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca_file, "tls_ca_file"),
+        private_key=_read(key_file, "tls_key_file") if key_file else None,
+        certificate_chain=_read(cert_file, "tls_cert_file") if cert_file else None)
+
+
 class Client:
     """A connection to packd.
 
@@ -142,14 +168,18 @@ class Client:
     lease of the regions this client registers (its shared-memory segment, CUDA memory): the
     server drops a region no call has named for that long, so a killed process leaks nothing
     for longer; the client registers it again, transparently, when a call finds it gone (0: no
-    lease).
+    lease). tls_ca_file: TLS, for a server with --tls_cert_file: the PEM CA certificates that
+    signed its certificate (default: plaintext); tls_cert_file / tls_key_file: this client's
+    certificate and key, for mutual TLS; tls_server_name: the name the server's certificate
+    carries when it is not the address's host (unix sockets: "localhost").
     """
 
     def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=7,
                  max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20,
                  shm_key_prefix="/packd", split_threshold_bytes=16 << 20,
                  keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN",
-                 lease_seconds=30):
+                 lease_seconds=30, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
+                 tls_server_name=None):
         self.address = address
         self.lease_seconds = lease_seconds
         self._device_regions = {}
@@ -164,10 +194,18 @@ class Client:
         limit = min(max_message_bytes, (1 << 31) - 1)
         # Two connections (channels with different arguments share none): large inline calls go
         # as two halves of the rows, one on each, at once.
-        self._channels = [grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-            ("packd.connection", i)]) for i in range(2)]
+        credentials = _tls_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+        extra = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+
+        def channel(i):
+            options = [("grpc.max_send_message_length", limit),
+                       ("grpc.max_receive_message_length", limit),
+                       ("packd.connection", i)] + extra
+            if credentials is None:
+                return grpc.insecure_channel(address, options=options)
+            return grpc.secure_channel(address, credentials, options=options)
+
+        self._channels = [channel(i) for i in range(2)]
         self._channel = self._channels[0]
         self._stub = pb_grpc.PackServiceStub(self._channel)
         # Pack and Scatter skip protobuf's copies of tensor bytes (packd/_wire.py).

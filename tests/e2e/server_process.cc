@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -29,7 +30,15 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(
   server->args_ = {
       binary == Binary::kPackd ? PACKD_BINARY : PACKD_TESTING_BINARY,
       "--listen=" + server->address_};
-  server->args_.insert(server->args_.end(), flags.begin(), flags.end());
+  for (std::string flag : flags) {
+    for (size_t at; (at = flag.find("{dir}")) != std::string::npos;) {
+      flag.replace(at, 5, dir);
+    }
+    if (absl::StartsWith(flag, "--health_listen=")) {
+      server->health_address_ = flag.substr(16);
+    }
+    server->args_.push_back(std::move(flag));
+  }
   if (server->Launch()) return server;
   return nullptr;
 }
@@ -90,7 +99,8 @@ bool ServerProcess::WaitUntilReady(absl::Time deadline) {
     grpc::ChannelArguments args;
     args.SetInt("packd.attempt", ++attempts);
     auto health = grpc::health::v1::Health::NewStub(grpc::CreateCustomChannel(
-        address_, grpc::InsecureChannelCredentials(), args));
+        health_address_.empty() ? address_ : health_address_,
+        grpc::InsecureChannelCredentials(), args));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
     grpc::health::v1::HealthCheckResponse response;

@@ -26,14 +26,17 @@ class ServerProcess {
   enum class Binary { kPackd, kTesting };
 
   // Starts PACKD_BINARY (or PACKD_TESTING_BINARY) with --listen=unix:... and
-  // `flags`, and waits (up to 60 s) until its readiness is SERVING. Returns
-  // null, with the log printed, if it exits or is never ready.
+  // `flags`, and waits (up to 60 s) until its readiness is SERVING (asked on
+  // --health_listen when a flag sets it). "{dir}" in a flag stands for the
+  // server's own fresh directory. Returns null, with the log printed, if it
+  // exits or is never ready.
   static std::unique_ptr<ServerProcess> Start(
       const std::vector<std::string>& flags = {},
       Binary binary = Binary::kPackd);
   ~ServerProcess();
 
   const std::string& address() const { return address_; }
+  const std::string& dir() const { return dir_; }
   pid_t pid() const { return pid_; }
   // A channel that sends and receives messages up to 1 GiB.
   std::shared_ptr<grpc::Channel> Channel() const;
@@ -60,6 +63,7 @@ class ServerProcess {
   bool exited_ = false;
   std::string dir_;
   std::string address_;
+  std::string health_address_;  // readiness is asked here when set
   std::vector<std::string> args_;
   std::thread reader_;
   mutable absl::Mutex mu_;

@@ -2,6 +2,7 @@
 RemotePackOp, shared memory against inline, errors."""
 import glob
 import os
+import subprocess
 import time
 
 import grpc
@@ -281,3 +282,35 @@ def test_regions_come_back_after_their_lease_and_after_a_restart():
             assert len(regions()) == 1
     finally:
         assert server.stop() == 0
+
+
+def test_tls_and_mutual_tls(tmp_path):
+    """Certificates made now (nothing secret is checked in); health on --health_listen without
+    any of them."""
+    subprocess.run([os.path.join(os.path.dirname(__file__), "..", "support",
+                                 "make_test_certs.sh"), str(tmp_path)], check=True,
+                   stdout=subprocess.DEVNULL)
+    cert = lambda name: str(tmp_path / name)
+    mask = torch.rand(3, 40) < 0.5
+    x = random_tensor(torch.float16, (3, 40, 6))
+    with PackdServer(os.environ["PACKD_BINARY"], "--tls_cert_file=" + cert("server.pem"),
+                     "--tls_key_file=" + cert("server.key"),
+                     "--tls_client_ca_file=" + cert("ca.pem"),
+                     "--health_listen=unix:{dir}/health.sock") as address:
+        with packd.Client(address, tls_ca_file=cert("ca.pem"), tls_cert_file=cert("client.pem"),
+                          tls_key_file=cert("client.key"), tls_server_name="localhost") as client:
+            assert same(client.pack(x, mask).packed, x[mask])
+        for kwargs in ({}, {"tls_ca_file": cert("ca.pem")},
+                       {"tls_ca_file": cert("other-ca.pem"), "tls_cert_file": cert("client.pem"),
+                        "tls_key_file": cert("client.key")}):
+            with packd.Client(address, tls_server_name="localhost", retries=0, timeout=10,
+                              **kwargs) as client:
+                with pytest.raises(packd.PackdError) as refused:
+                    client.pack(x, mask)
+                assert refused.value.code == grpc.StatusCode.UNAVAILABLE, kwargs
+    with pytest.raises(ValueError):
+        packd.Client("unix:/nowhere", tls_cert_file=cert("client.pem"),
+                     tls_key_file=cert("client.key"))
+    with pytest.raises(packd.PackdError) as unreadable:
+        packd.Client("unix:/nowhere", tls_ca_file=cert("missing.pem"))
+    assert unreadable.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -23,6 +23,11 @@ class PackdServer:
     def __init__(self, binary, *flags, timeout=60.0):
         self._dir = tempfile.TemporaryDirectory(prefix="packd-test-")
         self.address = "unix:" + os.path.join(self._dir.name, "packd.sock")
+        # "{dir}" in a flag is the server's own directory; readiness is asked on
+        # --health_listen when a flag sets it (the main port may speak TLS).
+        flags = [f.replace("{dir}", self._dir.name) for f in flags]
+        self._health = next((f.split("=", 1)[1] for f in flags
+                             if f.startswith("--health_listen=")), self.address)
         self._args = [binary, "--listen=" + self.address, *flags]
         self._timeout = timeout
         self._launch()
@@ -52,7 +57,7 @@ class PackdServer:
             # A channel dialled before the server listens backs off for seconds between
             # attempts: each attempt dials afresh.
             attempt += 1
-            with grpc.insecure_channel(self.address,
+            with grpc.insecure_channel(self._health,
                                        options=[("packd.attempt", attempt)]) as channel:
                 try:
                     check = channel.unary_unary("/grpc.health.v1.Health/Check")
