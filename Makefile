@@ -10,7 +10,10 @@ FUZZ_DIR ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS = fuzz_request fuzz_regions fuzz_plan
 
-.PHONY: all deps configure build test run bench fuzz clean format
+TSAN_DIR ?= build-tsan
+TSAN_TESTS = server_regions_test memory_budget_test regions_test service_test soak_test
+
+.PHONY: all deps configure build test run bench fuzz tsan clean format
 
 all: build
 
@@ -46,6 +49,19 @@ fuzz: deps
 	  (cd $(FUZZ_DIR) && bin/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
 	    -print_final_stats=1 corpus/$$t $(CURDIR)/tests/fuzz/corpus/$$t); \
 	done
+
+# ThreadSanitizer: the service, regions and load tests (and the packd they start) built with
+# -fsanitize=thread, run against abseil's synchronization library built with TSan too
+# (tests/tsan/build_absl_sync.sh), with the suppressions in tests/tsan/tsan.supp. Fails on any
+# report, in a test or in a server it starts.
+tsan: deps
+	tests/tsan/build_absl_sync.sh $(TSAN_DIR)/absl-sync
+	cmake -S . -B $(TSAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPACKD_TSAN=ON \
+	  -DPACKD_WITH_CUDA=OFF -DPACKD_BUILD_BENCHMARKS=OFF
+	cmake --build $(TSAN_DIR) -j $(JOBS) --target packd packd_testing $(TSAN_TESTS)
+	cd $(TSAN_DIR) && LD_LIBRARY_PATH=$(CURDIR)/$(TSAN_DIR)/absl-sync \
+	  TSAN_OPTIONS="halt_on_error=1 history_size=7 ignore_noninstrumented_modules=1 suppressions=$(CURDIR)/tests/tsan/tsan.supp" \
+	  ctest --output-on-failure -j $(JOBS) -R '^($(shell echo $(TSAN_TESTS) | tr ' ' '|'))$$'
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -191,8 +191,10 @@ absl::Status Client::RawCall(int connection, const std::string& method,
     absl::Notification done;
     grpc::Status status;
     received.Clear();
+    HandOff(&done);
     generic_[connection]->UnaryCall(context, method, grpc::StubOptions(), &sent,
                                     &received, [&](grpc::Status s) {
+                                      TakeOver(&done);
                                       status = std::move(s);
                                       done.Notify();
                                     });

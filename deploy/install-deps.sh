@@ -16,7 +16,7 @@ packages=(
   libtorch-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-torch python3-grpcio python3-pytest
-  openssl
+  openssl patch xz-utils
 )
 if [[ "${PACKD_WITH_HIP:-0}" == 1 ]]; then
   packages+=(hipcc)

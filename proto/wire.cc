@@ -507,9 +507,13 @@ grpc::ByteBuffer ToByteBuffer(const Spliced& message,
     if (at > from) slices.push_back(header.sub(from, at));
     from = at;
     auto* owner = new std::shared_ptr<const void>(keep_alive);
+    HandOff(owner);
     slices.emplace_back(
         const_cast<char*>(piece.data()), piece.size(),
-        [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); },
+        [](void* p) {
+          TakeOver(p);
+          delete static_cast<std::shared_ptr<const void>*>(p);
+        },
         owner);
   }
   if (message.header.size() > from) {

@@ -33,6 +33,28 @@
 
 namespace packd {
 
+// ThreadSanitizer and gRPC: the system's gRPC is not instrumented, so a value
+// one thread hands to gRPC and another thread receives from it (a call's
+// completion callback, a slice's release) looks unsynchronised. HandOff(p)
+// before giving gRPC `p`, and TakeOver(p) where it comes back, tell TSan
+// what gRPC's own locks guarantee. No-ops in other builds.
+#if defined(__SANITIZE_THREAD__)
+#define PACKD_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PACKD_TSAN 1
+#endif
+#endif
+#ifdef PACKD_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+inline void HandOff(const void* p) { __tsan_release(const_cast<void*>(p)); }
+inline void TakeOver(const void* p) { __tsan_acquire(const_cast<void*>(p)); }
+#else
+inline void HandOff(const void*) {}
+inline void TakeOver(const void*) {}
+#endif
+
 // Inline tensor bytes, in place: the concatenation of `pieces`.
 struct Payload {
   std::vector<absl::string_view> pieces;

@@ -75,6 +75,18 @@ bool ServerProcess::Launch() {
   return false;
 }
 
+bool ServerProcess::Alive() {
+  if (exited_ || pid_ <= 0) return false;
+  int status = 0;
+  if (waitpid(pid_, &status, WNOHANG) != pid_) return true;
+  exited_ = true;
+  if (reader_.joinable()) reader_.join();
+  std::cerr << "packd (pid " << pid_ << ") exited by itself with status "
+            << status << "; its log:\n"
+            << Log() << "\n";
+  return false;
+}
+
 bool ServerProcess::Restart() {
   if (!exited_ && pid_ > 0) {
     kill(pid_, SIGKILL);
@@ -114,6 +126,15 @@ bool ServerProcess::WaitUntilReady(absl::Time deadline) {
 }
 
 ServerProcess::~ServerProcess() {
+  int status = 0;
+  if (!exited_ && pid_ > 0 && waitpid(pid_, &status, WNOHANG) == pid_) {
+    // It ended by itself, unasked (a crash, a sanitizer report): show why.
+    exited_ = true;
+    if (reader_.joinable()) reader_.join();
+    std::cerr << "packd (pid " << pid_ << ") exited by itself with status "
+              << status << "; its log:\n"
+              << Log() << "\n";
+  }
   if (!exited_ && pid_ > 0) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);

@@ -42,6 +42,9 @@ class ServerProcess {
   std::shared_ptr<grpc::Channel> Channel() const;
 
   void Signal(int signal);
+  // Whether the process is still running (false once it has exited, by
+  // itself or asked).
+  bool Alive();
   // Kills the process with SIGKILL and starts it again, on the same address
   // with the same flags; true once it is ready.
   bool Restart();
