@@ -15,10 +15,8 @@ namespace packd {
 
 namespace {
 
-// Creates (exclusively) the object `key` of `bytes` and maps it at `at`
-// (MAP_FIXED: replacing what is mapped there) or anywhere (null).
-absl::StatusOr<char*> CreateAndMap(const std::string& key, int64_t bytes,
-                                   void* at) {
+// Creates (exclusively) the object `key` of `bytes` and maps it.
+absl::StatusOr<char*> CreateAndMap(const std::string& key, int64_t bytes) {
   const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     return absl::InternalError(
@@ -31,8 +29,7 @@ absl::StatusOr<char*> CreateAndMap(const std::string& key, int64_t bytes,
     return absl::ResourceExhaustedError(absl::StrCat(
         "ftruncate(\"", key, "\", ", bytes, "): ", std::strerror(err)));
   }
-  void* data = mmap(at, bytes, PROT_READ | PROT_WRITE,
-                    MAP_SHARED | (at != nullptr ? MAP_FIXED : 0), fd, 0);
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   close(fd);  // the mapping keeps the object; no descriptor stays open
   if (data == MAP_FAILED) {
@@ -51,7 +48,7 @@ absl::StatusOr<std::unique_ptr<ShmSegment>> ShmSegment::Create(std::string key,
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory size must be positive, not ", bytes));
   }
-  absl::StatusOr<char*> data = CreateAndMap(key, bytes, nullptr);
+  absl::StatusOr<char*> data = CreateAndMap(key, bytes);
   if (!data.ok()) return data.status();
   std::unique_ptr<ShmSegment> segment(new ShmSegment);
   segment->key_ = std::move(key);
@@ -66,30 +63,20 @@ void ShmSegment::Unlink() {
 }
 
 absl::Status ShmSegment::Relink(std::string key) {
-  // Copy into the new object mapped elsewhere, then map it in place.
-  absl::StatusOr<char*> copy = CreateAndMap(key, size_, nullptr);
+  // Copy into the new object mapped elsewhere, then move that mapping over the
+  // old one (mremap replaces what is mapped at data_).
+  absl::StatusOr<char*> copy = CreateAndMap(key, size_);
   if (!copy.ok()) return copy.status();
   std::memcpy(*copy, data_, static_cast<size_t>(size_));
-  munmap(*copy, static_cast<size_t>(size_));
-  absl::StatusOr<char*> data = [&]() -> absl::StatusOr<char*> {
-    const int fd = shm_open(key.c_str(), O_RDWR, 0600);
-    if (fd < 0) {
-      return absl::InternalError(
-          absl::StrCat("shm_open(\"", key, "\"): ", std::strerror(errno)));
-    }
-    void* p = mmap(data_, static_cast<size_t>(size_), PROT_READ | PROT_WRITE,
-                   MAP_SHARED | MAP_FIXED, fd, 0);
+  void* moved =
+      mremap(*copy, static_cast<size_t>(size_), static_cast<size_t>(size_),
+             MREMAP_MAYMOVE | MREMAP_FIXED, data_);
+  if (moved == MAP_FAILED) {
     const int err = errno;
-    close(fd);
-    if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("mmap(\"", key, "\"): ", std::strerror(err)));
-    }
-    return static_cast<char*>(p);
-  }();
-  if (!data.ok()) {
+    munmap(*copy, static_cast<size_t>(size_));
     shm_unlink(key.c_str());
-    return data.status();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mremap(\"", key, "\"): ", std::strerror(err)));
   }
   Unlink();
   key_ = std::move(key);

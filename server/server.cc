@@ -97,6 +97,23 @@ std::string BoundAddress(const std::string& listen, int port) {
   return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
 }
 
+// Starts `builder` listening on `listen` (the flag `flag` in errors), with
+// `*bound` the address actually bound. UNAVAILABLE when it cannot listen.
+absl::StatusOr<std::unique_ptr<grpc::Server>> Listen(
+    grpc::ServerBuilder& builder, const std::string& listen, const char* flag,
+    std::shared_ptr<grpc::ServerCredentials> credentials, std::string* bound) {
+  int port = 0;
+  builder.AddListeningPort(listen, std::move(credentials), &port);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", listen, " (", flag,
+                     "): address in use or not valid"));
+  }
+  *bound = BoundAddress(listen, port);
+  return server;
+}
+
 std::shared_ptr<grpc::ServerCredentials> Credentials(const TlsOptions& tls) {
   if (tls.cert_chain.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions ssl(
@@ -144,23 +161,15 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     grpc::EnableDefaultHealthCheckService(false);
     server->health_service_ = std::make_unique<HealthOnly>(&server->ready_);
     grpc::ServerBuilder health;
-    int health_port = 0;
-    health.AddListeningPort(options.health_listen,
-                            grpc::InsecureServerCredentials(), &health_port);
     health.RegisterService(server->health_service_.get());
-    server->health_server_ = health.BuildAndStart();
-    if (server->health_server_ == nullptr) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on ", options.health_listen,
-                       " (--health_listen): address in use or not valid"));
-    }
-    server->health_address_ = BoundAddress(options.health_listen, health_port);
+    PACKD_ASSIGN_OR_RETURN(
+        server->health_server_,
+        Listen(health, options.health_listen, "--health_listen",
+               grpc::InsecureServerCredentials(), &server->health_address_));
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(options.listen, Credentials(options.tls), &port);
   // gRPC refuses messages over its own limit with its own message; set it
   // above ours so that the service can name --max_message_bytes instead.
   const int64_t grpc_limit =
@@ -168,13 +177,9 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
   builder.SetMaxReceiveMessageSize(static_cast<int>(grpc_limit));
   builder.SetMaxSendMessageSize(static_cast<int>(grpc_limit));
   builder.RegisterService(&server->service_);
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options.listen,
-                     " (--listen): address in use or not valid"));
-  }
-  server->address_ = BoundAddress(options.listen, port);
+  PACKD_ASSIGN_OR_RETURN(server->server_,
+                         Listen(builder, options.listen, "--listen",
+                                Credentials(options.tls), &server->address_));
   server->SetReady(false);
   absl::Status check =
       SelfCheck(server->service_, options.service.default_device);

@@ -126,16 +126,8 @@ bool ServerProcess::WaitUntilReady(absl::Time deadline) {
 }
 
 ServerProcess::~ServerProcess() {
-  int status = 0;
-  if (!exited_ && pid_ > 0 && waitpid(pid_, &status, WNOHANG) == pid_) {
-    // It ended by itself, unasked (a crash, a sanitizer report): show why.
-    exited_ = true;
-    if (reader_.joinable()) reader_.join();
-    std::cerr << "packd (pid " << pid_ << ") exited by itself with status "
-              << status << "; its log:\n"
-              << Log() << "\n";
-  }
-  if (!exited_ && pid_ > 0) {
+  // Ended by itself, unasked (a crash, a sanitizer report)? Alive() says why.
+  if (Alive()) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
   }
