@@ -78,8 +78,8 @@ ABSL_FLAG(std::string, packd, PACKD_BINARY,
           "Peak memory: the packd binary to measure");
 ABSL_FLAG(std::string, packd_flags,
           "--keep_freed_memory=true --keep_freed_memory=false",
-          "--rss_only: one packd flag (or none, '') per measurement, "
-          "space-separated");
+          "--rss_only: the packd flags of each measurement, comma-separated "
+          "(or '' for none); measurements space-separated");
 ABSL_FLAG(std::string, python, "/usr/bin/python3",
           "Python with torch and grpcio for the Python client's rows; empty "
           "skips them");
@@ -700,8 +700,14 @@ int64_t PackdPeakRssBytes(const LargeBatch& batch, int concurrent,
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the benchmark
     freopen("/dev/null", "w", stdout);
     freopen("/dev/null", "w", stderr);
-    execl(binary.c_str(), binary.c_str(), listen.c_str(),
-          flag.empty() ? nullptr : flag.c_str(), static_cast<char*>(nullptr));
+    std::vector<std::string> args = {binary, listen};
+    for (absl::string_view f : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+      args.emplace_back(f);
+    }
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    execv(binary.c_str(), argv.data());
     _exit(127);
   }
   int64_t peak = 0;

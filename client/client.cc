@@ -191,6 +191,7 @@ absl::Status Client::RawCall(int connection, const std::string& method,
     absl::Notification done;
     grpc::Status status;
     received.Clear();
+    context->AddMetadata(kRequestBytesHeader, std::to_string(sent.Length()));
     HandOff(&done);
     generic_[connection]->UnaryCall(context, method, grpc::StubOptions(), &sent,
                                     &received, [&](grpc::Status s) {

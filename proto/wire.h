@@ -33,6 +33,12 @@
 
 namespace packd {
 
+// Call metadata in which a Pack or Scatter client declares the size of its
+// serialized request, so that the server's memory budget admits the call for
+// what it needs rather than for the largest request. A request larger than it
+// declares is refused (INVALID_ARGUMENT).
+inline constexpr char kRequestBytesHeader[] = "packd-request-bytes";
+
 // ThreadSanitizer and gRPC: the system's gRPC is not instrumented, so a value
 // one thread hands to gRPC and another thread receives from it (a call's
 // completion callback, a slice's release) looks unsynchronised. HandOff(p)

@@ -56,7 +56,14 @@ int64_t MemoryBudget::in_use() const {
 }
 
 MemoryBudget::Hold MemoryBudget::MakeHold(int64_t bytes) {
-  return Hold(nullptr, [this, bytes](void*) { Release(bytes); });
+  return Hold(new Reservation(this, bytes));
+}
+
+void MemoryBudget::ShrinkTo(const Hold& hold, int64_t bytes) {
+  if (hold == nullptr || hold->bytes_ <= bytes) return;
+  const int64_t returned = hold->bytes_ - std::max<int64_t>(bytes, 0);
+  hold->bytes_ -= returned;
+  hold->budget_->Release(returned);
 }
 
 void MemoryBudget::Release(int64_t bytes) {
@@ -64,27 +71,37 @@ void MemoryBudget::Release(int64_t bytes) {
   in_use_ -= bytes;
 }
 
-void MemoryBudget::Reserve(int64_t bytes, absl::Time deadline, Callback done) {
+absl::Status MemoryBudget::TooLarge(int64_t bytes) const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the call needs ", bytes,
+      " bytes of inline requests and results, more than the server's whole "
+      "budget of ",
+      limit_,
+      " bytes (--max_inflight_bytes); split the batch or use tensor "
+      "handles"));
+}
+
+void MemoryBudget::Reserve(int64_t bytes, absl::Time deadline, Callback done,
+                           bool first) {
   if (limit_ <= 0 || bytes <= 0) {
     done(Hold());
     return;
   }
   if (bytes > limit_) {
-    done(absl::ResourceExhaustedError(absl::StrCat(
-        "the call needs ", bytes,
-        " bytes of inline requests and results, "
-        "more than the server's whole budget of ",
-        limit_,
-        " bytes (--max_inflight_bytes); split the batch or use tensor "
-        "handles")));
+    done(TooLarge(bytes));
     return;
   }
   {
     absl::MutexLock lock(&mu_);
-    if (waiters_.empty() && in_use_ + bytes <= limit_) {
+    if ((first || waiters_.empty()) && in_use_ + bytes <= limit_) {
       in_use_ += bytes;
     } else {
-      waiters_.push_back(Waiter{bytes, deadline, std::move(done)});
+      Waiter waiter{bytes, deadline, std::move(done)};
+      if (first) {
+        waiters_.push_front(std::move(waiter));
+      } else {
+        waiters_.push_back(std::move(waiter));
+      }
       if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
       return;
     }

@@ -7,6 +7,7 @@
 //   budget.Reserve(bytes, deadline, [](absl::StatusOr<MemoryBudget::Hold> hold)
 //   {
 //     ...  // the hold returns its bytes when the last copy is destroyed
+//     MemoryBudget::ShrinkTo(*hold, needed);  // or some of them earlier
 //   });
 #ifndef PACKD_SERVER_MEMORY_BUDGET_H_
 #define PACKD_SERVER_MEMORY_BUDGET_H_
@@ -26,8 +27,10 @@ namespace packd {
 
 class MemoryBudget {
  public:
-  // Bytes reserved; they return to the budget when the last copy goes.
-  using Hold = std::shared_ptr<void>;
+  class Reservation;
+  // Bytes reserved; they return to the budget when the last copy goes. Null
+  // when the budget has no limit.
+  using Hold = std::shared_ptr<Reservation>;
   using Callback = std::function<void(absl::StatusOr<Hold>)>;
 
   // `limit` bytes; 0 or less: no limit (every reservation succeeds at once).
@@ -42,7 +45,18 @@ class MemoryBudget {
   // naming --max_inflight_bytes); otherwise later, from the budget's own
   // thread, with a hold once enough bytes are released, or with
   // RESOURCE_EXHAUSTED at `deadline`. Waiting calls are served in order.
-  void Reserve(int64_t bytes, absl::Time deadline, Callback done);
+  // `first`: ahead of every waiting reservation (for a call that already
+  // holds its request and found it needs more than it reserved).
+  void Reserve(int64_t bytes, absl::Time deadline, Callback done,
+               bool first = false);
+
+  // Returns all but `bytes` of `hold` to the budget at once (nothing when it
+  // holds no more, or is null). Not safe against a concurrent ShrinkTo of the
+  // same hold.
+  static void ShrinkTo(const Hold& hold, int64_t bytes);
+
+  // RESOURCE_EXHAUSTED: a call of `bytes` can never fit.
+  absl::Status TooLarge(int64_t bytes) const;
 
   int64_t limit() const { return limit_; }
   int64_t in_use() const;
@@ -67,6 +81,21 @@ class MemoryBudget {
   std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // started with the first waiter
+};
+
+class MemoryBudget::Reservation {
+ public:
+  ~Reservation() { budget_->Release(bytes_); }
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  friend class MemoryBudget;
+  Reservation(MemoryBudget* budget, int64_t bytes)
+      : budget_(budget), bytes_(bytes) {}
+  MemoryBudget* const budget_;
+  int64_t bytes_;
 };
 
 }  // namespace packd

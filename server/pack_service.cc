@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/buffer.h"
 #include "kernels/device_runtime.h"
@@ -199,103 +200,228 @@ int64_t ResultBytes(const v1::ScatterRequest& request) {
 
 }  // namespace
 
-template <typename Request, typename Response>
-grpc::ServerUnaryReactor* PackServiceImpl::AdmittedRaw(
-    grpc::CallbackServerContext* context, const char* method,
-    const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
-    absl::Status (PackServiceImpl::*work)(const Request&, const Payloads*,
-                                          Response*, CallReply*)) {
-  // The call's state, kept until it finishes (perhaps on the memory budget's
-  // thread, after this handler has returned).
-  struct Call {
-    absl::Time start = absl::Now();
-    size_t request_bytes = 0;
-    std::vector<grpc::Slice> slices;
-    std::vector<absl::string_view> chunks;
-    Request parsed;
-    Payloads payloads;
-  };
-  auto call = std::make_shared<Call>();
-  call->request_bytes = request.Length();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [this, reactor, method, call](const absl::Status& status,
-                                              size_t response_bytes) {
-    metrics_.Record(method, status.code(), absl::Now() - call->start,
-                    call->request_bytes, response_bytes);
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  if (absl::Status auth = Authenticate(context); !auth.ok()) {
-    finish(auth, 0);
-    return reactor;
-  }
-  if (!Admit()) {
-    finish(absl::UnavailableError(
-               "packd is shutting down; retry on another replica"),
-           0);
-    return reactor;
-  }
-  const absl::Status parsed = Guarded(method, [&] {
-    PACKD_RETURN_IF_ERROR(ReadChunks(request, &call->slices, &call->chunks));
-    return ParseWithPayloads(call->chunks, Request::descriptor()->name(),
-                             &call->parsed, &call->payloads);
-  });
-  if (!parsed.ok()) {
-    Release();
-    finish(parsed, 0);
-    return reactor;
-  }
-  // The budget counts the request, gathered inputs and inline results; the
-  // payload has not been copied anywhere yet.
-  int64_t inline_bytes = 0;
-  for (const auto& [tensor, payload] : call->payloads) {
-    inline_bytes = SaturatingAdd(inline_bytes, payload.size);
-  }
-  const int64_t bytes = SaturatingAdd(
-      SaturatingAdd(static_cast<int64_t>(call->request_bytes), inline_bytes),
-      ResultBytes(call->parsed));
+absl::Time PackServiceImpl::BudgetDeadline(
+    const grpc::CallbackServerContext* context) {
   // Give up a little before the caller's deadline, so that it hears
   // RESOURCE_EXHAUSTED from us rather than its own DEADLINE_EXCEEDED.
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline < absl::InfiniteFuture()) {
     deadline -=
-        std::min(absl::Milliseconds(100), (deadline - absl::Now()) / 10);
+        std::min(absl::Milliseconds(200), (deadline - absl::Now()) / 5);
   }
-  const grpc::ByteBuffer* received = &request;
-  budget_.Reserve(bytes, deadline,
-                  [this, call, finish, received, response, work,
-                   method](absl::StatusOr<MemoryBudget::Hold> hold) {
-                    size_t response_bytes = 0;
-                    absl::Status status = hold.status();
-                    if (status.ok()) {
-                      status = Guarded(method, [&]() -> absl::Status {
-                        Response out;
-                        // Owned by the slices of the reply until gRPC has sent
-                        // them, with the call's share of the budget.
-                        auto reply = std::make_shared<CallReply>();
-                        reply->hold = *std::move(hold);
-                        absl::Status done = (this->*work)(
-                            call->parsed, &call->payloads, &out, reply.get());
-                        // The request's bytes are no longer needed: release
-                        // them now rather than when the reply has been sent.
-                        call->payloads.clear();
-                        call->chunks.clear();
-                        call->slices.clear();
-                        const_cast<grpc::ByteBuffer*>(received)->Clear();
-                        PACKD_RETURN_IF_ERROR(done);
-                        const Spliced spliced =
-                            SerializeWithPayloads(out, reply->payloads);
-                        PACKD_RETURN_IF_ERROR(
-                            decoder_.CheckSize("response", spliced.size()));
-                        *response = ToByteBuffer(spliced, reply);
-                        response_bytes = spliced.size();
-                        return absl::OkStatus();
-                      });
-                    }
-                    Release();
-                    if (!status.ok()) CheckDefaultDevice();
-                    finish(status, response_bytes);
-                  });
-  return reactor;
+  return deadline;
+}
+
+int64_t PackServiceImpl::AdmissionBytes(int64_t declared) const {
+  const int64_t limit = budget_.limit();
+  if (limit <= 0) return 0;
+  // A call needs at most three times its request: the request, its inputs
+  // gathered, and results (Pack's are no larger than its inputs). Without a
+  // declared size, the request is the largest gRPC accepts: twice
+  // --max_message_bytes, refused before a copy when over it once.
+  const int64_t request = declared > 0 ? declared : options_.max_message_bytes;
+  return std::min(limit, SaturatingMul(3, request));
+}
+
+// One Pack or Scatter call, served by a generic handler so that gRPC reads the
+// request only once the memory budget has admitted the call: until then it
+// stays with its sender (HTTP/2 flow control; the server turns off
+// bandwidth-delay probing so that a stream's window stays at 64 KiB until its
+// message is asked for). The call reserves what its request can make it hold
+// (AdmissionBytes: from the size its client declares in kRequestBytesHeader,
+// else the largest), reads and parses the request from the received slices
+// with tensor bytes in place, keeps what it needs (request, gathered inputs,
+// inline results), runs the op, and answers with slices that wrap the result
+// buffers and the reservation.
+template <typename Request, typename Response>
+class InlineCall final : public grpc::ServerGenericBidiReactor {
+ public:
+  using Work = absl::Status (PackServiceImpl::*)(const Request&,
+                                                 const Payloads*, Response*,
+                                                 PackServiceImpl::CallReply*);
+
+  InlineCall(PackServiceImpl* service,
+             grpc::GenericCallbackServerContext* context, const char* method,
+             Work work)
+      : service_(service),
+        method_(method),
+        work_(work),
+        deadline_(PackServiceImpl::BudgetDeadline(context)) {
+    if (absl::Status auth = service_->Authenticate(context); !auth.ok()) {
+      Done(auth);
+      return;
+    }
+    const auto declared = context->client_metadata().find(kRequestBytesHeader);
+    if (declared != context->client_metadata().end() &&
+        (!absl::SimpleAtoi(absl::string_view(declared->second.data(),
+                                             declared->second.size()),
+                           &declared_bytes_) ||
+         declared_bytes_ <= 0)) {
+      Done(absl::InvalidArgumentError(
+          absl::StrCat(kRequestBytesHeader, " must be a positive number")));
+      return;
+    }
+    if (!service_->Admit()) {
+      Done(absl::UnavailableError(
+          "packd is shutting down; retry on another replica"));
+      return;
+    }
+    admitted_ = true;
+    // Waits, off gRPC's threads, until the bytes are free or the deadline.
+    service_->budget_.Reserve(
+        service_->AdmissionBytes(declared_bytes_), deadline_,
+        [this](absl::StatusOr<MemoryBudget::Hold> hold) {
+          if (!hold.ok()) return Done(hold.status());
+          hold_ = *std::move(hold);
+          HandOff(this);  // OnReadDone runs on one of gRPC's threads
+          StartRead(&request_);
+        });
+  }
+
+  void OnReadDone(bool ok) override {
+    TakeOver(this);
+    if (!ok) {
+      Done(absl::CancelledError(absl::StrCat(
+          "the ", method_, " call ended before its request arrived")));
+      return;
+    }
+    int64_t needed = 0;
+    absl::Status status = Guarded(method_, [&] { return Parse(&needed); });
+    if (!status.ok() || hold_ == nullptr || needed <= hold_->bytes()) {
+      MemoryBudget::ShrinkTo(hold_, needed);
+      Done(status.ok() ? Guarded(method_, [this] { return Run(); }) : status);
+      return;
+    }
+    // Needs more than it reserved (a Scatter whose results outgrow its
+    // request): it gives its reservation back and waits, ahead of calls not
+    // yet read, for the whole of it, so that no two calls ever hold part of
+    // what they need while waiting for the rest.
+    hold_.reset();
+    service_->budget_.Reserve(
+        needed, deadline_,
+        [this](absl::StatusOr<MemoryBudget::Hold> hold) {
+          if (!hold.ok()) return Done(hold.status());
+          hold_ = *std::move(hold);
+          Done(Guarded(method_, [this] { return Run(); }));
+        },
+        /*first=*/true);
+  }
+
+  void OnDone() override {
+    TakeOver(this);
+    delete this;
+  }
+
+ private:
+  // Parses the request, and sets `needed` to what the call holds from now on:
+  // the request, its inline inputs gathered, and inline results (never more
+  // than a response may carry).
+  absl::Status Parse(int64_t* needed) {
+    request_bytes_ = request_.Length();
+    PACKD_RETURN_IF_ERROR(
+        service_->decoder_.CheckSize("request", request_bytes_));
+    if (declared_bytes_ > 0 &&
+        static_cast<int64_t>(request_bytes_) > declared_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the request has ", request_bytes_, " bytes, more than the ",
+          declared_bytes_, " its ", kRequestBytesHeader, " header declared"));
+    }
+    PACKD_RETURN_IF_ERROR(ReadChunks(request_, &slices_, &chunks_));
+    PACKD_RETURN_IF_ERROR(ParseWithPayloads(
+        chunks_, Request::descriptor()->name(), &parsed_, &payloads_));
+    int64_t inline_bytes = 0;
+    for (const auto& [tensor, payload] : payloads_) {
+      inline_bytes = SaturatingAdd(inline_bytes, payload.size);
+    }
+    *needed = SaturatingAdd(
+        SaturatingAdd(static_cast<int64_t>(request_bytes_), inline_bytes),
+        std::min(ResultBytes(parsed_), service_->options_.max_message_bytes));
+    if (service_->budget_.limit() > 0 && *needed > service_->budget_.limit()) {
+      return service_->budget_.TooLarge(*needed);
+    }
+    return absl::OkStatus();
+  }
+
+  // Runs the op and makes the response.
+  absl::Status Run() {
+    // Owned by the slices of the reply until gRPC has sent them, with the
+    // call's share of the budget.
+    auto reply = std::make_shared<PackServiceImpl::CallReply>();
+    reply->hold = std::move(hold_);
+    Response out;
+    absl::Status done =
+        (service_->*work_)(parsed_, &payloads_, &out, reply.get());
+    // The request's bytes are no longer needed: release them now rather than
+    // when the reply has been sent.
+    payloads_.clear();
+    chunks_.clear();
+    slices_.clear();
+    request_.Clear();
+    PACKD_RETURN_IF_ERROR(done);
+    const Spliced spliced = SerializeWithPayloads(out, reply->payloads);
+    PACKD_RETURN_IF_ERROR(
+        service_->decoder_.CheckSize("response", spliced.size()));
+    response_ = ToByteBuffer(spliced, reply);
+    response_bytes_ = spliced.size();
+    return absl::OkStatus();
+  }
+
+  // Finishes the call: with the response when `status` is OK. Nothing may
+  // touch the reactor afterwards (OnDone deletes it).
+  void Done(const absl::Status& status) {
+    hold_.reset();
+    if (admitted_) {
+      service_->Release();
+      if (!status.ok()) service_->CheckDefaultDevice();
+    }
+    service_->metrics_.Record(method_, status.code(), absl::Now() - start_,
+                              request_bytes_,
+                              status.ok() ? response_bytes_ : 0);
+    HandOff(this);  // OnDone runs on one of gRPC's threads
+    if (status.ok()) {
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+    } else {
+      Finish(ToGrpcStatus(status));
+    }
+  }
+
+  PackServiceImpl* const service_;
+  const char* const method_;
+  const Work work_;
+  const absl::Time start_ = absl::Now();
+  const absl::Time deadline_;
+  int64_t declared_bytes_ = 0;
+  bool admitted_ = false;
+  MemoryBudget::Hold hold_;
+  grpc::ByteBuffer request_;
+  size_t request_bytes_ = 0;
+  std::vector<grpc::Slice> slices_;
+  std::vector<absl::string_view> chunks_;
+  Request parsed_;
+  Payloads payloads_;
+  grpc::ByteBuffer response_;
+  size_t response_bytes_ = 0;
+};
+
+grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
+    grpc::GenericCallbackServerContext* context) {
+  if (context->method() == "/packd.v1.PackService/Pack") {
+    return new InlineCall<v1::PackRequest, v1::PackResponse>(
+        service_, context, "Pack", &PackServiceImpl::RunPack);
+  }
+  if (context->method() == "/packd.v1.PackService/Scatter") {
+    return new InlineCall<v1::ScatterRequest, v1::ScatterResponse>(
+        service_, context, "Scatter", &PackServiceImpl::RunScatter);
+  }
+  class Unknown final : public grpc::ServerGenericBidiReactor {
+   public:
+    explicit Unknown(const std::string& method) {
+      Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                          absl::StrCat("packd has no method ", method)));
+    }
+    void OnDone() override { delete this; }
+  };
+  return new Unknown(context->method());
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::Finish(
@@ -421,20 +547,6 @@ absl::Status PackServiceImpl::RunScatter(const v1::ScatterRequest& request,
   };
   return RunCall("Scatter", request, payloads, response,
                  response->mutable_dense(), 0, reply, scatter);
-}
-
-grpc::ServerUnaryReactor* PackServiceImpl::Pack(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
-    grpc::ByteBuffer* response) {
-  return AdmittedRaw(context, "Pack", *request, response,
-                     &PackServiceImpl::RunPack);
-}
-
-grpc::ServerUnaryReactor* PackServiceImpl::Scatter(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
-    grpc::ByteBuffer* response) {
-  return AdmittedRaw(context, "Scatter", *request, response,
-                     &PackServiceImpl::RunScatter);
 }
 
 absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,

@@ -1,6 +1,7 @@
 // PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API.
-// Pack and Scatter are raw methods: the request is read from the received
-// slices with tensor bytes in place (proto/wire.h), decoded
+// Pack and Scatter are served by a generic handler (inline_calls()) that reads
+// a request only once the memory budget admits the call; the request is read
+// from the received slices with tensor bytes in place (proto/wire.h), decoded
 // (server/request_decoder.h), run by the op library on its device
 // (kernels/pack.h), and answered with slices that wrap the result buffers, or
 // with results written into region slices. The wire format is the protobuf
@@ -10,6 +11,7 @@
 //
 //   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
 //   builder.RegisterService(&service);
+//   builder.RegisterCallbackGenericService(service.inline_calls());
 #ifndef PACKD_SERVER_PACK_SERVICE_H_
 #define PACKD_SERVER_PACK_SERVICE_H_
 
@@ -23,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "kernels/pack.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.grpc.pb.h"
@@ -57,10 +60,12 @@ struct ServiceOptions {
   std::function<void(const absl::Status& reason)> on_device_lost;
 };
 
-class PackServiceImpl final
-    : public v1::PackService::WithRawCallbackMethod_Pack<
-          v1::PackService::WithRawCallbackMethod_Scatter<
-              v1::PackService::CallbackService>> {
+template <typename Request, typename Response>
+class InlineCall;
+
+class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
+                                  v1::PackService::WithGenericMethod_Scatter<
+                                      v1::PackService::CallbackService>> {
  public:
   explicit PackServiceImpl(ServiceOptions options)
       : options_(std::move(options)),
@@ -75,14 +80,9 @@ class PackServiceImpl final
   // when none is.
   bool WaitForIdle(absl::Time deadline);
 
-  // packd.v1.PackRequest in, packd.v1.PackResponse out, as raw bytes.
-  grpc::ServerUnaryReactor* Pack(grpc::CallbackServerContext* context,
-                                 const grpc::ByteBuffer* request,
-                                 grpc::ByteBuffer* response) override;
-  // packd.v1.ScatterRequest in, packd.v1.ScatterResponse out.
-  grpc::ServerUnaryReactor* Scatter(grpc::CallbackServerContext* context,
-                                    const grpc::ByteBuffer* request,
-                                    grpc::ByteBuffer* response) override;
+  // Pack and Scatter (packd.v1 messages as raw bytes), and UNIMPLEMENTED for
+  // any method no service has: register it beside the service.
+  grpc::CallbackGenericService* inline_calls() { return &inline_calls_; }
   grpc::ServerUnaryReactor* RegisterSystemRegion(
       grpc::CallbackServerContext* context,
       const v1::RegisterSystemRegionRequest* request,
@@ -120,6 +120,18 @@ class PackServiceImpl final
                       v1::PlanResponse* response);
 
  private:
+  template <typename Request, typename Response>
+  friend class InlineCall;
+  class InlineCalls final : public grpc::CallbackGenericService {
+   public:
+    explicit InlineCalls(PackServiceImpl* service) : service_(service) {}
+    grpc::ServerGenericBidiReactor* CreateReactor(
+        grpc::GenericCallbackServerContext* context) override;
+
+   private:
+    PackServiceImpl* const service_;
+  };
+
   // Inline results of a Pack or Scatter call: the buffers they were written
   // to, and the response tensors they belong to.
   struct CallReply {
@@ -138,16 +150,13 @@ class PackServiceImpl final
       grpc::CallbackServerContext* context, const char* method,
       const Request& request, Response* response,
       absl::Status (PackServiceImpl::*work)(const Request&, Response*));
-  // The same for a raw method: parses the request from the received slices
-  // (INVALID_ARGUMENT saying where it does not parse), reserves its bytes in
-  // the memory budget (waiting, off gRPC's threads, until its deadline), runs
-  // `work`, and answers with the result buffers wrapped in slices.
-  template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* AdmittedRaw(
-      grpc::CallbackServerContext* context, const char* method,
-      const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
-      absl::Status (PackServiceImpl::*work)(const Request&, const Payloads*,
-                                            Response*, CallReply*));
+  // When a call waiting in the memory budget gives up: a little before the
+  // caller's deadline, so that it hears RESOURCE_EXHAUSTED from packd.
+  static absl::Time BudgetDeadline(const grpc::CallbackServerContext* context);
+  // What an inline call reserves before its request is read: the most a
+  // request of `declared` bytes (0: the largest) can make it hold, or the
+  // whole budget.
+  int64_t AdmissionBytes(int64_t declared) const;
   // Finishes the call with `status` and records it in the metrics: latency
   // since `start`, and the message sizes.
   grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
@@ -191,6 +200,7 @@ class PackServiceImpl final
   bool device_lost_ ABSL_GUARDED_BY(mu_) = false;
   // Last: destroyed first, its waiting calls finish while the rest is alive.
   MemoryBudget budget_;
+  InlineCalls inline_calls_{this};
 };
 
 }  // namespace packd

@@ -176,7 +176,13 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
       std::min<int64_t>(INT_MAX, 2 * options.service.max_message_bytes);
   builder.SetMaxReceiveMessageSize(static_cast<int>(grpc_limit));
   builder.SetMaxSendMessageSize(static_cast<int>(grpc_limit));
+  // Without bandwidth-delay probing, a stream's receive window stays at
+  // HTTP/2's initial 64 KiB until the call asks for its message, which packd
+  // does once the memory budget admits the call: requests still waiting stay
+  // with their senders.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.RegisterService(&server->service_);
+  builder.RegisterCallbackGenericService(server->service_.inline_calls());
   PACKD_ASSIGN_OR_RETURN(server->server_,
                          Listen(builder, options.listen, "--listen",
                                 Credentials(options.tls), &server->address_));

@@ -40,6 +40,22 @@ class Outgoing:
         self.tensors.append((number, header, data))
 
 
+def _field_bytes(number, payload):
+    """Bytes of a length-delimited field `number` with `payload` bytes."""
+    return len(_tag(number, _LEN)) + len(_varint(payload)) + payload
+
+
+def serialized_size(outgoing):
+    """len(serialize(outgoing)), without serializing."""
+    size = outgoing.message.ByteSize()
+    for number, header, data in outgoing.tensors:
+        head = header.ByteSize()
+        if data is not None:
+            head = _field_bytes(_DATA, data.nbytes) + head
+        size += _field_bytes(number, head)
+    return size
+
+
 def serialize(outgoing):
     pieces = [outgoing.message.SerializeToString()]
     for number, header, data in outgoing.tensors:

@@ -222,12 +222,20 @@ class Client:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    def _metadata_for(self, request):
+        """The call's metadata: the token, and for Pack and Scatter the request's size, so
+        that the server's memory budget admits the call for what it needs."""
+        if not isinstance(request, _wire.Outgoing):
+            return self._metadata
+        return (self._metadata or ()) + (
+            ("packd-request-bytes", str(_wire.serialized_size(request))),)
+
     def _call(self, method, request, retries=None):
         retries = self.retries if retries is None else retries
         backoff = 0.05
         for attempt in range(retries + 1):
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata)
+                return method(request, timeout=self.timeout, metadata=self._metadata_for(request))
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
                     raise _error(e) from None
@@ -263,7 +271,7 @@ class Client:
         """methods[i](requests[i]), all at once; the replies in order."""
         if len(requests) == 1:
             return [self._call(methods[0], requests[0])]
-        futures = [m.future(r, timeout=self.timeout, metadata=self._metadata)
+        futures = [m.future(r, timeout=self.timeout, metadata=self._metadata_for(r))
                    for m, r in zip(methods, requests)]
         replies = []
         for method, request, future in zip(methods, requests, futures):

@@ -32,6 +32,7 @@ using ::testing::HasSubstr;
 using testing::Rng;
 using testing::SameBytes;
 using testing::ServerProcess;
+using testing::UnusedPort;
 
 class ClientTest : public ::testing::Test {
  protected:
@@ -468,19 +469,6 @@ TEST(ClientLeases, RegionsComeBackAfterTheirLeaseAndAfterARestart) {
   ASSERT_TRUE(server->Restart());
   pack_is_exact("after a restart");
   EXPECT_EQ(regions().regions_size(), 1);
-}
-
-// A loopback port nothing listens on.
-int UnusedPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
 }
 
 TEST(ClientResilience, RetriesUnavailableWithBackoffThenGivesUp) {

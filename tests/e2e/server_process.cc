@@ -1,6 +1,9 @@
 #include "tests/e2e/server_process.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,9 +30,8 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(
   server->dir_ = dir;
   server->address_ = absl::StrCat("unix:", dir, "/packd.sock");
 
-  server->args_ = {
-      binary == Binary::kPackd ? PACKD_BINARY : PACKD_TESTING_BINARY,
-      "--listen=" + server->address_};
+  server->args_ = {binary == Binary::kPackd ? PACKD_BINARY
+                                            : PACKD_TESTING_BINARY};
   for (std::string flag : flags) {
     for (size_t at; (at = flag.find("{dir}")) != std::string::npos;) {
       flag.replace(at, 5, dir);
@@ -37,8 +39,13 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(
     if (absl::StartsWith(flag, "--health_listen=")) {
       server->health_address_ = flag.substr(16);
     }
+    if (absl::StartsWith(flag, "--listen=")) {
+      server->address_ = flag.substr(9);
+      continue;
+    }
     server->args_.push_back(std::move(flag));
   }
+  server->args_.push_back("--listen=" + server->address_);
   if (server->Launch()) return server;
   return nullptr;
 }
@@ -161,6 +168,18 @@ int ServerProcess::Wait(absl::Duration timeout) {
 std::string ServerProcess::Log() const {
   absl::MutexLock lock(&mu_);
   return log_;
+}
+
+int UnusedPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
 }
 
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel,

@@ -25,8 +25,9 @@ class ServerProcess {
  public:
   enum class Binary { kPackd, kTesting };
 
-  // Starts PACKD_BINARY (or PACKD_TESTING_BINARY) with --listen=unix:... and
-  // `flags`, and waits (up to 60 s) until its readiness is SERVING (asked on
+  // Starts PACKD_BINARY (or PACKD_TESTING_BINARY) with --listen=unix:... (or
+  // the --listen among `flags`) and `flags`, and waits (up to 60 s) until its
+  // readiness is SERVING (asked on
   // --health_listen when a flag sets it). "{dir}" in a flag stands for the
   // server's own fresh directory. Returns null, with the log printed, if it
   // exits or is never ready.
@@ -72,6 +73,9 @@ class ServerProcess {
   mutable absl::Mutex mu_;
   std::string log_ ABSL_GUARDED_BY(mu_);
 };
+
+// A loopback port nothing listens on (now).
+int UnusedPort();
 
 // grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... or the RPC's error text.
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel,

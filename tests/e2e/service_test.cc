@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -16,8 +18,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
@@ -430,10 +435,10 @@ TEST(ServiceLimits, AnExceptionInAHandlerIsInternalAndReleasesTheCall) {
 // --max_inflight_bytes: a call that would pass the budget waits for room
 // until (just before) its deadline; one larger than the whole budget is
 // refused at once. Each call here holds about 3.2 MB (request, inline input,
-// result) for a second.
+// result) for two seconds.
 TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
   auto server = ServerProcess::Start(
-      {"--call_delay_ms=1000", "--max_inflight_bytes=4000000"},
+      {"--call_delay_ms=2000", "--max_inflight_bytes=4000000"},
       ServerProcess::Binary::kTesting);
   ASSERT_NE(server, nullptr);
   auto stub = v1::PackService::NewStub(server->Channel());
@@ -466,7 +471,7 @@ TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
       [&] { EXPECT_TRUE(call(absl::Seconds(20), &first_response).ok()); });
   absl::SleepFor(absl::Milliseconds(300));  // the first call holds its bytes
   v1::PackResponse waited;
-  status = call(absl::Milliseconds(300), &waited);
+  status = call(absl::Seconds(1), &waited);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("deadline"));
@@ -480,6 +485,146 @@ TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
       SameTensor(testing::ReferencePack(x, mask), second_response.packed(0)));
   EXPECT_TRUE(
       SameTensor(testing::ReferencePack(x, mask), first_response.packed(0)));
+}
+
+// A number from /proc/PID/status ("VmHWM:", "VmRSS:"), in bytes.
+int64_t ProcStatusBytes(pid_t pid, absl::string_view field) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, field)) {
+      return std::strtoll(line.c_str() + field.size(), nullptr, 10) * 1024;
+    }
+  }
+  return -1;
+}
+
+// The budget holds requests back at their senders: 32 clients, each on its
+// own connection whose flow-control windows an earlier call has grown, send a
+// 16 MiB inline Pack at once to a server whose budget admits one at a time.
+// The server's peak memory grows by no more than the budget plus a fixed
+// overhead; gRPC would otherwise receive all 512 MiB before any handler ran.
+TEST(ServiceLimits, CallsWaitingForTheBudgetStayWithTheirSenders) {
+  constexpr int64_t kBudget = int64_t{50} << 20;  // a call needs up to 48
+  auto server =
+      ServerProcess::Start({absl::StrCat("--max_inflight_bytes=", kBudget),
+                            "--max_message_bytes=25165824"});
+  ASSERT_NE(server, nullptr);
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 16, 256, 0.5, MaskPattern::kHoles);
+  const at::Tensor x =
+      testing::RandomTensor(rng, DType::kFloat32, {16, 256, 1024});
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);
+  const at::Tensor expected = testing::ReferencePack(x, mask);
+
+  constexpr int kClients = 32;
+  std::atomic<int> warm{0};
+  std::atomic<bool> go{false};
+  std::atomic<int> ok{0};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] {
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(-1);
+      args.SetInt("packd.test.connection", i);  // a connection of its own
+      auto stub = v1::PackService::NewStub(grpc::CreateCustomChannel(
+          server->address(), grpc::InsecureChannelCredentials(), args));
+      auto call = [&] {
+        grpc::ClientContext context;
+        context.set_deadline(
+            absl::ToChronoTime(absl::Now() + absl::Minutes(2)));
+        v1::PackResponse response;
+        const grpc::Status status = stub->Pack(&context, request, &response);
+        EXPECT_TRUE(status.ok()) << status.error_message();
+        return status.ok() && SameTensor(expected, response.packed(0));
+      };
+      EXPECT_TRUE(call());
+      ++warm;
+      while (!go) absl::SleepFor(absl::Milliseconds(1));
+      if (call()) ++ok;
+    });
+  }
+  while (warm < kClients) absl::SleepFor(absl::Milliseconds(1));
+  // Resets the server's peak resident memory (VmHWM) to what it holds now.
+  std::ofstream(absl::StrCat("/proc/", server->pid(), "/clear_refs")) << "5";
+  const int64_t before = ProcStatusBytes(server->pid(), "VmRSS:");
+  ASSERT_GT(before, 0);
+  go = true;
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(ok.load(), kClients);
+  const int64_t peak = ProcStatusBytes(server->pid(), "VmHWM:");
+  // The overhead: HTTP/2's 64 KiB window of each waiting stream, gRPC's
+  // buffers, and what the allocator keeps of freed buffers.
+  constexpr int64_t kOverhead = int64_t{24} << 20;
+  std::printf("peak resident memory grew by %.1f MiB over the calls\n",
+              (peak - before) / 1048576.0);
+  // A sanitizer's allocator keeps freed memory in quarantine: no bound.
+  if (std::getenv("ASAN_OPTIONS") == nullptr &&
+      std::getenv("TSAN_OPTIONS") == nullptr) {
+    EXPECT_LT(peak - before, kBudget + kOverhead)
+        << "peak " << peak << " bytes, " << before << " before the calls";
+  }
+}
+
+// A client may declare its request's size (packd-request-bytes) so that the
+// budget admits it for what it needs; a request larger than it declared, and
+// a declaration that is not a positive number, are refused. Unknown methods
+// get UNIMPLEMENTED naming them.
+TEST(ServiceLimits, DeclaredRequestSizesAreHeldToTheirWord) {
+  auto server = ServerProcess::Start({"--max_inflight_bytes=100000000"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 4, 32, 0.5, MaskPattern::kHoles);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kFloat16, {4, 32, 8});
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);
+  const size_t size = request.ByteSizeLong();
+  auto call = [&](const std::string& declared, v1::PackResponse* response) {
+    grpc::ClientContext context;
+    context.AddMetadata("packd-request-bytes", declared);
+    return stub->Pack(&context, request, response);
+  };
+  v1::PackResponse response;
+  grpc::Status status = call(std::to_string(size), &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(SameTensor(testing::ReferencePack(x, mask), response.packed(0)));
+
+  status = call(std::to_string(size - 1), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr(absl::StrCat("the request has ", size,
+                                     " bytes, more than the ", size - 1)));
+  for (const char* bad : {"", "0", "-5", "12abc", "99999999999999999999"}) {
+    status = call(bad, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
+    EXPECT_THAT(status.error_message(),
+                HasSubstr("packd-request-bytes must be a positive number"));
+  }
+
+  grpc::GenericStub generic(server->Channel());
+  grpc::ClientContext context;
+  grpc::Slice nothing("");
+  grpc::ByteBuffer empty(&nothing, 1), reply;
+  grpc::Status unknown;
+  absl::Notification done;
+  generic.UnaryCall(&context, "/packd.v1.PackService/Unpack",
+                    grpc::StubOptions(), &empty, &reply, [&](grpc::Status s) {
+                      unknown = std::move(s);
+                      done.Notify();
+                    });
+  done.WaitForNotification();
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_THAT(unknown.error_message(),
+              HasSubstr("/packd.v1.PackService/Unpack"));
+
+  grpc::ClientContext last;  // still serving
+  EXPECT_TRUE(stub->Pack(&last, request, &response).ok());
 }
 
 TEST(ServiceLimits, OversizedRequestsAndResponsesAreResourceExhausted) {

@@ -205,7 +205,7 @@ void Worker(const std::string& address, uint64_t seed, absl::Time until,
 // as a process of this binary with PACKD_SOAK_VICTIM=<address>.
 TEST(Soak, Victim) {
   const char* address = std::getenv("PACKD_SOAK_VICTIM");
-  if (address == nullptr) GTEST_SKIP() << "run by Soak.EightClientsWithFaults";
+  if (address == nullptr) GTEST_SKIP() << "run by the soak tests";
   ClientOptions options;
   options.address = address;
   options.shm_key_prefix = "/packd_soak";
@@ -262,9 +262,13 @@ pid_t SpawnVictim(const std::string& address, int* out) {
   return pid;
 }
 
-TEST(Soak, EightClientsWithFaults) {
+// The soak against a packd listening on `listen` (TCP loopback, where shared
+// memory is allowed as well), or on a unix socket when it is empty.
+void Soak(const std::string& listen) {
   const int64_t seconds = SoakSeconds();
-  auto server = ServerProcess::Start({"--shm_key_prefix=/packd_soak"});
+  std::vector<std::string> flags = {"--shm_key_prefix=/packd_soak"};
+  if (!listen.empty()) flags.push_back("--listen=" + listen);
+  auto server = ServerProcess::Start(flags);
   ASSERT_NE(server, nullptr);
   // Held for the whole test: when a process drops its last gRPC object, gRPC
   // shuts itself down, which can take seconds.
@@ -418,6 +422,12 @@ TEST(Soak, EightClientsWithFaults) {
   EXPECT_LE(CountEntries(fd_dir), fds_before);
   EXPECT_EQ(CountMappings(pid, "/packd_soak"), maps_before);
   EXPECT_EQ(CountEntries("/dev/shm", "packd_soak"), shm_before);
+}
+
+TEST(Soak, EightClientsWithFaultsOverAUnixSocket) { Soak(""); }
+
+TEST(Soak, EightClientsWithFaultsOverTcpLoopback) {
+  Soak(absl::StrCat("127.0.0.1:", testing::UnusedPort()));
 }
 
 }  // namespace

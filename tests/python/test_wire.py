@@ -33,6 +33,17 @@ def test_requests_are_protobuf_messages():
     assert parsed.inputs[2].HasField("data") and parsed.inputs[2].data == b""
 
 
+def test_the_declared_size_is_the_serialized_size():
+    outgoing, _, _ = _request()
+    assert _wire.serialized_size(outgoing) == len(_wire.serialize(outgoing))
+    # Lengths of one, two and three varint bytes, and an empty message.
+    for n in (0, 1, 100, 127, 128, 16383, 16384, 70000):
+        big = _wire.Outgoing(pb.ScatterRequest())
+        big.add(2, pb.Tensor(dtype=pb.DTYPE_UINT8, shape=[n]),
+                memoryview(torch.randint(0, 255, (n,), dtype=torch.uint8).numpy()))
+        assert _wire.serialized_size(big) == len(_wire.serialize(big)), n
+
+
 def test_replies_parse_like_protobuf_with_tensors_over_the_bytes():
     packed = torch.randn(7, 3)
     reply = pb.PackResponse(cu_seqlens=[0, 3, 7], total_active=7, max_seqlen=4,

@@ -46,6 +46,44 @@ TEST(MemoryBudgetTest, LargerThanTheBudgetIsRefusedAtOnce) {
               HasSubstr("--max_inflight_bytes"));
 }
 
+TEST(MemoryBudgetTest, ShrinkingAHoldReturnsTheRestAndLetsWaitersIn) {
+  MemoryBudget budget(100);
+  Outcome a, b;
+  budget.Reserve(90, absl::InfiniteFuture(), a.Callback());
+  budget.Reserve(50, absl::InfiniteFuture(), b.Callback());
+  EXPECT_FALSE(b.done.HasBeenNotified());
+  MemoryBudget::ShrinkTo(**a.result, 95);  // no more than it holds: nothing
+  EXPECT_EQ((**a.result)->bytes(), 90);
+  MemoryBudget::ShrinkTo(**a.result, 30);
+  EXPECT_EQ((**a.result)->bytes(), 30);
+  ASSERT_TRUE(b.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(b.result->ok());
+  EXPECT_EQ(budget.in_use(), 80);
+  a.result.reset();  // returns what it still holds, not what it first took
+  b.result.reset();
+  EXPECT_EQ(budget.in_use(), 0);
+  MemoryBudget::ShrinkTo(nullptr, 0);  // no limit, no hold: nothing to do
+}
+
+TEST(MemoryBudgetTest, FirstInLineGoesAheadOfEveryWaiter) {
+  MemoryBudget budget(100);
+  Outcome holder, waiting, first;
+  budget.Reserve(70, absl::InfiniteFuture(), holder.Callback());
+  budget.Reserve(40, absl::InfiniteFuture(), waiting.Callback());
+  // Fits now: granted at once, although another call waits.
+  Outcome small;
+  budget.Reserve(20, absl::InfiniteFuture(), small.Callback(), /*first=*/true);
+  ASSERT_TRUE(small.done.HasBeenNotified());
+  budget.Reserve(60, absl::InfiniteFuture(), first.Callback(), /*first=*/true);
+  EXPECT_FALSE(first.done.HasBeenNotified());
+  holder.result.reset();  // 20 in use: the first-in-line 60 goes, not the 40
+  ASSERT_TRUE(first.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_FALSE(waiting.done.HasBeenNotified());
+  first.result.reset();
+  ASSERT_TRUE(waiting.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(waiting.result->ok());
+}
+
 TEST(MemoryBudgetTest, WaitersGetTheirHoldInOrderWhenBytesAreReleased) {
   MemoryBudget budget(100);
   Outcome first, second, third;
