@@ -28,6 +28,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -451,15 +453,54 @@ int PlanCommand(Client& client) {
   return kOk;
 }
 
+constexpr char kUsageText[] = R"(talks to a packd server.
+
+usage: packctl [flags] <command>
+
+commands:
+  health  Asks liveness and readiness (grpc.health.v1); exits 1 unless SERVING.
+            packctl health --address=unix:/run/packd/packd.sock
+  info    Prints the server's version, devices, limits and whether it takes
+          shared-memory handles.
+            packctl info
+  probe   One small Pack round trip, its result checked byte for byte; exits 1
+          when wrong or slower than --max_latency_ms (a Kubernetes exec probe).
+            packctl probe --max_latency_ms=50
+  pack    Packs one batch (random, or --input) of --shape, --dtype, --density
+          and --mask, and prints the packed shape, cu_seqlens and the time.
+            packctl pack --shape=16,1024,4096 --dtype=bfloat16 --density=0.3
+  bench   Pack calls at --concurrency for --duration seconds, inline or through
+          shared memory (--transport); prints calls/s, GB/s, p50 and p99.
+            packctl bench --concurrency=4 --duration=10 --transport=shm
+  plan    Plans --samples lengths (or --lengths_file) into micro-batches of
+          --max_tokens over --ranks; prints each rank's micro-batches, the
+          imbalance and the global loss-token count.
+            packctl plan --samples=1024 --max_tokens=16384 --ranks=8
+
+Every command takes --address (HOST:PORT or unix:PATH), --deadline_ms, a token
+(--token_file, else PACKD_TOKEN in the environment) and TLS files (--tls_*).
+Exit codes: 0 ok; 1 a check failed; 2 usage; 3 the server answered with an
+error or could not be reached.)";
+
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "packctl [--address=HOST:PORT|unix:PATH] "
-      "<health|info|probe|pack|bench|plan> [flags]");
+  absl::SetProgramUsageMessage(kUsageText);
+  // --help lists this file's flags, under the tool's name rather than the path
+  // of the machine that built it.
+  absl::FlagsUsageConfig config;
+  // absl filters on the normalized name.
+  config.normalize_filename = [](absl::string_view file) {
+    return absl::EndsWith(file, "packctl.cc") ? std::string("packctl")
+                                              : std::string(file);
+  };
+  config.contains_help_flags = [](absl::string_view file) {
+    return file == "packctl";
+  };
+  absl::SetFlagsUsageConfig(config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    return Fail(
-        kUsage,
-        "usage: packctl [--address=...] <health|info|probe|pack|bench|plan>");
+    return Fail(kUsage,
+                "usage: packctl [flags] <health|info|probe|pack|bench|plan>; "
+                "packctl --help says what each does");
   }
   const std::string command = args[1];
   if (command == "bench") return Bench();

@@ -24,10 +24,9 @@ def as_bytes_view(t):
     """A flat uint8 view of a CPU tensor's bytes (contiguous first; no copy when it already is)."""
     if t.device.type != "cpu":
         raise ValueError(f"tensors must be in host memory, not on {t.device}")
-    t = t.detach().contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.view(torch.uint8).reshape(-1)
+    # Flat first: an empty or size-1 dimension may keep any stride (an expanded gradient of an
+    # empty tensor has stride 0, and .contiguous() leaves it so), and viewing as bytes needs 1.
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def header(t, msg):

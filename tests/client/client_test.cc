@@ -11,9 +11,11 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/autograd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -29,6 +31,7 @@ namespace packd {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Rng;
 using testing::SameBytes;
 using testing::ServerProcess;
@@ -420,6 +423,58 @@ TEST_F(ClientTest, AutogradBackwardIsScatterOfTheGradient) {
       << bad.status();
 }
 
+// Every combination of empty tensors (no active row, B = 0, S = 0, an empty
+// tail) and expanded or non-contiguous gradients, inline and through shared
+// memory: x.grad equals torch's own, bit for bit.
+TEST_F(ClientTest, BackwardOfEmptyTensorsAndStridedGradients) {
+  ClientOptions shm_options;
+  shm_options.address = server_->address();
+  shm_options.shared_memory_threshold_bytes = 1;
+  std::unique_ptr<Client> shm = std::move(*Client::Connect(shm_options));
+  // Losses whose gradients reach packed expanded (stride 0, also when empty),
+  // transposed, and plain.
+  const std::vector<std::pair<const char*, at::Tensor (*)(const at::Tensor&)>>
+      losses = {
+          {"sum (expanded)", [](const at::Tensor& p) { return p.sum(); }},
+          {"transposed",
+           [](const at::Tensor& p) {
+             const at::Tensor w = at::arange(p.numel(), p.options())
+                                      .reshape({p.size(1), p.size(0)});
+             return (p.t() * w).sum();
+           }},
+          {"weighted (contiguous)",
+           [](const at::Tensor& p) {
+             return (p * at::linspace(-1, 1, p.numel(), p.options())
+                             .reshape(p.sizes()))
+                 .sum();
+           }},
+      };
+  Rng rng = Rng::Fresh();
+  for (Client* client : {client_.get(), shm.get()}) {
+    for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+             {2, 4, 8}, {0, 4, 8}, {2, 0, 8}, {2, 4, 0}}) {
+      for (double density : {0.0, 1.0, 0.5}) {
+        const at::Tensor mask =
+            testing::RandomMask(rng, DType::kBool, shape[0], shape[1], density,
+                                MaskPattern::kHoles);
+        for (const auto& [name, loss] : losses) {
+          SCOPED_TRACE(absl::StrCat(client == shm.get() ? "shm" : "inline",
+                                    " x [", absl::StrJoin(shape, ", "),
+                                    "], density ", density, ", ", name));
+          at::Tensor x = at::randn(shape, at::kFloat).set_requires_grad(true);
+          at::Tensor ref = x.detach().clone().set_requires_grad(true);
+          absl::StatusOr<at::Tensor> packed = PackWithGrad(*client, x, mask);
+          ASSERT_TRUE(packed.ok()) << packed.status();
+          loss(*packed).backward();
+          loss(ref.index({mask})).backward();
+          ASSERT_TRUE(x.grad().defined());
+          EXPECT_TRUE(SameBytes(ref.grad(), x.grad()));
+        }
+      }
+    }
+  }
+}
+
 // Regions the client registers carry its lease; when the server drops one
 // (lease run out, restart), the next call registers it again, contents and
 // tensors intact, without the caller doing anything. Names never linger in
@@ -511,6 +566,39 @@ int Packctl(const std::string& args, std::string* output) {
   while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) output->append(buf, n);
   const int status = pclose(pipe);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// --help says what each packctl command does, with an example of each, and
+// lists the flags of packctl and packd under the tool's name, not under the
+// path of the machine that built it.
+TEST(Tools, HelpNamesEveryCommandAndTheFlagsWithoutBuildPaths) {
+  std::string out;
+  Packctl("--help", &out);
+  for (const char* command :
+       {"health", "info", "probe", "pack", "bench", "plan"}) {
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("\n  ", command, " "))) << command;
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("packctl ", command)))
+        << "an example of " << command;
+  }
+  EXPECT_THAT(out, HasSubstr("Flags from packctl:"));
+  EXPECT_THAT(out, HasSubstr("--max_latency_ms"));
+  EXPECT_THAT(out, Not(HasSubstr(".cc")));
+
+  const std::string packd_help = absl::StrCat(PACKD_BINARY, " --help 2>&1");
+  FILE* pipe = popen(packd_help.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  char buf[4096];
+  out.clear();
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), pipe)) > 0;)
+    out.append(buf, n);
+  pclose(pipe);
+  EXPECT_THAT(out, HasSubstr("Flags from packd:"));
+  for (const char* flag :
+       {"--listen", "--max_inflight_bytes", "--health_listen",
+        "--tls_cert_file", "--auth_token_file"}) {
+    EXPECT_THAT(out, HasSubstr(flag));
+  }
+  EXPECT_THAT(out, Not(HasSubstr(".cc")));
 }
 
 TEST_F(ClientTest, PackctlCommandsAndExitCodes) {

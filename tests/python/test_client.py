@@ -3,6 +3,7 @@ RemotePackOp, shared memory against inline, errors."""
 import glob
 import os
 import subprocess
+import sys
 import time
 
 import grpc
@@ -96,6 +97,46 @@ def test_all_active_and_none_active_fast_paths_and_their_backward(op):
         assert torch.equal(x.grad, torch.full_like(x, 1.0 if fill else 0.0))
 
 
+def _losses():
+    """Losses whose gradients reach packed as the shapes autograd makes: expanded (stride 0, also
+    when empty), transposed, and plain."""
+    return {
+        "sum (expanded)": lambda p: p.sum(),
+        "transposed": lambda p: (p.t() * torch.arange(p.numel(), dtype=p.dtype)
+                                 .reshape(p.t().shape)).sum(),
+        "weighted (contiguous)": lambda p: (p * torch.linspace(-1, 1, p.numel(), dtype=p.dtype)
+                                            .reshape(p.shape)).sum(),
+    }
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shared-memory"])
+def test_backward_of_empty_tensors_and_strided_gradients(address, shm):
+    """Every combination of empty tensors (no active row, B = 0, S = 0, an empty tail) and
+    expanded or non-contiguous gradients: x.grad equals torch's own, bit for bit."""
+    op = packd.RemotePackOp(address, shm_threshold_bytes=1 if shm else 0)
+    try:
+        for shape in [(2, 4, 8), (0, 4, 8), (2, 0, 8), (2, 4, 0)]:
+            for fill in ("none", "all", "random"):
+                mask = {"none": torch.zeros(shape[:2], dtype=torch.bool),
+                        "all": torch.ones(shape[:2], dtype=torch.bool),
+                        "random": torch.rand(shape[:2]) < 0.5}[fill]
+                for name, loss in _losses().items():
+                    x = torch.randn(shape, requires_grad=True)
+                    ref = x.detach().clone().requires_grad_()
+                    packed, _ = op(x, mask)
+                    loss(packed).backward()
+                    loss(ref[mask]).backward()
+                    where = f"x {list(shape)}, {fill} active, {name}"
+                    assert x.grad is not None, where
+                    assert same(x.grad, ref.grad), where
+        # unpack takes the same strided and empty tensors.
+        empty = torch.zeros(1, 8).expand(0, 8)
+        out = op.unpack(empty, torch.zeros(2, 4, dtype=torch.bool))
+        assert out.shape == (2, 4, 8) and not out.any()
+    finally:
+        op.close()
+
+
 def test_multi_dimensional_tails(op):
     mask = torch.rand(2, 9) < 0.5
     x = torch.randn(2, 9, 3, 4, 2)
@@ -125,6 +166,28 @@ def test_unpack_round_trip(op):
     dense = op.unpack(packed, mask, tail_shape=(6,))
     assert torch.equal(dense[mask], x[mask])
     assert torch.count_nonzero(dense[~mask]) == 0
+
+
+def test_a_normal_exit_after_shared_memory_calls_prints_nothing(address):
+    """16 calls through shared memory, then the interpreter exits: nothing on stderr (no
+    resource_tracker traceback per segment), and nothing left in /dev/shm."""
+    script = f"""
+import torch, packd
+for i in range(16):  # a client, and so a segment, per call; the last left open
+    client = packd.Client({address!r}, shm_threshold_bytes=1)
+    x = torch.randn(4, 64, 32)
+    mask = torch.rand(4, 64) < 0.5
+    assert torch.equal(client.pack(x, mask).packed, x[mask])
+    if i < 15:
+        client.close()
+"""
+    before = set(os.listdir("/dev/shm"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout == ""
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if "_py_" in n]
 
 
 def test_shared_memory_and_inline_give_identical_bytes(address, client):
