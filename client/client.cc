@@ -13,6 +13,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -151,6 +152,11 @@ Client::Client(ClientOptions options,
     if (!options_.tls_server_name.empty()) {
       args.SetSslTargetNameOverride(options_.tls_server_name);
     }
+    std::string policy = options_.load_balancing_policy;
+    if (policy.empty() && absl::StartsWith(options_.address, "dns:")) {
+      policy = "round_robin";
+    }
+    if (!policy.empty()) args.SetLoadBalancingPolicyName(policy);
     channels_[i] =
         grpc::CreateCustomChannel(options_.address, credentials, args);
     generic_[i] = std::make_unique<grpc::GenericStub>(channels_[i]);
@@ -314,6 +320,10 @@ absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
     return stub_->PlanMicroBatches(c, request, &response);
   }));
   return response;
+}
+
+std::string Client::LoadBalancingPolicy() const {
+  return channel_->GetLoadBalancingPolicyName();
 }
 
 absl::StatusOr<v1::ServerInfo> Client::Info() {

@@ -32,8 +32,13 @@
 namespace packd {
 
 struct ClientOptions {
-  // "HOST:PORT" or "unix:PATH".
+  // "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes
+  // Service (every pod's address; calls spread over them).
   std::string address = "127.0.0.1:50051";
+  // gRPC's load-balancing policy; empty: round_robin for dns:/// addresses
+  // (one connection to each address the name resolves to, calls spread over
+  // them), gRPC's pick_first otherwise.
+  std::string load_balancing_policy;
   // Largest message this client sends or receives (match the server's
   // --max_message_bytes).
   int64_t max_message_bytes = int64_t{1} << 30;
@@ -177,6 +182,9 @@ class Client {
       const std::vector<int64_t>& loss_tokens = {});
 
   absl::StatusOr<v1::ServerInfo> Info();
+  // The load-balancing policy the channels use ("round_robin", "pick_first"),
+  // once they have connected.
+  std::string LoadBalancingPolicy() const;
   // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"
   // readiness): "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health(

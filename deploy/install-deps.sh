@@ -15,7 +15,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc
   libtorch-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3-torch python3-grpcio python3-pytest python3-venv python3-setuptools
+  python3-torch python3-grpcio python3-pytest python3-venv python3-setuptools python3-wheel
   openssl patch xz-utils
 )
 if [[ "${PACKD_WITH_HIP:-0}" == 1 ]]; then

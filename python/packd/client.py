@@ -155,7 +155,10 @@ def _tls_credentials(ca_file, cert_file, key_file):
 class Client:
     """A connection to packd.
 
-    address: "HOST:PORT" or "unix:PATH". timeout: seconds per call. retries: extra attempts for
+    address: "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes Service
+    (calls spread over every address the name resolves to). load_balancing_policy: gRPC's
+    policy; None: "round_robin" for dns:/// addresses, gRPC's pick_first otherwise. timeout:
+    seconds per call. retries: extra attempts for
     calls answered UNAVAILABLE (a draining or restarting server), with exponential backoff.
     shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
     memory when the server is on this node and allows it (0 disables). shm_key_prefix: the
@@ -179,7 +182,7 @@ class Client:
                  shm_key_prefix="/packd", split_threshold_bytes=16 << 20,
                  keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN",
                  lease_seconds=30, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
-                 tls_server_name=None):
+                 tls_server_name=None, load_balancing_policy=None):
         self.address = address
         self.lease_seconds = lease_seconds
         self._device_regions = {}
@@ -196,6 +199,12 @@ class Client:
         # as two halves of the rows, one on each, at once.
         credentials = _tls_credentials(tls_ca_file, tls_cert_file, tls_key_file)
         extra = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+        self.load_balancing_policy = load_balancing_policy
+
+        if load_balancing_policy is None and address.startswith("dns:"):
+            self.load_balancing_policy = "round_robin"
+        if self.load_balancing_policy:
+            extra.append(("grpc.lb_policy_name", self.load_balancing_policy))
 
         def channel(i):
             options = [("grpc.max_send_message_length", limit),

@@ -526,6 +526,32 @@ TEST(ClientLeases, RegionsComeBackAfterTheirLeaseAndAfterARestart) {
   EXPECT_EQ(regions().regions_size(), 1);
 }
 
+// dns:/// addresses (a headless Kubernetes Service) default to round_robin,
+// which connects to every address the name resolves to; others keep gRPC's
+// pick_first. Calls work either way.
+TEST(ClientBalancing, DnsAddressesDefaultToRoundRobin) {
+  const int port = UnusedPort();
+  auto server =
+      ServerProcess::Start({absl::StrCat("--listen=127.0.0.1:", port)});
+  ASSERT_NE(server, nullptr);
+  for (const auto& [address, policy] :
+       std::vector<std::pair<std::string, std::string>>{
+           {absl::StrCat("dns:///127.0.0.1:", port), "round_robin"},
+           {absl::StrCat("127.0.0.1:", port), "pick_first"}}) {
+    ClientOptions options;
+    options.address = address;
+    std::unique_ptr<Client> client = std::move(*Client::Connect(options));
+    EXPECT_TRUE(client->Info().ok()) << address;
+    EXPECT_EQ(client->LoadBalancingPolicy(), policy) << address;
+  }
+  ClientOptions chosen;
+  chosen.address = absl::StrCat("dns:///127.0.0.1:", port);
+  chosen.load_balancing_policy = "pick_first";
+  std::unique_ptr<Client> client = std::move(*Client::Connect(chosen));
+  EXPECT_TRUE(client->Info().ok());
+  EXPECT_EQ(client->LoadBalancingPolicy(), "pick_first");
+}
+
 TEST(ClientResilience, RetriesUnavailableWithBackoffThenGivesUp) {
   ClientOptions options;
   options.address = absl::StrCat("127.0.0.1:", UnusedPort());

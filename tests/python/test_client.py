@@ -2,6 +2,7 @@
 RemotePackOp, shared memory against inline, errors."""
 import glob
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -207,6 +208,19 @@ def test_shared_memory_and_inline_give_identical_bytes(address, client):
     # Closed: unregistered.
     assert set(glob.glob("/dev/shm/packd_py_*")) == before
     assert list(client._stub.ListRegions(packd.client.pb.ListRegionsRequest()).regions) == []
+
+
+def test_dns_addresses_default_to_round_robin():
+    """dns:/// (a headless Kubernetes Service) balances over every address; calls work."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with PackdServer(os.environ["PACKD_BINARY"], f"--listen=127.0.0.1:{port}"):
+        for address, policy in [(f"dns:///127.0.0.1:{port}", "round_robin"),
+                                (f"127.0.0.1:{port}", None)]:
+            with packd.Client(address, shm_threshold_bytes=0) as c:
+                assert c.load_balancing_policy == policy
+                assert c.info().version
 
 
 def test_transport_errors_carry_the_grpc_code():

@@ -23,9 +23,13 @@ class PackdServer:
     def __init__(self, binary, *flags, timeout=60.0):
         self._dir = tempfile.TemporaryDirectory(prefix="packd-test-")
         self.address = "unix:" + os.path.join(self._dir.name, "packd.sock")
-        # "{dir}" in a flag is the server's own directory; readiness is asked on
-        # --health_listen when a flag sets it (the main port may speak TLS).
+        # "{dir}" in a flag is the server's own directory; a --listen flag replaces the unix
+        # socket; readiness is asked on --health_listen when a flag sets it (the main port may
+        # speak TLS).
         flags = [f.replace("{dir}", self._dir.name) for f in flags]
+        self.address = next((f.split("=", 1)[1] for f in flags if f.startswith("--listen=")),
+                            self.address)
+        flags = [f for f in flags if not f.startswith("--listen=")]
         self._health = next((f.split("=", 1)[1] for f in flags
                              if f.startswith("--health_listen=")), self.address)
         self._args = [binary, "--listen=" + self.address, *flags]
