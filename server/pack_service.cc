@@ -206,8 +206,7 @@ absl::Time PackServiceImpl::BudgetDeadline(
   // RESOURCE_EXHAUSTED from us rather than its own DEADLINE_EXCEEDED.
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline < absl::InfiniteFuture()) {
-    deadline -=
-        std::min(absl::Milliseconds(200), (deadline - absl::Now()) / 5);
+    deadline -= std::min(absl::Milliseconds(200), (deadline - absl::Now()) / 5);
   }
   return deadline;
 }
@@ -216,9 +215,10 @@ int64_t PackServiceImpl::AdmissionBytes(int64_t declared) const {
   const int64_t limit = budget_.limit();
   if (limit <= 0) return 0;
   // A call needs at most three times its request: the request, its inputs
-  // gathered, and results (Pack's are no larger than its inputs). Without a
-  // declared size, the request is the largest gRPC accepts: twice
-  // --max_message_bytes, refused before a copy when over it once.
+  // gathered, and results (Pack's are no larger than its inputs; Scatter's
+  // may need more, and wait for it once parsed). Without a declared size the
+  // request may be up to --max_message_bytes (gRPC accepts up to twice that,
+  // which three times still covers, and packd refuses it before any copy).
   const int64_t request = declared > 0 ? declared : options_.max_message_bytes;
   return std::min(limit, SaturatingMul(3, request));
 }
@@ -259,6 +259,13 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
          declared_bytes_ <= 0)) {
       Done(absl::InvalidArgumentError(
           absl::StrCat(kRequestBytesHeader, " must be a positive number")));
+      return;
+    }
+    // A request declared too large is refused before it is read.
+    if (absl::Status size =
+            service_->decoder_.CheckSize("request", declared_bytes_);
+        !size.ok()) {
+      Done(size);
       return;
     }
     if (!service_->Admit()) {

@@ -600,6 +600,10 @@ TEST(ServiceLimits, DeclaredRequestSizesAreHeldToTheirWord) {
   EXPECT_THAT(status.error_message(),
               HasSubstr(absl::StrCat("the request has ", size,
                                      " bytes, more than the ", size - 1)));
+  // Declared over --max_message_bytes: refused before the request is read.
+  status = call("2000000000", &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_message_bytes"));
   for (const char* bad : {"", "0", "-5", "12abc", "99999999999999999999"}) {
     status = call(bad, &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
