@@ -110,9 +110,12 @@ bool PackServiceImpl::Admit() {
   return true;
 }
 
-void PackServiceImpl::Release() {
-  absl::MutexLock lock(&mu_);
-  --in_flight_;
+void PackServiceImpl::Release(const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+  }
+  if (!status.ok()) CheckDefaultDevice();
 }
 
 namespace {
@@ -148,8 +151,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
     // UNIMPLEMENTED: it becomes INTERNAL with its message.
     status = Guarded(method, [&] { return (this->*work)(request, response); });
     if (!status.ok()) response->Clear();
-    Release();
-    if (!status.ok()) CheckDefaultDevice();
+    Release(status);
   }
   return Finish(context, method, start, status, request.ByteSizeLong(),
                 status.ok() ? response->ByteSizeLong() : 0);
@@ -377,10 +379,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   // touch the reactor afterwards (OnDone deletes it).
   void Done(const absl::Status& status) {
     hold_.reset();
-    if (admitted_) {
-      service_->Release();
-      if (!status.ok()) service_->CheckDefaultDevice();
-    }
+    if (admitted_) service_->Release(status);
     service_->metrics_.Record(method_, status.code(), absl::Now() - start_,
                               request_bytes_,
                               status.ok() ? response_bytes_ : 0);

@@ -140,9 +140,10 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
     MemoryBudget::Hold hold;  // the call's share of --max_inflight_bytes
   };
 
-  // Admits a call unless draining; every admitted call must be released.
+  // Admits a call unless draining; every admitted call must be released,
+  // with how it ended: after a failure, the default device is checked.
   bool Admit();
-  void Release();
+  void Release(const absl::Status& status);
   // Runs `work` as an admitted call (UNAVAILABLE while draining), checks the
   // default device after a failure, and finishes the call.
   template <typename Request, typename Response>

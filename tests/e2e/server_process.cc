@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 
 #include "absl/strings/match.h"
@@ -168,6 +170,27 @@ int ServerProcess::Wait(absl::Duration timeout) {
 std::string ServerProcess::Log() const {
   absl::MutexLock lock(&mu_);
   return log_;
+}
+
+std::string ServerProcess::LogOnce(absl::string_view text,
+                                   absl::Duration timeout) const {
+  auto logged = [this, text]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return absl::StrContains(log_, text);
+  };
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(&logged), timeout);
+  return log_;
+}
+
+int64_t ProcStatusBytes(pid_t pid, absl::string_view field) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, field)) {
+      return std::strtoll(line.c_str() + field.size(), nullptr, 10) * 1024;
+    }
+  }
+  return -1;
 }
 
 int UnusedPort() {

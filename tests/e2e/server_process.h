@@ -11,11 +11,13 @@
 #include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -54,6 +56,10 @@ class ServerProcess {
   int Wait(absl::Duration timeout = absl::Seconds(60));
   // Everything the server has logged so far.
   std::string Log() const;
+  // The log, once it holds `text` (packd logs its start-up line just after it
+  // turns ready) or `timeout` has passed.
+  std::string LogOnce(absl::string_view text,
+                      absl::Duration timeout = absl::Seconds(10)) const;
 
  private:
   ServerProcess() = default;
@@ -76,6 +82,10 @@ class ServerProcess {
 
 // A loopback port nothing listens on (now).
 int UnusedPort();
+
+// A size from /proc/PID/status ("VmRSS:", "VmHWM:", "RssAnon:"), in bytes;
+// -1 when the process or the field is missing.
+int64_t ProcStatusBytes(pid_t pid, absl::string_view field);
 
 // grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... or the RPC's error text.
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel,

@@ -487,18 +487,6 @@ TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
       SameTensor(testing::ReferencePack(x, mask), first_response.packed(0)));
 }
 
-// A number from /proc/PID/status ("VmHWM:", "VmRSS:"), in bytes.
-int64_t ProcStatusBytes(pid_t pid, absl::string_view field) {
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(status, line)) {
-    if (absl::StartsWith(line, field)) {
-      return std::strtoll(line.c_str() + field.size(), nullptr, 10) * 1024;
-    }
-  }
-  return -1;
-}
-
 // The budget holds requests back at their senders: 32 clients, each on its
 // own connection whose flow-control windows an earlier call has grown, send a
 // 16 MiB inline Pack at once to a server whose budget admits one at a time.
@@ -550,12 +538,12 @@ TEST(ServiceLimits, CallsWaitingForTheBudgetStayWithTheirSenders) {
   while (warm < kClients) absl::SleepFor(absl::Milliseconds(1));
   // Resets the server's peak resident memory (VmHWM) to what it holds now.
   std::ofstream(absl::StrCat("/proc/", server->pid(), "/clear_refs")) << "5";
-  const int64_t before = ProcStatusBytes(server->pid(), "VmRSS:");
+  const int64_t before = testing::ProcStatusBytes(server->pid(), "VmRSS:");
   ASSERT_GT(before, 0);
   go = true;
   for (std::thread& t : clients) t.join();
   EXPECT_EQ(ok.load(), kClients);
-  const int64_t peak = ProcStatusBytes(server->pid(), "VmHWM:");
+  const int64_t peak = testing::ProcStatusBytes(server->pid(), "VmHWM:");
   // The overhead: HTTP/2's 64 KiB window of each waiting stream, gRPC's
   // buffers, and what the allocator keeps of freed buffers.
   constexpr int64_t kOverhead = int64_t{24} << 20;
@@ -741,7 +729,7 @@ std::string HttpGet(const std::string& address, const std::string& path) {
 TEST(ServiceMetrics, PrometheusTextCountsCallsByMethodAndCode) {
   auto server = ServerProcess::Start({"--metrics_listen=127.0.0.1:0"});
   ASSERT_NE(server, nullptr);
-  const std::string log = server->Log();
+  const std::string log = server->LogOnce("metrics on http://");
   const size_t at = log.find("metrics on http://");
   ASSERT_NE(at, std::string::npos) << log;
   const size_t begin = at + 18;

@@ -57,16 +57,7 @@ int64_t SoakSeconds() {
 
 // RssAnon of `pid` in bytes: its own heap and stacks, without the pages of
 // clients' shared memory it maps (those come and go with the clients).
-int64_t Rss(pid_t pid) {
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(status, line)) {
-    if (absl::StartsWith(line, "RssAnon:")) {
-      return std::atoll(line.c_str() + 8) * 1024;
-    }
-  }
-  return 0;
-}
+int64_t Rss(pid_t pid) { return testing::ProcStatusBytes(pid, "RssAnon:"); }
 
 int CountEntries(const std::string& dir, const std::string& prefix = "") {
   int n = 0;
