@@ -1,22 +1,13 @@
 #include "client/client.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <future>
-#include <iterator>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/buffer.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
@@ -70,160 +61,36 @@ int64_t ScratchBytes(int64_t bytes) { return bytes + bytes / 4 + (1 << 20); }
 
 }  // namespace
 
-namespace {
-
-// The contents of `path` (option `what`): FAILED_PRECONDITION when it cannot
-// be read or is empty.
-absl::StatusOr<std::string> ReadFile(const std::string& path,
-                                     const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  std::string text((std::istreambuf_iterator<char>(in)),
-                   std::istreambuf_iterator<char>());
-  if (!in.good() && !in.eof()) text.clear();
-  if (text.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot read ", what, " ", path));
-  }
-  return text;
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
-  if (options.address.empty()) {
-    return absl::InvalidArgumentError(
-        "address is empty: give HOST:PORT or unix:PATH");
-  }
-  std::string token;
-  if (!options.token_file.empty()) {
-    std::ifstream file(options.token_file);
-    std::string line;
-    while (file && token.empty() && std::getline(file, line)) {
-      token = std::string(absl::StripAsciiWhitespace(line));
-    }
-    if (token.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot read a token from ", options.token_file));
-    }
-  } else if (!options.token_env.empty()) {
-    if (const char* value = std::getenv(options.token_env.c_str())) {
-      token = std::string(absl::StripAsciiWhitespace(value));
-    }
-  }
-  std::shared_ptr<grpc::ChannelCredentials> credentials =
-      grpc::InsecureChannelCredentials();
-  if (!options.tls_ca_file.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    PACKD_ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                           ReadFile(options.tls_ca_file, "tls_ca_file"));
-    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
-      return absl::InvalidArgumentError(
-          "tls_cert_file and tls_key_file go together");
-    }
-    if (!options.tls_cert_file.empty()) {
-      PACKD_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
-                             ReadFile(options.tls_cert_file, "tls_cert_file"));
-      PACKD_ASSIGN_OR_RETURN(ssl.pem_private_key,
-                             ReadFile(options.tls_key_file, "tls_key_file"));
-    }
-    credentials = grpc::SslCredentials(ssl);
-  } else if (!options.tls_cert_file.empty()) {
-    return absl::InvalidArgumentError(
-        "a client certificate needs TLS: give tls_ca_file too");
-  }
-  if (options.keep_freed_memory) KeepFreedMemoryMapped();
-  std::unique_ptr<Client> client(
-      new Client(std::move(options), std::move(credentials)));
-  client->token_ = std::move(token);
-  return client;
+  PACKD_ASSIGN_OR_RETURN(std::unique_ptr<Connection> connection,
+                         Connection::Open(std::move(options)));
+  return std::unique_ptr<Client>(new Client(std::move(connection)));
 }
 
-Client::Client(ClientOptions options,
-               std::shared_ptr<grpc::ChannelCredentials> credentials)
-    : options_(std::move(options)) {
-  for (int i = 0; i < 2; ++i) {
-    grpc::ChannelArguments args;
-    const int limit = static_cast<int>(
-        std::min<int64_t>(options_.max_message_bytes, INT32_MAX));
-    args.SetMaxReceiveMessageSize(limit);
-    args.SetMaxSendMessageSize(limit);
-    // Channels with different arguments do not share a connection.
-    args.SetInt("packd.connection", i);
-    if (!options_.tls_server_name.empty()) {
-      args.SetSslTargetNameOverride(options_.tls_server_name);
-    }
-    std::string policy = options_.load_balancing_policy;
-    if (policy.empty() && absl::StartsWith(options_.address, "dns:")) {
-      policy = "round_robin";
-    }
-    if (!policy.empty()) args.SetLoadBalancingPolicyName(policy);
-    channels_[i] =
-        grpc::CreateCustomChannel(options_.address, credentials, args);
-    generic_[i] = std::make_unique<grpc::GenericStub>(channels_[i]);
-  }
-  channel_ = channels_[0];
-  stub_ = v1::PackService::NewStub(channel_);
-}
+Client::Client(std::unique_ptr<Connection> connection)
+    : connection_(std::move(connection)), options_(connection_->options()) {}
 
 Client::~Client() = default;
 
-template <typename Rpc>
-absl::Status Client::Call(Rpc&& rpc) {
-  absl::Duration backoff = options_.initial_backoff;
-  for (int attempt = 1;; ++attempt) {
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
-    if (!token_.empty())
-      context.AddMetadata("authorization", "Bearer " + token_);
-    const grpc::Status status = rpc(&context);
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
-        attempt >= options_.max_attempts) {
-      return FromGrpcStatus(status);
-    }
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, options_.max_backoff);
-  }
-}
-
-absl::Status Client::RawCall(int connection, const std::string& method,
+absl::Status Client::RawCall(int connection, const char* method,
                              const google::protobuf::Message& request,
                              const Outgoing& outgoing,
                              google::protobuf::Message* response,
-                             Incoming* incoming) {
-  const grpc::ByteBuffer sent = ToByteBuffer(
-      SerializeWithPayloads(request, outgoing.payloads), outgoing.keep);
-  grpc::ByteBuffer received;
-  auto call = [&](grpc::ClientContext* context) {
-    absl::Notification done;
-    grpc::Status status;
-    received.Clear();
-    context->AddMetadata(kRequestBytesHeader, std::to_string(sent.Length()));
-    HandOff(&done);
-    generic_[connection]->UnaryCall(context, method, grpc::StubOptions(), &sent,
-                                    &received, [&](grpc::Status s) {
-                                      TakeOver(&done);
-                                      status = std::move(s);
-                                      done.Notify();
-                                    });
-    done.WaitForNotification();
-    return status;
-  };
-  absl::Status status = Call(call);
+                             RawReply* reply) {
+  absl::Status status =
+      connection_->RawCall(connection, method, request, outgoing.payloads,
+                           outgoing.keep, response, reply);
   if (status.code() == absl::StatusCode::kNotFound) {
     // A region of ours may be gone (lease, restart): register, then again.
     absl::StatusOr<int> registered = Reregister();
-    if (registered.ok() && *registered > 0) status = Call(call);
+    if (registered.ok() && *registered > 0) {
+      *reply = RawReply();
+      status =
+          connection_->RawCall(connection, method, request, outgoing.payloads,
+                               outgoing.keep, response, reply);
+    }
   }
-  PACKD_RETURN_IF_ERROR(status);
-  std::vector<absl::string_view> chunks;
-  PACKD_RETURN_IF_ERROR(ReadChunks(received, &incoming->slices, &chunks));
-  const absl::Status parsed = ParseWithPayloads(
-      chunks, response->GetDescriptor()->name(), response, &incoming->payloads);
-  if (!parsed.ok()) {
-    return absl::InternalError(
-        absl::StrCat("the server's reply: ", parsed.message()));
-  }
-  return absl::OkStatus();
+  return status;
 }
 
 absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
@@ -253,8 +120,8 @@ absl::Status Client::RegisterDeviceMemory(const std::string& name,
   request.set_byte_size(byte_size);
   request.set_lease_seconds(options_.lease_seconds);
   v1::RegisterRegionResponse response;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return stub_->RegisterDeviceRegion(c, request, &response);
+  PACKD_RETURN_IF_ERROR(connection_->Call([&](grpc::ClientContext* c) {
+    return connection_->stub().RegisterDeviceRegion(c, request, &response);
   }));
   absl::MutexLock lock(&mu_);
   device_regions_[name] = std::move(request);
@@ -266,15 +133,8 @@ absl::Status Client::RegisterSegment(SharedMemory& segment) {
     PACKD_RETURN_IF_ERROR(segment.Relink(ShmSegment::UniqueKey(
         absl::StrCat(options_.shm_key_prefix, "_client"))));
   }
-  v1::RegisterSystemRegionRequest request;
-  request.set_name(segment.region());
-  request.set_key(segment.key());
-  request.set_byte_size(static_cast<uint64_t>(segment.size()));
-  request.set_lease_seconds(options_.lease_seconds);
-  v1::RegisterRegionResponse response;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return stub_->RegisterSystemRegion(c, request, &response);
-  }));
+  PACKD_RETURN_IF_ERROR(connection_->RegisterSystemRegion(
+      segment.region(), segment.key(), segment.size()));
   // The server maps it; the name has done its work.
   segment.Unlink();
   return absl::OkStatus();
@@ -282,8 +142,9 @@ absl::Status Client::RegisterSegment(SharedMemory& segment) {
 
 absl::StatusOr<int> Client::Reregister() {
   v1::ListRegionsResponse listed;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return stub_->ListRegions(c, v1::ListRegionsRequest(), &listed);
+  PACKD_RETURN_IF_ERROR(connection_->Call([&](grpc::ClientContext* c) {
+    return connection_->stub().ListRegions(c, v1::ListRegionsRequest(),
+                                           &listed);
   }));
   absl::flat_hash_set<std::string> known;
   for (const v1::RegionInfo& info : listed.regions()) known.insert(info.name());
@@ -297,8 +158,8 @@ absl::StatusOr<int> Client::Reregister() {
   for (const auto& [name, request] : device_regions_) {
     if (known.contains(name)) continue;
     v1::RegisterRegionResponse response;
-    PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-      return stub_->RegisterDeviceRegion(c, request, &response);
+    PACKD_RETURN_IF_ERROR(connection_->Call([&](grpc::ClientContext* c) {
+      return connection_->stub().RegisterDeviceRegion(c, request, &response);
     }));
     ++registered;
   }
@@ -315,35 +176,7 @@ absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
   request.set_max_tokens_per_micro_batch(max_tokens_per_micro_batch);
   request.set_num_ranks(num_ranks);
   request.set_micro_batch_multiple(micro_batch_multiple);
-  v1::PlanResponse response;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return stub_->PlanMicroBatches(c, request, &response);
-  }));
-  return response;
-}
-
-std::string Client::LoadBalancingPolicy() const {
-  return channel_->GetLoadBalancingPolicyName();
-}
-
-absl::StatusOr<v1::ServerInfo> Client::Info() {
-  v1::ServerInfo info;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return stub_->GetServerInfo(c, v1::GetServerInfoRequest(), &info);
-  }));
-  return info;
-}
-
-absl::StatusOr<std::string> Client::Health(const std::string& service) {
-  auto health = grpc::health::v1::Health::NewStub(channel_);
-  grpc::health::v1::HealthCheckRequest request;
-  request.set_service(service);
-  grpc::health::v1::HealthCheckResponse response;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
-    return health->Check(c, request, &response);
-  }));
-  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
-      response.status());
+  return connection_->Plan(request);
 }
 
 absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
@@ -365,12 +198,7 @@ absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
                                          }),
                           segments_.end());
         }
-        v1::UnregisterRegionRequest request;
-        request.set_name(region);
-        v1::UnregisterRegionResponse response;
-        Call([&](grpc::ClientContext* c) {
-          return stub_->UnregisterRegion(c, request, &response);
-        }).IgnoreError();
+        connection_->UnregisterRegion(region).IgnoreError();
       }));
   absl::MutexLock lock(&mu_);
   // On failure the segment goes (unlinked); the unregister it sends finds
@@ -438,7 +266,7 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
 
 absl::StatusOr<at::Tensor> Client::DecodeResult(const v1::Tensor& t,
                                                 bool copy_out,
-                                                const Incoming& incoming) {
+                                                const RawReply& reply) {
   const DType dtype = static_cast<DType>(t.dtype());
   if (!IsValidDType(dtype)) {
     return absl::InternalError(
@@ -462,10 +290,7 @@ absl::StatusOr<at::Tensor> Client::DecodeResult(const v1::Tensor& t,
     return copy_out ? out.clone() : out;
   }
   out = PooledEmpty(ShapeOf(t), options);
-  auto it = incoming.payloads.find(&t);
-  const Payload payload = it != incoming.payloads.end()
-                              ? it->second
-                              : Payload::Of(t.data().data(), t.data().size());
+  const Payload payload = reply.BytesOf(t);
   if (payload.size != static_cast<int64_t>(out.nbytes())) {
     return absl::InternalError("server returned a tensor of the wrong size");
   }
@@ -572,14 +397,11 @@ absl::StatusOr<at::Tensor> JoinRows(
   return out;
 }
 
-constexpr char kPackMethod[] = "/packd.v1.PackService/Pack";
-constexpr char kScatterMethod[] = "/packd.v1.PackService/Scatter";
-
 }  // namespace
 
 struct Client::PackPart {
   v1::PackResponse response;
-  Incoming incoming;
+  RawReply reply;
 };
 
 bool Client::Splits(int64_t bytes, SharedMemory* scratch) const {
@@ -623,7 +445,7 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
   }
   PackPart part;
   PACKD_RETURN_IF_ERROR(RawCall(connection, kPackMethod, request, outgoing,
-                                &part.response, &part.incoming));
+                                &part.response, &part.reply));
   return part;
 }
 
@@ -676,7 +498,7 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
       PACKD_ASSIGN_OR_RETURN(
           at::Tensor p, DecodeResult(parts[0].response.packed(i),
                                      /*copy_out=*/options.results_in == nullptr,
-                                     parts[0].incoming));
+                                     parts[0].reply));
       batch.packed.push_back(std::move(p));
       continue;
     }
@@ -684,9 +506,9 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
     std::vector<const Payload*> payloads;
     for (const PackPart& part : parts) {
       heads.push_back(&part.response.packed(i));
-      auto it = part.incoming.payloads.find(heads.back());
-      payloads.push_back(it == part.incoming.payloads.end() ? nullptr
-                                                            : &it->second);
+      auto it = part.reply.payloads.find(heads.back());
+      payloads.push_back(it == part.reply.payloads.end() ? nullptr
+                                                         : &it->second);
     }
     PACKD_ASSIGN_OR_RETURN(at::Tensor p, JoinRows(heads, payloads));
     batch.packed.push_back(std::move(p));
@@ -737,7 +559,7 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
   PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch, ScratchFor(bytes));
   struct Part {
     v1::ScatterResponse response;
-    Incoming incoming;
+    RawReply reply;
   };
   auto scatter_rows = [&](const std::vector<at::Tensor>& rows_packed,
                           const at::Tensor& rows_mask, SharedMemory* segment,
@@ -759,7 +581,7 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     }
     Part part;
     PACKD_RETURN_IF_ERROR(RawCall(connection, kScatterMethod, request, outgoing,
-                                  &part.response, &part.incoming));
+                                  &part.response, &part.reply));
     return part;
   };
 
@@ -796,9 +618,9 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
   std::vector<at::Tensor> dense;
   for (int i = 0; i < parts[0].response.dense_size(); ++i) {
     if (parts.size() == 1) {
-      PACKD_ASSIGN_OR_RETURN(
-          at::Tensor d, DecodeResult(parts[0].response.dense(i),
-                                     /*copy_out=*/true, parts[0].incoming));
+      PACKD_ASSIGN_OR_RETURN(at::Tensor d,
+                             DecodeResult(parts[0].response.dense(i),
+                                          /*copy_out=*/true, parts[0].reply));
       dense.push_back(std::move(d));
       continue;
     }
@@ -809,9 +631,9 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
         return absl::InternalError("server returned parts that do not join");
       }
       heads.push_back(&part.response.dense(i));
-      auto it = part.incoming.payloads.find(heads.back());
-      payloads.push_back(it == part.incoming.payloads.end() ? nullptr
-                                                            : &it->second);
+      auto it = part.reply.payloads.find(heads.back());
+      payloads.push_back(it == part.reply.payloads.end() ? nullptr
+                                                         : &it->second);
     }
     PACKD_ASSIGN_OR_RETURN(at::Tensor d, JoinRows(heads, payloads));
     dense.push_back(std::move(d));

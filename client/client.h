@@ -1,8 +1,8 @@
 // packd::Client: the C++ client of packd.v1.PackService for rollout workers and
-// trainers, with libtorch tensors in and out, per-call deadlines, retry with
-// backoff on UNAVAILABLE, and shared-memory tensor handles on one node. Inline
-// tensors are sent from their own memory and results copied once out of the
-// received slices (proto/wire.h).
+// trainers, with libtorch tensors in and out and shared-memory tensor handles
+// on one node, over a Connection (connection.h: channels, deadlines, retry
+// with backoff on UNAVAILABLE). Inline tensors are sent from their own memory
+// and results copied once out of the received slices (proto/wire.h).
 //
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(auto client, Client::Connect({.address = "127.0.0.1:50051"}));
@@ -12,8 +12,6 @@
 #define PACKD_CLIENT_CLIENT_H_
 
 #include <ATen/ATen.h>
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
 
 #include <cstdint>
 #include <memory>
@@ -24,71 +22,12 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
+#include "client/connection.h"
 #include "client/shared_memory.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
 
 namespace packd {
-
-struct ClientOptions {
-  // "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes
-  // Service (every pod's address; calls spread over them).
-  std::string address = "127.0.0.1:50051";
-  // gRPC's load-balancing policy; empty: round_robin for dns:/// addresses
-  // (one connection to each address the name resolves to, calls spread over
-  // them), gRPC's pick_first otherwise.
-  std::string load_balancing_policy;
-  // Largest message this client sends or receives (match the server's
-  // --max_message_bytes).
-  int64_t max_message_bytes = int64_t{1} << 30;
-  // Deadline of each call.
-  absl::Duration deadline = absl::Seconds(60);
-  // Attempts per call while the server answers UNAVAILABLE (draining,
-  // restarting), with exponential backoff from initial_backoff up to
-  // max_backoff between them: about 5 s in all by default, what a restarted
-  // packd needs to answer again.
-  int max_attempts = 8;
-  absl::Duration initial_backoff = absl::Milliseconds(50);
-  absl::Duration max_backoff = absl::Seconds(2);
-  // Calls whose tensors hold at least this many bytes go through shared memory
-  // when the server allows it (GetServerInfo.shared_memory_enabled); 0 disables
-  // the automatic path.
-  int64_t shared_memory_threshold_bytes = int64_t{4} << 20;
-  // The server's --shm_key_prefix: segments this client creates are named under
-  // it.
-  std::string shm_key_prefix = "/packd";
-  // Regions this client registers (its segments, device memory) are leased:
-  // the server unregisters one no call has named for this long, so a killed
-  // process leaks nothing for longer. The client registers a region again,
-  // transparently, when a call finds it gone (an idle spell, a restarted
-  // server). 0: no lease.
-  uint32_t lease_seconds = 30;
-  // Inline calls whose tensors hold at least this many bytes are split by rows
-  // into two calls on two connections that run at once (a single connection
-  // leaves the wire idle while the server works); 0 never splits.
-  int64_t split_threshold_bytes = int64_t{16} << 20;
-  // Keep memory freed by finished calls mapped for the next ones: tunes this
-  // process's malloc (KeepFreedMemoryMapped, kernels/buffer.h), which
-  // makes large inline calls several times faster; the process then keeps up
-  // to 1 GiB of freed heap.
-  bool keep_freed_memory = true;
-  // A bearer token for servers started with --auth_token_file, sent as
-  // "authorization: Bearer <token>" on every call: the first line of
-  // `token_file` when set, else the environment variable `token_env` when set
-  // (never a command-line value, which `ps` would show).
-  std::string token_file;
-  std::string token_env = "PACKD_TOKEN";
-  // TLS (for a server with --tls_cert_file): the PEM CA certificates that
-  // signed the server's certificate; empty: plaintext. With mutual TLS, the
-  // client's PEM certificate chain and key too.
-  std::string tls_ca_file;
-  std::string tls_cert_file;
-  std::string tls_key_file;
-  // The name the server's certificate must carry, when it is not the
-  // address's host (for unix sockets: "localhost").
-  std::string tls_server_name;
-};
 
 struct PackCallOptions {
   bool with_position_ids = false;
@@ -135,9 +74,7 @@ absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
 
 class Client {
  public:
-  // Connects (lazily: the first call dials). INVALID_ARGUMENT for an empty
-  // address or TLS files given without their partner; FAILED_PRECONDITION
-  // when `token_file` or a TLS file cannot be read or is empty.
+  // Connects (lazily: the first call dials): the errors of Connection::Open.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
   ~Client();
 
@@ -181,14 +118,18 @@ class Client {
       int32_t num_ranks = 1, int32_t micro_batch_multiple = 1,
       const std::vector<int64_t>& loss_tokens = {});
 
-  absl::StatusOr<v1::ServerInfo> Info();
+  absl::StatusOr<v1::ServerInfo> Info() { return connection_->Info(); }
   // The load-balancing policy the channels use ("round_robin", "pick_first"),
   // once they have connected.
-  std::string LoadBalancingPolicy() const;
+  std::string LoadBalancingPolicy() const {
+    return connection_->LoadBalancingPolicy();
+  }
   // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"
   // readiness): "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health(
-      const std::string& service = "packd.v1.PackService");
+      const std::string& service = "packd.v1.PackService") {
+    return connection_->Health(service);
+  }
 
   // Creates a shared-memory segment of `bytes`, registers it with the server,
   // and returns it: tensors allocated from it travel as handles, without a
@@ -198,8 +139,9 @@ class Client {
   absl::StatusOr<std::unique_ptr<SharedMemory>> CreateSharedMemory(
       int64_t bytes);
 
-  const ClientOptions& options() const { return options_; }
-  v1::PackService::Stub& stub() { return *stub_; }
+  const ClientOptions& options() const { return connection_->options(); }
+  v1::PackService::Stub& stub() { return connection_->stub(); }
+  Connection& connection() { return *connection_; }
 
  private:
   // A request on its way: the inline tensors' bytes, in place, and the
@@ -209,27 +151,17 @@ class Client {
     std::shared_ptr<std::vector<at::Tensor>> keep =
         std::make_shared<std::vector<at::Tensor>>();
   };
-  // A reply: its inline tensors' bytes in the received slices.
-  struct Incoming {
-    std::vector<grpc::Slice> slices;
-    Payloads payloads;
-  };
   struct PackPart;
 
-  Client(ClientOptions options,
-         std::shared_ptr<grpc::ChannelCredentials> credentials);
+  explicit Client(std::unique_ptr<Connection> connection);
 
-  // Runs `rpc(context)` with the deadline, retrying on UNAVAILABLE.
-  template <typename Rpc>
-  absl::Status Call(Rpc&& rpc);
-  // Calls `method` ("/packd.v1.PackService/Pack") on connection `connection`
-  // with `request` and its inline bytes, without copying them; parses the
-  // reply into `response` with its inline bytes in place (INTERNAL when it
-  // does not parse).
-  absl::Status RawCall(int connection, const std::string& method,
+  // Connection::RawCall with `outgoing`'s bytes; when the server does not
+  // know a region (NOT_FOUND), registers this client's regions again and, if
+  // any was missing, calls once more.
+  absl::Status RawCall(int connection, const char* method,
                        const google::protobuf::Message& request,
                        const Outgoing& outgoing,
-                       google::protobuf::Message* response, Incoming* incoming);
+                       google::protobuf::Message* response, RawReply* reply);
   // One Pack call over rows of the batch, on `connection`.
   absl::StatusOr<PackPart> PackRows(const std::vector<at::Tensor>& tensors,
                                     const at::Tensor& mask,
@@ -253,17 +185,12 @@ class Client {
   absl::Status EncodeTensor(const at::Tensor& t, SharedMemory* scratch,
                             v1::Tensor* out, Outgoing* outgoing);
   // A result as a tensor: a view of its region slice (cloned when
-  // `copy_out`), or a copy of its inline bytes (from `incoming`).
+  // `copy_out`), or a copy of its inline bytes (from `reply`).
   absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t, bool copy_out,
-                                          const Incoming& incoming);
+                                          const RawReply& reply);
 
-  const ClientOptions options_;
-  std::string token_;  // empty: none
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::PackService::Stub> stub_;
-  // Two connections for large inline calls (the first is channel_'s).
-  std::shared_ptr<grpc::Channel> channels_[2];
-  std::unique_ptr<grpc::GenericStub> generic_[2];
+  const std::unique_ptr<Connection> connection_;
+  const ClientOptions& options_;  // connection_'s
   absl::Mutex mu_;
   // Registered segments, for lookups.
   std::vector<SharedMemory*> segments_ ABSL_GUARDED_BY(mu_);

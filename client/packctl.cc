@@ -11,13 +11,13 @@
 //
 // Exit codes: 0 ok; 1 a check failed (not serving, too slow, wrong result); 2
 // usage; 3 the server answered with an error or could not be reached.
-#include <ATen/ATen.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -35,12 +35,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "client/client.h"
+#include "client/connection.h"
+#include "client/shm_segment.h"
 #include "kernels/dtype.h"
 #include "kernels/mask_patterns.h"
-#include "kernels/torch/torch_interop.h"
 #include "planner/planner.h"
 #include "planner/workloads.h"
+#include "proto/tensor_codec.h"
 
 ABSL_FLAG(std::string, token_file, "",
           "Bearer token for a server with --auth_token_file: the file's first "
@@ -69,6 +70,11 @@ ABSL_FLAG(std::string, mask, "prefix",
           "(positions active independently)");
 ABSL_FLAG(std::string, input, "",
           "pack: read x from this file (raw little-endian bytes)");
+ABSL_FLAG(std::string, mask_file, "",
+          "pack: read the mask from this file (B*S bytes, 0 inactive, else "
+          "active) instead of generating it");
+ABSL_FLAG(std::string, output, "",
+          "pack: write the packed bytes of x to this file");
 ABSL_FLAG(int, concurrency, 1, "bench: calls in flight");
 ABSL_FLAG(double, duration, 5, "bench: seconds to run");
 ABSL_FLAG(std::string, transport, "inline",
@@ -97,26 +103,68 @@ int Fail(int code, const std::string& message) {
   return code;
 }
 
-absl::StatusOr<std::unique_ptr<Client>> Connect() {
+absl::StatusOr<std::unique_ptr<Connection>> Connect() {
   ClientOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   options.max_attempts = 1;  // operators want the answer, not a retry loop
-  options.shared_memory_threshold_bytes = 0;
   options.token_file = absl::GetFlag(FLAGS_token_file);  // else $PACKD_TOKEN
   options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
-  return Client::Connect(options);
+  return Connection::Open(options);
 }
 
+// One tensor x of [B, S, *tail] and its [B, S] mask, as bytes.
 struct Batch {
-  at::Tensor x, mask;
+  DType dtype = DType::kUnspecified;
+  std::vector<int64_t> shape;
+  std::vector<char> x;
+  std::vector<uint8_t> mask;  // bool: 0 or 1
+
+  int64_t rows() const { return shape[0] * shape[1]; }
+  int64_t row_bytes() const {
+    return rows() > 0 ? static_cast<int64_t>(x.size()) / rows() : 0;
+  }
+  // The reference result: the rows of x where the mask is set, in order.
+  std::string Packed() const {
+    std::string out;
+    for (int64_t i = 0; i < rows(); ++i) {
+      if (mask[i]) out.append(x.data() + i * row_bytes(), row_bytes());
+    }
+    return out;
+  }
 };
 
+// The contents of `path`, which must hold exactly `bytes` bytes (`flag` names
+// it in the error).
+absl::StatusOr<std::vector<char>> ReadExactly(const std::string& flag,
+                                              const std::string& path,
+                                              int64_t bytes,
+                                              const std::string& needs) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f)
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read --", flag, "=", path));
+  std::vector<char> out(bytes + 1);
+  f.read(out.data(), bytes + 1);
+  if (f.gcount() > bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, " holds more than the ", bytes,
+                     " bytes ", needs, " needs"));
+  }
+  if (f.gcount() < bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, " holds ", f.gcount(), " bytes; ",
+                     needs, " needs ", bytes));
+  }
+  out.resize(bytes);
+  return out;
+}
+
 absl::StatusOr<Batch> MakeBatch() {
-  std::vector<int64_t> shape;
+  Batch batch;
   for (absl::string_view part :
        absl::StrSplit(absl::GetFlag(FLAGS_shape), ',')) {
     int64_t d = 0;
@@ -124,46 +172,89 @@ absl::StatusOr<Batch> MakeBatch() {
       return absl::InvalidArgumentError(absl::StrCat(
           "--shape=", absl::GetFlag(FLAGS_shape), " is not B,S[,tail...]"));
     }
-    shape.push_back(d);
+    batch.shape.push_back(d);
   }
-  if (shape.size() < 2)
+  if (batch.shape.size() < 2)
     return absl::InvalidArgumentError("--shape needs at least B,S");
-  DType dtype;
-  if (!ParseDType(absl::GetFlag(FLAGS_dtype), &dtype)) {
+  if (!ParseDType(absl::GetFlag(FLAGS_dtype), &batch.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--dtype=", absl::GetFlag(FLAGS_dtype), " is not a dtype"));
   }
-  const double density = absl::GetFlag(FLAGS_density);
   MaskPattern pattern;
   if (!ParseMaskPattern(absl::GetFlag(FLAGS_mask), &pattern)) {
     return absl::InvalidArgumentError("--mask must be prefix or holes");
   }
-  Batch batch;
-  const auto options = at::TensorOptions().dtype(ToScalarType(dtype));
-  if (!absl::GetFlag(FLAGS_input).empty()) {
-    batch.x = at::empty(shape, options);
-    std::ifstream f(absl::GetFlag(FLAGS_input), std::ios::binary);
-    f.read(static_cast<char*>(batch.x.data_ptr()), batch.x.nbytes());
-    if (f.gcount() != batch.x.nbytes()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--input=", absl::GetFlag(FLAGS_input), " holds ",
-                       f.gcount(), " bytes; shape ", absl::GetFlag(FLAGS_shape),
-                       " of ", DTypeName(dtype), " needs ", batch.x.nbytes()));
-    }
-  } else {
-    batch.x = at::randint(-100, 100, shape, at::kFloat).to(ToScalarType(dtype));
-  }
-  const int64_t B = shape[0], S = shape[1];
+  absl::StatusOr<int64_t> bytes = ByteSize(batch.dtype, batch.shape, "--shape");
+  if (!bytes.ok()) return bytes.status();
+  const std::string what = absl::StrCat("shape ", absl::GetFlag(FLAGS_shape),
+                                        " of ", DTypeName(batch.dtype));
   std::mt19937_64 rng(std::random_device{}());
-  std::vector<uint8_t> active = MaskActivity(pattern, B, S, density, rng);
-  batch.mask = at::from_blob(active.data(), {B, S}, at::kByte).to(at::kBool);
+  if (!absl::GetFlag(FLAGS_input).empty()) {
+    absl::StatusOr<std::vector<char>> x =
+        ReadExactly("input", absl::GetFlag(FLAGS_input), *bytes, what);
+    if (!x.ok()) return x.status();
+    batch.x = *std::move(x);
+  } else {
+    // Random bytes: packing moves bytes and never reads them as numbers. A
+    // bool is 0 or 1.
+    batch.x.resize(*bytes);
+    for (char& c : batch.x) c = static_cast<char>(rng());
+    if (batch.dtype == DType::kBool) {
+      for (char& c : batch.x) c &= 1;
+    }
+  }
+  const int64_t B = batch.shape[0], S = batch.shape[1];
+  if (!absl::GetFlag(FLAGS_mask_file).empty()) {
+    absl::StatusOr<std::vector<char>> mask =
+        ReadExactly("mask_file", absl::GetFlag(FLAGS_mask_file), B * S,
+                    absl::StrCat("a [", B, ", ", S, "] mask"));
+    if (!mask.ok()) return mask.status();
+    for (char c : *mask) batch.mask.push_back(c != 0);
+  } else {
+    batch.mask = MaskActivity(pattern, B, S, absl::GetFlag(FLAGS_density), rng);
+  }
   return batch;
 }
 
-int Health(Client& client) {
-  absl::StatusOr<std::string> live = client.Health("");
+// A Pack request for `batch` with x's bytes inline (in place) or, when
+// `x_in` is given, as that slice of a registered region, and the results in
+// `results` when given.
+void PackRequestFor(const Batch& batch, const v1::RegionSlice* x_in,
+                    const v1::RegionSlice* results, v1::PackRequest* request,
+                    Payloads* payloads) {
+  const int64_t mask_shape[] = {batch.shape[0], batch.shape[1]};
+  EncodeTensorHeader(DType::kBool, mask_shape, request->mutable_mask());
+  (*payloads)[&request->mask()] =
+      Payload::Of(batch.mask.data(), static_cast<int64_t>(batch.mask.size()));
+  v1::Tensor* x = request->add_inputs();
+  EncodeTensorHeader(batch.dtype, batch.shape, x);
+  if (x_in != nullptr) {
+    *x->mutable_region() = *x_in;
+  } else {
+    (*payloads)[x] =
+        Payload::Of(batch.x.data(), static_cast<int64_t>(batch.x.size()));
+  }
+  if (results != nullptr) *request->add_outputs() = *results;
+}
+
+// The packed bytes of x in a reply.
+absl::StatusOr<std::string> PackedBytes(const v1::PackResponse& response,
+                                        const RawReply& reply) {
+  if (response.packed_size() != 1) {
+    return absl::InternalError(absl::StrCat("the server returned ",
+                                            response.packed_size(),
+                                            " packed tensors for one input"));
+  }
+  const Payload bytes = reply.BytesOf(response.packed(0));
+  std::string out(bytes.size, '\0');
+  bytes.CopyOut(0, bytes.size, out.data());
+  return out;
+}
+
+int Health(Connection& connection) {
+  absl::StatusOr<std::string> live = connection.Health("");
   if (!live.ok()) return Fail(kRpcError, live.status().ToString());
-  absl::StatusOr<std::string> ready = client.Health("packd.v1.PackService");
+  absl::StatusOr<std::string> ready = connection.Health("packd.v1.PackService");
   if (!ready.ok()) return Fail(kRpcError, ready.status().ToString());
   std::printf(
       "liveness  (\"\"):                   %s\nreadiness "
@@ -172,8 +263,8 @@ int Health(Client& client) {
   return *ready == "SERVING" ? kOk : kCheckFailed;
 }
 
-int Info(Client& client) {
-  absl::StatusOr<v1::ServerInfo> info = client.Info();
+int Info(Connection& connection) {
+  absl::StatusOr<v1::ServerInfo> info = connection.Info();
   if (!info.ok()) return Fail(kRpcError, info.status().ToString());
   std::printf(
       "version:          %s\ndefault device:   %s\nmax message:      %llu "
@@ -193,57 +284,93 @@ int Info(Client& client) {
   return kOk;
 }
 
-int Probe(Client& client) {
-  const at::Tensor mask =
-      at::tensor({1, 1, 0, 1, 0, 0, 1, 1}, at::kInt).view({2, 4}).to(at::kBool);
-  const at::Tensor x = at::arange(16, at::kFloat).view({2, 4, 2});
+// Packs `batch` inline; the reply, its packed bytes and the milliseconds the
+// call took.
+struct PackResult {
+  v1::PackResponse response;
+  std::string packed;
+  double ms = 0;
+};
+absl::StatusOr<PackResult> PackInline(Connection& connection,
+                                      const Batch& batch,
+                                      bool with_position_ids) {
+  v1::PackRequest request;
+  Payloads payloads;
+  request.set_with_position_ids(with_position_ids);
+  PackRequestFor(batch, nullptr, nullptr, &request, &payloads);
+  PackResult result;
+  RawReply reply;
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<PackedBatch> r = client.Pack({x}, mask);
-  const double ms = std::chrono::duration<double, std::milli>(
-                        std::chrono::steady_clock::now() - start)
-                        .count();
+  absl::Status status = connection.RawCall(0, kPackMethod, request, payloads,
+                                           nullptr, &result.response, &reply);
+  result.ms = std::chrono::duration<double, std::milli>(
+                  std::chrono::steady_clock::now() - start)
+                  .count();
+  if (!status.ok()) return status;
+  absl::StatusOr<std::string> packed = PackedBytes(result.response, reply);
+  if (!packed.ok()) return packed.status();
+  result.packed = *std::move(packed);
+  return result;
+}
+
+int Probe(Connection& connection) {
+  Batch batch;  // x = 0..15 as float32 [2, 4, 2]
+  batch.dtype = DType::kFloat32;
+  batch.shape = {2, 4, 2};
+  batch.mask = {1, 1, 0, 1, 0, 0, 1, 1};
+  for (int i = 0; i < 16; ++i) {
+    const float v = static_cast<float>(i);
+    const char* p = reinterpret_cast<const char*>(&v);
+    batch.x.insert(batch.x.end(), p, p + sizeof(v));
+  }
+  absl::StatusOr<PackResult> r = PackInline(connection, batch, false);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
-  if (!at::equal(r->packed[0], x.index({mask})) || r->total_active != 5) {
+  if (r->packed != batch.Packed() || r->response.total_active() != 5) {
     return Fail(kCheckFailed, "probe: the server returned a wrong result");
   }
-  if (ms > absl::GetFlag(FLAGS_max_latency_ms)) {
+  if (r->ms > absl::GetFlag(FLAGS_max_latency_ms)) {
     return Fail(kCheckFailed,
                 absl::StrFormat("probe: %.2f ms is over --max_latency_ms=%g",
-                                ms, absl::GetFlag(FLAGS_max_latency_ms)));
+                                r->ms, absl::GetFlag(FLAGS_max_latency_ms)));
   }
-  std::printf("probe ok: %.2f ms\n", ms);
+  std::printf("probe ok: %.2f ms\n", r->ms);
   return kOk;
 }
 
-int PackCommand(Client& client) {
+int PackCommand(Connection& connection) {
   absl::StatusOr<Batch> batch = MakeBatch();
   if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
-  const auto start = std::chrono::steady_clock::now();
-  PackCallOptions options;
-  options.with_position_ids = true;
-  absl::StatusOr<PackedBatch> r = client.Pack({batch->x}, batch->mask, options);
-  const double ms = std::chrono::duration<double, std::milli>(
-                        std::chrono::steady_clock::now() - start)
-                        .count();
+  absl::StatusOr<PackResult> r = PackInline(connection, *batch, true);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
-  std::vector<int64_t> cu(
-      r->cu_seqlens.data_ptr<int64_t>(),
-      r->cu_seqlens.data_ptr<int64_t>() + r->cu_seqlens.numel());
-  const size_t head = std::min<size_t>(cu.size(), 9);
+  const v1::PackResponse& response = r->response;
+  const auto& cu = response.cu_seqlens();
+  const int head = std::min(cu.size(), 9);
   std::printf("x:            [%s] %s (%.1f MiB)\n",
-              absl::StrJoin(batch->x.sizes(), ", ").c_str(),
-              c10::toString(batch->x.scalar_type()),
-              batch->x.nbytes() / 1048576.0);
+              absl::StrJoin(batch->shape, ", ").c_str(),
+              DTypeName(batch->dtype), batch->x.size() / 1048576.0);
   std::printf("packed:       [%s] (%.1f MiB)\n",
-              absl::StrJoin(r->packed[0].sizes(), ", ").c_str(),
-              r->packed[0].nbytes() / 1048576.0);
+              absl::StrJoin(response.packed(0).shape(), ", ").c_str(),
+              r->packed.size() / 1048576.0);
   std::printf("total_active: %lld   max_seqlen: %lld\n",
-              static_cast<long long>(r->total_active),
-              static_cast<long long>(r->max_seqlen));
+              static_cast<long long>(response.total_active()),
+              static_cast<long long>(response.max_seqlen()));
   std::printf("cu_seqlens:   [%s%s]\n",
               absl::StrJoin(cu.begin(), cu.begin() + head, ", ").c_str(),
               cu.size() > head ? ", ..." : "");
-  std::printf("time:         %.2f ms\n", ms);
+  std::printf("time:         %.2f ms\n", r->ms);
+  const std::string output = absl::GetFlag(FLAGS_output);
+  if (!output.empty()) {
+    std::ofstream f(output, std::ios::binary);
+    f.write(r->packed.data(), static_cast<std::streamsize>(r->packed.size()));
+    if (!f) return Fail(kUsage, "cannot write --output=" + output);
+  }
+  // Every byte checked against packing here, row by row.
+  if (r->packed != batch->Packed()) {
+    return Fail(kCheckFailed,
+                "pack: the packed bytes differ from the rows of x the mask "
+                "selects");
+  }
+  std::printf("checked:      the packed bytes equal the masked rows of x\n");
   return kOk;
 }
 
@@ -264,37 +391,91 @@ struct BenchRun {
   }
 };
 
-// One connection calling Pack until the run stops. With shm, x is written once
-// into one segment and results land in another that is reset before each
-// call: nothing is copied per call.
-void BenchWorker(BenchRun& run) {
-  absl::StatusOr<std::unique_ptr<Client>> client = Connect();
-  if (!client.ok()) return run.Fail(client.status().ToString());
-  std::unique_ptr<SharedMemory> in_shm, out_shm;
-  at::Tensor x = run.batch->x;
-  PackCallOptions options;
-  if (run.shm) {
-    auto in = (*client)->CreateSharedMemory(x.nbytes() + 4096);
-    auto out = (*client)->CreateSharedMemory(x.nbytes() + 4096);
-    if (!in.ok() || !out.ok()) {
-      return run.Fail((in.ok() ? out.status() : in.status()).ToString());
-    }
-    in_shm = std::move(*in);
-    out_shm = std::move(*out);
-    x = in_shm->Empty(run.batch->x.sizes(), run.batch->x.scalar_type());
-    x.copy_(run.batch->x);
-    options.results_in = out_shm.get();
+// A shared-memory segment registered with the server as a region for the
+// life of this object (its name unlinked once the server has mapped it).
+class Region {
+ public:
+  static absl::StatusOr<std::unique_ptr<Region>> Create(Connection& connection,
+                                                        int64_t bytes) {
+    const std::string prefix =
+        absl::StrCat(connection.options().shm_key_prefix, "_packctl_");
+    const std::string key =
+        ShmSegment::UniqueKey(prefix.substr(0, prefix.size() - 1));
+    absl::StatusOr<std::unique_ptr<ShmSegment>> segment =
+        ShmSegment::Create(key, std::max<int64_t>(bytes, 1));
+    if (!segment.ok()) return segment.status();
+    // "packctl-<pid>_<tag>_<n>", unique like the key.
+    std::unique_ptr<Region> region(
+        new Region(connection, *std::move(segment),
+                   absl::StrCat("packctl-", key.substr(prefix.size()))));
+    absl::Status registered = connection.RegisterSystemRegion(
+        region->name_, key, region->segment_->size());
+    if (!registered.ok()) return registered;
+    region->registered_ = true;
+    region->segment_->Unlink();
+    return region;
   }
+  ~Region() {
+    if (registered_) connection_.UnregisterRegion(name_).IgnoreError();
+  }
+  char* data() const { return segment_->data(); }
+  // The first `bytes` of the region.
+  v1::RegionSlice Slice(int64_t bytes) const {
+    v1::RegionSlice slice;
+    slice.set_region(name_);
+    slice.set_byte_size(static_cast<uint64_t>(bytes));
+    return slice;
+  }
+
+ private:
+  Region(Connection& connection, std::unique_ptr<ShmSegment> segment,
+         std::string name)
+      : connection_(connection),
+        segment_(std::move(segment)),
+        name_(std::move(name)) {}
+  Connection& connection_;
+  std::unique_ptr<ShmSegment> segment_;
+  std::string name_;
+  bool registered_ = false;
+};
+
+// One connection calling Pack until the run stops. Inline, each call sends x
+// from the batch's own memory. With shm, x is written once into one region and
+// the results land in another: nothing is copied per call.
+void BenchWorker(BenchRun& run) {
+  absl::StatusOr<std::unique_ptr<Connection>> connection = Connect();
+  if (!connection.ok()) return run.Fail(connection.status().ToString());
+  const Batch& batch = *run.batch;
+  const int64_t bytes = static_cast<int64_t>(batch.x.size());
+  std::unique_ptr<Region> in, out;
+  v1::RegionSlice x_in, results;
+  if (run.shm) {
+    auto a = Region::Create(**connection, bytes);
+    if (!a.ok()) return run.Fail(a.status().ToString());
+    auto b = Region::Create(**connection, bytes);
+    if (!b.ok()) return run.Fail(b.status().ToString());
+    in = *std::move(a);
+    out = *std::move(b);
+    std::memcpy(in->data(), batch.x.data(), bytes);
+    x_in = in->Slice(bytes);
+    results = out->Slice(bytes);
+  }
+  v1::PackRequest request;
+  Payloads payloads;
+  PackRequestFor(batch, run.shm ? &x_in : nullptr, run.shm ? &results : nullptr,
+                 &request, &payloads);
   std::vector<double> mine;
   while (!run.stop) {
-    if (out_shm != nullptr) out_shm->Reset();
+    v1::PackResponse response;
+    RawReply reply;
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<PackedBatch> r =
-        (*client)->Pack({x}, run.batch->mask, options);
+    absl::Status status = (*connection)
+                              ->RawCall(0, kPackMethod, request, payloads,
+                                        nullptr, &response, &reply);
     mine.push_back(std::chrono::duration<double, std::milli>(
                        std::chrono::steady_clock::now() - t0)
                        .count());
-    if (!r.ok()) run.Fail(r.status().ToString());
+    if (!status.ok()) run.Fail(status.ToString());
     ++run.calls;
   }
   std::lock_guard<std::mutex> lock(run.mu);
@@ -374,7 +555,8 @@ int Bench() {
   for (auto& t : workers) t.join();
   if (!run.error.empty()) return Fail(kRpcError, run.error);
   ReportBench(std::move(run.latencies), seconds,
-              batch->x.nbytes() + batch->mask.nbytes(), transport, concurrency);
+              static_cast<int64_t>(batch->x.size() + batch->mask.size()),
+              transport, concurrency);
   return kOk;
 }
 
@@ -407,7 +589,7 @@ absl::StatusOr<std::vector<int64_t>> PlanLengths() {
       "--distribution must be lognormal, uniform or bimodal");
 }
 
-int PlanCommand(Client& client) {
+int PlanCommand(Connection& connection) {
   absl::StatusOr<std::vector<int64_t>> lengths = PlanLengths();
   if (!lengths.ok())
     return Fail(kUsage, std::string(lengths.status().message()));
@@ -415,9 +597,12 @@ int PlanCommand(Client& client) {
   options.max_tokens_per_micro_batch = absl::GetFlag(FLAGS_max_tokens);
   options.num_ranks = absl::GetFlag(FLAGS_ranks);
   options.micro_batch_multiple = absl::GetFlag(FLAGS_multiple);
-  absl::StatusOr<v1::PlanResponse> plan =
-      client.PlanMicroBatches(*lengths, options.max_tokens_per_micro_batch,
-                              options.num_ranks, options.micro_batch_multiple);
+  v1::PlanRequest request;
+  request.mutable_lengths()->Assign(lengths->begin(), lengths->end());
+  request.set_max_tokens_per_micro_batch(options.max_tokens_per_micro_batch);
+  request.set_num_ranks(options.num_ranks);
+  request.set_micro_batch_multiple(options.micro_batch_multiple);
+  absl::StatusOr<v1::PlanResponse> plan = connection.Plan(request);
   if (!plan.ok()) return Fail(kRpcError, plan.status().ToString());
   int64_t total = 0;
   for (int64_t v : *lengths) total += v;
@@ -466,8 +651,10 @@ commands:
   probe   One small Pack round trip, its result checked byte for byte; exits 1
           when wrong or slower than --max_latency_ms (a Kubernetes exec probe).
             packctl probe --max_latency_ms=50
-  pack    Packs one batch (random, or --input) of --shape, --dtype, --density
-          and --mask, and prints the packed shape, cu_seqlens and the time.
+  pack    Packs one batch (random, or --input and --mask_file) of --shape,
+          --dtype, --density and --mask; prints the packed shape, cu_seqlens
+          and the time, checks every packed byte against the masked rows of x
+          (exits 1 when one differs) and with --output writes them to a file.
             packctl pack --shape=16,1024,4096 --dtype=bfloat16 --density=0.3
   bench   Pack calls at --concurrency for --duration seconds, inline or through
           shared memory (--transport); prints calls/s, GB/s, p50 and p99.
@@ -504,13 +691,13 @@ int Main(int argc, char** argv) {
   }
   const std::string command = args[1];
   if (command == "bench") return Bench();
-  absl::StatusOr<std::unique_ptr<Client>> client = Connect();
-  if (!client.ok()) return Fail(kUsage, client.status().ToString());
-  if (command == "health") return Health(**client);
-  if (command == "info") return Info(**client);
-  if (command == "probe") return Probe(**client);
-  if (command == "pack") return PackCommand(**client);
-  if (command == "plan") return PlanCommand(**client);
+  absl::StatusOr<std::unique_ptr<Connection>> connection = Connect();
+  if (!connection.ok()) return Fail(kUsage, connection.status().ToString());
+  if (command == "health") return Health(**connection);
+  if (command == "info") return Info(**connection);
+  if (command == "probe") return Probe(**connection);
+  if (command == "pack") return PackCommand(**connection);
+  if (command == "plan") return PlanCommand(**connection);
   return Fail(kUsage,
               absl::StrCat("unknown command \"", command,
                            "\": use health, info, probe, pack, bench or plan"));

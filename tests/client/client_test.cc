@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -627,6 +628,21 @@ TEST(Tools, HelpNamesEveryCommandAndTheFlagsWithoutBuildPaths) {
   EXPECT_THAT(out, Not(HasSubstr(".cc")));
 }
 
+// packctl needs no libtorch: it is the tool of the server image, which has
+// none.
+TEST(Tools, PackctlDoesNotLinkLibtorch) {
+  FILE* pipe = popen(absl::StrCat("ldd ", PACKCTL_BINARY).c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), pipe)) > 0;)
+    out.append(buf, n);
+  ASSERT_EQ(pclose(pipe), 0) << out;
+  EXPECT_THAT(out, HasSubstr("libgrpc++"));
+  EXPECT_THAT(out, Not(HasSubstr("libtorch")));
+  EXPECT_THAT(out, Not(HasSubstr("libc10")));
+}
+
 TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
   const std::string at = absl::StrCat("--address=", server_->address(), " ");
   std::string out;
@@ -676,6 +692,51 @@ TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
       2)
       << out;
   EXPECT_THAT(out, HasSubstr("holds 48 bytes"));
+
+  // A batch from files, every dtype: the bytes packctl writes are torch's
+  // x[mask], and a mask file of the wrong size is refused.
+  const std::string mask_file = ::testing::TempDir() + "/packctl_mask.bin";
+  const std::string output = ::testing::TempDir() + "/packctl_packed.bin";
+  for (at::ScalarType dtype :
+       {at::kBFloat16, at::kHalf, at::kFloat, at::kDouble, at::kByte, at::kChar,
+        at::kShort, at::kInt, at::kLong, at::kBool}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const at::Tensor x = at::randint(-100, 100, {3, 7, 5}).to(dtype);
+    const at::Tensor mask = at::rand({3, 7}) < 0.5;
+    {
+      std::ofstream f(input, std::ios::binary);
+      f.write(static_cast<const char*>(x.data_ptr()), x.nbytes());
+      std::ofstream m(mask_file, std::ios::binary);
+      m.write(static_cast<const char*>(mask.data_ptr()), mask.nbytes());
+    }
+    ASSERT_EQ(Packctl(absl::StrCat(
+                          at, "pack --shape=3,7,5 --dtype=",
+                          DTypeName(FromScalarType(dtype)), " --input=", input,
+                          " --mask_file=", mask_file, " --output=", output),
+                      &out),
+              0)
+        << out;
+    EXPECT_THAT(out, HasSubstr("checked:"));
+    const at::Tensor want = x.index({mask});
+    std::ifstream f(output, std::ios::binary);
+    const std::string got((std::istreambuf_iterator<char>(f)),
+                          std::istreambuf_iterator<char>());
+    ASSERT_EQ(static_cast<int64_t>(got.size()), want.nbytes());
+    EXPECT_EQ(std::memcmp(got.data(), want.data_ptr(), got.size()), 0);
+  }
+  EXPECT_EQ(Packctl(absl::StrCat(at, "pack --shape=3,6,5 --dtype=bool --input=",
+                                 input, " --mask_file=", mask_file),
+                    &out),
+            2)
+      << out;
+  EXPECT_THAT(
+      out, HasSubstr("holds more than the 90 bytes shape 3,6,5 of bool needs"));
+  EXPECT_EQ(Packctl(absl::StrCat(at, "pack --shape=3,7,5 --dtype=bool --input=",
+                                 input, " --mask_file=", mask_file, "x"),
+                    &out),
+            2)
+      << out;
+  EXPECT_THAT(out, HasSubstr("cannot read --mask_file"));
 
   const std::string json = ::testing::TempDir() + "/packctl_bench.json";
   EXPECT_EQ(

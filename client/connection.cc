@@ -1,0 +1,241 @@
+#include "client/connection.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "kernels/buffer.h"
+#include "kernels/status_macros.h"
+#include "proto/tensor_codec.h"
+
+namespace packd {
+namespace {
+
+// The contents of `path` (option `what`): FAILED_PRECONDITION when it cannot
+// be read or is empty.
+absl::StatusOr<std::string> ReadFile(const std::string& path,
+                                     const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) text.clear();
+  if (text.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot read ", what, " ", path));
+  }
+  return text;
+}
+
+// The bearer token the options name: the first non-blank line of token_file,
+// else the environment variable token_env; empty: none.
+absl::StatusOr<std::string> ReadToken(const ClientOptions& options) {
+  std::string token;
+  if (!options.token_file.empty()) {
+    std::ifstream file(options.token_file);
+    std::string line;
+    while (file && token.empty() && std::getline(file, line)) {
+      token = std::string(absl::StripAsciiWhitespace(line));
+    }
+    if (token.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot read a token from ", options.token_file));
+    }
+  } else if (!options.token_env.empty()) {
+    if (const char* value = std::getenv(options.token_env.c_str())) {
+      token = std::string(absl::StripAsciiWhitespace(value));
+    }
+  }
+  return token;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(
+    const ClientOptions& options) {
+  if (options.tls_ca_file.empty()) {
+    if (!options.tls_cert_file.empty()) {
+      return absl::InvalidArgumentError(
+          "a client certificate needs TLS: give tls_ca_file too");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  PACKD_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                         ReadFile(options.tls_ca_file, "tls_ca_file"));
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_cert_file and tls_key_file go together");
+  }
+  if (!options.tls_cert_file.empty()) {
+    PACKD_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                           ReadFile(options.tls_cert_file, "tls_cert_file"));
+    PACKD_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                           ReadFile(options.tls_key_file, "tls_key_file"));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
+Payload RawReply::BytesOf(const v1::Tensor& t) const {
+  auto it = payloads.find(&t);
+  return it != payloads.end() ? it->second
+                              : Payload::Of(t.data().data(), t.data().size());
+}
+
+absl::StatusOr<std::unique_ptr<Connection>> Connection::Open(
+    ClientOptions options) {
+  if (options.address.empty()) {
+    return absl::InvalidArgumentError(
+        "address is empty: give HOST:PORT or unix:PATH");
+  }
+  PACKD_ASSIGN_OR_RETURN(std::string token, ReadToken(options));
+  PACKD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                         Credentials(options));
+  if (options.keep_freed_memory) KeepFreedMemoryMapped();
+  return std::unique_ptr<Connection>(
+      new Connection(std::move(options), std::move(token), credentials));
+}
+
+Connection::Connection(
+    ClientOptions options, std::string token,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials)
+    : options_(std::move(options)), token_(std::move(token)) {
+  for (int i = 0; i < 2; ++i) {
+    grpc::ChannelArguments args;
+    const int limit = static_cast<int>(
+        std::min<int64_t>(options_.max_message_bytes, INT32_MAX));
+    args.SetMaxReceiveMessageSize(limit);
+    args.SetMaxSendMessageSize(limit);
+    // Channels with different arguments do not share a connection.
+    args.SetInt("packd.connection", i);
+    if (!options_.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options_.tls_server_name);
+    }
+    std::string policy = options_.load_balancing_policy;
+    if (policy.empty() && absl::StartsWith(options_.address, "dns:")) {
+      policy = "round_robin";
+    }
+    if (!policy.empty()) args.SetLoadBalancingPolicyName(policy);
+    channels_[i] =
+        grpc::CreateCustomChannel(options_.address, credentials, args);
+    generic_[i] = std::make_unique<grpc::GenericStub>(channels_[i]);
+  }
+  stub_ = v1::PackService::NewStub(channels_[0]);
+}
+
+absl::Status Connection::Call(
+    const std::function<grpc::Status(grpc::ClientContext*)>& rpc) {
+  absl::Duration backoff = options_.initial_backoff;
+  for (int attempt = 1;; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+    if (!token_.empty())
+      context.AddMetadata("authorization", "Bearer " + token_);
+    const grpc::Status status = rpc(&context);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
+        attempt >= options_.max_attempts) {
+      return FromGrpcStatus(status);
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+}
+
+absl::Status Connection::RawCall(int connection, const char* method,
+                                 const google::protobuf::Message& request,
+                                 const Payloads& payloads,
+                                 std::shared_ptr<const void> keep_alive,
+                                 google::protobuf::Message* response,
+                                 RawReply* reply) {
+  const grpc::ByteBuffer sent = ToByteBuffer(
+      SerializeWithPayloads(request, payloads), std::move(keep_alive));
+  grpc::ByteBuffer received;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* context) {
+    absl::Notification done;
+    grpc::Status status;
+    received.Clear();
+    context->AddMetadata(kRequestBytesHeader, std::to_string(sent.Length()));
+    HandOff(&done);
+    generic_[connection]->UnaryCall(context, method, grpc::StubOptions(), &sent,
+                                    &received, [&](grpc::Status s) {
+                                      TakeOver(&done);
+                                      status = std::move(s);
+                                      done.Notify();
+                                    });
+    done.WaitForNotification();
+    return status;
+  }));
+  std::vector<absl::string_view> chunks;
+  PACKD_RETURN_IF_ERROR(ReadChunks(received, &reply->slices, &chunks));
+  const absl::Status parsed = ParseWithPayloads(
+      chunks, response->GetDescriptor()->name(), response, &reply->payloads);
+  if (!parsed.ok()) {
+    return absl::InternalError(
+        absl::StrCat("the server's reply: ", parsed.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ServerInfo> Connection::Info() {
+  v1::ServerInfo info;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
+    return stub_->GetServerInfo(c, v1::GetServerInfoRequest(), &info);
+  }));
+  return info;
+}
+
+absl::StatusOr<std::string> Connection::Health(const std::string& service) {
+  auto health = grpc::health::v1::Health::NewStub(channels_[0]);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
+    return health->Check(c, request, &response);
+  }));
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
+      response.status());
+}
+
+absl::StatusOr<v1::PlanResponse> Connection::Plan(
+    const v1::PlanRequest& request) {
+  v1::PlanResponse response;
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
+    return stub_->PlanMicroBatches(c, request, &response);
+  }));
+  return response;
+}
+
+absl::Status Connection::RegisterSystemRegion(const std::string& region,
+                                              const std::string& key,
+                                              int64_t bytes) {
+  v1::RegisterSystemRegionRequest request;
+  request.set_name(region);
+  request.set_key(key);
+  request.set_byte_size(static_cast<uint64_t>(bytes));
+  request.set_lease_seconds(options_.lease_seconds);
+  v1::RegisterRegionResponse response;
+  return Call([&](grpc::ClientContext* c) {
+    return stub_->RegisterSystemRegion(c, request, &response);
+  });
+}
+
+absl::Status Connection::UnregisterRegion(const std::string& name) {
+  v1::UnregisterRegionRequest request;
+  request.set_name(name);
+  v1::UnregisterRegionResponse response;
+  return Call([&](grpc::ClientContext* c) {
+    return stub_->UnregisterRegion(c, request, &response);
+  });
+}
+
+std::string Connection::LoadBalancingPolicy() const {
+  return channels_[0]->GetLoadBalancingPolicyName();
+}
+
+}  // namespace packd

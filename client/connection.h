@@ -1,0 +1,164 @@
+// packd::Connection: the part of the C++ client that has no tensors in it —
+// the channels to packd (address, TLS, bearer token, load-balancing policy),
+// per-call deadlines with retry on UNAVAILABLE, the raw Pack and Scatter calls
+// whose inline bytes are sent and received in place (proto/wire.h), and the
+// small RPCs (info, health, plans, region registration). packd::Client
+// (client.h) puts libtorch tensors on top of it; packctl uses it directly, so
+// the tool runs where libtorch is not installed (the server image).
+//
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(auto connection, Connection::Open({.address = "127.0.0.1:50051"}));
+//   PACKD_ASSIGN_OR_RETURN(std::string status, connection->Health());
+// clang-format on
+#ifndef PACKD_CLIENT_CONNECTION_H_
+#define PACKD_CLIENT_CONNECTION_H_
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "packd/v1/pack_service.grpc.pb.h"
+#include "proto/wire.h"
+
+namespace packd {
+
+struct ClientOptions {
+  // "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes
+  // Service (every pod's address; calls spread over them).
+  std::string address = "127.0.0.1:50051";
+  // gRPC's load-balancing policy; empty: round_robin for dns:/// addresses
+  // (one connection to each address the name resolves to, calls spread over
+  // them), gRPC's pick_first otherwise.
+  std::string load_balancing_policy;
+  // Largest message this client sends or receives (match the server's
+  // --max_message_bytes).
+  int64_t max_message_bytes = int64_t{1} << 30;
+  // Deadline of each call.
+  absl::Duration deadline = absl::Seconds(60);
+  // Attempts per call while the server answers UNAVAILABLE (draining,
+  // restarting), with exponential backoff from initial_backoff up to
+  // max_backoff between them: about 5 s in all by default, what a restarted
+  // packd needs to answer again.
+  int max_attempts = 8;
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(2);
+  // Calls whose tensors hold at least this many bytes go through shared memory
+  // when the server allows it (GetServerInfo.shared_memory_enabled); 0 disables
+  // the automatic path.
+  int64_t shared_memory_threshold_bytes = int64_t{4} << 20;
+  // The server's --shm_key_prefix: segments this client creates are named under
+  // it.
+  std::string shm_key_prefix = "/packd";
+  // Regions this client registers (its segments, device memory) are leased:
+  // the server unregisters one no call has named for this long, so a killed
+  // process leaks nothing for longer. The client registers a region again,
+  // transparently, when a call finds it gone (an idle spell, a restarted
+  // server). 0: no lease.
+  uint32_t lease_seconds = 30;
+  // Inline calls whose tensors hold at least this many bytes are split by rows
+  // into two calls on two connections that run at once (a single connection
+  // leaves the wire idle while the server works); 0 never splits.
+  int64_t split_threshold_bytes = int64_t{16} << 20;
+  // Keep memory freed by finished calls mapped for the next ones: tunes this
+  // process's malloc (KeepFreedMemoryMapped, kernels/buffer.h), which
+  // makes large inline calls several times faster; the process then keeps up
+  // to 1 GiB of freed heap.
+  bool keep_freed_memory = true;
+  // A bearer token for servers started with --auth_token_file, sent as
+  // "authorization: Bearer <token>" on every call: the first line of
+  // `token_file` when set, else the environment variable `token_env` when set
+  // (never a command-line value, which `ps` would show).
+  std::string token_file;
+  std::string token_env = "PACKD_TOKEN";
+  // TLS (for a server with --tls_cert_file): the PEM CA certificates that
+  // signed the server's certificate; empty: plaintext. With mutual TLS, the
+  // client's PEM certificate chain and key too.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // The name the server's certificate must carry, when it is not the
+  // address's host (for unix sockets: "localhost").
+  std::string tls_server_name;
+};
+
+// The methods RawCall serves.
+inline constexpr char kPackMethod[] = "/packd.v1.PackService/Pack";
+inline constexpr char kScatterMethod[] = "/packd.v1.PackService/Scatter";
+
+// A reply of RawCall: its inline tensors' bytes, in place in the received
+// slices, which it holds.
+struct RawReply {
+  std::vector<grpc::Slice> slices;
+  Payloads payloads;
+
+  // The bytes of result `t` (a tensor of the reply): its payload, or its own
+  // `data` field when it has none.
+  Payload BytesOf(const v1::Tensor& t) const;
+};
+
+class Connection {
+ public:
+  // Connects (lazily: the first call dials). INVALID_ARGUMENT for an empty
+  // address or TLS files given without their partner; FAILED_PRECONDITION
+  // when `token_file` or a TLS file cannot be read or is empty.
+  static absl::StatusOr<std::unique_ptr<Connection>> Open(
+      ClientOptions options);
+
+  // Runs `rpc(context)` with the deadline and the token, retrying on
+  // UNAVAILABLE; the call's status.
+  absl::Status Call(
+      const std::function<grpc::Status(grpc::ClientContext*)>& rpc);
+
+  // Calls `method` (kPackMethod, kScatterMethod) on connection `connection`
+  // (0 or 1: two connections, for calls that run at once) with `request`,
+  // whose top-level tensors in `payloads` carry those bytes in place;
+  // `keep_alive` owns them until gRPC lets go. Parses the reply into
+  // `response`, its inline bytes left in place in `reply` (INTERNAL when it
+  // does not parse).
+  absl::Status RawCall(int connection, const char* method,
+                       const google::protobuf::Message& request,
+                       const Payloads& payloads,
+                       std::shared_ptr<const void> keep_alive,
+                       google::protobuf::Message* response, RawReply* reply);
+
+  absl::StatusOr<v1::ServerInfo> Info();
+  // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"
+  // readiness): "SERVING", "NOT_SERVING", ...
+  absl::StatusOr<std::string> Health(
+      const std::string& service = "packd.v1.PackService");
+  // The micro-batch plan of `request` (DESIGN.md section 9).
+  absl::StatusOr<v1::PlanResponse> Plan(const v1::PlanRequest& request);
+  // Registers the shared-memory object `key` of `bytes` as region `region`,
+  // leased for options().lease_seconds.
+  absl::Status RegisterSystemRegion(const std::string& region,
+                                    const std::string& key, int64_t bytes);
+  // Unregisters region `name` (NOT_FOUND when the server holds none).
+  absl::Status UnregisterRegion(const std::string& name);
+
+  // The load-balancing policy the channels use ("round_robin", "pick_first"),
+  // once they have connected.
+  std::string LoadBalancingPolicy() const;
+  const ClientOptions& options() const { return options_; }
+  v1::PackService::Stub& stub() { return *stub_; }
+
+ private:
+  Connection(ClientOptions options, std::string token,
+             const std::shared_ptr<grpc::ChannelCredentials>& credentials);
+
+  const ClientOptions options_;
+  const std::string token_;  // empty: none
+  std::shared_ptr<grpc::Channel> channels_[2];
+  std::unique_ptr<grpc::GenericStub> generic_[2];
+  std::unique_ptr<v1::PackService::Stub> stub_;  // on channels_[0]
+};
+
+}  // namespace packd
+
+#endif  // PACKD_CLIENT_CONNECTION_H_
