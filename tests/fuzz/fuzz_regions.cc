@@ -40,6 +40,9 @@ World& TheWorld() {
     if (!w->regions->RegisterSystem("r", w->segment->key(), 0, 64 << 10).ok()) {
       abort();
     }
+    // Mapped: the name can go now, so that no exit (libFuzzer's ends without
+    // destructors) leaves it in /dev/shm.
+    w->segment->Unlink();
     return w;
   }();
   return *world;
