@@ -13,7 +13,7 @@ FUZZ_TARGETS = fuzz_request fuzz_regions fuzz_plan
 TSAN_DIR ?= build-tsan
 TSAN_TESTS = server_regions_test memory_budget_test regions_test service_test soak_test
 
-.PHONY: all deps configure build test run bench fuzz tsan clean format
+.PHONY: all deps configure build test run bench image check-image fuzz tsan clean format
 
 all: build
 
@@ -34,6 +34,14 @@ run: build
 
 bench: build
 	$(BUILD_DIR)/bin/bench_pack
+
+# The server image (Dockerfile; a running Docker daemon), and its end-to-end check.
+IMAGE ?= packd:latest
+image:
+	deploy/build-image.sh $(IMAGE)
+
+check-image:
+	deploy/check-image.sh $(IMAGE)
 
 # The libFuzzer targets (clang, ASan + UBSan), each run FUZZ_SECONDS from its seed corpus
 # (tests/fuzz/corpus/<target>; new inputs go to $(FUZZ_DIR)/corpus). Fails on any crash, leak or
