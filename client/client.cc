@@ -399,6 +399,36 @@ absl::StatusOr<at::Tensor> JoinRows(
 
 }  // namespace
 
+absl::StatusOr<std::vector<at::Tensor>> Client::Results(
+    const std::vector<const Tensors*>& results,
+    const std::vector<const RawReply*>& replies, bool copy_out) {
+  for (const Tensors* r : results) {
+    if (r->size() != results[0]->size()) {
+      return absl::InternalError("server returned parts that do not join");
+    }
+  }
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < results[0]->size(); ++i) {
+    if (results.size() == 1) {
+      PACKD_ASSIGN_OR_RETURN(at::Tensor t, DecodeResult(results[0]->Get(i),
+                                                        copy_out, *replies[0]));
+      out.push_back(std::move(t));
+      continue;
+    }
+    std::vector<const v1::Tensor*> heads;
+    std::vector<const Payload*> payloads;
+    for (size_t k = 0; k < results.size(); ++k) {
+      heads.push_back(&results[k]->Get(i));
+      auto it = replies[k]->payloads.find(heads.back());
+      payloads.push_back(it == replies[k]->payloads.end() ? nullptr
+                                                          : &it->second);
+    }
+    PACKD_ASSIGN_OR_RETURN(at::Tensor t, JoinRows(heads, payloads));
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 struct Client::PackPart {
   v1::PackResponse response;
   RawReply reply;
@@ -487,32 +517,16 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
 
   PackedBatch batch;
   std::vector<const v1::PackResponse*> responses;
+  std::vector<const Tensors*> results;
+  std::vector<const RawReply*> replies;
   for (const PackPart& part : parts) {
     responses.push_back(&part.response);
-    if (part.response.packed_size() != parts[0].response.packed_size()) {
-      return absl::InternalError("server returned parts that do not join");
-    }
+    results.push_back(&part.response.packed());
+    replies.push_back(&part.reply);
   }
-  for (int i = 0; i < parts[0].response.packed_size(); ++i) {
-    if (parts.size() == 1) {
-      PACKD_ASSIGN_OR_RETURN(
-          at::Tensor p, DecodeResult(parts[0].response.packed(i),
-                                     /*copy_out=*/options.results_in == nullptr,
-                                     parts[0].reply));
-      batch.packed.push_back(std::move(p));
-      continue;
-    }
-    std::vector<const v1::Tensor*> heads;
-    std::vector<const Payload*> payloads;
-    for (const PackPart& part : parts) {
-      heads.push_back(&part.response.packed(i));
-      auto it = part.reply.payloads.find(heads.back());
-      payloads.push_back(it == part.reply.payloads.end() ? nullptr
-                                                         : &it->second);
-    }
-    PACKD_ASSIGN_OR_RETURN(at::Tensor p, JoinRows(heads, payloads));
-    batch.packed.push_back(std::move(p));
-  }
+  PACKD_ASSIGN_OR_RETURN(
+      batch.packed,
+      Results(results, replies, /*copy_out=*/options.results_in == nullptr));
   const v1::PackResponse response =
       parts.size() == 1 ? std::move(parts[0].response)
                         : JoinPackResponses(responses, first_rows);
@@ -615,30 +629,13 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     PACKD_ASSIGN_OR_RETURN(Part part, scatter_rows(packed, mask, scratch, 0));
     parts.push_back(std::move(part));
   }
-  std::vector<at::Tensor> dense;
-  for (int i = 0; i < parts[0].response.dense_size(); ++i) {
-    if (parts.size() == 1) {
-      PACKD_ASSIGN_OR_RETURN(at::Tensor d,
-                             DecodeResult(parts[0].response.dense(i),
-                                          /*copy_out=*/true, parts[0].reply));
-      dense.push_back(std::move(d));
-      continue;
-    }
-    std::vector<const v1::Tensor*> heads;
-    std::vector<const Payload*> payloads;
-    for (const Part& part : parts) {
-      if (part.response.dense_size() != parts[0].response.dense_size()) {
-        return absl::InternalError("server returned parts that do not join");
-      }
-      heads.push_back(&part.response.dense(i));
-      auto it = part.reply.payloads.find(heads.back());
-      payloads.push_back(it == part.reply.payloads.end() ? nullptr
-                                                         : &it->second);
-    }
-    PACKD_ASSIGN_OR_RETURN(at::Tensor d, JoinRows(heads, payloads));
-    dense.push_back(std::move(d));
+  std::vector<const Tensors*> results;
+  std::vector<const RawReply*> replies;
+  for (const Part& part : parts) {
+    results.push_back(&part.response.dense());
+    replies.push_back(&part.reply);
   }
-  return dense;
+  return Results(results, replies, /*copy_out=*/true);
 }
 
 }  // namespace packd

@@ -188,6 +188,14 @@ class Client {
   // `copy_out`), or a copy of its inline bytes (from `reply`).
   absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t, bool copy_out,
                                           const RawReply& reply);
+  // The results of a call made in parts (rows of the batch, in order), each
+  // part's `results` in its `replies`: decoded from the one part (see
+  // DecodeResult), or result i of every part joined along dim 0 with one copy.
+  // INTERNAL when the parts do not join.
+  using Tensors = google::protobuf::RepeatedPtrField<v1::Tensor>;
+  absl::StatusOr<std::vector<at::Tensor>> Results(
+      const std::vector<const Tensors*>& results,
+      const std::vector<const RawReply*>& replies, bool copy_out);
 
   const std::unique_ptr<Connection> connection_;
   const ClientOptions& options_;  // connection_'s
