@@ -8,6 +8,9 @@ python=$1 venv=$2 root=$3
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cp -r "$root/python" "$root/proto" "$work/"
+# Leftovers of a build in the checkout (pip install ./python there) would be installed instead of
+# the sources: the copies' times are all the same, so setuptools takes them as up to date.
+rm -rf "$work/python/build" "$work/python/"*.egg-info
 rm -rf "$venv"
 "$python" -m venv --system-site-packages "$venv"
 "$venv/bin/python" -m pip install --quiet --no-build-isolation --no-index --no-deps \
