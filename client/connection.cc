@@ -80,6 +80,15 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(
   return grpc::SslCredentials(ssl);
 }
 
+// UNAVAILABLE: the server is draining, restarting or unreachable. CANCELLED:
+// this client cancels nothing, so a call was cancelled by a server going away
+// (gRPC cancels the calls that reach a server while it shuts down, before a
+// handler sees them: grpc/grpc#41785). Every packd call may be repeated.
+bool IsRetried(grpc::StatusCode code) {
+  return code == grpc::StatusCode::UNAVAILABLE ||
+         code == grpc::StatusCode::CANCELLED;
+}
+
 }  // namespace
 
 Payload RawReply::BytesOf(const v1::Tensor& t) const {
@@ -122,6 +131,15 @@ Connection::Connection(
       policy = "round_robin";
     }
     if (!policy.empty()) args.SetLoadBalancingPolicyName(policy);
+    // Reconnect as often as calls are retried: gRPC's own backoff (1 s,
+    // growing to 2 min) would leave a restarted server unreached while the
+    // retries run out.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(std::max(
+                    options_.initial_backoff, absl::Milliseconds(1)))));
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(
+                    std::max(options_.max_backoff, absl::Milliseconds(1)))));
     channels_[i] =
         grpc::CreateCustomChannel(options_.address, credentials, args);
     generic_[i] = std::make_unique<grpc::GenericStub>(channels_[i]);
@@ -138,8 +156,7 @@ absl::Status Connection::Call(
     if (!token_.empty())
       context.AddMetadata("authorization", "Bearer " + token_);
     const grpc::Status status = rpc(&context);
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
-        attempt >= options_.max_attempts) {
+    if (!IsRetried(status.error_code()) || attempt >= options_.max_attempts) {
       return FromGrpcStatus(status);
     }
     absl::SleepFor(backoff);

@@ -43,9 +43,10 @@ struct ClientOptions {
   // Deadline of each call.
   absl::Duration deadline = absl::Seconds(60);
   // Attempts per call while the server answers UNAVAILABLE (draining,
-  // restarting), with exponential backoff from initial_backoff up to
-  // max_backoff between them: about 5 s in all by default, what a restarted
-  // packd needs to answer again.
+  // restarting) or a server going away cancels the call, with exponential
+  // backoff from initial_backoff up to max_backoff between them (the
+  // channels reconnect on the same schedule): about 5 s in all by default,
+  // what a restarted packd needs to answer again.
   int max_attempts = 8;
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);
@@ -112,7 +113,7 @@ class Connection {
       ClientOptions options);
 
   // Runs `rpc(context)` with the deadline and the token, retrying on
-  // UNAVAILABLE; the call's status.
+  // UNAVAILABLE and CANCELLED (see max_attempts); the call's status.
   absl::Status Call(
       const std::function<grpc::Status(grpc::ClientContext*)>& rpc);
 

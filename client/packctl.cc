@@ -59,6 +59,9 @@ ABSL_FLAG(std::string, tls_server_name, "",
 ABSL_FLAG(std::string, address, "127.0.0.1:50051",
           "packd address: HOST:PORT or unix:PATH");
 ABSL_FLAG(int, deadline_ms, 60000, "Deadline of each call");
+ABSL_FLAG(int, attempts, 1,
+          "Attempts per call while the server answers UNAVAILABLE or goes away "
+          "(CANCELLED), with backoff from 50 ms to 2 s, as the clients retry");
 ABSL_FLAG(double, max_latency_ms, 1000,
           "probe: fail when the round trip takes longer");
 ABSL_FLAG(std::string, shape, "16,1024,4096",
@@ -107,7 +110,8 @@ absl::StatusOr<std::unique_ptr<Connection>> Connect() {
   ClientOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
-  options.max_attempts = 1;  // operators want the answer, not a retry loop
+  // Operators want the answer, not a retry loop: one attempt unless asked.
+  options.max_attempts = std::max(1, absl::GetFlag(FLAGS_attempts));
   options.token_file = absl::GetFlag(FLAGS_token_file);  // else $PACKD_TOKEN
   options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
@@ -664,7 +668,7 @@ commands:
           imbalance and the global loss-token count.
             packctl plan --samples=1024 --max_tokens=16384 --ranks=8
 
-Every command takes --address (HOST:PORT or unix:PATH), --deadline_ms, a token
+Every command takes --address (HOST:PORT or unix:PATH), --deadline_ms, --attempts, a token
 (--token_file, else PACKD_TOKEN in the environment) and TLS files (--tls_*).
 Exit codes: 0 ok; 1 a check failed; 2 usage; 3 the server answered with an
 error or could not be reached.)";

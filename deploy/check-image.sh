@@ -17,7 +17,7 @@ name=packd-check-$$
 dir=$(mktemp -d)
 chmod 777 "$dir"  # the container's user writes the packed bytes here
 cleanup() {
-  docker rm -f "$name" >/dev/null 2>&1 || true
+  docker rm -f "$name" "$name-load" >/dev/null 2>&1 || true
   rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -86,14 +86,19 @@ text=$(metrics) || fail "no metrics on 127.0.0.1:$metrics_port"
   fail "the metrics do not count the Pack: $(grep packd_requests_total <<<"$text")"
 step "metrics: $(grep -c '^packd_' <<<"$text") packd_ series, the Pack counted"
 
-# 4. SIGTERM under load: a drain, then exit code 0 within --drain_seconds.
-packctl bench --duration=60 --concurrency=2 --shape=8,512,256 --dtype=float32 \
-  >"$dir/bench.log" 2>&1 &
+# 4. SIGTERM under load: a drain, then exit code 0 within --drain_seconds. The load runs in a
+# container of its own, which outlives the server's, and retries as the clients do: the calls in
+# flight finish, and it ends only when the server is gone (UNAVAILABLE), never with a call that
+# failed otherwise.
+docker run --rm --name "$name-load" --network host --entrypoint packctl "$image" \
+  --address="127.0.0.1:$port" --attempts=3 bench --duration=60 --concurrency=2 \
+  --shape=8,512,256 --dtype=float32 >"$dir/load.log" 2>&1 &
+load=$!
 for ((i = 0; i < 80 && $(packs_ok) < 10; ++i)); do sleep 0.25; done  # the load is running
 start=$(date +%s.%N)
 docker stop -t 25 "$name" >/dev/null
 seconds=$(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')")
-wait || true  # the load ends with the container
+wait "$load" && fail "the load did not notice the server stop" || true
 code=$(docker inspect -f '{{.State.ExitCode}}' "$name")
 logs=$(docker logs "$name" 2>&1)
 [[ "$code" == 0 ]] || fail "exit code $code after SIGTERM"
@@ -101,5 +106,6 @@ grep -q 'received Terminated' <<<"$logs" || fail "no 'received Terminated' in th
 grep -q 'draining: readiness NOT_SERVING' <<<"$logs" || fail "no drain in the log"
 grep -q 'stopped' <<<"$logs" || fail "no 'stopped' in the log"
 if grep -q 'drain time is up' <<<"$logs"; then fail "calls in flight did not finish in time"; fi
-step "docker stop: drained and exited 0 in $seconds s"
+grep -q 'UNAVAILABLE' "$dir/load.log" || fail "the load ended with: $(cat "$dir/load.log")"
+step "docker stop: drained and exited 0 in $seconds s; the load's calls then: $(cat "$dir/load.log")"
 echo "check-image: $image passed"

@@ -316,8 +316,11 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
         /*first=*/true);
   }
 
+  // The call has ended: its response sent (or its failure told), so a drain
+  // that waits for it also waits for its reply to leave.
   void OnDone() override {
     TakeOver(this);
+    if (admitted_) service_->Release(final_status_);
     delete this;
   }
 
@@ -379,7 +382,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   // touch the reactor afterwards (OnDone deletes it).
   void Done(const absl::Status& status) {
     hold_.reset();
-    if (admitted_) service_->Release(status);
+    final_status_ = status;
     service_->metrics_.Record(method_, status.code(), absl::Now() - start_,
                               request_bytes_,
                               status.ok() ? response_bytes_ : 0);
@@ -398,6 +401,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   const absl::Time deadline_;
   int64_t declared_bytes_ = 0;
   bool admitted_ = false;
+  absl::Status final_status_;  // Done's, for OnDone
   MemoryBudget::Hold hold_;
   grpc::ByteBuffer request_;
   size_t request_bytes_ = 0;

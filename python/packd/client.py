@@ -152,14 +152,25 @@ def _tls_credentials(ca_file, cert_file, key_file):
         certificate_chain=_read(cert_file, "tls_cert_file") if cert_file else None)
 
 
+# What a call is retried on: UNAVAILABLE (the server is draining, restarting or unreachable) and
+# CANCELLED (this client cancels nothing, so a server going away did: gRPC cancels the calls that
+# reach a server while it shuts down, before a handler sees them, grpc/grpc#41785). Every packd
+# call may be repeated.
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_INITIAL_BACKOFF = 0.05  # seconds, doubling between attempts up to
+_MAX_BACKOFF = 2.0
+
+
 class Client:
     """A connection to packd.
 
     address: "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes Service
     (calls spread over every address the name resolves to). load_balancing_policy: gRPC's
     policy; None: "round_robin" for dns:/// addresses, gRPC's pick_first otherwise. timeout:
-    seconds per call. retries: extra attempts for
-    calls answered UNAVAILABLE (a draining or restarting server), with exponential backoff.
+    seconds per call. retries: extra attempts for calls answered UNAVAILABLE (a draining or
+    restarting server) or cancelled by a server going away (CANCELLED: gRPC cancels the calls
+    that reach a server while it shuts down), with exponential backoff from 50 ms to 2 s (the
+    channels reconnect on the same schedule).
     shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
     memory when the server is on this node and allows it (0 disables). shm_key_prefix: the
     server's --shm_key_prefix, under which segments are named. split_threshold_bytes: inline
@@ -207,8 +218,12 @@ class Client:
             extra.append(("grpc.lb_policy_name", self.load_balancing_policy))
 
         def channel(i):
+            # Reconnect as often as calls are retried: gRPC's own backoff (1 s, growing to
+            # 2 min) would leave a restarted server unreached while the retries run out.
             options = [("grpc.max_send_message_length", limit),
                        ("grpc.max_receive_message_length", limit),
+                       ("grpc.initial_reconnect_backoff_ms", int(_INITIAL_BACKOFF * 1000)),
+                       ("grpc.max_reconnect_backoff_ms", int(_MAX_BACKOFF * 1000)),
                        ("packd.connection", i)] + extra
             if credentials is None:
                 return grpc.insecure_channel(address, options=options)
@@ -239,17 +254,33 @@ class Client:
         return (self._metadata or ()) + (
             ("packd-request-bytes", str(_wire.serialized_size(request))),)
 
-    def _call(self, method, request, retries=None):
+    def _call(self, method, request, retries=None, connection=0):
+        """method(request) (a callable of channel `connection`), retried with backoff on the
+        codes in _RETRIED."""
         retries = self.retries if retries is None else retries
-        backoff = 0.05
+        backoff = _INITIAL_BACKOFF
         for attempt in range(retries + 1):
             try:
                 return method(request, timeout=self.timeout, metadata=self._metadata_for(request))
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+                if e.code() not in _RETRIED or attempt == retries:
                     raise _error(e) from None
-                time.sleep(backoff)
-                backoff = min(2 * backoff, 2.0)
+                self._back_off(connection, backoff)
+                backoff = min(2 * backoff, _MAX_BACKOFF)
+
+    def _back_off(self, connection, seconds):
+        """Waits `seconds` before a retry, meanwhile driving channel `connection` to reconnect:
+        in Python, gRPC runs a disconnected channel's reconnect timer only while someone waits on
+        the channel, and a server that came back would otherwise stay unreached for seconds."""
+        end = time.monotonic() + seconds
+        ready = grpc.channel_ready_future(self._channels[connection])
+        try:
+            ready.result(timeout=seconds)
+        except grpc.FutureTimeoutError:
+            pass
+        finally:
+            ready.cancel()
+        time.sleep(max(0.0, end - time.monotonic()))
 
     def _with_regions(self, call):
         """call(), and once more if it finds a region of this client gone (NOT_FOUND) and
@@ -283,13 +314,13 @@ class Client:
         futures = [m.future(r, timeout=self.timeout, metadata=self._metadata_for(r))
                    for m, r in zip(methods, requests)]
         replies = []
-        for method, request, future in zip(methods, requests, futures):
+        for connection, (method, request, future) in enumerate(zip(methods, requests, futures)):
             try:
                 replies.append(future.result())
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                if e.code() not in _RETRIED:
                     raise _error(e) from None
-                replies.append(self._call(method, request))  # retried as one call
+                replies.append(self._call(method, request, connection=connection))  # retried
         return replies
 
     def _splits(self, nbytes, scratch, mask, tensors):

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -330,6 +331,50 @@ def test_bearer_token_from_file_or_environment(tmp_path, monkeypatch):
         monkeypatch.setenv("PACKD_TOKEN", "py-token")
         with packd.Client(address, split_threshold_bytes=1) as client:  # both connections
             assert torch.equal(client.pack(x, mask).packed, x[mask])
+
+
+def test_calls_lose_nothing_to_restarts():
+    """While four clients call Pack and Scatter in a loop, the server is stopped with SIGTERM
+    (it drains) and started again on the same address, three times: every call returns the exact
+    result. Calls refused by the draining server (UNAVAILABLE), cancelled by gRPC as the server
+    shuts down (CANCELLED), or made while it is down are retried until it is back."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = PackdServer(os.environ["PACKD_BINARY"], f"--listen=127.0.0.1:{port}")
+    stop = threading.Event()
+    failures, calls = [], []
+
+    def work():
+        with packd.Client(server.address, shm_threshold_bytes=0) as client:
+            while not stop.is_set():
+                mask = torch.rand(4, 32) < 0.5
+                x = random_tensor(torch.float32, (4, 32, 8))
+                try:
+                    packed = client.pack(x, mask).packed
+                    dense = client.scatter(packed, mask)
+                    if not (same(packed, x[mask])
+                            and same(dense, reference_scatter(x[mask], mask, x))):
+                        failures.append("a wrong result")
+                except packd.PackdError as e:
+                    failures.append(str(e))
+                calls.append(1)
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    try:
+        for t in workers:
+            t.start()
+        for _ in range(3):
+            time.sleep(2.5)  # longer than the longest backoff: every client gets through
+            server.restart(graceful=True)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in workers:
+            t.join()
+        assert server.stop() == 0
+    assert failures == [], f"{len(failures)} of {len(calls)} calls failed"
+    assert len(calls) > 50
 
 
 def test_regions_come_back_after_their_lease_and_after_a_restart():

@@ -46,10 +46,17 @@ class PackdServer:
             self._dir.cleanup()
             raise RuntimeError("packd did not become ready; its log:\n" + log)
 
-    def restart(self):
-        """SIGKILL, then the same server again on the same address, ready."""
-        self._proc.kill()
-        self._proc.communicate()
+    def restart(self, graceful=False):
+        """The same server again on the same address, ready: after SIGKILL, or with graceful
+        after SIGTERM and a clean drain (exit code 0)."""
+        if graceful:
+            self._proc.terminate()
+        else:
+            self._proc.kill()
+        log = self._proc.communicate()[1]
+        if graceful and self._proc.returncode != 0:
+            raise RuntimeError("packd exited with code %d after SIGTERM; its log:\n%s"
+                               % (self._proc.returncode, log))
         self._launch()
 
     def _wait_ready(self, timeout):
