@@ -26,8 +26,10 @@ configure: deps
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
+# CTEST_ARGS narrows the run (e.g. CTEST_ARGS="-R gpu_").
+CTEST_ARGS ?=
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
 run: build
 	$(BUILD_DIR)/bin/packd --listen=127.0.0.1:50051 --device=cpu
