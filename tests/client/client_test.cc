@@ -590,8 +590,11 @@ TEST(ClientResilience, CallsLoseNothingToRollingRestarts) {
   std::vector<std::thread> workers;
   for (int w = 0; w < 4; ++w) {
     workers.emplace_back([&] {
-      ClientOptions options;  // the default retries
+      ClientOptions options;
       options.address = server->address();
+      // Retries for longer than any restart takes here: the default, about
+      // 5 s, covers one on an idle machine, and other tests may run beside.
+      options.max_attempts = 20;
       std::unique_ptr<Client> client = std::move(*Client::Connect(options));
       while (!stop) {
         const at::Tensor x = at::randint(-100, 100, {4, 32, 8}, at::kFloat);

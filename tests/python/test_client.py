@@ -346,7 +346,9 @@ def test_calls_lose_nothing_to_restarts():
     failures, calls = [], []
 
     def work():
-        with packd.Client(server.address, shm_threshold_bytes=0) as client:
+        # Retries for longer than any restart takes here: the default, about 5 s, covers one on
+        # an idle machine, and other tests may run beside.
+        with packd.Client(server.address, shm_threshold_bytes=0, retries=19) as client:
             while not stop.is_set():
                 mask = torch.rand(4, 32) < 0.5
                 x = random_tensor(torch.float32, (4, 32, 8))
