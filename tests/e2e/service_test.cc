@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
@@ -750,7 +751,14 @@ TEST(ServiceMetrics, PrometheusTextCountsCallsByMethodAndCode) {
   grpc::ClientContext context;
   EXPECT_FALSE(stub->Pack(&context, bad, &response).ok());
 
-  const std::string text = HttpGet(metrics, "/metrics");
+  // A call counts as in flight until its reply has left, which may be just
+  // after the client has it: the gauge returns to 0 soon after.
+  std::string text = HttpGet(metrics, "/metrics");
+  for (int i = 0;
+       i < 100 && !absl::StrContains(text, "packd_calls_in_flight 0\n"); ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+    text = HttpGet(metrics, "/metrics");
+  }
   EXPECT_THAT(text, HasSubstr("HTTP/1.0 200 OK"));
   EXPECT_THAT(
       text, HasSubstr("packd_requests_total{method=\"Pack\",code=\"ok\"} 3\n"));
