@@ -135,6 +135,21 @@ absl::Status Guarded(const char* method, Fn&& fn) {
 
 }  // namespace
 
+class PackServiceImpl::AdmittedReactor final : public grpc::ServerUnaryReactor {
+ public:
+  AdmittedReactor(PackServiceImpl* service, absl::Status status)
+      : service_(service), status_(std::move(status)) {}
+  void OnDone() override {
+    TakeOver(this);
+    service_->Release(status_);
+    delete this;
+  }
+
+ private:
+  PackServiceImpl* const service_;
+  const absl::Status status_;
+};
+
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
     grpc::CallbackServerContext* context, const char* method,
@@ -143,18 +158,19 @@ grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
   const absl::Time start = absl::Now();
   absl::Status status = Authenticate(context);
   if (!status.ok()) return Finish(context, method, start, status);
-  status = absl::UnavailableError(
-      "packd is shutting down; retry on another replica");
-  if (Admit()) {
-    // Nothing a handler throws (an allocation that failed, a library's
-    // exception) may leave the call admitted or reach gRPC, which would answer
-    // UNIMPLEMENTED: it becomes INTERNAL with its message.
-    status = Guarded(method, [&] { return (this->*work)(request, response); });
-    if (!status.ok()) response->Clear();
-    Release(status);
+  if (!Admit()) {
+    return Finish(context, method, start,
+                  absl::UnavailableError(
+                      "packd is shutting down; retry on another replica"));
   }
+  // Nothing a handler throws (an allocation that failed, a library's
+  // exception) may leave the call admitted or reach gRPC, which would answer
+  // UNIMPLEMENTED: it becomes INTERNAL with its message.
+  status = Guarded(method, [&] { return (this->*work)(request, response); });
+  if (!status.ok()) response->Clear();
   return Finish(context, method, start, status, request.ByteSizeLong(),
-                status.ok() ? response->ByteSizeLong() : 0);
+                status.ok() ? response->ByteSizeLong() : 0,
+                new AdmittedReactor(this, status));
 }
 
 namespace {
@@ -436,10 +452,12 @@ grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
 
 grpc::ServerUnaryReactor* PackServiceImpl::Finish(
     grpc::CallbackServerContext* context, const char* method, absl::Time start,
-    const absl::Status& status, size_t request_bytes, size_t response_bytes) {
+    const absl::Status& status, size_t request_bytes, size_t response_bytes,
+    grpc::ServerUnaryReactor* reactor) {
   metrics_.Record(method, status.code(), absl::Now() - start, request_bytes,
                   response_bytes);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (reactor == nullptr) reactor = context->DefaultReactor();
+  HandOff(reactor);  // a reactor of ours is deleted on one of gRPC's threads
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }

@@ -122,6 +122,9 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
  private:
   template <typename Request, typename Response>
   friend class InlineCall;
+  // The reactor of an admitted unary call: releases the call once its reply
+  // has been sent, so that a drain waits for the reply too.
+  class AdmittedReactor;
   class InlineCalls final : public grpc::CallbackGenericService {
    public:
     explicit InlineCalls(PackServiceImpl* service) : service_(service) {}
@@ -144,8 +147,9 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   // with how it ended: after a failure, the default device is checked.
   bool Admit();
   void Release(const absl::Status& status);
-  // Runs `work` as an admitted call (UNAVAILABLE while draining), checks the
-  // default device after a failure, and finishes the call.
+  // Runs `work` as an admitted call (UNAVAILABLE while draining) and finishes
+  // the call; it is released (and the default device checked after a
+  // failure) once the reply has been sent.
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* Admitted(
       grpc::CallbackServerContext* context, const char* method,
@@ -158,13 +162,15 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   // request of `declared` bytes (0: the largest) can make it hold, or the
   // whole budget.
   int64_t AdmissionBytes(int64_t declared) const;
-  // Finishes the call with `status` and records it in the metrics: latency
-  // since `start`, and the message sizes.
+  // Finishes the call with `status` on `reactor` (null: the context's
+  // default one) and records it in the metrics: latency since `start`, and
+  // the message sizes.
   grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
                                    const char* method, absl::Time start,
                                    const absl::Status& status,
                                    size_t request_bytes = 0,
-                                   size_t response_bytes = 0);
+                                   size_t response_bytes = 0,
+                                   grpc::ServerUnaryReactor* reactor = nullptr);
 
   // The steps every Pack and Scatter call takes: decode (inline bytes from
   // `payloads` when given), place results (pooled buffers recorded in `reply`
