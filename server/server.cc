@@ -5,6 +5,9 @@
 #include <grpcpp/security/server_credentials.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <climits>
@@ -14,6 +17,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "kernels/buffer.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
@@ -97,11 +101,39 @@ std::string BoundAddress(const std::string& listen, int port) {
   return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
 }
 
+// Whether a server accepts connections on the unix socket at `path`.
+bool UnixSocketAnswers(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool answers =
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return answers;
+}
+
 // Starts `builder` listening on `listen` (the flag `flag` in errors), with
 // `*bound` the address actually bound. UNAVAILABLE when it cannot listen.
+//
+// An address another server holds is refused, never shared: by default gRPC
+// binds TCP ports with SO_REUSEPORT (a second server on the port would take
+// half of the new connections) and replaces the file of a unix socket (the
+// first server would be left running, unreachable).
 absl::StatusOr<std::unique_ptr<grpc::Server>> Listen(
     grpc::ServerBuilder& builder, const std::string& listen, const char* flag,
     std::shared_ptr<grpc::ServerCredentials> credentials, std::string* bound) {
+  absl::string_view path = listen;
+  if ((absl::ConsumePrefix(&path, "unix://") ||
+       absl::ConsumePrefix(&path, "unix:")) &&
+      UnixSocketAnswers(std::string(path))) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", listen, " (", flag,
+                     "): another server is listening there"));
+  }
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   builder.AddListeningPort(listen, std::move(credentials), &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -37,7 +37,9 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::Not;
+using testing::PackdCommand;
 using testing::Rng;
+using testing::RunCommand;
 using testing::SameBytes;
 using testing::ServerProcess;
 using testing::UnusedPort;
@@ -641,14 +643,7 @@ TEST(ClientResilience, DeadlineExceeded) {
 // Runs packctl with `args`; returns its exit code and fills `output` (stdout
 // and stderr).
 int Packctl(const std::string& args, std::string* output) {
-  const std::string command = absl::StrCat(PACKCTL_BINARY, " ", args, " 2>&1");
-  FILE* pipe = popen(command.c_str(), "r");
-  char buf[4096];
-  output->clear();
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) output->append(buf, n);
-  const int status = pclose(pipe);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return RunCommand(absl::StrCat(PACKCTL_BINARY, " ", args), output);
 }
 
 // --help says what each packctl command does, with an example of each, and
@@ -667,14 +662,7 @@ TEST(Tools, HelpNamesEveryCommandAndTheFlagsWithoutBuildPaths) {
   EXPECT_THAT(out, HasSubstr("--max_latency_ms"));
   EXPECT_THAT(out, Not(HasSubstr(".cc")));
 
-  const std::string packd_help = absl::StrCat(PACKD_BINARY, " --help 2>&1");
-  FILE* pipe = popen(packd_help.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  char buf[4096];
-  out.clear();
-  for (size_t n; (n = fread(buf, 1, sizeof(buf), pipe)) > 0;)
-    out.append(buf, n);
-  pclose(pipe);
+  RunCommand(PackdCommand("--help"), &out);
   EXPECT_THAT(out, HasSubstr("Flags from packd:"));
   for (const char* flag :
        {"--listen", "--max_inflight_bytes", "--health_listen",

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -194,15 +195,43 @@ int64_t ProcStatusBytes(pid_t pid, absl::string_view field) {
 }
 
 int UnusedPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+  int low = 32768;  // the kernel's default, when /proc does not say
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  // Ports [10000, low); with an ephemeral range that starts lower, any.
+  const int first = low > 11000 ? 10000 : 1024;
+  const int span = low > 11000 ? std::min(low, 32768) - first : 65535 - first;
+  // Start at a place of this process's own, so that tests beside pick apart.
+  const int start = static_cast<int>(
+      (int64_t{getpid()} * 7919 + absl::ToUnixMicros(absl::Now())) % span);
+  for (int i = 0; i < span; ++i) {
+    const int port = first + (start + i) % span;
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(port);
+    const bool free =
+        bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  return 0;
+}
+
+int RunCommand(const std::string& command, std::string* output) {
+  FILE* pipe = popen(absl::StrCat(command, " 2>&1").c_str(), "r");
+  output->clear();
+  if (pipe == nullptr) return -1;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), pipe)) > 0;) {
+    output->append(buf, n);
+  }
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string PackdCommand(absl::string_view flags) {
+  return absl::StrCat(PACKD_BINARY, " ", flags);
 }
 
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel,

@@ -80,8 +80,17 @@ class ServerProcess {
   std::string log_ ABSL_GUARDED_BY(mu_);
 };
 
-// A loopback port nothing listens on (now).
+// A loopback port nothing listens on (now), below the kernel's ephemeral
+// range: no other process is given it while a test's server restarts on it
+// (bind to port 0 and connect() take ports from that range).
 int UnusedPort();
+
+// Runs `command` in a shell with stderr joined to stdout, which it leaves in
+// `*output`; its exit code, or -1 if it did not exit normally.
+int RunCommand(const std::string& command, std::string* output);
+
+// The shell command that runs the packd binary under test with `flags`.
+std::string PackdCommand(absl::string_view flags);
 
 // A size from /proc/PID/status ("VmRSS:", "VmHWM:", "RssAnon:"), in bytes;
 // -1 when the process or the field is missing.

@@ -778,6 +778,31 @@ TEST(ServiceStartup, AbsentDefaultDeviceFailsClearly) {
   EXPECT_EQ(ServerProcess::Start({"--device=cuda:0"}), nullptr);
 }
 
+// A second packd on an address a server listens on exits with a clear error
+// rather than sharing the TCP port or replacing the unix socket, and the first
+// keeps serving.
+TEST(ServiceStartup, AnAddressInUseIsRefusedNotShared) {
+  for (const std::string listen :
+       {absl::StrCat("127.0.0.1:", testing::UnusedPort()), std::string()}) {
+    auto first = ServerProcess::Start(
+        listen.empty() ? std::vector<std::string>{}
+                       : std::vector<std::string>{"--listen=" + listen});
+    ASSERT_NE(first, nullptr);
+    std::string out;
+    EXPECT_EQ(testing::RunCommand(
+                  "timeout 30 " +
+                      testing::PackdCommand("--listen=" + first->address()),
+                  &out),
+              1);
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("cannot listen on ",
+                                            first->address(), " (--listen)")));
+    EXPECT_EQ(testing::HealthStatus(first->Channel(), "packd.v1.PackService"),
+              "SERVING");
+    first->Signal(SIGTERM);
+    EXPECT_EQ(first->Wait(), 0) << first->Log();
+  }
+}
+
 }  // namespace
 }  // namespace packd
 

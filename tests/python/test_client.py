@@ -2,7 +2,6 @@
 RemotePackOp, shared memory against inline, errors."""
 import glob
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import packd
-from packd_server import PackdServer
+from packd_server import PackdServer, unused_port
 from torch_reference import DTYPES, bits, random_tensor, raw, reference_scatter, same
 
 @pytest.fixture(scope="module")
@@ -213,9 +212,7 @@ def test_shared_memory_and_inline_give_identical_bytes(address, client):
 
 def test_dns_addresses_default_to_round_robin():
     """dns:/// (a headless Kubernetes Service) balances over every address; calls work."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     with PackdServer(os.environ["PACKD_BINARY"], f"--listen=127.0.0.1:{port}"):
         for address, policy in [(f"dns:///127.0.0.1:{port}", "round_robin"),
                                 (f"127.0.0.1:{port}", None)]:
@@ -338,9 +335,7 @@ def test_calls_lose_nothing_to_restarts():
     (it drains) and started again on the same address, three times: every call returns the exact
     result. Calls refused by the draining server (UNAVAILABLE), cancelled by gRPC as the server
     shuts down (CANCELLED), or made while it is down are retried until it is back."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     server = PackdServer(os.environ["PACKD_BINARY"], f"--listen=127.0.0.1:{port}")
     stop = threading.Event()
     failures, calls = [], []
@@ -352,6 +347,7 @@ def test_calls_lose_nothing_to_restarts():
             while not stop.is_set():
                 mask = torch.rand(4, 32) < 0.5
                 x = random_tensor(torch.float32, (4, 32, 8))
+                began = time.monotonic()
                 try:
                     packed = client.pack(x, mask).packed
                     dense = client.scatter(packed, mask)
@@ -359,23 +355,28 @@ def test_calls_lose_nothing_to_restarts():
                             and same(dense, reference_scatter(x[mask], mask, x))):
                         failures.append("a wrong result")
                 except packd.PackdError as e:
-                    failures.append(str(e))
+                    failures.append(f"{e} (at {began - t0:.1f} s, after "
+                                    f"{time.monotonic() - began:.1f} s of retries)")
                 calls.append(1)
 
     workers = [threading.Thread(target=work) for _ in range(4)]
+    t0, restarts = time.monotonic(), []
     try:
         for t in workers:
             t.start()
         for _ in range(3):
             time.sleep(2.5)  # longer than the longest backoff: every client gets through
+            began = time.monotonic()
             server.restart(graceful=True)
+            restarts.append(f"{began - t0:.1f}-{time.monotonic() - t0:.1f} s")
         time.sleep(1.0)
     finally:
         stop.set()
         for t in workers:
             t.join()
         assert server.stop() == 0
-    assert failures == [], f"{len(failures)} of {len(calls)} calls failed"
+    assert failures == [], (f"{len(failures)} of {len(calls)} calls failed; "
+                            f"the server restarted at {', '.join(restarts)}")
     assert len(calls) > 50
 
 

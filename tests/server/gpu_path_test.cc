@@ -83,8 +83,11 @@ class FakeGpuTest : public ::testing::Test {
   void StartServer(Device default_device = Device::Cpu()) {
     ServerOptions options;
     options.service.default_device = default_device;
-    options.listen =
-        absl::StrCat("unix:/tmp/packd-fake-gpu-", getpid(), ".sock");
+    // A fresh socket for each server: packd refuses a path that the last one
+    // may still listen on.
+    static int started = 0;
+    options.listen = absl::StrCat("unix:/tmp/packd-fake-gpu-", getpid(), "-",
+                                  ++started, ".sock");
     options.service.regions.enabled = true;
     absl::StatusOr<std::unique_ptr<PackdServer>> server =
         PackdServer::Start(options);

@@ -6,6 +6,8 @@ is for people, not parsed), stopped with SIGTERM and required to exit 0.
         channel = grpc.insecure_channel(address)
 """
 import os
+import random
+import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +19,28 @@ _READINESS = b"packd.v1.PackService"
 # by hand so that no health stubs are needed.
 _CHECK_REQUEST = b"\x0a" + bytes([len(_READINESS)]) + _READINESS
 _SERVING = b"\x08\x01"
+
+
+def unused_port():
+    """A loopback port nothing listens on (now), below the kernel's ephemeral range: no other
+    process is given it while a test's server restarts on it (binding port 0 and connecting
+    take ports from that range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first, end = (10000, min(low, 32768)) if low > 11000 else (1024, 65536)
+    start = random.randrange(first, end)
+    for i in range(end - first):
+        port = first + (start - first + i) % (end - first)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port")
 
 
 class PackdServer:
