@@ -110,12 +110,9 @@ bool PackServiceImpl::Admit() {
   return true;
 }
 
-void PackServiceImpl::Release(const absl::Status& status) {
-  {
-    absl::MutexLock lock(&mu_);
-    --in_flight_;
-  }
-  if (!status.ok()) CheckDefaultDevice();
+void PackServiceImpl::Release() {
+  absl::MutexLock lock(&mu_);
+  --in_flight_;
 }
 
 namespace {
@@ -137,17 +134,15 @@ absl::Status Guarded(const char* method, Fn&& fn) {
 
 class PackServiceImpl::AdmittedReactor final : public grpc::ServerUnaryReactor {
  public:
-  AdmittedReactor(PackServiceImpl* service, absl::Status status)
-      : service_(service), status_(std::move(status)) {}
+  explicit AdmittedReactor(PackServiceImpl* service) : service_(service) {}
   void OnDone() override {
     TakeOver(this);
-    service_->Release(status_);
+    service_->Release();
     delete this;
   }
 
  private:
   PackServiceImpl* const service_;
-  const absl::Status status_;
 };
 
 template <typename Request, typename Response>
@@ -167,10 +162,13 @@ grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
   // exception) may leave the call admitted or reach gRPC, which would answer
   // UNIMPLEMENTED: it becomes INTERNAL with its message.
   status = Guarded(method, [&] { return (this->*work)(request, response); });
-  if (!status.ok()) response->Clear();
+  if (!status.ok()) {
+    response->Clear();
+    CheckDefaultDevice();
+  }
   return Finish(context, method, start, status, request.ByteSizeLong(),
                 status.ok() ? response->ByteSizeLong() : 0,
-                new AdmittedReactor(this, status));
+                new AdmittedReactor(this));
 }
 
 namespace {
@@ -336,7 +334,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   // that waits for it also waits for its reply to leave.
   void OnDone() override {
     TakeOver(this);
-    if (admitted_) service_->Release(final_status_);
+    if (admitted_) service_->Release();
     delete this;
   }
 
@@ -398,7 +396,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   // touch the reactor afterwards (OnDone deletes it).
   void Done(const absl::Status& status) {
     hold_.reset();
-    final_status_ = status;
+    if (admitted_ && !status.ok()) service_->CheckDefaultDevice();
     service_->metrics_.Record(method_, status.code(), absl::Now() - start_,
                               request_bytes_,
                               status.ok() ? response_bytes_ : 0);
@@ -417,7 +415,6 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   const absl::Time deadline_;
   int64_t declared_bytes_ = 0;
   bool admitted_ = false;
-  absl::Status final_status_;  // Done's, for OnDone
   MemoryBudget::Hold hold_;
   grpc::ByteBuffer request_;
   size_t request_bytes_ = 0;

@@ -144,12 +144,13 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   };
 
   // Admits a call unless draining; every admitted call must be released,
-  // with how it ended: after a failure, the default device is checked.
+  // once its reply has been sent. An admitted call that fails checks the
+  // default device (CheckDefaultDevice) before its reply leaves, so that a
+  // client told of the failure finds readiness already changed.
   bool Admit();
-  void Release(const absl::Status& status);
+  void Release();
   // Runs `work` as an admitted call (UNAVAILABLE while draining) and finishes
-  // the call; it is released (and the default device checked after a
-  // failure) once the reply has been sent.
+  // the call; it is released once the reply has been sent.
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* Admitted(
       grpc::CallbackServerContext* context, const char* method,
