@@ -18,6 +18,10 @@
 namespace packd {
 namespace {
 
+// Segments of this client are keyed "<shm_key_prefix>_client_..." and
+// registered as regions "client-...".
+constexpr char kSegmentTag[] = "client";
+
 std::vector<int64_t> ShapeOf(const v1::Tensor& t) {
   return std::vector<int64_t>(t.shape().begin(), t.shape().end());
 }
@@ -128,16 +132,12 @@ absl::Status Client::RegisterDeviceMemory(const std::string& name,
   return absl::OkStatus();
 }
 
-absl::Status Client::RegisterSegment(SharedMemory& segment) {
-  if (!segment.linked()) {
-    PACKD_RETURN_IF_ERROR(segment.Relink(ShmSegment::UniqueKey(
-        absl::StrCat(options_.shm_key_prefix, "_client"))));
+absl::Status Client::RegisterSegment(SharedMemory& shm) {
+  if (!shm.segment().linked()) {
+    PACKD_RETURN_IF_ERROR(
+        shm.segment().Relink(connection_->NewSegmentName(kSegmentTag).key));
   }
-  PACKD_RETURN_IF_ERROR(connection_->RegisterSystemRegion(
-      segment.region(), segment.key(), segment.size()));
-  // The server maps it; the name has done its work.
-  segment.Unlink();
-  return absl::OkStatus();
+  return connection_->RegisterSegment(shm.segment(), shm.region());
 }
 
 absl::StatusOr<int> Client::Reregister() {
@@ -181,15 +181,11 @@ absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
 
 absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
     int64_t bytes) {
-  const std::string key =
-      ShmSegment::UniqueKey(absl::StrCat(options_.shm_key_prefix, "_client"));
-  // "client-<pid>_<tag>_<n>": the key's random tag keeps region names apart
-  // across pid namespaces too.
-  const std::string region =
-      absl::StrCat("client-", key.substr(options_.shm_key_prefix.size() + 8));
+  Connection::SegmentName name = connection_->NewSegmentName(kSegmentTag);
+  const std::string region = name.region;
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<SharedMemory> shm,
-      SharedMemory::Create(key, region, bytes, [this, region] {
+      SharedMemory::Create(std::move(name.key), region, bytes, [this, region] {
         {
           absl::MutexLock lock(&mu_);
           segments_.erase(std::remove_if(segments_.begin(), segments_.end(),

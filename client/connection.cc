@@ -228,18 +228,29 @@ absl::StatusOr<v1::PlanResponse> Connection::Plan(
   return response;
 }
 
-absl::Status Connection::RegisterSystemRegion(const std::string& region,
-                                              const std::string& key,
-                                              int64_t bytes) {
+Connection::SegmentName Connection::NewSegmentName(
+    absl::string_view tag) const {
+  const std::string prefix =
+      absl::StrCat(options_.shm_key_prefix, "_", tag, "_");
+  SegmentName name;
+  name.key = ShmSegment::UniqueKey(prefix.substr(0, prefix.size() - 1));
+  name.region = absl::StrCat(tag, "-", name.key.substr(prefix.size()));
+  return name;
+}
+
+absl::Status Connection::RegisterSegment(ShmSegment& segment,
+                                         const std::string& region) {
   v1::RegisterSystemRegionRequest request;
   request.set_name(region);
-  request.set_key(key);
-  request.set_byte_size(static_cast<uint64_t>(bytes));
+  request.set_key(segment.key());
+  request.set_byte_size(static_cast<uint64_t>(segment.size()));
   request.set_lease_seconds(options_.lease_seconds);
   v1::RegisterRegionResponse response;
-  return Call([&](grpc::ClientContext* c) {
+  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* c) {
     return stub_->RegisterSystemRegion(c, request, &response);
-  });
+  }));
+  segment.Unlink();
+  return absl::OkStatus();
 }
 
 absl::Status Connection::UnregisterRegion(const std::string& name) {

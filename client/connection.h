@@ -23,7 +23,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "client/shm_segment.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
 
@@ -136,10 +138,19 @@ class Connection {
       const std::string& service = "packd.v1.PackService");
   // The micro-batch plan of `request` (DESIGN.md section 9).
   absl::StatusOr<v1::PlanResponse> Plan(const v1::PlanRequest& request);
-  // Registers the shared-memory object `key` of `bytes` as region `region`,
-  // leased for options().lease_seconds.
-  absl::Status RegisterSystemRegion(const std::string& region,
-                                    const std::string& key, int64_t bytes);
+  // A fresh name for a shared-memory segment of this process: its key,
+  // "<shm_key_prefix>_<tag>_<pid>_<random>_<n>" (ShmSegment::UniqueKey), and
+  // the region it is registered as, "<tag>-<pid>_<random>_<n>", unique like
+  // the key (across pid namespaces too).
+  struct SegmentName {
+    std::string key;
+    std::string region;
+  };
+  SegmentName NewSegmentName(absl::string_view tag) const;
+  // Registers `segment` as region `region`, leased for
+  // options().lease_seconds, and unlinks its name: the server has mapped it,
+  // so nothing is left in /dev/shm however this process ends.
+  absl::Status RegisterSegment(ShmSegment& segment, const std::string& region);
   // Unregisters region `name` (NOT_FOUND when the server holds none).
   absl::Status UnregisterRegion(const std::string& name);
 

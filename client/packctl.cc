@@ -401,22 +401,16 @@ class Region {
  public:
   static absl::StatusOr<std::unique_ptr<Region>> Create(Connection& connection,
                                                         int64_t bytes) {
-    const std::string prefix =
-        absl::StrCat(connection.options().shm_key_prefix, "_packctl_");
-    const std::string key =
-        ShmSegment::UniqueKey(prefix.substr(0, prefix.size() - 1));
+    Connection::SegmentName name = connection.NewSegmentName("packctl");
     absl::StatusOr<std::unique_ptr<ShmSegment>> segment =
-        ShmSegment::Create(key, std::max<int64_t>(bytes, 1));
+        ShmSegment::Create(std::move(name.key), std::max<int64_t>(bytes, 1));
     if (!segment.ok()) return segment.status();
-    // "packctl-<pid>_<tag>_<n>", unique like the key.
     std::unique_ptr<Region> region(
-        new Region(connection, *std::move(segment),
-                   absl::StrCat("packctl-", key.substr(prefix.size()))));
-    absl::Status registered = connection.RegisterSystemRegion(
-        region->name_, key, region->segment_->size());
+        new Region(connection, *std::move(segment), std::move(name.region)));
+    absl::Status registered =
+        connection.RegisterSegment(*region->segment_, region->name_);
     if (!registered.ok()) return registered;
     region->registered_ = true;
-    region->segment_->Unlink();
     return region;
   }
   ~Region() {

@@ -47,15 +47,10 @@ class SharedMemory {
   bool Contains(const void* p, int64_t bytes, v1::RegionSlice* slice) const;
   char* At(uint64_t offset) const { return data_ + offset; }
 
-  // The segment's name: see ShmSegment::Unlink and Relink. The client unlinks
-  // it once the server has mapped it, and names it again (with a copy) when
-  // the server must map it anew.
-  void Unlink() { segment_->Unlink(); }
-  bool linked() const { return segment_->linked(); }
-  absl::Status Relink(std::string key) {
-    return segment_->Relink(std::move(key));
-  }
-
+  // The segment. The client unlinks its name once the server has mapped it,
+  // and names it again (ShmSegment::Relink, a copy) when the server must map
+  // it anew.
+  ShmSegment& segment() { return *segment_; }
   const std::string& key() const { return segment_->key(); }
   const std::string& region() const { return region_; }
   int64_t size() const { return size_; }
