@@ -670,13 +670,20 @@ absl::Status PackServiceImpl::DoRegisterDeviceRegion(
   if (request.byte_size() == 0) {
     return absl::InvalidArgumentError("byte_size must be positive");
   }
+  std::string identity = RegionRegistry::DeviceIdentity(
+      request.ipc_handle(), device, request.byte_size());
+  // A repeat after a lost reply finds its region: no second mapping.
+  PACKD_ASSIGN_OR_RETURN(const bool held,
+                         regions_.HeldAs(request.name(), identity));
+  if (held) return absl::OkStatus();
   PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime, Registry::Runtime(device));
   PACKD_ASSIGN_OR_RETURN(DeviceMapping mapping,
                          runtime->OpenIpcMemory(request.ipc_handle(), device,
                                                 request.byte_size()));
-  return regions_.RegisterDevice(
-      request.name(), device, static_cast<char*>(mapping.base),
-      request.byte_size(), std::move(mapping.owner), request.lease_seconds());
+  return regions_.RegisterDevice(request.name(), device,
+                                 static_cast<char*>(mapping.base),
+                                 request.byte_size(), std::move(mapping.owner),
+                                 request.lease_seconds(), std::move(identity));
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(

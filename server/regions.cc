@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
@@ -193,35 +194,66 @@ absl::Status RegionRegistry::RegisterSystem(const std::string& name,
         absl::StrCat("region \"", name, "\": offset ", offset, " + byte_size ",
                      byte_size, " overflows"));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (regions_.contains(name)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("region \"", name, "\" is already registered"));
-    }
-  }
+  std::string identity = SystemIdentity(key, offset, byte_size);
+  PACKD_ASSIGN_OR_RETURN(const bool held, HeldAs(name, identity));
+  if (held) return absl::OkStatus();
   PACKD_ASSIGN_OR_RETURN(SharedMapping mapping,
                          MapSharedMemory(name, key, offset, end));
-  return Add(std::make_shared<Region>(name, "system", Device::Cpu(),
-                                      mapping.base, byte_size,
-                                      std::move(mapping.owner), lease_seconds));
+  return Add(std::make_shared<Region>(
+      name, "system", Device::Cpu(), mapping.base, byte_size,
+      std::move(mapping.owner), lease_seconds, std::move(identity)));
+}
+
+std::string RegionRegistry::SystemIdentity(const std::string& key,
+                                           uint64_t offset,
+                                           uint64_t byte_size) {
+  return absl::StrCat("system ", key, " ", offset, " ", byte_size);
+}
+
+std::string RegionRegistry::DeviceIdentity(const std::string& ipc_handle,
+                                           const Device& device,
+                                           uint64_t byte_size) {
+  return absl::StrCat("device ", absl::BytesToHexString(ipc_handle), " ",
+                      device.ToString(), " ", byte_size);
+}
+
+absl::StatusOr<bool> RegionRegistry::HeldAs(const std::string& name,
+                                            const std::string& identity) const {
+  std::shared_ptr<Region> region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(name);
+    if (it == regions_.end()) return false;
+    region = it->second;
+  }
+  if (identity.empty() || region->identity() != identity) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("region \"", name, "\" is already registered"));
+  }
+  region->Renew();
+  return true;
 }
 
 absl::Status RegionRegistry::RegisterDevice(const std::string& name,
                                             Device device, char* base,
                                             uint64_t byte_size,
                                             std::shared_ptr<void> mapping,
-                                            uint32_t lease_seconds) {
+                                            uint32_t lease_seconds,
+                                            std::string identity) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   if (absl::Status s = ValidateName(name); !s.ok()) return s;
   return Add(std::make_shared<Region>(name, "device", device, base, byte_size,
-                                      std::move(mapping), lease_seconds));
+                                      std::move(mapping), lease_seconds,
+                                      std::move(identity)));
 }
 
 absl::Status RegionRegistry::Add(std::shared_ptr<Region> region) {
   absl::MutexLock lock(&mu_);
   const std::string name = region->name();
-  if (!regions_.emplace(name, std::move(region)).second) {
+  auto [it, added] = regions_.emplace(name, region);
+  // Two copies of one registration racing: the second finds the first's.
+  if (!added && (region->identity().empty() ||
+                 it->second->identity() != region->identity())) {
     return absl::AlreadyExistsError(
         absl::StrCat("region \"", name, "\" is already registered"));
   }

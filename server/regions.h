@@ -33,11 +33,14 @@ namespace packd {
 // a region in use defers its unmap until the last such call ends.
 class Region {
  public:
+  // `identity` tells a repeat of the registration that made it (same key,
+  // offset and size, or same IPC handle, device and size) from a clash.
   Region(std::string name, std::string kind, Device device, char* base,
          uint64_t byte_size, std::shared_ptr<void> mapping,
-         uint32_t lease_seconds = 0)
+         uint32_t lease_seconds = 0, std::string identity = "")
       : name_(std::move(name)),
         kind_(std::move(kind)),
+        identity_(std::move(identity)),
         device_(device),
         base_(base),
         byte_size_(byte_size),
@@ -48,6 +51,7 @@ class Region {
 
   const std::string& name() const { return name_; }
   const std::string& kind() const { return kind_; }  // "system" or "device"
+  const std::string& identity() const { return identity_; }
   const Device& device() const { return device_; }
   char* base() const { return base_; }
   uint64_t byte_size() const { return byte_size_; }
@@ -67,6 +71,7 @@ class Region {
  private:
   const std::string name_;
   const std::string kind_;
+  const std::string identity_;
   const Device device_;
   char* const base_;
   const uint64_t byte_size_;
@@ -110,17 +115,35 @@ class RegionRegistry {
   // read-write. FAILED_PRECONDITION when handles are disabled; INVALID_ARGUMENT
   // for a bad name or key, a key outside the prefix, a zero size, or a range
   // past the object's end (or overflowing); NOT_FOUND when no such object
-  // exists; ALREADY_EXISTS when the name is taken. With `lease_seconds` > 0
-  // the region is unregistered once no call has named it for that long.
+  // exists; ALREADY_EXISTS when the name is taken by another registration.
+  // A repeat of the registration that holds the name (same key, offset and
+  // size: a client retrying after a lost reply) succeeds and renews the lease.
+  // With `lease_seconds` > 0 the region is unregistered once no call has named
+  // it for that long.
   absl::Status RegisterSystem(const std::string& name, const std::string& key,
                               uint64_t offset, uint64_t byte_size,
                               uint32_t lease_seconds = 0);
 
-  // Adds an already opened device mapping (the GPU backend opens IPC handles).
+  // Adds an already opened device mapping (the GPU backend opens IPC handles)
+  // whose registration is `identity` (DeviceIdentity). Errors as
+  // RegisterSystem's; a repeat of the registration holding the name succeeds.
   absl::Status RegisterDevice(const std::string& name, Device device,
                               char* base, uint64_t byte_size,
                               std::shared_ptr<void> mapping,
-                              uint32_t lease_seconds = 0);
+                              uint32_t lease_seconds = 0,
+                              std::string identity = "");
+
+  // Whether `name` is registered as `identity` (then its lease is renewed):
+  // true; false when the name is free; ALREADY_EXISTS when another
+  // registration holds it. Lets a repeated register call succeed without
+  // mapping the memory twice.
+  absl::StatusOr<bool> HeldAs(const std::string& name,
+                              const std::string& identity) const;
+  // The identities of a system and a device registration.
+  static std::string SystemIdentity(const std::string& key, uint64_t offset,
+                                    uint64_t byte_size);
+  static std::string DeviceIdentity(const std::string& ipc_handle,
+                                    const Device& device, uint64_t byte_size);
 
   // NOT_FOUND when the name is not registered. The memory is unmapped once no
   // call uses it.

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "client/shm_segment.h"
 #include "gmock/gmock.h"
@@ -83,6 +84,55 @@ TEST(RegionRegistry, UnregisterAndDestructionUnmapAndCloseEverything) {
   // "b" was still registered when the registry went away.
   EXPECT_EQ(Mappings(b->key()), b_before);
   EXPECT_EQ(SelfDescriptors(), fds_before);
+}
+
+// A client whose register call's reply was lost sends it again: the repeat
+// finds its own region and succeeds without a second mapping; any other
+// registration under the name is refused and changes nothing.
+TEST(RegionRegistry, ARepeatedRegistrationSucceedsAndAClashIsRefused) {
+  std::unique_ptr<ShmSegment> a =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 16).value();
+  std::unique_ptr<ShmSegment> b =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 16).value();
+  const int before = Mappings(a->key());
+  RegionRegistry regions({true, "/packd_test"});
+  ASSERT_TRUE(regions.RegisterSystem("r", a->key(), 0, 1 << 16, 5).ok());
+  absl::Status again = regions.RegisterSystem("r", a->key(), 0, 1 << 16, 5);
+  EXPECT_TRUE(again.ok()) << again;
+  EXPECT_EQ(Mappings(a->key()), before + 1);
+  for (const auto& [key, offset, bytes] :
+       {std::tuple<std::string, uint64_t, uint64_t>{b->key(), 0, 1 << 16},
+        {a->key(), 0, 1 << 15},
+        {a->key(), 64, 1 << 15}}) {
+    absl::Status clash = regions.RegisterSystem("r", key, offset, bytes);
+    EXPECT_EQ(clash.code(), absl::StatusCode::kAlreadyExists)
+        << key << " " << offset << " " << bytes;
+    EXPECT_THAT(std::string(clash.message()),
+                HasSubstr("region \"r\" is already registered"));
+  }
+  EXPECT_EQ(Mappings(b->key()), 1);  // b's own mapping only
+  ASSERT_EQ(regions.List().size(), 1u);
+  EXPECT_EQ(regions.List()[0].byte_size(), uint64_t{1} << 16);
+
+  // Device registrations: the same IPC handle, device and size repeat; the
+  // registry keeps the first mapping.
+  const std::string handle(64, '\x7f');
+  const Device gpu{DeviceKind::kCuda, 0};
+  char memory[64];
+  auto owner = std::make_shared<int>(0);
+  ASSERT_TRUE(
+      regions
+          .RegisterDevice("g", gpu, memory, 64, owner, 0,
+                          RegionRegistry::DeviceIdentity(handle, gpu, 64))
+          .ok());
+  EXPECT_EQ(
+      *regions.HeldAs("g", RegionRegistry::DeviceIdentity(handle, gpu, 64)),
+      true);
+  EXPECT_EQ(regions.HeldAs("g", RegionRegistry::DeviceIdentity(handle, gpu, 32))
+                .status()
+                .code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(regions.HeldAs("h", "x").value(), false);
 }
 
 TEST(RegionRegistry, SlicesAreBoundsCheckedWithoutOverflow) {
