@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <utility>
 
@@ -28,9 +29,11 @@ std::vector<int64_t> ShapeOf(const v1::Tensor& t) {
 
 // Adds one output slice per result size in `segment`, or none: returns false
 // (and leaves `outputs` empty) when a size is unknown (0) or does not fit.
+// `regions` gains the segment's region when it is named.
 bool AddOutputSlices(
     SharedMemory& segment, const std::vector<int64_t>& sizes,
-    google::protobuf::RepeatedPtrField<v1::RegionSlice>* outputs) {
+    google::protobuf::RepeatedPtrField<v1::RegionSlice>* outputs,
+    std::vector<std::string>* regions) {
   for (int64_t n : sizes) {
     char* p = n > 0 ? segment.Allocate(n) : nullptr;
     if (p == nullptr) {
@@ -39,8 +42,38 @@ bool AddOutputSlices(
     }
     segment.Contains(p, n, outputs->Add());
   }
+  if (!sizes.empty()) regions->push_back(segment.region());
   return true;
 }
+
+// Runs call(k) for every part k in [0, parts) at once (the last in this
+// thread): the parts in order, or the first failure.
+template <typename Part>
+absl::StatusOr<std::vector<Part>> InParts(
+    int parts, const std::function<absl::StatusOr<Part>(int)>& call) {
+  std::vector<std::future<absl::StatusOr<Part>>> others;
+  for (int k = 0; k + 1 < parts; ++k) {
+    others.push_back(std::async(std::launch::async, call, k));
+  }
+  absl::StatusOr<Part> last = call(parts - 1);
+  std::vector<Part> out;
+  absl::Status status;
+  for (auto& other : others) {
+    absl::StatusOr<Part> part = other.get();
+    if (part.ok()) {
+      out.push_back(*std::move(part));
+    } else {
+      status.Update(part.status());
+    }
+  }
+  status.Update(last.status());
+  PACKD_RETURN_IF_ERROR(status);
+  out.push_back(*std::move(last));
+  return out;
+}
+
+// The first row of part k of `parts` over `rows` rows.
+int64_t FirstRow(int64_t rows, int parts, int k) { return rows * k / parts; }
 
 // An uninitialised tensor in pooled memory that stays mapped (HostBufferPool,
 // kernels/buffer.h): results of large calls, written once, without the page
@@ -74,7 +107,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
 Client::Client(std::unique_ptr<Connection> connection)
     : connection_(std::move(connection)), options_(connection_->options()) {}
 
-Client::~Client() = default;
+Client::~Client() {
+  // Closing a segment takes mu_ (to forget it) and unregisters it.
+  std::vector<std::unique_ptr<SharedMemory>> idle;
+  {
+    absl::MutexLock lock(&mu_);
+    idle.swap(idle_scratch_);
+  }
+}
 
 absl::Status Client::RawCall(int connection, const char* method,
                              const google::protobuf::Message& request,
@@ -86,8 +126,8 @@ absl::Status Client::RawCall(int connection, const char* method,
                            outgoing.keep, response, reply);
   if (status.code() == absl::StatusCode::kNotFound) {
     // A region of ours may be gone (lease, restart): register, then again.
-    absl::StatusOr<int> registered = Reregister();
-    if (registered.ok() && *registered > 0) {
+    absl::StatusOr<bool> missing = Reregister(outgoing.regions);
+    if (missing.ok() && *missing) {
       *reply = RawReply();
       status =
           connection_->RawCall(connection, method, request, outgoing.payloads,
@@ -129,6 +169,7 @@ absl::Status Client::RegisterDeviceMemory(const std::string& name,
   }));
   absl::MutexLock lock(&mu_);
   device_regions_[name] = std::move(request);
+  ++registrations_[name];
   return absl::OkStatus();
 }
 
@@ -140,7 +181,19 @@ absl::Status Client::RegisterSegment(SharedMemory& shm) {
   return connection_->RegisterSegment(shm.segment(), shm.region());
 }
 
-absl::StatusOr<int> Client::Reregister() {
+absl::StatusOr<bool> Client::Reregister(
+    const std::vector<std::string>& regions) {
+  // How often each region of ours was registered before the server listed
+  // its regions: a count that changed since was registered by another call.
+  absl::flat_hash_map<std::string, int64_t> before;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& region : regions) {
+      auto it = registrations_.find(region);
+      if (it != registrations_.end()) before[region] = it->second;
+    }
+  }
+  if (before.empty()) return false;
   v1::ListRegionsResponse listed;
   PACKD_RETURN_IF_ERROR(connection_->Call([&](grpc::ClientContext* c) {
     return connection_->stub().ListRegions(c, v1::ListRegionsRequest(),
@@ -148,22 +201,52 @@ absl::StatusOr<int> Client::Reregister() {
   }));
   absl::flat_hash_set<std::string> known;
   for (const v1::RegionInfo& info : listed.regions()) known.insert(info.name());
-  int registered = 0;
-  absl::MutexLock lock(&mu_);
-  for (SharedMemory* segment : segments_) {
-    if (known.contains(segment->region())) continue;
-    PACKD_RETURN_IF_ERROR(RegisterSegment(*segment));
-    ++registered;
+  bool missing = false;
+  std::vector<std::string> mine;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [region, count] : before) {
+      if (known.contains(region)) continue;
+      missing = true;
+      while (reregistering_.contains(region)) reregistered_.Wait(&mu_);
+      if (registrations_[region] != count) continue;
+      reregistering_.insert(region);
+      mine.push_back(region);
+    }
   }
-  for (const auto& [name, request] : device_regions_) {
-    if (known.contains(name)) continue;
-    v1::RegisterRegionResponse response;
-    PACKD_RETURN_IF_ERROR(connection_->Call([&](grpc::ClientContext* c) {
-      return connection_->stub().RegisterDeviceRegion(c, request, &response);
-    }));
-    ++registered;
+  absl::Status status;
+  for (const std::string& region : mine) {
+    const absl::Status registered = RegisterAgain(region);
+    absl::MutexLock lock(&mu_);
+    reregistering_.erase(region);
+    if (registered.ok()) ++registrations_[region];
+    reregistered_.SignalAll();
+    status.Update(registered);
   }
-  return registered;
+  PACKD_RETURN_IF_ERROR(status);
+  return missing;
+}
+
+absl::Status Client::RegisterAgain(const std::string& region) {
+  SharedMemory* segment = nullptr;
+  std::optional<v1::RegisterDeviceRegionRequest> device;
+  {
+    absl::MutexLock lock(&mu_);
+    for (SharedMemory* s : segments_) {
+      if (s->region() == region) segment = s;
+    }
+    auto it = device_regions_.find(region);
+    if (it != device_regions_.end()) device = it->second;
+  }
+  if (segment != nullptr) return RegisterSegment(*segment);
+  if (!device.has_value()) {
+    return absl::NotFoundError(
+        absl::StrCat("region \"", region, "\" is not this client's"));
+  }
+  v1::RegisterRegionResponse response;
+  return connection_->Call([&](grpc::ClientContext* c) {
+    return connection_->stub().RegisterDeviceRegion(c, *device, &response);
+  });
 }
 
 absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
@@ -193,35 +276,76 @@ absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
                                            return s->region() == region;
                                          }),
                           segments_.end());
+          registrations_.erase(region);
         }
         connection_->UnregisterRegion(region).IgnoreError();
       }));
-  absl::MutexLock lock(&mu_);
   // On failure the segment goes (unlinked); the unregister it sends finds
-  // nothing, harmlessly.
+  // nothing, harmlessly. No other call knows it yet: no lock is needed.
   PACKD_RETURN_IF_ERROR(RegisterSegment(*shm));
+  absl::MutexLock lock(&mu_);
   segments_.push_back(shm.get());
+  registrations_[region] = 1;
   return shm;
 }
 
-absl::StatusOr<SharedMemory*> Client::ScratchFor(int64_t bytes) {
+absl::StatusOr<Client::Scratch> Client::ScratchFor(int64_t bytes) {
+  Scratch none(nullptr, ScratchReturn{this});
   if (options_.shared_memory_threshold_bytes <= 0 ||
       bytes < options_.shared_memory_threshold_bytes ||
       !IsNodeLocal(options_.address)) {
-    return nullptr;
+    return none;
   }
-  if (!server_allows_shm_.has_value()) {
-    absl::StatusOr<v1::ServerInfo> info = Info();
-    if (!info.ok()) return info.status();
-    server_allows_shm_ = info->shared_memory_enabled();
+  std::optional<bool> allowed;
+  {
+    absl::MutexLock lock(&mu_);
+    allowed = server_allows_shm_;
   }
-  if (!*server_allows_shm_) return nullptr;
-  if (scratch_ == nullptr || scratch_->size() < bytes) {
-    scratch_.reset();
-    PACKD_ASSIGN_OR_RETURN(scratch_, CreateSharedMemory(ScratchBytes(bytes)));
+  if (!allowed.has_value()) {
+    PACKD_ASSIGN_OR_RETURN(v1::ServerInfo info, Info());
+    allowed = info.shared_memory_enabled();
+    absl::MutexLock lock(&mu_);
+    server_allows_shm_ = allowed;
   }
-  scratch_->Reset();
-  return scratch_.get();
+  if (!*allowed) return none;
+  std::unique_ptr<SharedMemory> segment;
+  {
+    // The smallest idle segment that holds the call.
+    absl::MutexLock lock(&mu_);
+    auto best = idle_scratch_.end();
+    for (auto it = idle_scratch_.begin(); it != idle_scratch_.end(); ++it) {
+      if ((*it)->size() >= bytes &&
+          (best == idle_scratch_.end() || (*it)->size() < (*best)->size())) {
+        best = it;
+      }
+    }
+    if (best != idle_scratch_.end()) {
+      segment = std::move(*best);
+      idle_scratch_.erase(best);
+    }
+  }
+  if (segment == nullptr) {
+    PACKD_ASSIGN_OR_RETURN(segment, CreateSharedMemory(ScratchBytes(bytes)));
+  }
+  segment->Reset();
+  return Scratch(segment.release(), ScratchReturn{this});
+}
+
+void Client::ScratchReturn::operator()(SharedMemory* segment) const {
+  // Declared before the lock, so closed after it is released: closing takes
+  // mu_ and unregisters.
+  std::unique_ptr<SharedMemory> evicted;
+  absl::MutexLock lock(&client->mu_);
+  std::vector<std::unique_ptr<SharedMemory>>& idle = client->idle_scratch_;
+  idle.emplace_back(segment);
+  if (static_cast<int>(idle.size()) >
+      std::max(client->options_.idle_scratch_segments, 0)) {
+    auto smallest = std::min_element(
+        idle.begin(), idle.end(),
+        [](const auto& a, const auto& b) { return a->size() < b->size(); });
+    evicted = std::move(*smallest);
+    idle.erase(smallest);
+  }
 }
 
 absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
@@ -244,6 +368,7 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
     for (SharedMemory* s : segments_) {
       if (bytes > 0 &&
           s->Contains(t.data_ptr(), bytes, out->mutable_region())) {
+        outgoing->regions.push_back(s->region());
         return absl::OkStatus();
       }
     }
@@ -252,6 +377,7 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
     if (char* p = scratch->Allocate(bytes)) {
       std::memcpy(p, t.data_ptr(), bytes);
       scratch->Contains(p, bytes, out->mutable_region());
+      outgoing->regions.push_back(scratch->region());
       return absl::OkStatus();
     }
   }
@@ -430,9 +556,19 @@ struct Client::PackPart {
   RawReply reply;
 };
 
-bool Client::Splits(int64_t bytes, SharedMemory* scratch) const {
-  return scratch == nullptr && options_.split_threshold_bytes > 0 &&
-         bytes >= options_.split_threshold_bytes;
+struct Client::ScatterPart {
+  v1::ScatterResponse response;
+  RawReply reply;
+};
+
+int Client::Parts(int64_t bytes, bool through_shared_memory,
+                  int64_t rows) const {
+  if (through_shared_memory || options_.split_threshold_bytes <= 0 ||
+      bytes < options_.split_threshold_bytes) {
+    return 1;
+  }
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(connection_->connections(), rows)));
 }
 
 absl::StatusOr<Client::PackPart> Client::PackRows(
@@ -461,7 +597,8 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
   std::vector<int64_t> result_sizes;
   for (const at::Tensor& t : tensors) result_sizes.push_back(t.nbytes());
   if (results != nullptr &&
-      !AddOutputSlices(*results, result_sizes, request.mutable_outputs()) &&
+      !AddOutputSlices(*results, result_sizes, request.mutable_outputs(),
+                       &outgoing.regions) &&
       options.results_in != nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "results_in: segment \"", results->region(), "\" has ",
@@ -481,41 +618,38 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   int64_t bytes = mask.nbytes();
   for (const at::Tensor& t : tensors)
     bytes += 2 * t.nbytes();  // inputs and, at most, results
-  PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch, options.results_in != nullptr
-                                                     ? nullptr
-                                                     : ScratchFor(bytes));
-  std::vector<PackPart> parts;
-  std::vector<int64_t> first_rows = {0};
-  if (options.results_in == nullptr && Splits(bytes, scratch) &&
-      SplitsByRows(tensors, mask, options.segment_ids)) {
-    // Each half of the rows on its own connection, at once.
-    const int64_t B = mask.size(0), half = B / 2;
-    auto second = std::async(std::launch::async, [&] {
-      return PackRows(Rows(tensors, half, B - half), Rows(mask, half, B - half),
-                      Rows(options.segment_ids, half, B - half), options,
-                      nullptr, 1);
-    });
-    absl::StatusOr<PackPart> first =
-        PackRows(Rows(tensors, 0, half), Rows(mask, 0, half),
-                 Rows(options.segment_ids, 0, half), options, nullptr, 0);
-    absl::StatusOr<PackPart> rest = second.get();
-    PACKD_RETURN_IF_ERROR(first.status());
-    PACKD_RETURN_IF_ERROR(rest.status());
-    parts.push_back(std::move(*first));
-    parts.push_back(std::move(*rest));
-    first_rows.push_back(half);
-  } else {
-    PACKD_ASSIGN_OR_RETURN(
-        PackPart part,
-        PackRows(tensors, mask, options.segment_ids, options, scratch, 0));
-    parts.push_back(std::move(part));
+  Scratch scratch(nullptr, ScratchReturn{this});
+  if (options.results_in == nullptr) {
+    PACKD_ASSIGN_OR_RETURN(scratch, ScratchFor(bytes));
   }
-
+  // A large inline call goes as parts of the rows, each on its own
+  // connection, at once.
+  const int64_t rows = mask.dim() == 2 ? mask.size(0) : 0;
+  const int parts = options.results_in == nullptr &&
+                            SplitsByRows(tensors, mask, options.segment_ids)
+                        ? Parts(bytes, scratch != nullptr, rows)
+                        : 1;
+  std::vector<int64_t> first_rows;
+  for (int k = 0; k < parts; ++k)
+    first_rows.push_back(FirstRow(rows, parts, k));
+  PACKD_ASSIGN_OR_RETURN(
+      std::vector<PackPart> parts_done,
+      InParts<PackPart>(parts, [&](int k) -> absl::StatusOr<PackPart> {
+        if (parts == 1) {
+          return PackRows(tensors, mask, options.segment_ids, options,
+                          scratch.get(), 0);
+        }
+        const int64_t begin = first_rows[k];
+        const int64_t n = FirstRow(rows, parts, k + 1) - begin;
+        return PackRows(Rows(tensors, begin, n), Rows(mask, begin, n),
+                        Rows(options.segment_ids, begin, n), options, nullptr,
+                        k);
+      }));
   PackedBatch batch;
   std::vector<const v1::PackResponse*> responses;
   std::vector<const Tensors*> results;
   std::vector<const RawReply*> replies;
-  for (const PackPart& part : parts) {
+  for (const PackPart& part : parts_done) {
     responses.push_back(&part.response);
     results.push_back(&part.response.packed());
     replies.push_back(&part.reply);
@@ -524,8 +658,8 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
       batch.packed,
       Results(results, replies, /*copy_out=*/options.results_in == nullptr));
   const v1::PackResponse response =
-      parts.size() == 1 ? std::move(parts[0].response)
-                        : JoinPackResponses(responses, first_rows);
+      parts == 1 ? std::move(parts_done[0].response)
+                 : JoinPackResponses(responses, first_rows);
   auto long_tensor = [](const google::protobuf::RepeatedField<int64_t>& f) {
     at::Tensor t = at::empty({f.size()}, at::kLong);
     if (f.size() > 0)
@@ -566,14 +700,10 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
                                    : 0);
     bytes += t.nbytes() + dense_sizes.back();
   }
-  PACKD_ASSIGN_OR_RETURN(SharedMemory * scratch, ScratchFor(bytes));
-  struct Part {
-    v1::ScatterResponse response;
-    RawReply reply;
-  };
+  PACKD_ASSIGN_OR_RETURN(Scratch scratch, ScratchFor(bytes));
   auto scatter_rows = [&](const std::vector<at::Tensor>& rows_packed,
                           const at::Tensor& rows_mask, SharedMemory* segment,
-                          int connection) -> absl::StatusOr<Part> {
+                          int connection) -> absl::StatusOr<ScatterPart> {
     v1::ScatterRequest request;
     Outgoing outgoing;
     request.set_device(device);
@@ -587,47 +717,45 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
       for (int64_t d : *tail_shape) request.mutable_tail_shape()->add_dims(d);
     }
     if (segment != nullptr && rows_mask.dim() == 2) {
-      AddOutputSlices(*segment, dense_sizes, request.mutable_outputs());
+      AddOutputSlices(*segment, dense_sizes, request.mutable_outputs(),
+                      &outgoing.regions);
     }
-    Part part;
+    ScatterPart part;
     PACKD_RETURN_IF_ERROR(RawCall(connection, kScatterMethod, request, outgoing,
                                   &part.response, &part.reply));
     return part;
   };
 
-  // A large inline call goes as two halves of the rows, each with the packed
-  // rows of its half, on two connections at once.
-  int64_t half = 0, active = 0, active_first = 0;
-  bool split = Splits(bytes, scratch) && mask.dim() == 2 && mask.size(0) >= 2;
-  if (split) {
-    half = mask.size(0) / 2;
-    active = mask.ne(0).sum().item<int64_t>();
-    active_first = mask.narrow(0, 0, half).ne(0).sum().item<int64_t>();
+  // A large inline call goes as parts of the rows, each with the packed rows
+  // of its part, on their own connections at once: part k's packed rows
+  // start at the active count before its first row.
+  const int64_t rows = mask.dim() == 2 ? mask.size(0) : 0;
+  int parts = Parts(bytes, scratch != nullptr, rows);
+  std::vector<int64_t> first_packed(parts + 1, 0);
+  if (parts > 1) {
+    const at::Tensor before =
+        at::cat({at::zeros({1}, at::kLong), mask.ne(0).sum(1).cumsum(0)});
+    for (int k = 0; k <= parts; ++k) {
+      first_packed[k] = before[FirstRow(rows, parts, k)].item<int64_t>();
+    }
     for (const at::Tensor& t : packed) {
-      split = split && t.dim() >= 1 && t.size(0) == active;
+      if (t.dim() < 1 || t.size(0) != first_packed[parts]) parts = 1;
     }
   }
-  std::vector<Part> parts;
-  if (split) {
-    const int64_t B = mask.size(0);
-    auto second = std::async(std::launch::async, [&] {
-      return scatter_rows(Rows(packed, active_first, active - active_first),
-                          Rows(mask, half, B - half), nullptr, 1);
-    });
-    absl::StatusOr<Part> first = scatter_rows(Rows(packed, 0, active_first),
-                                              Rows(mask, 0, half), nullptr, 0);
-    absl::StatusOr<Part> rest = second.get();
-    PACKD_RETURN_IF_ERROR(first.status());
-    PACKD_RETURN_IF_ERROR(rest.status());
-    parts.push_back(std::move(*first));
-    parts.push_back(std::move(*rest));
-  } else {
-    PACKD_ASSIGN_OR_RETURN(Part part, scatter_rows(packed, mask, scratch, 0));
-    parts.push_back(std::move(part));
-  }
+  PACKD_ASSIGN_OR_RETURN(
+      std::vector<ScatterPart> parts_done,
+      InParts<ScatterPart>(parts, [&](int k) -> absl::StatusOr<ScatterPart> {
+        if (parts == 1) return scatter_rows(packed, mask, scratch.get(), 0);
+        const int64_t begin = FirstRow(rows, parts, k);
+        return scatter_rows(
+            Rows(packed, first_packed[k],
+                 first_packed[k + 1] - first_packed[k]),
+            Rows(mask, begin, FirstRow(rows, parts, k + 1) - begin), nullptr,
+            k);
+      }));
   std::vector<const Tensors*> results;
   std::vector<const RawReply*> replies;
-  for (const Part& part : parts) {
+  for (const ScatterPart& part : parts_done) {
     results.push_back(&part.response.dense());
     replies.push_back(&part.reply);
   }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/connection.h"
@@ -72,6 +73,10 @@ absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
                                             const void* allocation_base,
                                             const void* data, uint64_t bytes);
 
+// Safe to share across threads, as gRPC stubs are: calls from many threads at
+// once each get their own scratch memory, parts and results, and nothing one
+// call writes is visible to another. A SharedMemory it hands out is not:
+// one thread at a time allocates from it.
 class Client {
  public:
   // Connects (lazily: the first call dials): the errors of Connection::Open.
@@ -144,20 +149,29 @@ class Client {
   Connection& connection() { return *connection_; }
 
  private:
-  // A request on its way: the inline tensors' bytes, in place, and the
-  // tensors that own them.
+  // A request on its way: the inline tensors' bytes, in place, the tensors
+  // that own them, and the regions it names.
   struct Outgoing {
     Payloads payloads;
     std::shared_ptr<std::vector<at::Tensor>> keep =
         std::make_shared<std::vector<at::Tensor>>();
+    std::vector<std::string> regions;
   };
   struct PackPart;
+  struct ScatterPart;
+  // Gives a scratch segment back to the client's pool.
+  struct ScratchReturn {
+    Client* client;
+    void operator()(SharedMemory* segment) const;
+  };
+  // A scratch segment lent to one call; back to the pool when it ends.
+  using Scratch = std::unique_ptr<SharedMemory, ScratchReturn>;
 
   explicit Client(std::unique_ptr<Connection> connection);
 
   // Connection::RawCall with `outgoing`'s bytes; when the server does not
-  // know a region (NOT_FOUND), registers this client's regions again and, if
-  // any was missing, calls once more.
+  // know a region (NOT_FOUND), registers again the regions of `outgoing` that
+  // it lost and, if any was, calls once more.
   absl::Status RawCall(int connection, const char* method,
                        const google::protobuf::Message& request,
                        const Outgoing& outgoing,
@@ -169,16 +183,22 @@ class Client {
                                     const PackCallOptions& options,
                                     SharedMemory* scratch, int connection);
   // Registers `segment` (named anew when unlinked) and unlinks its name.
-  absl::Status RegisterSegment(SharedMemory& segment)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Registers again the segments and device memory of this client that the
-  // server does not hold (a lease ran out, the server restarted); how many.
-  absl::StatusOr<int> Reregister();
-  // Whether a call of `bytes` with inline tensors is split into two.
-  bool Splits(int64_t bytes, SharedMemory* scratch) const;
-  // Whether this call's tensors should travel through shared memory; sets up
-  // the scratch segment of at least `bytes`.
-  absl::StatusOr<SharedMemory*> ScratchFor(int64_t bytes);
+  // Takes no lock: the caller holds the segment.
+  absl::Status RegisterSegment(SharedMemory& segment);
+  // Registers again those of `regions` (named by a call, so alive while it
+  // runs) that are this client's and that the server no longer holds (a lease
+  // ran out, the server restarted); a region another call is registering
+  // again is waited for, not registered twice. Whether any was missing.
+  absl::StatusOr<bool> Reregister(const std::vector<std::string>& regions);
+  // Registers this client's region `region` again: NOT_FOUND when it has none.
+  absl::Status RegisterAgain(const std::string& region);
+  // Into how many parts (one per connection, at most one per row of `rows`)
+  // a call of `bytes` is split: 1 through shared memory or when small.
+  int Parts(int64_t bytes, bool through_shared_memory, int64_t rows) const;
+  // The scratch segment of a call whose tensors hold `bytes`: none when they
+  // travel inline, else an idle one of at least `bytes` from the pool or a
+  // new one. Each call has its own.
+  absl::StatusOr<Scratch> ScratchFor(int64_t bytes);
   // Fills `out` from `t`: a handle when `t` lies in a registered segment (or is
   // copied into `scratch`), inline bytes otherwise.
   // Inline bytes are recorded in `outgoing`, not copied.
@@ -199,14 +219,22 @@ class Client {
 
   const std::unique_ptr<Connection> connection_;
   const ClientOptions& options_;  // connection_'s
+  // Guards what follows; never held across an RPC.
   absl::Mutex mu_;
+  // Signalled when a region's registration again ends.
+  absl::CondVar reregistered_;
   // Registered segments, for lookups.
   std::vector<SharedMemory*> segments_ ABSL_GUARDED_BY(mu_);
   // Device memory registered through this client, by region name.
   absl::flat_hash_map<std::string, v1::RegisterDeviceRegionRequest>
       device_regions_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<SharedMemory> scratch_;  // automatic handles
-  std::optional<bool> server_allows_shm_;
+  // Every region of this client, by name: how many times it was registered;
+  // and those being registered again now.
+  absl::flat_hash_map<std::string, int64_t> registrations_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> reregistering_ ABSL_GUARDED_BY(mu_);
+  // Scratch segments no call holds now.
+  std::vector<std::unique_ptr<SharedMemory>> idle_scratch_ ABSL_GUARDED_BY(mu_);
+  std::optional<bool> server_allows_shm_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace packd

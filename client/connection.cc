@@ -115,7 +115,7 @@ Connection::Connection(
     ClientOptions options, std::string token,
     const std::shared_ptr<grpc::ChannelCredentials>& credentials)
     : options_(std::move(options)), token_(std::move(token)) {
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < std::max(options_.connections, 1); ++i) {
     grpc::ChannelArguments args;
     const int limit = static_cast<int>(
         std::min<int64_t>(options_.max_message_bytes, INT32_MAX));
@@ -140,23 +140,28 @@ Connection::Connection(
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
                 static_cast<int>(absl::ToInt64Milliseconds(
                     std::max(options_.max_backoff, absl::Milliseconds(1)))));
-    channels_[i] =
-        grpc::CreateCustomChannel(options_.address, credentials, args);
-    generic_[i] = std::make_unique<grpc::GenericStub>(channels_[i]);
+    channels_.push_back(
+        options_.interceptors
+            ? grpc::experimental::CreateCustomChannelWithInterceptors(
+                  options_.address, credentials, args, options_.interceptors())
+            : grpc::CreateCustomChannel(options_.address, credentials, args));
+    generic_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
   }
   stub_ = v1::PackService::NewStub(channels_[0]);
 }
 
 absl::Status Connection::Call(
     const std::function<grpc::Status(grpc::ClientContext*)>& rpc) {
+  const absl::Time deadline = absl::Now() + options_.deadline;
   absl::Duration backoff = options_.initial_backoff;
   for (int attempt = 1;; ++attempt) {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+    context.set_deadline(absl::ToChronoTime(deadline));
     if (!token_.empty())
       context.AddMetadata("authorization", "Bearer " + token_);
     const grpc::Status status = rpc(&context);
-    if (!IsRetried(status.error_code()) || attempt >= options_.max_attempts) {
+    if (!IsRetried(status.error_code()) || attempt >= options_.max_attempts ||
+        absl::Now() + backoff >= deadline) {
       return FromGrpcStatus(status);
     }
     absl::SleepFor(backoff);
@@ -179,12 +184,13 @@ absl::Status Connection::RawCall(int connection, const char* method,
     received.Clear();
     context->AddMetadata(kRequestBytesHeader, std::to_string(sent.Length()));
     HandOff(&done);
-    generic_[connection]->UnaryCall(context, method, grpc::StubOptions(), &sent,
-                                    &received, [&](grpc::Status s) {
-                                      TakeOver(&done);
-                                      status = std::move(s);
-                                      done.Notify();
-                                    });
+    generic_[connection % generic_.size()]->UnaryCall(
+        context, method, grpc::StubOptions(), &sent, &received,
+        [&](grpc::Status s) {
+          TakeOver(&done);
+          status = std::move(s);
+          done.Notify();
+        });
     done.WaitForNotification();
     return status;
   }));

@@ -15,6 +15,7 @@
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/client_interceptor.h>
 
 #include <cstdint>
 #include <functional>
@@ -42,13 +43,14 @@ struct ClientOptions {
   // Largest message this client sends or receives (match the server's
   // --max_message_bytes).
   int64_t max_message_bytes = int64_t{1} << 30;
-  // Deadline of each call.
+  // Deadline of each call: all of its attempts together end by then.
   absl::Duration deadline = absl::Seconds(60);
   // Attempts per call while the server answers UNAVAILABLE (draining,
   // restarting) or a server going away cancels the call, with exponential
   // backoff from initial_backoff up to max_backoff between them (the
   // channels reconnect on the same schedule): about 5 s in all by default,
-  // what a restarted packd needs to answer again.
+  // what a restarted packd needs to answer again. No attempt starts past the
+  // call's deadline.
   int max_attempts = 8;
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);
@@ -66,9 +68,16 @@ struct ClientOptions {
   // server). 0: no lease.
   uint32_t lease_seconds = 30;
   // Inline calls whose tensors hold at least this many bytes are split by rows
-  // into two calls on two connections that run at once (a single connection
-  // leaves the wire idle while the server works); 0 never splits.
+  // into one part per connection, the parts running at once (a single
+  // connection leaves the wire idle while the server works); 0 never splits.
   int64_t split_threshold_bytes = int64_t{16} << 20;
+  // Connections to the server (at least 1): the parts of a split call run on
+  // them at once.
+  int connections = 2;
+  // Shared-memory segments kept for later calls once idle: each call in
+  // flight has its own, so a client shared by threads holds one per call at
+  // once and keeps this many after.
+  int idle_scratch_segments = 4;
   // Keep memory freed by finished calls mapped for the next ones: tunes this
   // process's malloc (KeepFreedMemoryMapped, kernels/buffer.h), which
   // makes large inline calls several times faster; the process then keeps up
@@ -89,6 +98,11 @@ struct ClientOptions {
   // The name the server's certificate must carry, when it is not the
   // address's host (for unix sockets: "localhost").
   std::string tls_server_name;
+  // gRPC client interceptors for every connection (tracing, fault injection
+  // in tests): called once per connection for its factories.
+  std::function<std::vector<
+      std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>>()>
+      interceptors;
 };
 
 // The methods RawCall serves.
@@ -106,6 +120,8 @@ struct RawReply {
   Payload BytesOf(const v1::Tensor& t) const;
 };
 
+// Safe to share across threads, as gRPC channels are: calls from many threads
+// at once each have their own context, deadline and reply.
 class Connection {
  public:
   // Connects (lazily: the first call dials). INVALID_ARGUMENT for an empty
@@ -114,13 +130,15 @@ class Connection {
   static absl::StatusOr<std::unique_ptr<Connection>> Open(
       ClientOptions options);
 
-  // Runs `rpc(context)` with the deadline and the token, retrying on
-  // UNAVAILABLE and CANCELLED (see max_attempts); the call's status.
+  // Runs `rpc(context)` with the token, retrying on UNAVAILABLE and CANCELLED
+  // (see max_attempts), every attempt within the one deadline of the call;
+  // the last attempt's status.
   absl::Status Call(
       const std::function<grpc::Status(grpc::ClientContext*)>& rpc);
 
   // Calls `method` (kPackMethod, kScatterMethod) on connection `connection`
-  // (0 or 1: two connections, for calls that run at once) with `request`,
+  // (taken modulo connections(): parts of a call run at once on different
+  // ones) with `request`,
   // whose top-level tensors in `payloads` carry those bytes in place;
   // `keep_alive` owns them until gRPC lets go. Parses the reply into
   // `response`, its inline bytes left in place in `reply` (INTERNAL when it
@@ -158,6 +176,8 @@ class Connection {
   // once they have connected.
   std::string LoadBalancingPolicy() const;
   const ClientOptions& options() const { return options_; }
+  // How many connections there are (options().connections, at least 1).
+  int connections() const { return static_cast<int>(channels_.size()); }
   v1::PackService::Stub& stub() { return *stub_; }
 
  private:
@@ -166,8 +186,8 @@ class Connection {
 
   const ClientOptions options_;
   const std::string token_;  // empty: none
-  std::shared_ptr<grpc::Channel> channels_[2];
-  std::unique_ptr<grpc::GenericStub> generic_[2];
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> generic_;
   std::unique_ptr<v1::PackService::Stub> stub_;  // on channels_[0]
 };
 

@@ -1,6 +1,7 @@
 """packd.Client: Pack and Scatter through a packd server, with torch tensors in and out."""
 import dataclasses
 import os
+import threading
 import time
 from typing import List, Optional, Sequence, Union
 
@@ -162,20 +163,22 @@ _MAX_BACKOFF = 2.0
 
 
 class Client:
-    """A connection to packd.
+    """A connection to packd. Safe to share across threads, as gRPC stubs are: calls from many
+    threads at once each get their own scratch memory, parts and results.
 
     address: "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes Service
     (calls spread over every address the name resolves to). load_balancing_policy: gRPC's
     policy; None: "round_robin" for dns:/// addresses, gRPC's pick_first otherwise. timeout:
-    seconds per call. retries: extra attempts for calls answered UNAVAILABLE (a draining or
+    seconds per call, all of its attempts together. retries: extra attempts for calls answered UNAVAILABLE (a draining or
     restarting server) or cancelled by a server going away (CANCELLED: gRPC cancels the calls
     that reach a server while it shuts down), with exponential backoff from 50 ms to 2 s (the
     channels reconnect on the same schedule).
     shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
-    memory when the server is on this node and allows it (0 disables). shm_key_prefix: the
-    server's --shm_key_prefix, under which segments are named. split_threshold_bytes: inline
-    calls at least this large go as two halves of the rows on two connections at once (0:
-    never). keep_freed_memory: tune this process's malloc to keep freed memory mapped (see
+    memory when the server is on this node and allows it (0 disables); each call in flight has
+    a segment of its own, and idle_scratch_segments of them are kept for later calls.
+    shm_key_prefix: the server's --shm_key_prefix, under which segments are named.
+    split_threshold_bytes: inline calls at least this large go as parts of the rows, one per
+    connection (`connections` of them), at once (0: never). keep_freed_memory: tune this process's malloc to keep freed memory mapped (see
     packd._memory), which makes large inline calls several times faster. token_file /
     token_env: a bearer token for a server with --auth_token_file, from a file's first line or
     an environment variable (PACKD_TOKEN by default), sent on every call. lease_seconds: the
@@ -185,7 +188,8 @@ class Client:
     lease). tls_ca_file: TLS, for a server with --tls_cert_file: the PEM CA certificates that
     signed its certificate (default: plaintext); tls_cert_file / tls_key_file: this client's
     certificate and key, for mutual TLS; tls_server_name: the name the server's certificate
-    carries when it is not the address's host (unix sockets: "localhost").
+    carries when it is not the address's host (unix sockets: "localhost"). interceptors: gRPC
+    client interceptors applied to every connection (tracing, or faults a test injects).
     """
 
     def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=7,
@@ -193,7 +197,8 @@ class Client:
                  shm_key_prefix="/packd", split_threshold_bytes=16 << 20,
                  keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN",
                  lease_seconds=30, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
-                 tls_server_name=None, load_balancing_policy=None):
+                 tls_server_name=None, load_balancing_policy=None, connections=2,
+                 idle_scratch_segments=4, interceptors=()):
         self.address = address
         self.lease_seconds = lease_seconds
         self._device_regions = {}
@@ -206,8 +211,8 @@ class Client:
         if keep_freed_memory:
             _memory.keep_freed_memory()
         limit = min(max_message_bytes, (1 << 31) - 1)
-        # Two connections (channels with different arguments share none): large inline calls go
-        # as two halves of the rows, one on each, at once.
+        # Several connections (channels with different arguments share none): large inline calls
+        # go as parts of the rows, one on each, at once.
         credentials = _tls_credentials(tls_ca_file, tls_cert_file, tls_key_file)
         extra = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
         self.load_balancing_policy = load_balancing_policy
@@ -226,10 +231,12 @@ class Client:
                        ("grpc.max_reconnect_backoff_ms", int(_MAX_BACKOFF * 1000)),
                        ("packd.connection", i)] + extra
             if credentials is None:
-                return grpc.insecure_channel(address, options=options)
-            return grpc.secure_channel(address, credentials, options=options)
+                made = grpc.insecure_channel(address, options=options)
+            else:
+                made = grpc.secure_channel(address, credentials, options=options)
+            return grpc.intercept_channel(made, *interceptors) if interceptors else made
 
-        self._channels = [channel(i) for i in range(2)]
+        self._channels = [channel(i) for i in range(max(1, connections))]
         self._channel = self._channels[0]
         self._stub = pb_grpc.PackServiceStub(self._channel)
         # Pack and Scatter skip protobuf's copies of tensor bytes (packd/_wire.py).
@@ -241,8 +248,13 @@ class Client:
             "/packd.v1.PackService/Scatter", request_serializer=_wire.serialize,
             response_deserializer=_wire.parser(pb.ScatterResponse, pb.Tensor))
             for channel in self._channels]
+        self.idle_scratch_segments = idle_scratch_segments
+        # Guards what follows: the scratch segments no call holds, whether the server allows
+        # shared memory, and whether the client is closed.
+        self._lock = threading.Lock()
+        self._idle = []
         self._shm_allowed = None
-        self._scratch = None
+        self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -258,12 +270,15 @@ class Client:
         """method(request) (a callable of channel `connection`), retried with backoff on the
         codes in _RETRIED."""
         retries = self.retries if retries is None else retries
+        deadline = time.monotonic() + self.timeout
         backoff = _INITIAL_BACKOFF
         for attempt in range(retries + 1):
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata_for(request))
+                return method(request, timeout=max(deadline - time.monotonic(), 1e-3),
+                              metadata=self._metadata_for(request))
             except grpc.RpcError as e:
-                if e.code() not in _RETRIED or attempt == retries:
+                if (e.code() not in _RETRIED or attempt == retries
+                        or time.monotonic() + backoff >= deadline):
                     raise _error(e) from None
                 self._back_off(connection, backoff)
                 backoff = min(2 * backoff, _MAX_BACKOFF)
@@ -282,33 +297,37 @@ class Client:
             ready.cancel()
         time.sleep(max(0.0, end - time.monotonic()))
 
-    def _with_regions(self, call):
-        """call(), and once more if it finds a region of this client gone (NOT_FOUND) and
-        registering them again helps."""
+    def _with_regions(self, call, scratch):
+        """call(), and once more if it finds a region gone (NOT_FOUND) and registering this
+        call's scratch segment (or the client's device memory) again helps."""
         try:
             return call()
         except PackdError as e:
-            if e.code != grpc.StatusCode.NOT_FOUND or not self._reregister():
+            if e.code != grpc.StatusCode.NOT_FOUND or not self._reregister(scratch):
                 raise
         return call()
 
-    def _reregister(self):
-        """Registers again the regions of this client the server no longer holds (a lease ran
-        out, or the server restarted); how many."""
+    def _reregister(self, scratch):
+        """Registers again what the server no longer holds (a lease ran out, or the server
+        restarted) of `scratch` (the call's own segment, which no other call uses) and the
+        client's device memory; how many. Registering device memory twice is harmless: the
+        server takes a repeated registration as the one it holds."""
         known = {r.name for r in self._call(self._stub.ListRegions,
                                             pb.ListRegionsRequest()).regions}
         count = 0
-        if self._scratch is not None and self._scratch.region not in known:
-            self._scratch.renew()
+        if scratch is not None and scratch.region not in known:
+            scratch.renew()
             count += 1
-        for name, request in self._device_regions.items():
-            if name not in known:
-                self._call(self._stub.RegisterDeviceRegion, request)
-                count += 1
+        with self._lock:
+            devices = [r for name, r in self._device_regions.items() if name not in known]
+        for request in devices:
+            self._call(self._stub.RegisterDeviceRegion, request)
+            count += 1
         return count
 
-    def _call_parts(self, methods, requests):
-        """methods[i](requests[i]), all at once; the replies in order."""
+    def _in_parts(self, methods, requests):
+        """requests[k] on connection k (methods[k] is its callable), all at once; the replies in
+        order. A part the server answered UNAVAILABLE or CANCELLED is retried alone."""
         if len(requests) == 1:
             return [self._call(methods[0], requests[0])]
         futures = [m.future(r, timeout=self.timeout, metadata=self._metadata_for(r))
@@ -319,33 +338,74 @@ class Client:
                 replies.append(future.result())
             except grpc.RpcError as e:
                 if e.code() not in _RETRIED:
+                    for f in futures:
+                        f.cancel()
                     raise _error(e) from None
                 replies.append(self._call(method, request, connection=connection))  # retried
         return replies
 
-    def _splits(self, nbytes, scratch, mask, tensors):
-        """Whether an inline call goes as two halves of the rows: large, and every tensor
-        [B, S, ...] like the [B, S] mask with B >= 2."""
-        return (scratch is None and self.split_threshold_bytes > 0
-                and nbytes >= self.split_threshold_bytes and mask.dim() == 2
-                and mask.shape[0] >= 2
+    def _parts(self, nbytes, scratch, rows):
+        """Into how many parts of the rows an inline call goes: one per connection (at most one
+        per row) when it is large, else 1."""
+        if (scratch is not None or self.split_threshold_bytes <= 0
+                or nbytes < self.split_threshold_bytes):
+            return 1
+        return max(1, min(len(self._channels), rows))
+
+    @staticmethod
+    def _bounds(rows, parts):
+        """The first row of each of `parts` parts of `rows` rows, and `rows`."""
+        return [rows * k // parts for k in range(parts + 1)]
+
+    @staticmethod
+    def _by_rows(mask, tensors):
+        """Whether a call can go in parts of the rows: every tensor [B, S, ...] like the [B, S]
+        mask, with B >= 2."""
+        return (mask.dim() == 2 and mask.shape[0] >= 2
                 and all(t.dim() >= 2 and t.shape[:2] == mask.shape for t in tensors))
 
     def _scratch_for(self, nbytes):
+        """The scratch segment of a call whose tensors hold `nbytes`, lent to it alone until
+        _give_back: None when they travel inline, else the smallest idle one that holds them,
+        or a new one."""
         if (self.shm_threshold_bytes <= 0 or nbytes < self.shm_threshold_bytes
                 or not _is_node_local(self.address)):
             return None
-        if self._shm_allowed is None:
-            self._shm_allowed = self.info().shared_memory_enabled
-        if not self._shm_allowed:
+        with self._lock:
+            allowed = self._shm_allowed
+        if allowed is None:
+            allowed = self.info().shared_memory_enabled
+            with self._lock:
+                self._shm_allowed = allowed
+        if not allowed:
             return None
-        if self._scratch is None or self._scratch.size < nbytes:
-            if self._scratch is not None:
-                self._scratch.close()
-            self._scratch = Segment(self, nbytes + nbytes // 4 + (1 << 20), self.shm_key_prefix,
-                                    self.lease_seconds)
-        self._scratch.reset()
-        return self._scratch
+        with self._lock:
+            fits = [seg for seg in self._idle if seg.size >= nbytes]
+            if fits:
+                seg = min(fits, key=lambda seg: seg.size)
+                self._idle.remove(seg)
+                seg.reset()
+                return seg
+        # Rounded up so that slightly larger batches reuse it (the C++ client's rule too).
+        return Segment(self, nbytes + nbytes // 4 + (1 << 20), self.shm_key_prefix,
+                       self.lease_seconds)
+
+    def _give_back(self, scratch):
+        """Returns a call's scratch segment to the idle ones, closing the smallest beyond
+        idle_scratch_segments (or it, once the client is closed)."""
+        if scratch is None:
+            return
+        evicted = None
+        with self._lock:
+            if self._closed:
+                evicted = scratch
+            else:
+                self._idle.append(scratch)
+                if len(self._idle) > max(self.idle_scratch_segments, 0):
+                    evicted = min(self._idle, key=lambda seg: seg.size)
+                    self._idle.remove(evicted)
+        if evicted is not None:
+            evicted.close()
 
     @staticmethod
     def _encode(t, number, outgoing, scratch):
@@ -386,20 +446,14 @@ class Client:
 
     # -- the API ----------------------------------------------------------------------------
 
-    def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor, with_position_ids=False,
-             cu_seqlens_dtype=torch.int64, device="", segment_ids=None) -> PackResult:
-        """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
-        packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
-        active tokens of each row are also cut into documents where the id changes: the doc_*
-        fields describe them and position_ids restart at each (DESIGN.md section 8). Raises
-        PackdValueError (a ValueError) for malformed input, PackdError for the rest."""
-        single = isinstance(x_or_tensors, torch.Tensor)
-        tensors = [x_or_tensors] if single else list(x_or_tensors)
-        nbytes = mask.numel() * mask.element_size() + sum(
-            2 * t.numel() * t.element_size() for t in tensors)
-        scratch = self._scratch_for(nbytes)
+    def _pack_in_parts(self, tensors, mask, segment_ids, scratch, nbytes, device,
+                       with_position_ids):
+        """The PackResponse and packed tensors of a Pack: one call (through `scratch` when
+        given), or parts of the rows on their own connections, joined."""
 
         def request(rows):
+            if scratch is not None:
+                scratch.reset()
             out = _wire.Outgoing(pb.PackRequest(device=device,
                                                 with_position_ids=with_position_ids))
             self._encode(_rows(mask, rows), 1, out, scratch)
@@ -412,16 +466,36 @@ class Client:
             return out
 
         extra = [] if segment_ids is None else [segment_ids]
-        if self._splits(nbytes, scratch, mask, tensors + extra):
-            half = mask.shape[0] // 2
-            replies = self._call_parts(self._pack, [request(slice(0, half)),
-                                                    request(slice(half, None))])
-            reply = _joined(replies, [0, half])
-            packed = [torch.cat([r[1][1][i] for r in replies]) for i in range(len(tensors))]
-        else:
-            reply, results = self._with_regions(lambda: self._call(self._pack[0], request(None)))
-            packed = [self._decode(m, t, scratch)
-                      for m, t in zip(reply.packed, results.get(1, []))]
+        parts = (self._parts(nbytes, scratch, mask.shape[0])
+                 if self._by_rows(mask, tensors + extra) else 1)
+        if parts == 1:
+            reply, results = self._with_regions(
+                lambda: self._call(self._pack[0], request(None)), scratch)
+            return reply, [self._decode(m, t, scratch)
+                           for m, t in zip(reply.packed, results.get(1, []))]
+        bounds = self._bounds(mask.shape[0], parts)
+        replies = self._in_parts(
+            self._pack, [request(slice(bounds[k], bounds[k + 1])) for k in range(parts)])
+        packed = [torch.cat([r[1][1][i] for r in replies]) for i in range(len(tensors))]
+        return _joined(replies, bounds[:-1]), packed
+
+    def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor, with_position_ids=False,
+             cu_seqlens_dtype=torch.int64, device="", segment_ids=None) -> PackResult:
+        """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
+        packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
+        active tokens of each row are also cut into documents where the id changes: the doc_*
+        fields describe them and position_ids restart at each (DESIGN.md section 8). Raises
+        PackdValueError (a ValueError) for malformed input, PackdError for the rest."""
+        single = isinstance(x_or_tensors, torch.Tensor)
+        tensors = [x_or_tensors] if single else list(x_or_tensors)
+        nbytes = mask.numel() * mask.element_size() + sum(
+            2 * t.numel() * t.element_size() for t in tensors)
+        scratch = self._scratch_for(nbytes)
+        try:
+            reply, packed = self._pack_in_parts(tensors, mask, segment_ids, scratch, nbytes,
+                                                device, with_position_ids)
+        finally:
+            self._give_back(scratch)
         docs = segment_ids is not None
         return PackResult(
             doc_cu_seqlens=(torch.tensor(list(reply.doc_cu_seqlens), dtype=torch.int64)
@@ -452,6 +526,8 @@ class Client:
         scratch = self._scratch_for(nbytes)
 
         def request(mask_rows, packed_rows):
+            if scratch is not None:
+                scratch.reset()
             out = _wire.Outgoing(pb.ScatterRequest(device=device))
             self._encode(_rows(mask, mask_rows), 1, out, scratch)
             for t in tensors:
@@ -462,20 +538,25 @@ class Client:
                 self._outputs(scratch, dense_sizes, out.message.outputs)
             return out
 
-        if self._splits(nbytes, scratch, mask, []):
-            half = mask.shape[0] // 2
-            active = int((mask != 0).sum())
-            first = int((mask[:half] != 0).sum())
-            if all(t.dim() >= 1 and t.shape[0] == active for t in tensors):
-                replies = self._call_parts(self._scatter, [
-                    request(slice(0, half), slice(0, first)),
-                    request(slice(half, None), slice(first, None))])
-                dense = [torch.cat([r[1][1][i] for r in replies])
-                         for i in range(len(tensors))]
-                return dense[0] if single else dense
-        reply, results = self._with_regions(
-            lambda: self._call(self._scatter[0], request(None, None)))
-        dense = [self._decode(m, t, scratch) for m, t in zip(reply.dense, results.get(1, []))]
+        try:
+            parts = self._parts(nbytes, scratch, mask.shape[0]) if mask.dim() == 2 else 1
+            if parts > 1:
+                # Part k's packed rows start at the active count before its first row.
+                bounds = self._bounds(mask.shape[0], parts)
+                before = [0] + (mask != 0).sum(1).cumsum(0).tolist()
+                first = [before[b] for b in bounds]
+                if all(t.dim() >= 1 and t.shape[0] == first[-1] for t in tensors):
+                    replies = self._in_parts(self._scatter, [
+                        request(slice(bounds[k], bounds[k + 1]), slice(first[k], first[k + 1]))
+                        for k in range(parts)])
+                    dense = [torch.cat([r[1][1][i] for r in replies])
+                             for i in range(len(tensors))]
+                    return dense[0] if single else dense
+            reply, results = self._with_regions(
+                lambda: self._call(self._scatter[0], request(None, None)), scratch)
+            dense = [self._decode(m, t, scratch) for m, t in zip(reply.dense, results.get(1, []))]
+        finally:
+            self._give_back(scratch)
         return dense[0] if single else dense
 
     def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,
@@ -516,17 +597,23 @@ class Client:
             name=name, ipc_handle=handle, device=device or "cuda:%d" % tensor.device.index,
             byte_size=storage_offset + storage_bytes, lease_seconds=self.lease_seconds)
         self._call(self._stub.RegisterDeviceRegion, request)
-        self._device_regions[name] = request
+        with self._lock:
+            self._device_regions[name] = request
         return pb.RegionSlice(region=name, offset=offset, byte_size=byte_size)
 
     def info(self):
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())
 
     def close(self):
-        if self._scratch is not None:
-            self._scratch.close()
-            self._scratch = None
-        self._channel.close()
+        """Unregisters the client's idle scratch segments (those of calls still running go when
+        they end) and closes every connection."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for seg in idle:
+            seg.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self):
         return self

@@ -1,0 +1,168 @@
+"""One packd.Client shared by many threads (clients are safe to share, as gRPC stubs are), and
+the safety of its retries: a register call whose reply was lost, and attempts bounded by one
+deadline."""
+import glob
+import os
+import random
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+import packd
+from packd_server import unused_port
+from torch_reference import DTYPES, bits, random_tensor, reference_scatter, same
+
+SPLIT_BYTES = 24 << 10  # the client's split_threshold_bytes below
+SHM_BYTES = 64 << 10    # and its shm_threshold_bytes
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _regions(address):
+    with packd.Client(address, shm_threshold_bytes=0) as c:
+        return [r.name for r in c._stub.ListRegions(packd.client.pb.ListRegionsRequest()).regions]
+
+
+def _linked():
+    """This process's segment names still in /dev/shm."""
+    return glob.glob("/dev/shm/*_py_%d_*" % os.getpid())
+
+
+def _case(rng, nbytes, dtypes):
+    dtype = rng.choice(dtypes)
+    b, s = rng.randint(3, 8), rng.randint(8, 31)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    tail = max(1, nbytes // (b * s * itemsize))
+    gen = torch.Generator().manual_seed(rng.getrandbits(63))
+    x = random_tensor(dtype, (b, s, tail), gen)
+    mask = torch.rand(b, s, generator=gen) < rng.uniform(0.2, 0.8)
+    if rng.random() < 0.5:
+        mask = mask.to(torch.int32) * rng.choice([1, 2, -3])
+    return x, mask
+
+
+def test_threads_sharing_one_client_each_get_their_own_results(address):
+    """8 threads share one client and mix every path (inline, split into parts over 3
+    connections, shared-memory scratch) with pack, scatter and a differentiable pack; every
+    result equals torch's, byte for byte. Before each call had its own scratch segment, most
+    such calls returned another thread's rows or were refused."""
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    taken = {"inline": 0, "split": 0, "shm": 0}
+    failures = []
+    lock = threading.Lock()
+    client = packd.Client(address, shm_threshold_bytes=SHM_BYTES,
+                          split_threshold_bytes=SPLIT_BYTES, connections=3,
+                          idle_scratch_segments=2)
+    op = packd.RemotePackOp(client)
+
+    def work(t):
+        rng = random.Random(seed + t)
+        for i in range(16):
+            path = rng.choice(["inline", "split", "shm"])
+            nbytes = {"inline": 4 << 10, "split": 14 << 10,
+                      "shm": (40 << 10) + rng.randrange(400 << 10)}[path]
+            kind = rng.choice(["pack", "scatter", "grad"])
+            x, mask = _case(rng, nbytes, FLOATS if kind == "grad" else DTYPES)
+            active = mask != 0
+            total = 2 * x.numel() * x.element_size() + mask.numel() * mask.element_size()
+            got = "shm" if total >= SHM_BYTES else "split" if total >= SPLIT_BYTES else "inline"
+            where = "thread %d call %d: %s %s %s" % (t, i, kind, got, tuple(x.shape))
+            try:
+                if kind == "pack":
+                    r = client.pack(x, mask, with_position_ids=True)
+                    assert same(bits(x)[active].view(x.dtype), r.packed), where
+                    counts = active.sum(1)
+                    assert r.cu_seqlens.tolist() == [0] + counts.cumsum(0).tolist(), where
+                    assert r.position_ids.tolist() == (
+                        active.long().cumsum(1) - 1)[active].tolist(), where
+                elif kind == "scatter":
+                    packed = bits(x)[active].view(x.dtype)
+                    dense = client.scatter(packed, mask)
+                    assert same(reference_scatter(packed, mask, x), dense), where
+                else:
+                    xg = x.clone().requires_grad_(True)
+                    packed, _ = op(xg, mask)
+                    assert same(bits(x)[active].view(x.dtype), packed.detach()), where
+                    g = random_tensor(x.dtype, tuple(packed.shape))
+                    packed.backward(g)
+                    assert same(reference_scatter(g, mask, x), xg.grad), where
+                with lock:
+                    taken[got] += 1
+            except Exception as e:  # collected: an assert in a thread fails nothing by itself
+                with lock:
+                    failures.append("%s: %r" % (where, e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures, "\n".join(failures[:10])
+    assert all(n > 0 for n in taken.values()), taken
+    assert len([r for r in _regions(address) if r.startswith("py-")]) <= 2  # idle ones
+    client.close()
+    assert [r for r in _regions(address) if r.startswith("py-")] == []
+    assert _linked() == []
+
+
+class _LostReply(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the test dropped this reply"
+
+
+class _DropReplies(grpc.UnaryUnaryClientInterceptor):
+    """Turns the first `left` successful replies of `method` into UNAVAILABLE: the server
+    acted, the client never heard."""
+
+    def __init__(self, method, left):
+        self.method, self.left = method, left
+
+    def intercept_unary_unary(self, continuation, details, request):
+        call = continuation(details, request)
+        if details.method.endswith(self.method) and call.code() == grpc.StatusCode.OK \
+                and self.left > 0:
+            self.left -= 1
+            raise _LostReply()
+        return call
+
+
+def test_a_register_call_repeated_after_a_lost_reply_succeeds(address):
+    """The server finds the region the first attempt registered and says OK (it said
+    ALREADY_EXISTS, and the segment's name was left in /dev/shm); the call goes through it."""
+    drop = _DropReplies("/RegisterSystemRegion", 1)
+    with packd.Client(address, shm_threshold_bytes=1, interceptors=[drop]) as client:
+        mask = torch.rand(4, 64) < 0.5
+        x = random_tensor(torch.float32, (4, 64, 16))
+        r = client.pack(x, mask)
+        assert drop.left == 0, "no reply was dropped"
+        assert same(bits(x)[mask].view(x.dtype), r.packed)
+        assert client._idle and all(s.region in _regions(address) for s in client._idle)
+        assert _linked() == []
+    assert [r for r in _regions(address) if r.startswith("py-")] == []
+
+
+def test_all_attempts_of_a_call_end_within_its_deadline():
+    """Against an address where nothing listens, 1000 attempts with backoff take minutes; the
+    call's one deadline ends them."""
+    with packd.Client("127.0.0.1:%d" % unused_port(), timeout=1.0, retries=1000) as c:
+        start = time.monotonic()
+        with pytest.raises(packd.PackdError) as err:
+            c.info()
+        took = time.monotonic() - start
+    assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert took < 20, took  # generous for a loaded machine; unbounded it is minutes
+
+
+def test_close_closes_every_connection(address):
+    client = packd.Client(address, shm_threshold_bytes=0, connections=3)
+    assert client.info().version
+    client.close()
+    for channel in client._channels:
+        with pytest.raises(ValueError):  # grpcio: "Cannot invoke RPC on closed channel!"
+            channel.unary_unary("/grpc.health.v1.Health/Check")(b"")
