@@ -37,7 +37,7 @@ struct PackCallOptions {
   bool cu_seqlens_int32 = false;
   // "cpu", "cuda:N", "hip:N"; empty: the server's default.
   std::string device;
-  // Documents within rows (DESIGN.md section 8): [B, S] of an integer dtype,
+  // Documents within rows (docs/design.md §8): [B, S] of an integer dtype,
   // or undefined for none. position_ids then restart at every document and
   // the doc_* fields of the result are set.
   at::Tensor segment_ids;
@@ -112,7 +112,7 @@ class Client {
                                     const std::string& device,
                                     uint64_t byte_size);
 
-  // Plans micro-batches over data-parallel ranks (DESIGN.md section 9): each
+  // Plans micro-batches over data-parallel ranks (docs/design.md §9): each
   // sample of `lengths` in one micro-batch of at most
   // max_tokens_per_micro_batch tokens, every rank with the same count, and
   // global_loss_tokens to divide the summed token loss by. `loss_tokens` is

@@ -154,7 +154,7 @@ class Connection {
   // readiness): "SERVING", "NOT_SERVING", ...
   absl::StatusOr<std::string> Health(
       const std::string& service = "packd.v1.PackService");
-  // The micro-batch plan of `request` (DESIGN.md section 9).
+  // The micro-batch plan of `request` (docs/design.md §9).
   absl::StatusOr<v1::PlanResponse> Plan(const v1::PlanRequest& request);
   // A fresh name for a shared-memory segment of this process: its key,
   // "<shm_key_prefix>_<tag>_<pid>_<random>_<n>" (ShmSegment::UniqueKey), and

@@ -37,7 +37,7 @@ class MaskPlan {
   bool all_active() const { return total_active() == batch * seq; }
 };
 
-// Documents within rows (DESIGN.md section 8), in packed order: document d is
+// Documents within rows (docs/design.md §8), in packed order: document d is
 // packed rows cu[d] .. cu[d + 1] of row row[d], its last token at dense s
 // last_index[d]. cu ends with total_active.
 struct DocumentCuts {
@@ -65,7 +65,12 @@ class Backend {
 
   // out = x[mask != 0]: x is [B, S, *tail], out is [total_active, *tail] of the
   // same dtype, neither overlapping. Writes every byte of `out` (once the
-  // stream's work is done).
+  // stream's work is done). `out` depends on x's active positions only: a
+  // host backend may read other positions (the span backend's branch-free
+  // loop reads every position up to a piece's last active one) but no byte of
+  // theirs reaches `out`, so the server leaves the positions after each row's
+  // last active one ungathered, holding whatever bytes (server/
+  // request_decoder.cc, RowExtents).
   virtual absl::Status Gather(const MaskPlan& plan, const TensorView& x,
                               const TensorView& out, const Stream& stream) = 0;
 

@@ -77,7 +77,9 @@ class DeviceRuntime {
   virtual std::vector<DeviceInfo> ListDevices() const = 0;
 
   // OK when `device` (of this kind) exists on this machine; FAILED_PRECONDITION
-  // saying why not otherwise (no such index, no driver).
+  // saying why not (no such index, no driver); UNAVAILABLE once the device is
+  // lost (a sticky runtime error: every call on it fails until packd
+  // restarts, and the server turns readiness NOT_SERVING for it).
   virtual absl::Status CheckDevice(const Device& device) const = 0;
 
   // The stream a call on `device` runs its work on; INTERNAL when the runtime

@@ -1,11 +1,11 @@
-// Pack and Scatter: the packd operation (DESIGN.md §1). Pack gathers the active
-// rows of each [B, S, *tail] input into [total_active, *tail] and describes the
-// layout (cu_seqlens, max_seqlen, position_ids, last_index); Scatter puts
-// packed rows back into a dense [B, S, *tail] with zeros at inactive positions
-// (the unpack, and the backward pass of Pack). Both run on one device and do
-// all of a call's work there: validation first, then the tensors in host
-// memory staged to the device, the mask scanned once, every tensor gathered or
-// scattered, host-bound results copied back.
+// Pack and Scatter: the packd operation (docs/design.md §1). Pack gathers the
+// active rows of each [B, S, *tail] input into [total_active, *tail] and
+// describes the layout (cu_seqlens, max_seqlen, position_ids, last_index);
+// Scatter puts packed rows back into a dense [B, S, *tail] with zeros at
+// inactive positions (the unpack, and the backward pass of Pack). Both run on
+// one device and do all of a call's work there: validation first, then the
+// tensors in host memory staged to the device, the mask scanned once, every
+// tensor gathered or scattered, host-bound results copied back.
 //
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(PackResult r, Pack({hidden, token_ids}, mask));
@@ -72,7 +72,7 @@ struct CallOptions {
 struct PackOptions : CallOptions {
   // Also return position_ids.
   bool with_position_ids = false;
-  // Documents within rows (DESIGN.md section 8): [B, S] of an integer dtype;
+  // Documents within rows (docs/design.md §8): [B, S] of an integer dtype;
   // the active tokens of a row are cut into documents wherever it changes
   // from one active token to the next, and every row starts one. Inactive
   // positions are never read. When set, position_ids restart at every

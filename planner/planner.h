@@ -1,5 +1,5 @@
-// The micro-batch planner (DESIGN.md §9): a batch of samples, known only by
-// their lengths, split into token-budgeted micro-batches over data-parallel
+// The micro-batch planner (docs/design.md §9): a batch of samples, known only
+// by their lengths, split into token-budgeted micro-batches over data-parallel
 // ranks, every rank with the same number of micro-batches, and the one global
 // count of loss tokens that the summed token loss must be divided by. It works
 // on lengths, not tensors: one call plans the whole global batch.

@@ -1,5 +1,5 @@
 // TokenAuth: bearer tokens for every PackService call (--auth_token_file,
-// DESIGN.md section 5). The file holds one token a line (blank lines and
+// docs/design.md §5). The file holds one token a line (blank lines and
 // surrounding spaces ignored) and is read again on SIGHUP. A call must carry
 // `authorization: Bearer <token>` metadata with one of them; tokens are
 // compared in constant time. Health is never behind it.

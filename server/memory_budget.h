@@ -1,5 +1,5 @@
 // MemoryBudget: bounds the request and result bytes of inline calls in flight
-// (--max_inflight_bytes, DESIGN.md section 6). A call reserves its bytes
+// (--max_inflight_bytes, docs/design.md §6). A call reserves its bytes
 // before its payload is copied anywhere. One that does not fit waits, without
 // holding one of gRPC's threads, until enough is released or its deadline
 // passes; one larger than the whole budget is refused at once.

@@ -177,11 +177,13 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   // `payloads` when given), place results (pooled buffers recorded in `reply`
   // for the response's repeated tensor field `results`, or the request's output
   // slices), run `op` with the call's options, encode the result headers, and
-  // check the response size. `reserved`: response bytes besides the tensors.
+  // check the response size. `bytes_per_row`: response bytes besides the
+  // tensors for each row of the mask (the per-row metadata: cu_seqlens,
+  // last_index, ...), reserved out of --max_message_bytes.
   template <typename Request, typename Response, typename Field, typename Op>
   absl::Status RunCall(const char* method, const Request& request,
                        const Payloads* payloads, Response* response,
-                       Field* results, int64_t reserved, CallReply* reply,
+                       Field* results, int64_t bytes_per_row, CallReply* reply,
                        Op&& op);
   absl::Status RunPack(const v1::PackRequest& request, const Payloads* payloads,
                        v1::PackResponse* response, CallReply* reply);

@@ -114,8 +114,9 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
         *std::max_element(row_extents->begin(), row_extents->end()) <=
             view.shape[1];
     if (by_rows) {
-      // Only the positions the op may read (Pack on the host reads active
-      // positions only): the rest of the buffer is never looked at.
+      // Only the positions whose bytes can reach the result (a host Pack's
+      // output depends on active positions only: Backend::Gather); the rest
+      // of the buffer may be read but never reaches the result.
       const int64_t row = bytes / view.shape[0];
       const int64_t position = row / view.shape[1];
       for (size_t b = 0; b < row_extents->size(); ++b) {

@@ -169,20 +169,21 @@ class Client:
     address: "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes Service
     (calls spread over every address the name resolves to). load_balancing_policy: gRPC's
     policy; None: "round_robin" for dns:/// addresses, gRPC's pick_first otherwise. timeout:
-    seconds per call, all of its attempts together. retries: extra attempts for calls answered UNAVAILABLE (a draining or
-    restarting server) or cancelled by a server going away (CANCELLED: gRPC cancels the calls
-    that reach a server while it shuts down), with exponential backoff from 50 ms to 2 s (the
-    channels reconnect on the same schedule).
+    seconds per call, all of its attempts together. retries: extra attempts for calls answered
+    UNAVAILABLE (a draining or restarting server) or cancelled by a server going away
+    (CANCELLED: gRPC cancels the calls that reach a server while it shuts down), with
+    exponential backoff from 50 ms to 2 s (the channels reconnect on the same schedule).
     shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
     memory when the server is on this node and allows it (0 disables); each call in flight has
     a segment of its own, and idle_scratch_segments of them are kept for later calls.
     shm_key_prefix: the server's --shm_key_prefix, under which segments are named.
     split_threshold_bytes: inline calls at least this large go as parts of the rows, one per
-    connection (`connections` of them), at once (0: never). keep_freed_memory: tune this process's malloc to keep freed memory mapped (see
-    packd._memory), which makes large inline calls several times faster. token_file /
+    connection (`connections` of them), at once (0: never). keep_freed_memory: tune this
+    process's malloc to keep freed memory mapped (see packd._memory), which makes large inline
+    calls several times faster. token_file /
     token_env: a bearer token for a server with --auth_token_file, from a file's first line or
     an environment variable (PACKD_TOKEN by default), sent on every call. lease_seconds: the
-    lease of the regions this client registers (its shared-memory segment, CUDA memory): the
+    lease of the regions this client registers (its shared-memory segments, CUDA memory): the
     server drops a region no call has named for that long, so a killed process leaks nothing
     for longer; the client registers it again, transparently, when a call finds it gone (0: no
     lease). tls_ca_file: TLS, for a server with --tls_cert_file: the PEM CA certificates that
@@ -484,7 +485,7 @@ class Client:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
         packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
         active tokens of each row are also cut into documents where the id changes: the doc_*
-        fields describe them and position_ids restart at each (DESIGN.md section 8). Raises
+        fields describe them and position_ids restart at each (docs/design.md §8). Raises
         PackdValueError (a ValueError) for malformed input, PackdError for the rest."""
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
@@ -561,7 +562,7 @@ class Client:
 
     def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,
                            loss_tokens=None):
-        """Plans micro-batches over data-parallel ranks (DESIGN.md section 9).
+        """Plans micro-batches over data-parallel ranks (docs/design.md §9).
 
         Returns the PlanResponse: micro_batches (rank, samples, tokens, loss_tokens; by rank,
         then position), micro_batches_per_rank, imbalance, and global_loss_tokens, the one

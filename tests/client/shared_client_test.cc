@@ -1,4 +1,4 @@
-// One packd::Client shared by many threads (DESIGN.md section 2: clients are
+// One packd::Client shared by many threads (docs/design.md §2: clients are
 // safe to share, as gRPC stubs are), and the safety of its retries: a register
 // call whose reply was lost, and attempts bounded by one deadline. Runs under
 // ThreadSanitizer too (make tsan).

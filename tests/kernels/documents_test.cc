@@ -1,4 +1,4 @@
-// Documents within rows (DESIGN.md section 8) against a plain reference
+// Documents within rows (docs/design.md §8) against a plain reference
 // written from the rules: the mask decides which tokens exist, segment ids
 // only cut; an inactive position never starts or ends a document; every row
 // starts one; position ids restart at every document.
