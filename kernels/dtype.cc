@@ -1,5 +1,7 @@
 #include "kernels/dtype.h"
 
+#include <cstring>
+
 namespace packd {
 
 bool IsValidDType(DType dtype) {
@@ -33,6 +35,41 @@ int64_t ItemSize(DType dtype) {
 bool IsFloatingPoint(DType dtype) {
   return dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
          dtype == DType::kFloat32 || dtype == DType::kFloat64;
+}
+
+namespace {
+
+// Elements of type U whose bits under `magnitude` (all but a float's sign)
+// are not all zero; branch-free, so it vectorises.
+template <typename U>
+int64_t CountNonzeroAs(const void* data, int64_t n, U magnitude) {
+  int64_t count = 0;
+  const char* p = static_cast<const char*>(data);
+  for (int64_t i = 0; i < n; ++i) {
+    U v;
+    std::memcpy(&v, p + i * sizeof(U), sizeof(U));
+    count += (v & magnitude) != 0;
+  }
+  return count;
+}
+
+}  // namespace
+
+int64_t CountNonzero(DType dtype, const void* data, int64_t n) {
+  const bool floating = IsFloatingPoint(dtype);
+  switch (ItemSize(dtype)) {
+    case 1:
+      return CountNonzeroAs<uint8_t>(data, n, 0xFF);
+    case 2:
+      return CountNonzeroAs<uint16_t>(data, n, floating ? 0x7FFF : 0xFFFF);
+    case 4:
+      return CountNonzeroAs<uint32_t>(data, n,
+                                      floating ? 0x7FFFFFFFu : 0xFFFFFFFFu);
+    case 8:
+      return CountNonzeroAs<uint64_t>(
+          data, n, floating ? ~(uint64_t{1} << 63) : ~uint64_t{0});
+  }
+  return 0;
 }
 
 const char* DTypeName(DType dtype) {

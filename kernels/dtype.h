@@ -44,6 +44,11 @@ int64_t ItemSize(DType dtype);
 // value nonzero.
 bool IsFloatingPoint(DType dtype);
 
+// How many of the `n` elements of `dtype` at `data` (host memory) are active:
+// nonzero, as a mask counts them (NaN is active, -0.0 is not). 0 for an
+// invalid dtype.
+int64_t CountNonzero(DType dtype, const void* data, int64_t n);
+
 // Returns the lower-case name ("bfloat16"); "unspecified" or "invalid"
 // otherwise.
 const char* DTypeName(DType dtype);

@@ -190,17 +190,51 @@ int64_t HeaderBytes(const v1::Tensor& t) {
   return view.ok() ? view->nbytes() : 0;
 }
 
-// What an inline call may hold besides its request: split inputs gathered
-// (up to their size) and results written inline.
-int64_t ResultBytes(const v1::PackRequest& request) {
+// The active positions of an inline [B, S] mask, counted as the op counts them
+// (nonzero: NaN active, -0.0 not); -1 when the mask is not inline or not well
+// formed (the decoder refuses it later). A scan of the mask alone: a small
+// part of what a Pack reads.
+int64_t InlineActive(const v1::Tensor& mask, const Payloads& payloads) {
+  absl::StatusOr<TensorView> view = DecodeTensorHeader(mask, "");
+  if (!view.ok() || view->shape.size() != 2 || mask.has_region()) return -1;
+  auto it = payloads.find(&mask);
+  const Payload payload =
+      it != payloads.end()
+          ? it->second
+          : Payload::Of(mask.data().data(),
+                        static_cast<int64_t>(mask.data().size()));
+  if (payload.size != view->nbytes()) return -1;
+  if (payload.contiguous()) {
+    return CountNonzero(view->dtype, payload.data(), view->numel());
+  }
+  std::string copy(static_cast<size_t>(payload.size), '\0');
+  payload.CopyOut(0, payload.size, copy.data());
+  return CountNonzero(view->dtype, copy.data(), view->numel());
+}
+
+// The bytes of a call's inline results. Pack's: the active rows of each
+// input, from the mask's active count when the mask is inline (else the
+// inputs' size, which bounds them).
+int64_t ResultBytes(const v1::PackRequest& request, const Payloads& payloads) {
   if (!request.outputs().empty()) return 0;
+  const int64_t active = InlineActive(request.mask(), payloads);
+  const auto& mask = request.mask();
   int64_t bytes = 0;
   for (const v1::Tensor& t : request.inputs()) {
-    bytes = SaturatingAdd(bytes, HeaderBytes(t));  // results <= inputs
+    int64_t result = HeaderBytes(t);
+    const bool over_mask = active >= 0 && t.shape_size() >= 2 &&
+                           t.shape(0) == mask.shape(0) &&
+                           t.shape(1) == mask.shape(1);
+    const int64_t positions =
+        over_mask ? SaturatingMul(t.shape(0), t.shape(1)) : 0;
+    if (positions > 0 && positions < INT64_MAX) {
+      result = SaturatingMul(result / positions, active);
+    }
+    bytes = SaturatingAdd(bytes, result);
   }
   return bytes;
 }
-int64_t ResultBytes(const v1::ScatterRequest& request) {
+int64_t ResultBytes(const v1::ScatterRequest& request, const Payloads&) {
   if (!request.outputs().empty() || request.mask().shape_size() != 2) return 0;
   const int64_t positions =
       SaturatingMul(std::max<int64_t>(0, request.mask().shape(0)),
@@ -340,8 +374,10 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
 
  private:
   // Parses the request, and sets `needed` to what the call holds from now on:
-  // the request, its inline inputs gathered, and inline results (never more
-  // than a response may carry).
+  // the request, the copies of its inline inputs that arrived in several
+  // slices (gathered into one buffer; those in one slice are read in place),
+  // and its inline results, sized exactly (never more than a response may
+  // carry).
   absl::Status Parse(int64_t* needed) {
     request_bytes_ = request_.Length();
     PACKD_RETURN_IF_ERROR(
@@ -355,13 +391,15 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
     PACKD_RETURN_IF_ERROR(ReadChunks(request_, &slices_, &chunks_));
     PACKD_RETURN_IF_ERROR(ParseWithPayloads(
         chunks_, Request::descriptor()->name(), &parsed_, &payloads_));
-    int64_t inline_bytes = 0;
+    int64_t gathered = 0;
     for (const auto& [tensor, payload] : payloads_) {
-      inline_bytes = SaturatingAdd(inline_bytes, payload.size);
+      if (!payload.contiguous())
+        gathered = SaturatingAdd(gathered, payload.size);
     }
     *needed = SaturatingAdd(
-        SaturatingAdd(static_cast<int64_t>(request_bytes_), inline_bytes),
-        std::min(ResultBytes(parsed_), service_->options_.max_message_bytes));
+        SaturatingAdd(static_cast<int64_t>(request_bytes_), gathered),
+        std::min(ResultBytes(parsed_, payloads_),
+                 service_->options_.max_message_bytes));
     if (service_->budget_.limit() > 0 && *needed > service_->budget_.limit()) {
       return service_->budget_.TooLarge(*needed);
     }
@@ -385,6 +423,9 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
     request_.Clear();
     PACKD_RETURN_IF_ERROR(done);
     const Spliced spliced = SerializeWithPayloads(out, reply->payloads);
+    // From now on the call holds its reply alone: the rest of its share goes
+    // back to the budget for the calls waiting.
+    MemoryBudget::ShrinkTo(reply->hold, spliced.size());
     PACKD_RETURN_IF_ERROR(
         service_->decoder_.CheckSize("response", spliced.size()));
     response_ = ToByteBuffer(spliced, reply);

@@ -7,6 +7,7 @@ Run by ctest; by hand: PACKD_BINARY=build/bin/packd PYTHONPATH=build/python:test
 """
 import os
 import random
+import threading
 
 import grpc
 import pytest
@@ -156,3 +157,53 @@ def test_health_and_reflection(channel):
         request_serializer=None, response_deserializer=None)
     replies = list(call(iter([b"\x3a\x00"])))
     assert any(b"packd.v1.PackService" in r for r in replies)
+
+
+def _status_bytes(pid, field):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_budget_counts_what_calls_hold_not_a_multiple_of_a_guess():
+    """24 concurrent 128 MiB bfloat16 Packs at density 0.3 from a plain stub (no
+    packd-request-bytes) under a 320 MiB budget: each holds its request, at most one gathered
+    copy of it, and its 38 MiB of results, so they run one or two at a time and succeed (each
+    was refused as needing 384 MiB when results were counted as large as the inputs and every
+    input as gathered), and the server's peak memory stays within the budget plus 512 MiB."""
+    budget = 320 << 20
+    server = PackdServer(os.environ["PACKD_BINARY"], "--max_inflight_bytes=%d" % budget)
+    with server as address:
+        opts = [("grpc.max_send_message_length", 1 << 30),
+                ("grpc.max_receive_message_length", 1 << 30)]
+        gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+        mask = torch.rand((16, 2048), generator=gen) < 0.3
+        x = random_tensor(torch.bfloat16, (16, 2048, 2048), gen)  # 128 MiB
+        request = pb.PackRequest(mask=to_wire(mask), inputs=[to_wire(x)])
+        expected = raw(bits(x)[mask])
+        with open("/proc/%d/clear_refs" % server.pid, "w") as f:
+            f.write("5")  # VmHWM from now on
+        before = _status_bytes(server.pid, "VmRSS:")
+        results = []
+
+        def call():
+            with grpc.insecure_channel(address, options=opts) as ch:
+                try:
+                    reply = pb_grpc.PackServiceStub(ch).Pack(request, timeout=300)
+                    results.append(reply.packed[0].data == expected)
+                except grpc.RpcError as e:
+                    results.append(e.code())
+
+        threads = [threading.Thread(target=call) for _ in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        peak = _status_bytes(server.pid, "VmHWM:")
+    print("peak resident memory %.0f MiB (%.0f MiB before)" % (peak / 2**20, before / 2**20))
+    assert results.count(True) >= 20, results
+    assert all(r is True or r == grpc.StatusCode.RESOURCE_EXHAUSTED for r in results), results
+    if "ASAN_OPTIONS" not in os.environ:  # a sanitizer's allocator keeps freed memory
+        assert peak <= budget + (512 << 20), peak

@@ -103,6 +103,10 @@ class PackdServer:
             time.sleep(0.02)
         raise TimeoutError("packd was not SERVING within %.0f s" % timeout)
 
+    @property
+    def pid(self):
+        return self._proc.pid
+
     def stop(self):
         """SIGTERM, then the exit code (0 after a clean drain)."""
         self._proc.terminate()
