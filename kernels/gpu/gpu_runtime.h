@@ -11,8 +11,10 @@
 
 #if defined(PACKD_GPU_FAKE)
 
-// The tests' fake GPU (tests/fake_gpu/): host memory with CUDA's semantics.
-#include "tests/fake_gpu/fake_gpu_runtime.h"
+// A stand-in runtime in host memory with CUDA's semantics, for tests of the
+// GPU path without a GPU: the build that defines PACKD_GPU_FAKE names its
+// header in PACKD_GPU_FAKE_RUNTIME_H (tests/fake_gpu/CMakeLists.txt).
+#include PACKD_GPU_FAKE_RUNTIME_H
 
 #define PACKD_GPU_NS fake_gpu
 #define PACKD_GPU_RUNTIME_NAME "fake GPU"
