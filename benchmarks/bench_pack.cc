@@ -35,12 +35,12 @@
 #include "absl/strings/str_split.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
 #include "kernels/torch/torch_interop.h"
+#include "workloads/mask_patterns.h"
 
 ABSL_FLAG(bool, smoke, false,
           "Tiny shapes and few repeats; checks results against torch");
@@ -111,7 +111,7 @@ std::vector<int64_t> ParseInts(const std::string& text) {
   return out;
 }
 
-// A [B, S] bool mask of `pattern` (kernels/mask_patterns.h).
+// A [B, S] bool mask of `pattern` (workloads/mask_patterns.h).
 at::Tensor MakeMask(std::mt19937_64& rng, int64_t B, int64_t S, double density,
                     MaskPattern pattern) {
   std::vector<uint8_t> active = MaskActivity(pattern, B, S, density, rng);

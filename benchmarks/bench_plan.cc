@@ -15,7 +15,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "planner/planner.h"
-#include "planner/workloads.h"
+#include "workloads/lengths.h"
+#include "workloads/verl_planner.h"
 
 ABSL_FLAG(bool, smoke, false, "Small workloads, few repeats");
 ABSL_FLAG(int, seed, 7, "Random seed of the workloads");

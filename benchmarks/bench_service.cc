@@ -47,7 +47,6 @@
 #include "absl/synchronization/notification.h"
 #include "client/client.h"
 #include "client/shm_segment.h"
-#include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
 #include "kernels/status_macros.h"
 #include "kernels/torch/torch_interop.h"
@@ -55,6 +54,7 @@
 #include "proto/tensor_codec.h"
 #include "proto/wire.h"
 #include "server/server.h"
+#include "workloads/mask_patterns.h"
 
 #ifndef PACKD_BINARY
 #define PACKD_BINARY "packd"

@@ -36,12 +36,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/connection.h"
-#include "client/shm_segment.h"
+#include "client/shm_region.h"
 #include "kernels/dtype.h"
-#include "kernels/mask_patterns.h"
 #include "planner/planner.h"
-#include "planner/workloads.h"
 #include "proto/tensor_codec.h"
+#include "workloads/lengths.h"
+#include "workloads/mask_patterns.h"
+#include "workloads/verl_planner.h"
 
 ABSL_FLAG(std::string, token_file, "",
           "Bearer token for a server with --auth_token_file: the file's first "
@@ -395,47 +396,31 @@ struct BenchRun {
   }
 };
 
-// A shared-memory segment registered with the server as a region for the
-// life of this object (its name unlinked once the server has mapped it).
-class Region {
- public:
-  static absl::StatusOr<std::unique_ptr<Region>> Create(Connection& connection,
-                                                        int64_t bytes) {
-    Connection::SegmentName name = connection.NewSegmentName("packctl");
-    absl::StatusOr<std::unique_ptr<ShmSegment>> segment =
-        ShmSegment::Create(std::move(name.key), std::max<int64_t>(bytes, 1));
-    if (!segment.ok()) return segment.status();
-    std::unique_ptr<Region> region(
-        new Region(connection, *std::move(segment), std::move(name.region)));
-    absl::Status registered =
-        connection.RegisterSegment(*region->segment_, region->name_);
-    if (!registered.ok()) return registered;
-    region->registered_ = true;
-    return region;
-  }
-  ~Region() {
-    if (registered_) connection_.UnregisterRegion(name_).IgnoreError();
-  }
-  char* data() const { return segment_->data(); }
-  // The first `bytes` of the region.
-  v1::RegionSlice Slice(int64_t bytes) const {
-    v1::RegionSlice slice;
-    slice.set_region(name_);
-    slice.set_byte_size(static_cast<uint64_t>(bytes));
-    return slice;
-  }
+// A shared-memory region registered with the server for the life of the
+// object (its name unlinked once the server has mapped it).
+absl::StatusOr<std::unique_ptr<ShmRegion>> BenchRegion(Connection& connection,
+                                                       int64_t bytes) {
+  Connection::SegmentName name = connection.NewSegmentName("packctl");
+  const std::string region = name.region;
+  // On a failed registration the unregister finds nothing, harmlessly.
+  absl::StatusOr<std::unique_ptr<ShmRegion>> shm =
+      ShmRegion::Create(std::move(name.key), region,
+                        std::max<int64_t>(bytes, 1), [&connection, region] {
+                          connection.UnregisterRegion(region).IgnoreError();
+                        });
+  if (!shm.ok()) return shm.status();
+  absl::Status registered =
+      connection.RegisterSegment((*shm)->segment(), region);
+  if (!registered.ok()) return registered;
+  return shm;
+}
 
- private:
-  Region(Connection& connection, std::unique_ptr<ShmSegment> segment,
-         std::string name)
-      : connection_(connection),
-        segment_(std::move(segment)),
-        name_(std::move(name)) {}
-  Connection& connection_;
-  std::unique_ptr<ShmSegment> segment_;
-  std::string name_;
-  bool registered_ = false;
-};
+// The first `bytes` of `region`.
+v1::RegionSlice Head(const ShmRegion& region, int64_t bytes) {
+  v1::RegionSlice slice;
+  region.Contains(region.At(0), bytes, &slice);
+  return slice;
+}
 
 // One connection calling Pack until the run stops. Inline, each call sends x
 // from the batch's own memory. With shm, x is written once into one region and
@@ -445,18 +430,18 @@ void BenchWorker(BenchRun& run) {
   if (!connection.ok()) return run.Fail(connection.status().ToString());
   const Batch& batch = *run.batch;
   const int64_t bytes = static_cast<int64_t>(batch.x.size());
-  std::unique_ptr<Region> in, out;
+  std::unique_ptr<ShmRegion> in, out;
   v1::RegionSlice x_in, results;
   if (run.shm) {
-    auto a = Region::Create(**connection, bytes);
+    auto a = BenchRegion(**connection, bytes);
     if (!a.ok()) return run.Fail(a.status().ToString());
-    auto b = Region::Create(**connection, bytes);
+    auto b = BenchRegion(**connection, bytes);
     if (!b.ok()) return run.Fail(b.status().ToString());
     in = *std::move(a);
     out = *std::move(b);
-    std::memcpy(in->data(), batch.x.data(), bytes);
-    x_in = in->Slice(bytes);
-    results = out->Slice(bytes);
+    std::memcpy(in->At(0), batch.x.data(), bytes);
+    x_in = Head(*in, bytes);
+    results = Head(*out, bytes);
   }
   v1::PackRequest request;
   Payloads payloads;

@@ -2,7 +2,6 @@
 
 #include <utility>
 
-#include "kernels/registry.h"
 #include "kernels/status_macros.h"
 
 namespace packd {
@@ -48,13 +47,12 @@ void CutDocuments(const MaskPlan& plan, const std::vector<int64_t>& ids,
 
 absl::Status Backend::Documents(const MaskPlan& plan,
                                 const TensorView& segment_ids,
-                                DocumentCuts* out, const Stream& stream) {
-  PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime,
-                         Registry::Runtime(stream.device()));
+                                DeviceRuntime& runtime, DocumentCuts* out,
+                                const Stream& stream) {
   const int64_t total = plan.total_active();
   const int64_t item = ItemSize(segment_ids.dtype);
   PACKD_ASSIGN_OR_RETURN(Buffer packed,
-                         runtime->Allocate(total * item, stream.device()));
+                         runtime.Allocate(total * item, stream.device()));
   TensorView view;
   view.data = packed.data();
   view.dtype = segment_ids.dtype;
@@ -63,7 +61,7 @@ absl::Status Backend::Documents(const MaskPlan& plan,
   PACKD_RETURN_IF_ERROR(Gather(plan, segment_ids, view, stream));
   std::vector<char> host(total * item);
   PACKD_RETURN_IF_ERROR(
-      runtime->CopyToHost(host.data(), packed.data(), host.size(), stream));
+      runtime.CopyToHost(host.data(), packed.data(), host.size(), stream));
   std::vector<int64_t> ids(total);
   for (int64_t k = 0; k < total; ++k) {
     ids[k] = IntAt(host.data(), segment_ids.dtype, k);

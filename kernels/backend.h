@@ -89,11 +89,13 @@ class Backend {
   // Cuts the active tokens of each row into documents where `segment_ids`
   // ([B, S], an integer dtype, on the plan's device) changes between
   // consecutive active tokens; every row starts one. The default gathers the
-  // ids with the plan and cuts on the host (any device); a backend that can
+  // ids with the plan into memory of `runtime` (the call's, which drives the
+  // stream's device) and cuts on the host (any device); a backend that can
   // read the mask's plan on the host does it in one pass instead.
   virtual absl::Status Documents(const MaskPlan& plan,
                                  const TensorView& segment_ids,
-                                 DocumentCuts* out, const Stream& stream);
+                                 DeviceRuntime& runtime, DocumentCuts* out,
+                                 const Stream& stream);
 };
 
 // The documents of a row-major run of packed tokens given their segment ids

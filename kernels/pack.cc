@@ -287,7 +287,8 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
   if (segment_ids.has_value()) {
     TensorView ids = *segment_ids;
     PACKD_RETURN_IF_ERROR(staging.Upload(&ids));
-    PACKD_RETURN_IF_ERROR(backend->Documents(**plan, ids, documents, stream));
+    PACKD_RETURN_IF_ERROR(
+        backend->Documents(**plan, ids, *runtime, documents, stream));
   }
   PACKD_RETURN_IF_ERROR(staging.Download());
   // The call's work is complete when it returns: results on the device are

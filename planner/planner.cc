@@ -8,26 +8,21 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "planner/internal/planner_internal.h"
 
 namespace packd {
-namespace {
 
-// Samples of each micro-batch of each rank: bins[rank][m].
-using Bins = std::vector<std::vector<std::vector<int64_t>>>;
+using namespace planner_internal;  // NOLINT: this file defines them
+
+namespace {
 
 // Token sums the planner accepts: the loss is divided by global_loss_tokens,
 // a double in every trainer, exact up to 2^53.
 constexpr int64_t kMaxTotalTokens = int64_t{1} << 53;
 
-struct Checked {
-  int32_t ranks = 1;
-  int32_t multiple = 1;
-  int64_t budget = 0;
-  int64_t total = 0;
-  // Sum of min(length, budget): a sample over the budget fills one
-  // micro-batch, whatever its length.
-  int64_t capped_total = 0;
-};
+}  // namespace
+
+namespace planner_internal {
 
 absl::StatusOr<Checked> Validate(absl::Span<const int64_t> lengths,
                                  absl::Span<const int64_t> loss_tokens,
@@ -79,6 +74,10 @@ absl::StatusOr<Checked> Validate(absl::Span<const int64_t> lengths,
 
 int64_t RoundUp(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+}  // namespace planner_internal
+
+namespace {
+
 // Above this many samples, Karmarkar-Karp's cost (every partial solution
 // holds a set per rank) is not worth it: the greedy packing balances many
 // samples to within a few tokens.
@@ -94,7 +93,10 @@ int64_t LowerBound(const Checked& c) {
   return RoundUp(std::max<int64_t>(1, bound), c.multiple);
 }
 
-// The plan of `bins`: samples sorted, sums, loss tokens, imbalance.
+}  // namespace
+
+namespace planner_internal {
+
 Plan Assemble(Bins bins, absl::Span<const int64_t> lengths,
               absl::Span<const int64_t> loss_tokens) {
   Plan plan;
@@ -122,6 +124,10 @@ Plan Assemble(Bins bins, absl::Span<const int64_t> lengths,
       total == 0 ? 1.0 : static_cast<double>(max_rank) * bins.size() / total;
   return plan;
 }
+
+}  // namespace planner_internal
+
+namespace {
 
 // Samples by length, longest first (ties by index, for determinism).
 std::vector<int64_t> LongestFirst(absl::Span<const int64_t> lengths) {
@@ -290,11 +296,10 @@ void Refine(absl::Span<const int64_t> lengths, const Checked& c, int rounds,
   }
 }
 
-// Karmarkar-Karp (largest differencing) k-way partition of `items`, as verl's
-// get_seqlen_balanced_partitions does it: each partial solution is k sets,
-// sorted by sum, heaviest first; the two with the largest spread are merged,
-// the heaviest set of one with the lightest of the other. With equal_size,
-// items enter in sorted groups of k, so every set gets the same count.
+}  // namespace
+
+namespace planner_internal {
+
 std::vector<std::vector<int64_t>> KarmarkarKarp(
     absl::Span<const int64_t> lengths, const std::vector<int64_t>& items,
     int64_t k, bool equal_size) {
@@ -351,6 +356,10 @@ std::vector<std::vector<int64_t>> KarmarkarKarp(
   }
   return out;
 }
+
+}  // namespace planner_internal
+
+namespace {
 
 // First-fit decreasing of `samples` into micro-batches of the budget (a sample
 // over it alone).
@@ -454,42 +463,6 @@ Bins BalanceThenPack(absl::Span<const int64_t> lengths, const Checked& c) {
 }
 
 }  // namespace
-
-absl::StatusOr<Plan> PlanMicroBatchesLikeVerl(
-    absl::Span<const int64_t> lengths, absl::Span<const int64_t> loss_tokens,
-    const PlanOptions& options) {
-  absl::StatusOr<Checked> c = Validate(lengths, loss_tokens, options);
-  if (!c.ok()) return c.status();
-  const int64_t n = static_cast<int64_t>(lengths.size());
-  std::vector<int64_t> all(n);
-  std::iota(all.begin(), all.end(), 0);
-  const std::vector<std::vector<int64_t>> ranks =
-      KarmarkarKarp(lengths, all, c->ranks, n % c->ranks == 0);
-  // Micro-batches per rank: ceil(tokens / budget), the maximum over ranks.
-  int64_t m = 1;
-  for (const auto& r : ranks) {
-    int64_t tokens = 0;
-    for (int64_t i : r) tokens += lengths[i];
-    m = std::max(m, (tokens + c->budget - 1) / c->budget);
-  }
-  for (;;) {
-    m = RoundUp(m, c->multiple);
-    Bins bins;
-    bool over = false;
-    for (const auto& r : ranks) {
-      bins.push_back(KarmarkarKarp(lengths, r, m, /*equal_size=*/false));
-      for (const auto& b : bins.back()) {
-        int64_t tokens = 0;
-        for (int64_t i : b) tokens += lengths[i];
-        over = over || (b.size() > 1 && tokens > c->budget);
-      }
-    }
-    if (!over || m >= std::max<int64_t>(1, n)) {
-      return Assemble(std::move(bins), lengths, loss_tokens);
-    }
-    ++m;
-  }
-}
 
 absl::Status CheckPlan(const Plan& plan, absl::Span<const int64_t> lengths,
                        absl::Span<const int64_t> loss_tokens,

@@ -67,15 +67,6 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
                                       absl::Span<const int64_t> loss_tokens,
                                       const PlanOptions& options);
 
-// The peer packd is measured against, as verl plans: samples balanced over
-// ranks with Karmarkar-Karp (equal counts when they divide), then per rank
-// ceil(tokens / budget) micro-batches (the maximum over ranks, rounded up to
-// the multiple), split with Karmarkar-Karp, one more while any micro-batch of
-// several samples holds more than the budget. Same errors.
-absl::StatusOr<Plan> PlanMicroBatchesLikeVerl(
-    absl::Span<const int64_t> lengths, absl::Span<const int64_t> loss_tokens,
-    const PlanOptions& options);
-
 // ceil(total tokens / (ranks * budget)), a sample over the budget counted as
 // one budget (it fills a micro-batch alone), rounded up to the multiple: no
 // plan can have fewer micro-batches per rank. 0 for invalid options.

@@ -356,7 +356,8 @@ class SpanBackend : public Backend {
   }
 
   absl::Status Documents(const MaskPlan& base, const TensorView& segment_ids,
-                         DocumentCuts* out, const Stream&) override {
+                         DeviceRuntime&, DocumentCuts* out,
+                         const Stream&) override {
     const auto& plan = static_cast<const CpuPlan&>(base);
     switch (segment_ids.dtype) {
       case DType::kUInt8:

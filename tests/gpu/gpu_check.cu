@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "kernels/gpu/gpu_kernels.h"
-#include "kernels/mask_patterns.h"
+#include "workloads/mask_patterns.h"
 
 namespace {
 

@@ -19,9 +19,9 @@
 
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "kernels/mask_patterns.h"
 #include "kernels/pack.h"
 #include "kernels/tensor_view.h"
+#include "workloads/mask_patterns.h"
 
 namespace packd::testing {
 

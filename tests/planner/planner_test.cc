@@ -13,7 +13,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "planner/workloads.h"
+#include "workloads/lengths.h"
+#include "workloads/verl_planner.h"
 
 namespace packd {
 namespace {

@@ -6,8 +6,8 @@
 //   std::mt19937_64 rng(7);
 //   std::vector<uint8_t> active = MaskActivity(MaskPattern::kPrefix, B, S, 0.3, rng);
 // clang-format on
-#ifndef PACKD_KERNELS_MASK_PATTERNS_H_
-#define PACKD_KERNELS_MASK_PATTERNS_H_
+#ifndef PACKD_WORKLOADS_MASK_PATTERNS_H_
+#define PACKD_WORKLOADS_MASK_PATTERNS_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -62,4 +62,4 @@ inline std::vector<uint8_t> MaskActivity(MaskPattern pattern, int64_t B,
 
 }  // namespace packd
 
-#endif  // PACKD_KERNELS_MASK_PATTERNS_H_
+#endif  // PACKD_WORKLOADS_MASK_PATTERNS_H_

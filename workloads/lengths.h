@@ -5,8 +5,8 @@
 //   std::mt19937_64 rng(7);
 //   std::vector<int64_t> rollouts = LognormalLengths(rng, 1024, 6.8, 1.0,
 //   8192);
-#ifndef PACKD_PLANNER_WORKLOADS_H_
-#define PACKD_PLANNER_WORKLOADS_H_
+#ifndef PACKD_WORKLOADS_LENGTHS_H_
+#define PACKD_WORKLOADS_LENGTHS_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -48,4 +48,4 @@ inline std::vector<int64_t> BimodalLengths(std::mt19937_64& rng,
 
 }  // namespace packd
 
-#endif  // PACKD_PLANNER_WORKLOADS_H_
+#endif  // PACKD_WORKLOADS_LENGTHS_H_

@@ -1,0 +1,73 @@
+// ShmRegion: a POSIX shared-memory segment that is a packd region for its
+// whole life: a bump allocator over it, the region slice of any range in it,
+// and a callback (which unregisters it) when it goes. No tensors: packctl
+// uses it as it is, the C++ client's SharedMemory adds libtorch views.
+//
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(auto r, ShmRegion::Create(key, "bench-in", 64 << 20, unregister));
+//   char* p = r->Allocate(bytes);  r->Contains(p, bytes, request.add_outputs());
+// clang-format on
+#ifndef PACKD_CLIENT_SHM_REGION_H_
+#define PACKD_CLIENT_SHM_REGION_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/shm_segment.h"
+#include "packd/v1/pack_service.pb.h"
+
+namespace packd {
+
+// Not safe to share across threads: one thread at a time allocates from it.
+class ShmRegion {
+ public:
+  // Creates and maps a segment named `key` ("/packd_...") (the errors of
+  // ShmSegment::Create) to be region `region`. The segment is unlinked and
+  // unmapped on destruction, after `on_close` (which unregisters it) runs.
+  static absl::StatusOr<std::unique_ptr<ShmRegion>> Create(
+      std::string key, std::string region, int64_t bytes,
+      std::function<void()> on_close);
+  virtual ~ShmRegion();
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  // Raw space of `bytes`, 64-byte aligned; null when full.
+  char* Allocate(int64_t bytes);
+  // Makes all space free again; what was handed out before aliases what comes
+  // next.
+  void Reset() { used_ = 0; }
+
+  // Whether [p, p + bytes) lies inside the segment; fills `slice` with its
+  // region slice.
+  bool Contains(const void* p, int64_t bytes, v1::RegionSlice* slice) const;
+  char* At(uint64_t offset) const { return data_ + offset; }
+
+  // The segment. Its name is unlinked once the server has mapped it, and
+  // named again (ShmSegment::Relink, a copy) when the server must map it anew.
+  ShmSegment& segment() { return *segment_; }
+  const std::string& key() const { return segment_->key(); }
+  const std::string& region() const { return region_; }
+  int64_t size() const { return size_; }
+  int64_t used() const { return used_; }
+
+ protected:
+  ShmRegion() = default;
+  // Create's work, for subclasses' own Create.
+  absl::Status Init(std::string key, std::string region, int64_t bytes,
+                    std::function<void()> on_close);
+
+ private:
+  std::unique_ptr<ShmSegment> segment_;  // unlinked after on_close_ runs
+  std::string region_;
+  char* data_ = nullptr;
+  int64_t size_ = 0;
+  int64_t used_ = 0;
+  std::function<void()> on_close_;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_CLIENT_SHM_REGION_H_
