@@ -1,5 +1,6 @@
 #include "server/flags.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -22,7 +23,8 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
           "Largest request or response in bytes; larger ones get "
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, threads, 0,
-          "CPU threads that split large copies (0: all hardware threads)");
+          "Worker threads every call runs on, and CPU threads that split "
+          "large copies (0: all hardware threads)");
 ABSL_FLAG(int, drain_seconds, 30,
           "On SIGTERM, how long calls in flight may take to finish");
 ABSL_FLAG(std::string, shared_memory, "auto",
@@ -140,6 +142,9 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (absl::GetFlag(FLAGS_threads) > 0) {
     ThreadPool::SetGlobalThreads(absl::GetFlag(FLAGS_threads));
   }
+  // Not ThreadPool::Global().num_threads(): the pool's threads must start
+  // after packd blocks its signals (ServeUntilSignalled).
+  options.service.worker_threads = std::max(0, absl::GetFlag(FLAGS_threads));
   return options;
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <exception>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -91,84 +92,24 @@ void EncodeResults(
 
 }  // namespace
 
-void PackServiceImpl::StartDraining() {
-  absl::MutexLock lock(&mu_);
-  draining_ = true;
-}
+PackServiceImpl::PackServiceImpl(ServiceOptions options)
+    : options_(std::move(options)),
+      regions_(options_.regions),
+      decoder_(regions_, options_.default_device, options_.max_message_bytes),
+      calls_(
+          CallMechanism::Options{
+              options_.auth,
+              options_.worker_threads > 0
+                  ? options_.worker_threads
+                  : static_cast<int>(std::thread::hardware_concurrency()),
+              [this] { CheckDefaultDevice(); }},
+          &metrics_),
+      budget_(options_.max_inflight_bytes) {}
+
+void PackServiceImpl::StartDraining() { calls_.StartDraining(); }
 
 bool PackServiceImpl::WaitForIdle(absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
-  auto idle = [this]()
-                  ABSL_SHARED_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
-  return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
-}
-
-bool PackServiceImpl::Admit() {
-  absl::MutexLock lock(&mu_);
-  if (draining_) return false;
-  ++in_flight_;
-  return true;
-}
-
-void PackServiceImpl::Release() {
-  absl::MutexLock lock(&mu_);
-  --in_flight_;
-}
-
-namespace {
-
-// Runs `fn`, turning whatever it throws into INTERNAL: nothing a handler
-// throws may reach gRPC or leave a call admitted.
-template <typename Fn>
-absl::Status Guarded(const char* method, Fn&& fn) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
-  } catch (...) {
-    return absl::InternalError(absl::StrCat(method, " failed"));
-  }
-}
-
-}  // namespace
-
-class PackServiceImpl::AdmittedReactor final : public grpc::ServerUnaryReactor {
- public:
-  explicit AdmittedReactor(PackServiceImpl* service) : service_(service) {}
-  void OnDone() override {
-    TakeOver(this);
-    service_->Release();
-    delete this;
-  }
-
- private:
-  PackServiceImpl* const service_;
-};
-
-template <typename Request, typename Response>
-grpc::ServerUnaryReactor* PackServiceImpl::Admitted(
-    grpc::CallbackServerContext* context, const char* method,
-    const Request& request, Response* response,
-    absl::Status (PackServiceImpl::*work)(const Request&, Response*)) {
-  const absl::Time start = absl::Now();
-  absl::Status status = Authenticate(context);
-  if (!status.ok()) return Finish(context, method, start, status);
-  if (!Admit()) {
-    return Finish(context, method, start,
-                  absl::UnavailableError(
-                      "packd is shutting down; retry on another replica"));
-  }
-  // Nothing a handler throws (an allocation that failed, a library's
-  // exception) may leave the call admitted or reach gRPC, which would answer
-  // UNIMPLEMENTED: it becomes INTERNAL with its message.
-  status = Guarded(method, [&] { return (this->*work)(request, response); });
-  if (!status.ok()) {
-    response->Clear();
-    CheckDefaultDevice();
-  }
-  return Finish(context, method, start, status, request.ByteSizeLong(),
-                status.ok() ? response->ByteSizeLong() : 0,
-                new AdmittedReactor(this));
+  return calls_.WaitForIdle(deadline);
 }
 
 namespace {
@@ -297,10 +238,15 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
         method_(method),
         work_(work),
         deadline_(PackServiceImpl::BudgetDeadline(context)) {
-    if (absl::Status auth = service_->Authenticate(context); !auth.ok()) {
-      Done(auth);
+    // Authenticated and counted in flight (UNAVAILABLE while draining), then
+    // released in OnDone once the reply has been sent.
+    if (absl::Status admitted =
+            service_->calls_.Admit(*context, Draining::kRefused);
+        !admitted.ok()) {
+      Done(admitted);
       return;
     }
+    admitted_ = true;
     const auto declared = context->client_metadata().find(kRequestBytesHeader);
     if (declared != context->client_metadata().end() &&
         (!absl::SimpleAtoi(absl::string_view(declared->second.data(),
@@ -318,12 +264,6 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
       Done(size);
       return;
     }
-    if (!service_->Admit()) {
-      Done(absl::UnavailableError(
-          "packd is shutting down; retry on another replica"));
-      return;
-    }
-    admitted_ = true;
     // Waits, off gRPC's threads, until the bytes are free or the deadline.
     service_->budget_.Reserve(
         service_->AdmissionBytes(declared_bytes_), deadline_,
@@ -342,6 +282,20 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
           "the ", method_, " call ended before its request arrived")));
       return;
     }
+    // The parse and the op run on packd's workers, never on gRPC's thread.
+    service_->calls_.Submit([this] { ParseAndRun(); });
+  }
+
+  // The call has ended: its response sent (or its failure told), so a drain
+  // that waits for it also waits for its reply to leave.
+  void OnDone() override {
+    TakeOver(this);
+    if (admitted_) service_->calls_.Release();
+    delete this;
+  }
+
+ private:
+  void ParseAndRun() {
     int64_t needed = 0;
     absl::Status status = Guarded(method_, [&] { return Parse(&needed); });
     if (!status.ok() || hold_ == nullptr || needed <= hold_->bytes()) {
@@ -359,20 +313,13 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
         [this](absl::StatusOr<MemoryBudget::Hold> hold) {
           if (!hold.ok()) return Done(hold.status());
           hold_ = *std::move(hold);
-          Done(Guarded(method_, [this] { return Run(); }));
+          // Not on the budget's thread: it grants every waiter.
+          service_->calls_.Submit(
+              [this] { Done(Guarded(method_, [this] { return Run(); })); });
         },
         /*first=*/true);
   }
 
-  // The call has ended: its response sent (or its failure told), so a drain
-  // that waits for it also waits for its reply to leave.
-  void OnDone() override {
-    TakeOver(this);
-    if (admitted_) service_->Release();
-    delete this;
-  }
-
- private:
   // Parses the request, and sets `needed` to what the call holds from now on:
   // the request, the copies of its inline inputs that arrived in several
   // slices (gathered into one buffer; those in one slice are read in place),
@@ -437,10 +384,9 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   // touch the reactor afterwards (OnDone deletes it).
   void Done(const absl::Status& status) {
     hold_.reset();
-    if (admitted_ && !status.ok()) service_->CheckDefaultDevice();
-    service_->metrics_.Record(method_, status.code(), absl::Now() - start_,
-                              request_bytes_,
-                              status.ok() ? response_bytes_ : 0);
+    if (admitted_ && !status.ok()) service_->calls_.AfterFailure();
+    service_->calls_.Record(method_, status.code(), start_, request_bytes_,
+                            status.ok() ? response_bytes_ : 0);
     HandOff(this);  // OnDone runs on one of gRPC's threads
     if (status.ok()) {
       StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
@@ -488,25 +434,9 @@ grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
   return new Unknown(context->method());
 }
 
-grpc::ServerUnaryReactor* PackServiceImpl::Finish(
-    grpc::CallbackServerContext* context, const char* method, absl::Time start,
-    const absl::Status& status, size_t request_bytes, size_t response_bytes,
-    grpc::ServerUnaryReactor* reactor) {
-  metrics_.Record(method, status.code(), absl::Now() - start, request_bytes,
-                  response_bytes);
-  if (reactor == nullptr) reactor = context->DefaultReactor();
-  HandOff(reactor);  // a reactor of ours is deleted on one of gRPC's threads
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 std::string PackServiceImpl::RenderMetrics() const {
-  int64_t in_flight = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    in_flight = in_flight_;
-  }
-  return metrics_.Render(regions_.size(), regions_.expired(), in_flight);
+  return metrics_.Render(regions_.size(), regions_.expired(),
+                         calls_.in_flight());
 }
 
 template <typename Request, typename Response, typename Field, typename Op>
@@ -657,14 +587,8 @@ absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
 grpc::ServerUnaryReactor* PackServiceImpl::PlanMicroBatches(
     grpc::CallbackServerContext* context, const v1::PlanRequest* request,
     v1::PlanResponse* response) {
-  return Admitted(context, "PlanMicroBatches", *request, response,
-                  &PackServiceImpl::DoPlan);
-}
-
-absl::Status PackServiceImpl::Authenticate(
-    const grpc::CallbackServerContext* context) const {
-  if (options_.auth == nullptr) return absl::OkStatus();
-  return options_.auth->Check(context->client_metadata());
+  return calls_.Unary(context, "PlanMicroBatches", Draining::kRefused, *request,
+                      response, [=] { return DoPlan(*request, response); });
 }
 
 void PackServiceImpl::CheckDefaultDevice() {
@@ -682,15 +606,13 @@ void PackServiceImpl::CheckDefaultDevice() {
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterSystemRegion(
     grpc::CallbackServerContext* context,
     const v1::RegisterSystemRegionRequest* request,
-    v1::RegisterRegionResponse*) {
-  const absl::Time start = absl::Now();
-  if (absl::Status auth = Authenticate(context); !auth.ok()) {
-    return Finish(context, "RegisterSystemRegion", start, auth);
-  }
-  const absl::Status status = regions_.RegisterSystem(
-      request->name(), request->key(), request->offset(), request->byte_size(),
-      request->lease_seconds());
-  return Finish(context, "RegisterSystemRegion", start, status);
+    v1::RegisterRegionResponse* response) {
+  return calls_.Unary(context, "RegisterSystemRegion", Draining::kServed,
+                      *request, response, [=] {
+                        return regions_.RegisterSystem(
+                            request->name(), request->key(), request->offset(),
+                            request->byte_size(), request->lease_seconds());
+                      });
 }
 
 absl::Status PackServiceImpl::DoRegisterDeviceRegion(
@@ -730,49 +652,42 @@ absl::Status PackServiceImpl::DoRegisterDeviceRegion(
 grpc::ServerUnaryReactor* PackServiceImpl::RegisterDeviceRegion(
     grpc::CallbackServerContext* context,
     const v1::RegisterDeviceRegionRequest* request,
-    v1::RegisterRegionResponse*) {
-  const absl::Time start = absl::Now();
-  if (absl::Status auth = Authenticate(context); !auth.ok()) {
-    return Finish(context, "RegisterDeviceRegion", start, auth);
-  }
-  const absl::Status status = DoRegisterDeviceRegion(*request);
-  return Finish(context, "RegisterDeviceRegion", start, status);
+    v1::RegisterRegionResponse* response) {
+  return calls_.Unary(context, "RegisterDeviceRegion", Draining::kServed,
+                      *request, response,
+                      [=] { return DoRegisterDeviceRegion(*request); });
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::UnregisterRegion(
     grpc::CallbackServerContext* context,
-    const v1::UnregisterRegionRequest* request, v1::UnregisterRegionResponse*) {
-  const absl::Time start = absl::Now();
-  if (absl::Status auth = Authenticate(context); !auth.ok()) {
-    return Finish(context, "UnregisterRegion", start, auth);
-  }
-  const absl::Status status = regions_.Unregister(request->name());
-  return Finish(context, "UnregisterRegion", start, status);
+    const v1::UnregisterRegionRequest* request,
+    v1::UnregisterRegionResponse* response) {
+  return calls_.Unary(context, "UnregisterRegion", Draining::kServed, *request,
+                      response,
+                      [=] { return regions_.Unregister(request->name()); });
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::ListRegions(
-    grpc::CallbackServerContext* context, const v1::ListRegionsRequest*,
+    grpc::CallbackServerContext* context, const v1::ListRegionsRequest* request,
     v1::ListRegionsResponse* response) {
-  const absl::Time start = absl::Now();
-  if (absl::Status auth = Authenticate(context); !auth.ok()) {
-    return Finish(context, "ListRegions", start, auth);
-  }
-  absl::Status status = regions_.CheckEnabled();
-  if (status.ok()) {
-    for (v1::RegionInfo& info : regions_.List()) {
-      *response->add_regions() = std::move(info);
-    }
-  }
-  return Finish(context, "ListRegions", start, status);
+  return calls_.Unary(context, "ListRegions", Draining::kServed, *request,
+                      response, [=] {
+                        PACKD_RETURN_IF_ERROR(regions_.CheckEnabled());
+                        for (v1::RegionInfo& info : regions_.List()) {
+                          *response->add_regions() = std::move(info);
+                        }
+                        return absl::OkStatus();
+                      });
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
-    grpc::CallbackServerContext* context, const v1::GetServerInfoRequest*,
-    v1::ServerInfo* response) {
-  const absl::Time start = absl::Now();
-  if (absl::Status auth = Authenticate(context); !auth.ok()) {
-    return Finish(context, "GetServerInfo", start, auth);
-  }
+    grpc::CallbackServerContext* context,
+    const v1::GetServerInfoRequest* request, v1::ServerInfo* response) {
+  return calls_.Unary(context, "GetServerInfo", Draining::kServed, *request,
+                      response, [=] { return DoServerInfo(response); });
+}
+
+absl::Status PackServiceImpl::DoServerInfo(v1::ServerInfo* response) {
   response->set_version(PACKD_VERSION);
   for (DeviceKind kind :
        {DeviceKind::kCpu, DeviceKind::kCuda, DeviceKind::kHip}) {
@@ -791,7 +706,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
   response->set_default_device(options_.default_device.ToString());
   response->set_max_message_bytes(options_.max_message_bytes);
   response->set_shared_memory_enabled(regions_.enabled());
-  return Finish(context, "GetServerInfo", start, absl::OkStatus());
+  return absl::OkStatus();
 }
 
 }  // namespace packd

@@ -6,8 +6,10 @@
 // (kernels/pack.h), and answered with slices that wrap the result buffers, or
 // with results written into region slices. The wire format is the protobuf
 // one: plain protobuf clients cannot tell. Region RPCs go to the
-// RegionRegistry (server/regions.h). Calls in flight are tracked so that
-// shutdown can drain them.
+// RegionRegistry (server/regions.h). Every RPC goes through one call
+// mechanism (server/call.h: authentication, admission under the drain, the
+// guard, metrics, and packd's worker pool, where every handler runs); the
+// handlers here only translate between protobuf and the op library.
 //
 //   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
 //   builder.RegisterService(&service);
@@ -31,6 +33,7 @@
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
 #include "server/auth.h"
+#include "server/call.h"
 #include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/regions.h"
@@ -58,6 +61,9 @@ struct ServiceOptions {
   // lost (a sticky runtime error: every later call on it fails). PackdServer
   // turns readiness NOT_SERVING.
   std::function<void(const absl::Status& reason)> on_device_lost;
+  // Worker threads every call's handler runs on (--threads); 0: the hardware
+  // threads.
+  int worker_threads = 0;
 };
 
 template <typename Request, typename Response>
@@ -67,14 +73,10 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
                                   v1::PackService::WithGenericMethod_Scatter<
                                       v1::PackService::CallbackService>> {
  public:
-  explicit PackServiceImpl(ServiceOptions options)
-      : options_(std::move(options)),
-        regions_(options_.regions),
-        decoder_(regions_, options_.default_device, options_.max_message_bytes),
-        budget_(options_.max_inflight_bytes) {}
+  explicit PackServiceImpl(ServiceOptions options);
 
-  // From now on, Pack and Scatter calls get UNAVAILABLE; calls already admitted
-  // finish.
+  // From now on, Pack, Scatter and PlanMicroBatches calls get UNAVAILABLE;
+  // calls already admitted finish.
   void StartDraining();
   // Waits until no admitted call is running or `deadline` passes. Returns true
   // when none is.
@@ -122,9 +124,6 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
  private:
   template <typename Request, typename Response>
   friend class InlineCall;
-  // The reactor of an admitted unary call: releases the call once its reply
-  // has been sent, so that a drain waits for the reply too.
-  class AdmittedReactor;
   class InlineCalls final : public grpc::CallbackGenericService {
    public:
     explicit InlineCalls(PackServiceImpl* service) : service_(service) {}
@@ -143,19 +142,6 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
     MemoryBudget::Hold hold;  // the call's share of --max_inflight_bytes
   };
 
-  // Admits a call unless draining; every admitted call must be released,
-  // once its reply has been sent. An admitted call that fails checks the
-  // default device (CheckDefaultDevice) before its reply leaves, so that a
-  // client told of the failure finds readiness already changed.
-  bool Admit();
-  void Release();
-  // Runs `work` as an admitted call (UNAVAILABLE while draining) and finishes
-  // the call; it is released once the reply has been sent.
-  template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* Admitted(
-      grpc::CallbackServerContext* context, const char* method,
-      const Request& request, Response* response,
-      absl::Status (PackServiceImpl::*work)(const Request&, Response*));
   // When a call waiting in the memory budget gives up: a little before the
   // caller's deadline, so that it hears RESOURCE_EXHAUSTED from packd.
   static absl::Time BudgetDeadline(const grpc::CallbackServerContext* context);
@@ -163,16 +149,6 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   // request of `declared` bytes (0: the largest) can make it hold, or the
   // whole budget.
   int64_t AdmissionBytes(int64_t declared) const;
-  // Finishes the call with `status` on `reactor` (null: the context's
-  // default one) and records it in the metrics: latency since `start`, and
-  // the message sizes.
-  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
-                                   const char* method, absl::Time start,
-                                   const absl::Status& status,
-                                   size_t request_bytes = 0,
-                                   size_t response_bytes = 0,
-                                   grpc::ServerUnaryReactor* reactor = nullptr);
-
   // The steps every Pack and Scatter call takes: decode (inline bytes from
   // `payloads` when given), place results (pooled buffers recorded in `reply`
   // for the response's repeated tensor field `results`, or the request's output
@@ -190,9 +166,7 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   absl::Status RunScatter(const v1::ScatterRequest& request,
                           const Payloads* payloads,
                           v1::ScatterResponse* response, CallReply* reply);
-  // OK without --auth_token_file, else TokenAuth::Check of the call's
-  // metadata.
-  absl::Status Authenticate(const grpc::CallbackServerContext* context) const;
+  absl::Status DoServerInfo(v1::ServerInfo* response);
   // After a failed call: whether the default device is lost, and if so, tells
   // on_device_lost (once).
   void CheckDefaultDevice();
@@ -204,9 +178,10 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   RegionRegistry regions_;
   const RequestDecoder decoder_;
   Metrics metrics_;
+  // After the state its handlers use: its workers finish what was submitted
+  // before the rest goes.
+  CallMechanism calls_;
   mutable absl::Mutex mu_;
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool device_lost_ ABSL_GUARDED_BY(mu_) = false;
   // Last: destroyed first, its waiting calls finish while the rest is alive.
   MemoryBudget budget_;

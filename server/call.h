@@ -1,0 +1,188 @@
+// The call mechanism every packd RPC goes through (docs/design.md §2):
+// authentication, admission under the drain, the guard that turns whatever a
+// handler throws into INTERNAL, the device check after a failure, metrics,
+// and packd's own worker pool, on which every handler runs (never on one of
+// gRPC's callback threads, nor on the memory budget's). Handlers only
+// translate between protobuf and the op library.
+//
+//   grpc::ServerUnaryReactor* Service::ListRegions(ctx, request, response) {
+//     return calls_.Unary(ctx, "ListRegions", Draining::kServed, *request,
+//                         response, [=] { return List(response); });
+//   }
+#ifndef PACKD_SERVER_CALL_H_
+#define PACKD_SERVER_CALL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "proto/tensor_codec.h"
+#include "proto/wire.h"
+#include "server/auth.h"
+#include "server/metrics.h"
+
+namespace packd {
+
+// A fixed set of threads running submitted work in order of submission.
+// Safe to share across threads. Destruction runs what was submitted, then
+// joins the threads.
+class WorkerPool {
+ public:
+  explicit WorkerPool(int threads);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  void Submit(std::function<void()> work);
+  int threads() const { return static_cast<int>(threads_.size()); }
+
+ private:
+  void Loop();
+
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+// Runs `fn`, turning whatever it throws into INTERNAL naming `method`: nothing
+// a handler throws (an allocation that failed, a library's exception) may
+// reach gRPC, which would answer UNIMPLEMENTED, or leave a call admitted.
+template <typename Fn>
+absl::Status Guarded(const char* method, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
+  } catch (...) {
+    return absl::InternalError(absl::StrCat(method, " failed"));
+  }
+}
+
+// Whether a method is refused while the server drains (the calls that do
+// work), or still served (small bookkeeping: regions, info), as every call
+// is counted in flight until its reply has left.
+enum class Draining { kRefused, kServed };
+
+// Safe to share across threads.
+class CallMechanism {
+ public:
+  struct Options {
+    // Bearer tokens every call must carry; null: none.
+    std::shared_ptr<TokenAuth> auth;
+    // Worker threads (--threads); at least 1.
+    int threads = 1;
+    // Called after a failed admitted call, before its reply leaves (the
+    // service checks whether its default device is lost).
+    std::function<void()> after_failure;
+  };
+  CallMechanism(Options options, Metrics* metrics);
+
+  // From now on, calls of Draining::kRefused methods get UNAVAILABLE; calls
+  // already admitted finish.
+  void StartDraining();
+  // Waits until no admitted call is in flight or `deadline` passes; true when
+  // none is.
+  bool WaitForIdle(absl::Time deadline);
+  int64_t in_flight() const;
+
+  // Admits a call: UNAUTHENTICATED without a valid token, UNAVAILABLE for a
+  // refused method while draining. An admitted call is in flight until
+  // Release(), which comes once its reply has been sent.
+  absl::Status Admit(const grpc::ServerContextBase& context, Draining draining);
+  void Release();
+  // Runs `work` on the worker pool.
+  void Submit(std::function<void()> work) { pool_.Submit(std::move(work)); }
+  // After a failed admitted call, before its reply leaves.
+  void AfterFailure() {
+    if (options_.after_failure) options_.after_failure();
+  }
+  // Counts a finished call in the metrics.
+  void Record(const char* method, absl::StatusCode code, absl::Time start,
+              size_t request_bytes, size_t response_bytes) {
+    metrics_->Record(method, code, absl::Now() - start, request_bytes,
+                     response_bytes);
+  }
+
+  // A unary RPC: admits it, runs `handler` (absl::Status(), filling
+  // `response`) on the worker pool under the guard, and finishes it;
+  // released once the reply has been sent. A failed call answers an empty
+  // response.
+  template <typename Request, typename Response, typename Handler>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context,
+                                  const char* method, Draining draining,
+                                  const Request& request, Response* response,
+                                  Handler handler);
+
+ private:
+  class UnaryReactor;
+
+  const Options options_;
+  Metrics* const metrics_;
+  mutable absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  WorkerPool pool_;  // last: its threads end before the rest goes
+};
+
+class CallMechanism::UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryReactor(CallMechanism* calls, bool admitted)
+      : calls_(calls), admitted_(admitted) {}
+  void OnDone() override {
+    TakeOver(this);
+    if (admitted_) calls_->Release();
+    delete this;
+  }
+  // Records the call and finishes it; nothing may touch it afterwards.
+  void Done(const char* method, absl::Time start, const absl::Status& status,
+            size_t request_bytes, size_t response_bytes) {
+    calls_->Record(method, status.code(), start, request_bytes, response_bytes);
+    HandOff(this);  // OnDone runs on one of gRPC's threads
+    Finish(ToGrpcStatus(status));
+  }
+
+ private:
+  CallMechanism* const calls_;
+  const bool admitted_;
+};
+
+template <typename Request, typename Response, typename Handler>
+grpc::ServerUnaryReactor* CallMechanism::Unary(
+    grpc::CallbackServerContext* context, const char* method, Draining draining,
+    const Request& request, Response* response, Handler handler) {
+  const absl::Time start = absl::Now();
+  const absl::Status admitted = Admit(*context, draining);
+  auto* reactor = new UnaryReactor(this, admitted.ok());
+  if (!admitted.ok()) {
+    reactor->Done(method, start, admitted, 0, 0);
+    return reactor;
+  }
+  Submit([this, reactor, method, start, &request, response,
+          handler = std::move(handler)]() mutable {
+    const absl::Status status = Guarded(method, handler);
+    if (!status.ok()) {
+      response->Clear();
+      AfterFailure();
+    }
+    reactor->Done(method, start, status, request.ByteSizeLong(),
+                  status.ok() ? response->ByteSizeLong() : 0);
+  });
+  return reactor;
+}
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_CALL_H_
