@@ -488,6 +488,76 @@ TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
       SameTensor(testing::ReferencePack(x, mask), first_response.packed(0)));
 }
 
+// Ops run on packd's workers, never on the memory budget's thread: a Scatter
+// that outgrew its reservation, granted more by the budget once another call
+// finished, ran its whole op there, so no other waiter's deadline was kept
+// meanwhile. Here A (a Pack) holds the budget through a 2.5 s op; S (a Scatter
+// whose 10 MiB of results outgrow its declared 0.5 MiB request) waits for room
+// and then takes 2.5 s itself; W, waiting behind S with a 1 s deadline, must
+// hear RESOURCE_EXHAUSTED from packd at its deadline (it heard its own
+// DEADLINE_EXCEEDED while the budget's thread ran S's op).
+TEST(ServiceLimits, ASlowOpNeverHoldsUpTheBudgetsDeadlines) {
+  auto server = ServerProcess::Start(
+      {"--call_delay_ms=2500", "--max_inflight_bytes=20000000", "--threads=4"},
+      ServerProcess::Binary::kTesting);
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  Rng rng = Rng::Fresh();
+  auto call = [&](auto method, const auto& request, auto* response,
+                  absl::Duration deadline, bool declare) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    if (declare) {
+      context.AddMetadata("packd-request-bytes",
+                          std::to_string(request.ByteSizeLong()));
+    }
+    return ((*stub).*method)(&context, request, response);
+  };
+
+  const at::Tensor a_mask = at::ones({6, 256}, at::kBool);
+  const at::Tensor a_x =
+      testing::RandomTensor(rng, DType::kFloat32, {6, 256, 1024});  // 6 MiB
+  v1::PackRequest a;
+  *a.mutable_mask() = ToProto(a_mask);
+  *a.add_inputs() = ToProto(a_x);
+  const at::Tensor s_mask = testing::RandomMask(rng, DType::kBool, 10, 256,
+                                                0.05, MaskPattern::kHoles);
+  const int64_t active = s_mask.sum().item<int64_t>();
+  const at::Tensor s_packed =
+      testing::RandomTensor(rng, DType::kFloat32, {active, 1024});
+  v1::ScatterRequest s;
+  *s.mutable_mask() = ToProto(s_mask);
+  *s.add_packed() = ToProto(s_packed);
+
+  v1::PackResponse a_response, w_response;
+  v1::ScatterResponse s_response;
+  grpc::Status a_status, s_status;
+  std::thread a_thread([&] {
+    a_status = call(&v1::PackService::Stub::Pack, a, &a_response,
+                    absl::Seconds(30), true);
+  });
+  absl::SleepFor(absl::Milliseconds(500));  // A holds its bytes in its op
+  std::thread s_thread([&] {
+    s_status = call(&v1::PackService::Stub::Scatter, s, &s_response,
+                    absl::Seconds(30), true);
+  });
+  absl::SleepFor(absl::Milliseconds(2700));  // A is done, S in its op
+  const grpc::Status w_status = call(&v1::PackService::Stub::Pack, a,
+                                     &w_response, absl::Seconds(1), false);
+  EXPECT_EQ(w_status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << w_status.error_message();
+  EXPECT_THAT(w_status.error_message(), HasSubstr("deadline"));
+  a_thread.join();
+  s_thread.join();
+  ASSERT_TRUE(a_status.ok()) << a_status.error_message();
+  ASSERT_TRUE(s_status.ok()) << s_status.error_message();
+  EXPECT_TRUE(
+      SameTensor(testing::ReferencePack(a_x, a_mask), a_response.packed(0)));
+  EXPECT_TRUE(
+      SameTensor(testing::ReferenceScatter(s_packed, s_mask, {10, 256, 1024}),
+                 s_response.dense(0)));
+}
+
 // The budget holds requests back at their senders: 32 clients, each on its
 // own connection whose flow-control windows an earlier call has grown, send a
 // 16 MiB inline Pack at once to a server whose budget admits one at a time.
