@@ -317,10 +317,15 @@ NullServer StartNullServer(const std::string& listen, size_t response_bytes) {
   return null;
 }
 
-// A request's bytes as the zero-copy do-nothing RPC sends them.
-grpc::ByteBuffer Wrapped(const v1::PackRequest& request,
-                         const Payloads& payloads) {
-  return ToByteBuffer(SerializeWithPayloads(request, payloads), nullptr);
+// `header` carrying x and the mask of `x`'s batch in place (both outlive it).
+void CarryBatch(const at::Tensor& x, const at::Tensor& mask,
+                Wire<v1::PackRequest>* header) {
+  EncodeTensorHeader(DType::kBool, mask.sizes().vec(),
+                     (*header)->mutable_mask());
+  EncodeTensorHeader(DType::kBFloat16, x.sizes().vec(),
+                     (*header)->add_inputs());
+  header->Carry((*header)->mask(), Payload::Of(mask.data_ptr(), mask.nbytes()));
+  header->Carry((*header)->inputs(0), Payload::Of(x.data_ptr(), x.nbytes()));
 }
 
 // ---- The batch -----------------------------------------------------------
@@ -328,13 +333,13 @@ grpc::ByteBuffer Wrapped(const v1::PackRequest& request,
 // The large batch: x [B, S, H] bf16 and a prefix mask, with x copied into a
 // shared-memory segment (registered as region "bench") whose second half takes
 // the results of the handle path. `header` is the inline request without its
-// tensors' bytes, which `payloads` point at.
+// tensors' bytes, which it carries in place.
 struct LargeBatch {
   at::Tensor x, mask;
   std::unique_ptr<ShmSegment> segment;
   int64_t active = 0, packed_bytes = 0;
-  v1::PackRequest inline_request, header, shm_request;
-  Payloads payloads;
+  v1::PackRequest inline_request, shm_request;
+  Wire<v1::PackRequest> header;
 };
 
 absl::StatusOr<LargeBatch> MakeLargeBatch(int64_t B, int64_t S, int64_t H,
@@ -354,14 +359,7 @@ absl::StatusOr<LargeBatch> MakeLargeBatch(int64_t B, int64_t S, int64_t H,
   std::memcpy(batch.segment->data(), batch.x.data_ptr(), x_bytes);
   std::memset(batch.segment->data() + x_bytes, 0, x_bytes);
 
-  EncodeTensorHeader(DType::kBool, batch.mask.sizes().vec(),
-                     batch.header.mutable_mask());
-  EncodeTensorHeader(DType::kBFloat16, batch.x.sizes().vec(),
-                     batch.header.add_inputs());
-  batch.payloads[&batch.header.mask()] =
-      Payload::Of(batch.mask.data_ptr(), batch.mask.nbytes());
-  batch.payloads[&batch.header.inputs(0)] =
-      Payload::Of(batch.x.data_ptr(), x_bytes);
+  CarryBatch(batch.x, batch.mask, &batch.header);
 
   EncodeInlineTensor(DType::kBool, batch.mask.sizes().vec(),
                      batch.mask.data_ptr(), batch.mask.nbytes(),
@@ -509,7 +507,7 @@ std::vector<Row> MeasureLargeCalls(LargeBatch& batch, const Servers& servers,
 
   // The limits and the C++ client, interleaved call by call so that the
   // machine's drift over the run falls on all of them alike.
-  const grpc::ByteBuffer wrapped = Wrapped(batch.header, batch.payloads);
+  const grpc::ByteBuffer wrapped = batch.header.ToByteBuffer();
   RawSocketLimit raw_unix(true, request_bytes, response_bytes);
   RawSocketLimit raw_tcp(false, request_bytes, response_bytes);
   NullServer null_unix = StartNullServer(
@@ -623,17 +621,9 @@ void MeasureSmallCalls(const Servers& servers, bool smoke) {
   const at::Tensor small_x =
       at::randint(-1000, 1000, {4, 128, 64}, at::kFloat).to(at::kBFloat16);
   const at::Tensor small_mask = at::rand({4, 128}) < 0.5;
-  v1::PackRequest header;
-  Payloads payloads;
-  EncodeTensorHeader(DType::kBool, small_mask.sizes().vec(),
-                     header.mutable_mask());
-  EncodeTensorHeader(DType::kBFloat16, small_x.sizes().vec(),
-                     header.add_inputs());
-  payloads[&header.mask()] =
-      Payload::Of(small_mask.data_ptr(), small_mask.nbytes());
-  payloads[&header.inputs(0)] =
-      Payload::Of(small_x.data_ptr(), small_x.nbytes());
-  const grpc::ByteBuffer wrapped = Wrapped(header, payloads);
+  Wire<v1::PackRequest> header;
+  CarryBatch(small_x, small_mask, &header);
+  const grpc::ByteBuffer wrapped = header.ToByteBuffer();
   const int64_t active = small_mask.sum().item<int64_t>();
   const size_t response_bytes = active * 64 * 2 + 64;
   auto client = ConnectClient(servers.tcp->address(), 0);

@@ -117,21 +117,15 @@ Client::~Client() {
 }
 
 absl::Status Client::RawCall(int connection, const char* method,
-                             const google::protobuf::Message& request,
-                             const Outgoing& outgoing,
-                             google::protobuf::Message* response,
-                             RawReply* reply) {
+                             const Outgoing& outgoing, WireMessage* response) {
   absl::Status status =
-      connection_->RawCall(connection, method, request, outgoing.payloads,
-                           outgoing.keep, response, reply);
+      connection_->RawCall(connection, method, *outgoing.request, response);
   if (status.code() == absl::StatusCode::kNotFound) {
     // A region of ours may be gone (lease, restart): register, then again.
     absl::StatusOr<bool> missing = Reregister(outgoing.regions);
     if (missing.ok() && *missing) {
-      *reply = RawReply();
       status =
-          connection_->RawCall(connection, method, request, outgoing.payloads,
-                               outgoing.keep, response, reply);
+          connection_->RawCall(connection, method, *outgoing.request, response);
     }
   }
   return status;
@@ -381,14 +375,14 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
       return absl::OkStatus();
     }
   }
-  outgoing->payloads[out] = Payload::Of(t.data_ptr(), bytes);
-  outgoing->keep->push_back(t);
+  outgoing->request->Carry(*out, Payload::Of(t.data_ptr(), bytes),
+                           std::make_shared<at::Tensor>(t));
   return absl::OkStatus();
 }
 
 absl::StatusOr<at::Tensor> Client::DecodeResult(const v1::Tensor& t,
                                                 bool copy_out,
-                                                const RawReply& reply) {
+                                                const WireMessage& reply) {
   const DType dtype = static_cast<DType>(t.dtype());
   if (!IsValidDType(dtype)) {
     return absl::InternalError(
@@ -483,9 +477,8 @@ v1::PackResponse JoinPackResponses(
 
 // One tensor from the results of each part (same dtype and trailing dims),
 // joined along dim 0 with one copy out of the received bytes.
-absl::StatusOr<at::Tensor> JoinRows(
-    const std::vector<const v1::Tensor*>& heads,
-    const std::vector<const Payload*>& payloads) {
+absl::StatusOr<at::Tensor> JoinRows(const std::vector<const v1::Tensor*>& heads,
+                                    const std::vector<Payload>& payloads) {
   const v1::Tensor& first = *heads[0];
   const DType dtype = static_cast<DType>(first.dtype());
   if (!IsValidDType(dtype) || first.shape_size() == 0) {
@@ -499,7 +492,7 @@ absl::StatusOr<at::Tensor> JoinRows(
         heads[k]->shape_size() == first.shape_size() &&
         std::equal(heads[k]->shape().begin() + 1, heads[k]->shape().end(),
                    first.shape().begin() + 1);
-    if (!same || payloads[k] == nullptr) {
+    if (!same) {
       return absl::InternalError("server returned parts that do not join");
     }
     shape[0] += heads[k]->shape(0);
@@ -510,10 +503,10 @@ absl::StatusOr<at::Tensor> JoinRows(
   const int64_t row_bytes = shape[0] > 0 ? out.nbytes() / shape[0] : 0;
   for (size_t k = 0; k < heads.size(); ++k) {
     const int64_t bytes = heads[k]->shape(0) * row_bytes;
-    if (payloads[k]->size != bytes) {
+    if (payloads[k].size != bytes) {
       return absl::InternalError("server returned a tensor of the wrong size");
     }
-    payloads[k]->CopyOut(0, bytes, to);
+    payloads[k].CopyOut(0, bytes, to);
     to += bytes;
   }
   return out;
@@ -523,7 +516,7 @@ absl::StatusOr<at::Tensor> JoinRows(
 
 absl::StatusOr<std::vector<at::Tensor>> Client::Results(
     const std::vector<const Tensors*>& results,
-    const std::vector<const RawReply*>& replies, bool copy_out) {
+    const std::vector<const WireMessage*>& replies, bool copy_out) {
   for (const Tensors* r : results) {
     if (r->size() != results[0]->size()) {
       return absl::InternalError("server returned parts that do not join");
@@ -538,12 +531,10 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Results(
       continue;
     }
     std::vector<const v1::Tensor*> heads;
-    std::vector<const Payload*> payloads;
+    std::vector<Payload> payloads;
     for (size_t k = 0; k < results.size(); ++k) {
       heads.push_back(&results[k]->Get(i));
-      auto it = replies[k]->payloads.find(heads.back());
-      payloads.push_back(it == replies[k]->payloads.end() ? nullptr
-                                                          : &it->second);
+      payloads.push_back(replies[k]->BytesOf(*heads.back()));
     }
     PACKD_ASSIGN_OR_RETURN(at::Tensor t, JoinRows(heads, payloads));
     out.push_back(std::move(t));
@@ -551,14 +542,13 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Results(
   return out;
 }
 
+// A part's reply: the response, its inline results in place.
 struct Client::PackPart {
-  v1::PackResponse response;
-  RawReply reply;
+  Wire<v1::PackResponse> reply;
 };
 
 struct Client::ScatterPart {
-  v1::ScatterResponse response;
-  RawReply reply;
+  Wire<v1::ScatterResponse> reply;
 };
 
 int Client::Parts(int64_t bytes, bool through_shared_memory,
@@ -575,19 +565,19 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
     const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
     const at::Tensor& segment_ids, const PackCallOptions& options,
     SharedMemory* scratch, int connection) {
-  v1::PackRequest request;
-  Outgoing outgoing;
-  request.set_device(options.device);
-  request.set_with_position_ids(options.with_position_ids);
+  Wire<v1::PackRequest> request;
+  Outgoing outgoing(&request);
+  request->set_device(options.device);
+  request->set_with_position_ids(options.with_position_ids);
   PACKD_RETURN_IF_ERROR(
-      EncodeTensor(mask, scratch, request.mutable_mask(), &outgoing));
+      EncodeTensor(mask, scratch, request->mutable_mask(), &outgoing));
   for (const at::Tensor& t : tensors) {
     PACKD_RETURN_IF_ERROR(
-        EncodeTensor(t, scratch, request.add_inputs(), &outgoing));
+        EncodeTensor(t, scratch, request->add_inputs(), &outgoing));
   }
   if (segment_ids.defined()) {
     PACKD_RETURN_IF_ERROR(EncodeTensor(
-        segment_ids, scratch, request.mutable_segment_ids(), &outgoing));
+        segment_ids, scratch, request->mutable_segment_ids(), &outgoing));
   }
   // Results into shared memory: room for the largest possible result (every row
   // active). The scratch segment is sized for that; a caller's segment may not
@@ -597,7 +587,7 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
   std::vector<int64_t> result_sizes;
   for (const at::Tensor& t : tensors) result_sizes.push_back(t.nbytes());
   if (results != nullptr &&
-      !AddOutputSlices(*results, result_sizes, request.mutable_outputs(),
+      !AddOutputSlices(*results, result_sizes, request->mutable_outputs(),
                        &outgoing.regions) &&
       options.results_in != nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -607,8 +597,8 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
         "Reset() it or give a larger one"));
   }
   PackPart part;
-  PACKD_RETURN_IF_ERROR(RawCall(connection, kPackMethod, request, outgoing,
-                                &part.response, &part.reply));
+  PACKD_RETURN_IF_ERROR(
+      RawCall(connection, kPackMethod, outgoing, &part.reply));
   return part;
 }
 
@@ -648,17 +638,17 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   PackedBatch batch;
   std::vector<const v1::PackResponse*> responses;
   std::vector<const Tensors*> results;
-  std::vector<const RawReply*> replies;
+  std::vector<const WireMessage*> replies;
   for (const PackPart& part : parts_done) {
-    responses.push_back(&part.response);
-    results.push_back(&part.response.packed());
+    responses.push_back(&part.reply.message());
+    results.push_back(&part.reply->packed());
     replies.push_back(&part.reply);
   }
   PACKD_ASSIGN_OR_RETURN(
       batch.packed,
       Results(results, replies, /*copy_out=*/options.results_in == nullptr));
   const v1::PackResponse response =
-      parts == 1 ? std::move(parts_done[0].response)
+      parts == 1 ? std::move(parts_done[0].reply.message())
                  : JoinPackResponses(responses, first_rows);
   auto long_tensor = [](const google::protobuf::RepeatedField<int64_t>& f) {
     at::Tensor t = at::empty({f.size()}, at::kLong);
@@ -704,25 +694,25 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
   auto scatter_rows = [&](const std::vector<at::Tensor>& rows_packed,
                           const at::Tensor& rows_mask, SharedMemory* segment,
                           int connection) -> absl::StatusOr<ScatterPart> {
-    v1::ScatterRequest request;
-    Outgoing outgoing;
-    request.set_device(device);
+    Wire<v1::ScatterRequest> request;
+    Outgoing outgoing(&request);
+    request->set_device(device);
     PACKD_RETURN_IF_ERROR(
-        EncodeTensor(rows_mask, segment, request.mutable_mask(), &outgoing));
+        EncodeTensor(rows_mask, segment, request->mutable_mask(), &outgoing));
     for (const at::Tensor& t : rows_packed) {
       PACKD_RETURN_IF_ERROR(
-          EncodeTensor(t, segment, request.add_packed(), &outgoing));
+          EncodeTensor(t, segment, request->add_packed(), &outgoing));
     }
     if (tail_shape.has_value()) {
-      for (int64_t d : *tail_shape) request.mutable_tail_shape()->add_dims(d);
+      for (int64_t d : *tail_shape) request->mutable_tail_shape()->add_dims(d);
     }
     if (segment != nullptr && rows_mask.dim() == 2) {
-      AddOutputSlices(*segment, dense_sizes, request.mutable_outputs(),
+      AddOutputSlices(*segment, dense_sizes, request->mutable_outputs(),
                       &outgoing.regions);
     }
     ScatterPart part;
-    PACKD_RETURN_IF_ERROR(RawCall(connection, kScatterMethod, request, outgoing,
-                                  &part.response, &part.reply));
+    PACKD_RETURN_IF_ERROR(
+        RawCall(connection, kScatterMethod, outgoing, &part.reply));
     return part;
   };
 
@@ -754,9 +744,9 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
             k);
       }));
   std::vector<const Tensors*> results;
-  std::vector<const RawReply*> replies;
+  std::vector<const WireMessage*> replies;
   for (const ScatterPart& part : parts_done) {
-    results.push_back(&part.response.dense());
+    results.push_back(&part.reply->dense());
     replies.push_back(&part.reply);
   }
   return Results(results, replies, /*copy_out=*/true);

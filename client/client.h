@@ -149,12 +149,11 @@ class Client {
   Connection& connection() { return *connection_; }
 
  private:
-  // A request on its way: the inline tensors' bytes, in place, the tensors
-  // that own them, and the regions it names.
+  // A request on its way: the message, whose inline tensors it carries in
+  // place (each held by its tensor), and the regions it names.
   struct Outgoing {
-    Payloads payloads;
-    std::shared_ptr<std::vector<at::Tensor>> keep =
-        std::make_shared<std::vector<at::Tensor>>();
+    explicit Outgoing(WireMessage* request) : request(request) {}
+    WireMessage* request;
     std::vector<std::string> regions;
   };
   struct PackPart;
@@ -169,13 +168,11 @@ class Client {
 
   explicit Client(std::unique_ptr<Connection> connection);
 
-  // Connection::RawCall with `outgoing`'s bytes; when the server does not
+  // Connection::RawCall of `outgoing`'s request; when the server does not
   // know a region (NOT_FOUND), registers again the regions of `outgoing` that
   // it lost and, if any was, calls once more.
   absl::Status RawCall(int connection, const char* method,
-                       const google::protobuf::Message& request,
-                       const Outgoing& outgoing,
-                       google::protobuf::Message* response, RawReply* reply);
+                       const Outgoing& outgoing, WireMessage* response);
   // One Pack call over rows of the batch, on `connection`.
   absl::StatusOr<PackPart> PackRows(const std::vector<at::Tensor>& tensors,
                                     const at::Tensor& mask,
@@ -205,9 +202,9 @@ class Client {
   absl::Status EncodeTensor(const at::Tensor& t, SharedMemory* scratch,
                             v1::Tensor* out, Outgoing* outgoing);
   // A result as a tensor: a view of its region slice (cloned when
-  // `copy_out`), or a copy of its inline bytes (from `reply`).
+  // `copy_out`), or a copy of its inline bytes (a tensor of `reply`).
   absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t, bool copy_out,
-                                          const RawReply& reply);
+                                          const WireMessage& reply);
   // The results of a call made in parts (rows of the batch, in order), each
   // part's `results` in its `replies`: decoded from the one part (see
   // DecodeResult), or result i of every part joined along dim 0 with one copy.
@@ -215,7 +212,7 @@ class Client {
   using Tensors = google::protobuf::RepeatedPtrField<v1::Tensor>;
   absl::StatusOr<std::vector<at::Tensor>> Results(
       const std::vector<const Tensors*>& results,
-      const std::vector<const RawReply*>& replies, bool copy_out);
+      const std::vector<const WireMessage*>& replies, bool copy_out);
 
   const std::unique_ptr<Connection> connection_;
   const ClientOptions& options_;  // connection_'s

@@ -91,12 +91,6 @@ bool IsRetried(grpc::StatusCode code) {
 
 }  // namespace
 
-Payload RawReply::BytesOf(const v1::Tensor& t) const {
-  auto it = payloads.find(&t);
-  return it != payloads.end() ? it->second
-                              : Payload::Of(t.data().data(), t.data().size());
-}
-
 absl::StatusOr<std::unique_ptr<Connection>> Connection::Open(
     ClientOptions options) {
   if (options.address.empty()) {
@@ -170,13 +164,9 @@ absl::Status Connection::Call(
 }
 
 absl::Status Connection::RawCall(int connection, const char* method,
-                                 const google::protobuf::Message& request,
-                                 const Payloads& payloads,
-                                 std::shared_ptr<const void> keep_alive,
-                                 google::protobuf::Message* response,
-                                 RawReply* reply) {
-  const grpc::ByteBuffer sent = ToByteBuffer(
-      SerializeWithPayloads(request, payloads), std::move(keep_alive));
+                                 const WireMessage& request,
+                                 WireMessage* response) {
+  const grpc::ByteBuffer sent = request.ToByteBuffer();
   grpc::ByteBuffer received;
   PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* context) {
     absl::Notification done;
@@ -194,10 +184,7 @@ absl::Status Connection::RawCall(int connection, const char* method,
     done.WaitForNotification();
     return status;
   }));
-  std::vector<absl::string_view> chunks;
-  PACKD_RETURN_IF_ERROR(ReadChunks(received, &reply->slices, &chunks));
-  const absl::Status parsed = ParseWithPayloads(
-      chunks, response->GetDescriptor()->name(), response, &reply->payloads);
+  const absl::Status parsed = response->Receive(received);
   if (!parsed.ok()) {
     return absl::InternalError(
         absl::StrCat("the server's reply: ", parsed.message()));

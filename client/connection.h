@@ -109,17 +109,6 @@ struct ClientOptions {
 inline constexpr char kPackMethod[] = "/packd.v1.PackService/Pack";
 inline constexpr char kScatterMethod[] = "/packd.v1.PackService/Scatter";
 
-// A reply of RawCall: its inline tensors' bytes, in place in the received
-// slices, which it holds.
-struct RawReply {
-  std::vector<grpc::Slice> slices;
-  Payloads payloads;
-
-  // The bytes of result `t` (a tensor of the reply): its payload, or its own
-  // `data` field when it has none.
-  Payload BytesOf(const v1::Tensor& t) const;
-};
-
 // Safe to share across threads, as gRPC channels are: calls from many threads
 // at once each have their own context, deadline and reply.
 class Connection {
@@ -138,16 +127,11 @@ class Connection {
 
   // Calls `method` (kPackMethod, kScatterMethod) on connection `connection`
   // (taken modulo connections(): parts of a call run at once on different
-  // ones) with `request`,
-  // whose top-level tensors in `payloads` carry those bytes in place;
-  // `keep_alive` owns them until gRPC lets go. Parses the reply into
-  // `response`, its inline bytes left in place in `reply` (INTERNAL when it
-  // does not parse).
+  // ones) with `request`, whose payloads are sent in place. Receives the
+  // reply into `response`, its inline bytes left in place in the received
+  // slices it then holds (INTERNAL when it does not parse).
   absl::Status RawCall(int connection, const char* method,
-                       const google::protobuf::Message& request,
-                       const Payloads& payloads,
-                       std::shared_ptr<const void> keep_alive,
-                       google::protobuf::Message* response, RawReply* reply);
+                       const WireMessage& request, WireMessage* response);
 
   absl::StatusOr<v1::ServerInfo> Info();
   // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"

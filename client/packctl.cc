@@ -224,33 +224,34 @@ absl::StatusOr<Batch> MakeBatch() {
 // A Pack request for `batch` with x's bytes inline (in place) or, when
 // `x_in` is given, as that slice of a registered region, and the results in
 // `results` when given.
+// The batch outlives every request made from it.
 void PackRequestFor(const Batch& batch, const v1::RegionSlice* x_in,
-                    const v1::RegionSlice* results, v1::PackRequest* request,
-                    Payloads* payloads) {
+                    const v1::RegionSlice* results,
+                    Wire<v1::PackRequest>* request) {
   const int64_t mask_shape[] = {batch.shape[0], batch.shape[1]};
-  EncodeTensorHeader(DType::kBool, mask_shape, request->mutable_mask());
-  (*payloads)[&request->mask()] =
-      Payload::Of(batch.mask.data(), static_cast<int64_t>(batch.mask.size()));
-  v1::Tensor* x = request->add_inputs();
+  EncodeTensorHeader(DType::kBool, mask_shape, (*request)->mutable_mask());
+  request->Carry(
+      (*request)->mask(),
+      Payload::Of(batch.mask.data(), static_cast<int64_t>(batch.mask.size())));
+  v1::Tensor* x = (*request)->add_inputs();
   EncodeTensorHeader(batch.dtype, batch.shape, x);
   if (x_in != nullptr) {
     *x->mutable_region() = *x_in;
   } else {
-    (*payloads)[x] =
-        Payload::Of(batch.x.data(), static_cast<int64_t>(batch.x.size()));
+    request->Carry(
+        *x, Payload::Of(batch.x.data(), static_cast<int64_t>(batch.x.size())));
   }
-  if (results != nullptr) *request->add_outputs() = *results;
+  if (results != nullptr) *(*request)->add_outputs() = *results;
 }
 
 // The packed bytes of x in a reply.
-absl::StatusOr<std::string> PackedBytes(const v1::PackResponse& response,
-                                        const RawReply& reply) {
-  if (response.packed_size() != 1) {
+absl::StatusOr<std::string> PackedBytes(const Wire<v1::PackResponse>& reply) {
+  if (reply->packed_size() != 1) {
     return absl::InternalError(absl::StrCat("the server returned ",
-                                            response.packed_size(),
+                                            reply->packed_size(),
                                             " packed tensors for one input"));
   }
-  const Payload bytes = reply.BytesOf(response.packed(0));
+  const Payload bytes = reply.BytesOf(reply->packed(0));
   std::string out(bytes.size, '\0');
   bytes.CopyOut(0, bytes.size, out.data());
   return out;
@@ -292,27 +293,25 @@ int Info(Connection& connection) {
 // Packs `batch` inline; the reply, its packed bytes and the milliseconds the
 // call took.
 struct PackResult {
-  v1::PackResponse response;
+  Wire<v1::PackResponse> reply;
   std::string packed;
   double ms = 0;
 };
 absl::StatusOr<PackResult> PackInline(Connection& connection,
                                       const Batch& batch,
                                       bool with_position_ids) {
-  v1::PackRequest request;
-  Payloads payloads;
-  request.set_with_position_ids(with_position_ids);
-  PackRequestFor(batch, nullptr, nullptr, &request, &payloads);
+  Wire<v1::PackRequest> request;
+  request->set_with_position_ids(with_position_ids);
+  PackRequestFor(batch, nullptr, nullptr, &request);
   PackResult result;
-  RawReply reply;
   const auto start = std::chrono::steady_clock::now();
-  absl::Status status = connection.RawCall(0, kPackMethod, request, payloads,
-                                           nullptr, &result.response, &reply);
+  absl::Status status =
+      connection.RawCall(0, kPackMethod, request, &result.reply);
   result.ms = std::chrono::duration<double, std::milli>(
                   std::chrono::steady_clock::now() - start)
                   .count();
   if (!status.ok()) return status;
-  absl::StatusOr<std::string> packed = PackedBytes(result.response, reply);
+  absl::StatusOr<std::string> packed = PackedBytes(result.reply);
   if (!packed.ok()) return packed.status();
   result.packed = *std::move(packed);
   return result;
@@ -330,7 +329,7 @@ int Probe(Connection& connection) {
   }
   absl::StatusOr<PackResult> r = PackInline(connection, batch, false);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
-  if (r->packed != batch.Packed() || r->response.total_active() != 5) {
+  if (r->packed != batch.Packed() || r->reply->total_active() != 5) {
     return Fail(kCheckFailed, "probe: the server returned a wrong result");
   }
   if (r->ms > absl::GetFlag(FLAGS_max_latency_ms)) {
@@ -347,7 +346,7 @@ int PackCommand(Connection& connection) {
   if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
   absl::StatusOr<PackResult> r = PackInline(connection, *batch, true);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
-  const v1::PackResponse& response = r->response;
+  const v1::PackResponse& response = r->reply.message();
   const auto& cu = response.cu_seqlens();
   const int head = std::min(cu.size(), 9);
   std::printf("x:            [%s] %s (%.1f MiB)\n",
@@ -443,18 +442,15 @@ void BenchWorker(BenchRun& run) {
     x_in = Head(*in, bytes);
     results = Head(*out, bytes);
   }
-  v1::PackRequest request;
-  Payloads payloads;
+  Wire<v1::PackRequest> request;
   PackRequestFor(batch, run.shm ? &x_in : nullptr, run.shm ? &results : nullptr,
-                 &request, &payloads);
+                 &request);
   std::vector<double> mine;
   while (!run.stop) {
-    v1::PackResponse response;
-    RawReply reply;
+    Wire<v1::PackResponse> reply;
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status status = (*connection)
-                              ->RawCall(0, kPackMethod, request, payloads,
-                                        nullptr, &response, &reply);
+    absl::Status status =
+        (*connection)->RawCall(0, kPackMethod, request, &reply);
     mine.push_back(std::chrono::duration<double, std::milli>(
                        std::chrono::steady_clock::now() - t0)
                        .count());

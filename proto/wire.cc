@@ -522,4 +522,69 @@ grpc::ByteBuffer ToByteBuffer(const Spliced& message,
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+const Payload* WireMessage::PayloadOf(const v1::Tensor& t) const {
+  auto it = payloads_.find(&t);
+  return it != payloads_.end() ? &it->second : nullptr;
+}
+
+Payload WireMessage::BytesOf(const v1::Tensor& t) const {
+  const Payload* payload = PayloadOf(t);
+  return payload != nullptr
+             ? *payload
+             : Payload::Of(t.data().data(),
+                           static_cast<int64_t>(t.data().size()));
+}
+
+int64_t WireMessage::PayloadBytes() const {
+  int64_t bytes = 0;
+  for (const auto& [tensor, payload] : payloads_) bytes += payload.size;
+  return bytes;
+}
+
+int64_t WireMessage::SplitPayloadBytes() const {
+  int64_t bytes = 0;
+  for (const auto& [tensor, payload] : payloads_) {
+    if (!payload.contiguous()) bytes += payload.size;
+  }
+  return bytes;
+}
+
+void WireMessage::Carry(const v1::Tensor& t, Payload payload,
+                        std::shared_ptr<const void> owner) {
+  payloads_[&t] = std::move(payload);
+  if (owner != nullptr) owners_.push_back(std::move(owner));
+}
+
+absl::Status WireMessage::Receive(const grpc::ByteBuffer& buffer) {
+  std::vector<absl::string_view> chunks;
+  PACKD_RETURN_IF_ERROR(ReadChunks(buffer, &slices_, &chunks));
+  return Parse(chunks);
+}
+
+absl::Status WireMessage::Parse(absl::Span<const absl::string_view> chunks) {
+  payloads_.clear();
+  return ParseWithPayloads(chunks, message_->GetDescriptor()->name(),
+                           message_.get(), &payloads_);
+}
+
+void WireMessage::CopyPayloadsIntoData() {
+  ::packd::CopyPayloadsIntoData(payloads_);
+  payloads_.clear();
+}
+
+grpc::ByteBuffer WireMessage::ToByteBuffer(
+    std::shared_ptr<const void> owner) const {
+  // The buffer's slices hold the owners of every payload's memory.
+  auto owners =
+      std::make_shared<std::vector<std::shared_ptr<const void>>>(owners_);
+  if (owner != nullptr) owners->push_back(std::move(owner));
+  return ::packd::ToByteBuffer(Serialize(), std::move(owners));
+}
+
+void WireMessage::ReleaseBytes() {
+  payloads_.clear();
+  slices_.clear();
+  owners_.clear();
+}
+
 }  // namespace packd

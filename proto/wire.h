@@ -135,6 +135,89 @@ absl::Status ReadChunks(const grpc::ByteBuffer& buffer,
 grpc::ByteBuffer ToByteBuffer(const Spliced& message,
                               std::shared_ptr<const void> keep_alive);
 
+// A message with its top-level tensors' bytes in place, and what keeps those
+// bytes alive: the slices it was received in, or the owners of the memory it
+// is sent from. It holds the message on the heap and is the only way to reach
+// its payloads, so a payload is always found through the message it belongs
+// to: moving a WireMessage never moves the message, and it cannot be copied.
+// What every side uses (the server, the request decoder, the clients,
+// packctl); the free functions above are its parts. Not safe to share across
+// threads while it changes.
+//
+// clang-format off
+//   Wire<v1::PackResponse> reply;
+//   PACKD_RETURN_IF_ERROR(reply.Receive(buffer));
+//   Payload bytes = reply.BytesOf(reply->packed(0));
+// clang-format on
+class WireMessage {
+ public:
+  WireMessage(WireMessage&&) = default;
+  WireMessage& operator=(WireMessage&&) = default;
+  WireMessage(const WireMessage&) = delete;
+  WireMessage& operator=(const WireMessage&) = delete;
+
+  google::protobuf::Message& base() { return *message_; }
+  const google::protobuf::Message& base() const { return *message_; }
+
+  // The payload of `t`, a top-level tensor of the message, or null when its
+  // bytes (if any) are in its own `data` field.
+  const Payload* PayloadOf(const v1::Tensor& t) const;
+  // The bytes of `t`: its payload, or its own `data` field.
+  Payload BytesOf(const v1::Tensor& t) const;
+  // Bytes of the inline tensors carried as payloads, and of those among them
+  // that arrived in several pieces (a reader gathers those into one buffer).
+  int64_t PayloadBytes() const;
+  int64_t SplitPayloadBytes() const;
+
+  // `t`, a top-level tensor of the message, carries `payload`; `owner` keeps
+  // its memory alive until the message and any buffer sent from it are gone.
+  void Carry(const v1::Tensor& t, Payload payload,
+             std::shared_ptr<const void> owner = nullptr);
+
+  // Parses `buffer` (as ParseWithPayloads, naming the message's type), whose
+  // slices it then holds. INVALID_ARGUMENT when the bytes do not parse,
+  // INTERNAL when gRPC cannot read the buffer.
+  absl::Status Receive(const grpc::ByteBuffer& buffer);
+  // Parses `chunks`, which the caller keeps alive as long as the message.
+  absl::Status Parse(absl::Span<const absl::string_view> chunks);
+  // The message as plain protobuf: each payload copied into its `data`.
+  void CopyPayloadsIntoData();
+
+  // The message to send: the encoding of the message with the payloads as
+  // the tensors' data. ToByteBuffer wraps the payloads without a copy, held
+  // (with what Carry was given, and `owner`) until gRPC lets go of them.
+  Spliced Serialize() const {
+    return SerializeWithPayloads(*message_, payloads_);
+  }
+  grpc::ByteBuffer ToByteBuffer(
+      std::shared_ptr<const void> owner = nullptr) const;
+
+  // Lets go of the message's bytes (payloads, slices, owners); the message
+  // keeps its fields, its tensors' data empty.
+  void ReleaseBytes();
+
+ protected:
+  explicit WireMessage(std::unique_ptr<google::protobuf::Message> message)
+      : message_(std::move(message)) {}
+
+ private:
+  std::unique_ptr<google::protobuf::Message> message_;
+  std::vector<grpc::Slice> slices_;
+  Payloads payloads_;
+  std::vector<std::shared_ptr<const void>> owners_;
+};
+
+// A WireMessage of type M.
+template <typename M>
+class Wire : public WireMessage {
+ public:
+  Wire() : WireMessage(std::make_unique<M>()) {}
+  M& message() { return static_cast<M&>(base()); }
+  const M& message() const { return static_cast<const M&>(base()); }
+  M* operator->() { return &message(); }
+  const M* operator->() const { return &message(); }
+};
+
 }  // namespace packd
 
 #endif  // PACKD_PROTO_WIRE_H_

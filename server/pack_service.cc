@@ -25,14 +25,15 @@ namespace packd {
 namespace {
 
 // Writes result i into a pooled buffer that the reply wraps without a copy,
-// recorded in `payloads` for the i-th tensor of a response field, sized once
-// the mask scan has counted the active rows. The running total is checked
-// against the message limit first.
+// carried by `reply` for the i-th tensor of its response field `field`, sized
+// once the mask scan has counted the active rows. The running total is
+// checked against the message limit first.
 template <typename Field>
-OutputAllocator IntoReply(Field* field, std::vector<Buffer>* buffers,
-                          Payloads* payloads, int64_t limit, int64_t reserved) {
+OutputAllocator IntoReply(WireMessage* reply, Field* field,
+                          std::vector<Buffer>* buffers, int64_t limit,
+                          int64_t reserved) {
   return
-      [field, buffers, payloads, limit, used = reserved](
+      [reply, field, buffers, limit, used = reserved](
           size_t index, int64_t bytes) mutable -> absl::StatusOr<OutputPlace> {
         used += bytes;
         if (used > limit) {
@@ -45,12 +46,12 @@ OutputAllocator IntoReply(Field* field, std::vector<Buffer>* buffers,
         while (field->size() <= static_cast<int>(index)) field->Add();
         const v1::Tensor* tensor = &(*field)[index];
         if (bytes == 0) {
-          (*payloads)[tensor] = Payload();
+          reply->Carry(*tensor, Payload());
           return OutputPlace{nullptr, Device::Cpu()};
         }
         PACKD_ASSIGN_OR_RETURN(Buffer buffer,
                                HostBufferPool::Global().Acquire(bytes));
-        (*payloads)[tensor] = Payload::Of(buffer.data(), bytes);
+        reply->Carry(*tensor, Payload::Of(buffer.data(), bytes));
         void* data = buffer.data();
         buffers->push_back(std::move(buffer));
         return OutputPlace{data, Device::Cpu()};
@@ -135,15 +136,11 @@ int64_t HeaderBytes(const v1::Tensor& t) {
 // (nonzero: NaN active, -0.0 not); -1 when the mask is not inline or not well
 // formed (the decoder refuses it later). A scan of the mask alone: a small
 // part of what a Pack reads.
-int64_t InlineActive(const v1::Tensor& mask, const Payloads& payloads) {
+int64_t InlineActive(const Wire<v1::PackRequest>& request) {
+  const v1::Tensor& mask = request->mask();
   absl::StatusOr<TensorView> view = DecodeTensorHeader(mask, "");
   if (!view.ok() || view->shape.size() != 2 || mask.has_region()) return -1;
-  auto it = payloads.find(&mask);
-  const Payload payload =
-      it != payloads.end()
-          ? it->second
-          : Payload::Of(mask.data().data(),
-                        static_cast<int64_t>(mask.data().size()));
+  const Payload payload = request.BytesOf(mask);
   if (payload.size != view->nbytes()) return -1;
   if (payload.contiguous()) {
     return CountNonzero(view->dtype, payload.data(), view->numel());
@@ -156,9 +153,10 @@ int64_t InlineActive(const v1::Tensor& mask, const Payloads& payloads) {
 // The bytes of a call's inline results. Pack's: the active rows of each
 // input, from the mask's active count when the mask is inline (else the
 // inputs' size, which bounds them).
-int64_t ResultBytes(const v1::PackRequest& request, const Payloads& payloads) {
+int64_t ResultBytes(const Wire<v1::PackRequest>& wire) {
+  const v1::PackRequest& request = wire.message();
   if (!request.outputs().empty()) return 0;
-  const int64_t active = InlineActive(request.mask(), payloads);
+  const int64_t active = InlineActive(wire);
   const auto& mask = request.mask();
   int64_t bytes = 0;
   for (const v1::Tensor& t : request.inputs()) {
@@ -175,7 +173,8 @@ int64_t ResultBytes(const v1::PackRequest& request, const Payloads& payloads) {
   }
   return bytes;
 }
-int64_t ResultBytes(const v1::ScatterRequest& request, const Payloads&) {
+int64_t ResultBytes(const Wire<v1::ScatterRequest>& wire) {
+  const v1::ScatterRequest& request = wire.message();
   if (!request.outputs().empty() || request.mask().shape_size() != 2) return 0;
   const int64_t positions =
       SaturatingMul(std::max<int64_t>(0, request.mask().shape(0)),
@@ -227,9 +226,8 @@ int64_t PackServiceImpl::AdmissionBytes(int64_t declared) const {
 template <typename Request, typename Response>
 class InlineCall final : public grpc::ServerGenericBidiReactor {
  public:
-  using Work = absl::Status (PackServiceImpl::*)(const Request&,
-                                                 const Payloads*, Response*,
-                                                 PackServiceImpl::CallReply*);
+  using Reply = PackServiceImpl::CallReply<Response>;
+  using Work = absl::Status (PackServiceImpl::*)(const Wire<Request>&, Reply*);
 
   InlineCall(PackServiceImpl* service,
              grpc::GenericCallbackServerContext* context, const char* method,
@@ -335,18 +333,11 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
           "the request has ", request_bytes_, " bytes, more than the ",
           declared_bytes_, " its ", kRequestBytesHeader, " header declared"));
     }
-    PACKD_RETURN_IF_ERROR(ReadChunks(request_, &slices_, &chunks_));
-    PACKD_RETURN_IF_ERROR(ParseWithPayloads(
-        chunks_, Request::descriptor()->name(), &parsed_, &payloads_));
-    int64_t gathered = 0;
-    for (const auto& [tensor, payload] : payloads_) {
-      if (!payload.contiguous())
-        gathered = SaturatingAdd(gathered, payload.size);
-    }
+    PACKD_RETURN_IF_ERROR(parsed_.Receive(request_));
     *needed = SaturatingAdd(
-        SaturatingAdd(static_cast<int64_t>(request_bytes_), gathered),
-        std::min(ResultBytes(parsed_, payloads_),
-                 service_->options_.max_message_bytes));
+        SaturatingAdd(static_cast<int64_t>(request_bytes_),
+                      parsed_.SplitPayloadBytes()),
+        std::min(ResultBytes(parsed_), service_->options_.max_message_bytes));
     if (service_->budget_.limit() > 0 && *needed > service_->budget_.limit()) {
       return service_->budget_.TooLarge(*needed);
     }
@@ -357,19 +348,15 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   absl::Status Run() {
     // Owned by the slices of the reply until gRPC has sent them, with the
     // call's share of the budget.
-    auto reply = std::make_shared<PackServiceImpl::CallReply>();
+    auto reply = std::make_shared<Reply>();
     reply->hold = std::move(hold_);
-    Response out;
-    absl::Status done =
-        (service_->*work_)(parsed_, &payloads_, &out, reply.get());
+    absl::Status done = (service_->*work_)(parsed_, reply.get());
     // The request's bytes are no longer needed: release them now rather than
     // when the reply has been sent.
-    payloads_.clear();
-    chunks_.clear();
-    slices_.clear();
+    parsed_.ReleaseBytes();
     request_.Clear();
     PACKD_RETURN_IF_ERROR(done);
-    const Spliced spliced = SerializeWithPayloads(out, reply->payloads);
+    const Spliced spliced = reply->response.Serialize();
     // From now on the call holds its reply alone: the rest of its share goes
     // back to the budget for the calls waiting.
     MemoryBudget::ShrinkTo(reply->hold, spliced.size());
@@ -405,10 +392,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   MemoryBudget::Hold hold_;
   grpc::ByteBuffer request_;
   size_t request_bytes_ = 0;
-  std::vector<grpc::Slice> slices_;
-  std::vector<absl::string_view> chunks_;
-  Request parsed_;
-  Payloads payloads_;
+  Wire<Request> parsed_;
   grpc::ByteBuffer response_;
   size_t response_bytes_ = 0;
 };
@@ -441,60 +425,57 @@ std::string PackServiceImpl::RenderMetrics() const {
 
 template <typename Request, typename Response, typename Field, typename Op>
 absl::Status PackServiceImpl::RunCall(const char* method,
-                                      const Request& request,
-                                      const Payloads* payloads,
-                                      Response* response, Field* results,
-                                      int64_t bytes_per_row, CallReply* reply,
-                                      Op&& op) {
-  PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder_.Decode(request, payloads));
+                                      const Wire<Request>& request,
+                                      Field* results, int64_t bytes_per_row,
+                                      CallReply<Response>* reply, Op&& op) {
+  PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder_.Decode(request));
   // The decoder has held the mask's rows against the message limit, so this
   // cannot overflow.
   const int64_t reserved = bytes_per_row * (call.mask.shape[0] + 1);
   CallOptions options;
   options.device = call.device;
   options.allocate = call.outputs.empty()
-                         ? IntoReply(results, &reply->buffers, &reply->payloads,
+                         ? IntoReply(&reply->response, results, &reply->buffers,
                                      options_.max_message_bytes, reserved)
                          : IntoSlices(&call.outputs);
   if (options_.testing_call_hook) options_.testing_call_hook(method);
   PACKD_ASSIGN_OR_RETURN(std::vector<ResultTensor> out, op(call, options));
-  EncodeResults(out, request.outputs(), results);
+  EncodeResults(out, request->outputs(), results);
   return absl::OkStatus();
 }
 
-namespace {
-
-// Copies inline results into their tensors' data fields (a reply that is not
-// sent through gRPC's slices), and checks the response's size.
-absl::Status Materialize(const Payloads& payloads,
-                         const RequestDecoder& decoder,
-                         google::protobuf::Message* response) {
-  CopyPayloadsIntoData(payloads);
-  absl::Status size = decoder.CheckSize("response", response->ByteSizeLong());
+template <typename Request, typename Response, typename Run>
+absl::Status PackServiceImpl::RunPlain(const Request& request,
+                                       Response* response, Run&& run) {
+  Wire<Request> wire;
+  wire.message() = request;
+  CallReply<Response> reply;
+  PACKD_RETURN_IF_ERROR(run(wire, &reply));
+  reply.response.CopyPayloadsIntoData();
+  *response = std::move(reply.response.message());
+  absl::Status size = decoder_.CheckSize("response", response->ByteSizeLong());
   if (!size.ok()) response->Clear();
   return size;
 }
 
-}  // namespace
-
 absl::Status PackServiceImpl::DoPack(const v1::PackRequest& request,
                                      v1::PackResponse* response) {
-  CallReply reply;
-  PACKD_RETURN_IF_ERROR(RunPack(request, nullptr, response, &reply));
-  return Materialize(reply.payloads, decoder_, response);
+  return RunPlain(request, response, [this](const auto& wire, auto* reply) {
+    return RunPack(wire, reply);
+  });
 }
 
 absl::Status PackServiceImpl::DoScatter(const v1::ScatterRequest& request,
                                         v1::ScatterResponse* response) {
-  CallReply reply;
-  PACKD_RETURN_IF_ERROR(RunScatter(request, nullptr, response, &reply));
-  return Materialize(reply.payloads, decoder_, response);
+  return RunPlain(request, response, [this](const auto& wire, auto* reply) {
+    return RunScatter(wire, reply);
+  });
 }
 
-absl::Status PackServiceImpl::RunPack(const v1::PackRequest& request,
-                                      const Payloads* payloads,
-                                      v1::PackResponse* response,
-                                      CallReply* reply) {
+absl::Status PackServiceImpl::RunPack(const Wire<v1::PackRequest>& wire,
+                                      CallReply<v1::PackResponse>* reply) {
+  const v1::PackRequest& request = wire.message();
+  v1::PackResponse* response = &reply->response.message();
   auto pack = [&](const DecodedCall& call, const CallOptions& base)
       -> absl::StatusOr<std::vector<ResultTensor>> {
     PackOptions options;
@@ -520,15 +501,14 @@ absl::Status PackServiceImpl::RunPack(const v1::PackRequest& request,
                                            result.last_index.end());
     return std::move(result.packed);
   };
-  return RunCall("Pack", request, payloads, response,
-                 response->mutable_packed(), RequestDecoder::kBytesPerMaskRow,
-                 reply, pack);
+  return RunCall("Pack", wire, response->mutable_packed(),
+                 RequestDecoder::kBytesPerMaskRow, reply, pack);
 }
 
-absl::Status PackServiceImpl::RunScatter(const v1::ScatterRequest& request,
-                                         const Payloads* payloads,
-                                         v1::ScatterResponse* response,
-                                         CallReply* reply) {
+absl::Status PackServiceImpl::RunScatter(
+    const Wire<v1::ScatterRequest>& wire,
+    CallReply<v1::ScatterResponse>* reply) {
+  const v1::ScatterRequest& request = wire.message();
   auto scatter = [&](const DecodedCall& call, const CallOptions& base)
       -> absl::StatusOr<std::vector<ResultTensor>> {
     ScatterOptions options;
@@ -541,8 +521,8 @@ absl::Status PackServiceImpl::RunScatter(const v1::ScatterRequest& request,
                            ::packd::Scatter(call.tensors, call.mask, options));
     return std::move(result.dense);
   };
-  return RunCall("Scatter", request, payloads, response,
-                 response->mutable_dense(), 0, reply, scatter);
+  return RunCall("Scatter", wire, reply->response->mutable_dense(), 0, reply,
+                 scatter);
 }
 
 absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,

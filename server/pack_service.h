@@ -134,12 +134,14 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
     PackServiceImpl* const service_;
   };
 
-  // Inline results of a Pack or Scatter call: the buffers they were written
-  // to, and the response tensors they belong to.
+  // The reply of a Pack or Scatter call: the response, carrying its inline
+  // results in the buffers they were written to, which it holds until gRPC
+  // has sent them, with the call's share of --max_inflight_bytes.
+  template <typename Response>
   struct CallReply {
+    Wire<Response> response;
     std::vector<Buffer> buffers;
-    Payloads payloads;
-    MemoryBudget::Hold hold;  // the call's share of --max_inflight_bytes
+    MemoryBudget::Hold hold;
   };
 
   // When a call waiting in the memory budget gives up: a little before the
@@ -149,23 +151,25 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   // request of `declared` bytes (0: the largest) can make it hold, or the
   // whole budget.
   int64_t AdmissionBytes(int64_t declared) const;
-  // The steps every Pack and Scatter call takes: decode (inline bytes from
-  // `payloads` when given), place results (pooled buffers recorded in `reply`
-  // for the response's repeated tensor field `results`, or the request's output
-  // slices), run `op` with the call's options, encode the result headers, and
-  // check the response size. `bytes_per_row`: response bytes besides the
-  // tensors for each row of the mask (the per-row metadata: cu_seqlens,
-  // last_index, ...), reserved out of --max_message_bytes.
+  // The steps every Pack and Scatter call takes: decode, place results
+  // (pooled buffers that `reply` carries for its response's repeated tensor
+  // field `results`, or the request's output slices), run `op` with the
+  // call's options, and encode the result headers. `bytes_per_row`: response
+  // bytes besides the tensors for each row of the mask (the per-row metadata:
+  // cu_seqlens, last_index, ...), reserved out of --max_message_bytes.
   template <typename Request, typename Response, typename Field, typename Op>
-  absl::Status RunCall(const char* method, const Request& request,
-                       const Payloads* payloads, Response* response,
-                       Field* results, int64_t bytes_per_row, CallReply* reply,
-                       Op&& op);
-  absl::Status RunPack(const v1::PackRequest& request, const Payloads* payloads,
-                       v1::PackResponse* response, CallReply* reply);
-  absl::Status RunScatter(const v1::ScatterRequest& request,
-                          const Payloads* payloads,
-                          v1::ScatterResponse* response, CallReply* reply);
+  absl::Status RunCall(const char* method, const Wire<Request>& request,
+                       Field* results, int64_t bytes_per_row,
+                       CallReply<Response>* reply, Op&& op);
+  absl::Status RunPack(const Wire<v1::PackRequest>& request,
+                       CallReply<v1::PackResponse>* reply);
+  // `run` (RunPack, RunScatter) of a plain message, for callers without
+  // gRPC: the request copied into a WireMessage, the inline results copied
+  // into the response's data fields, and the response's size checked.
+  template <typename Request, typename Response, typename Run>
+  absl::Status RunPlain(const Request& request, Response* response, Run&& run);
+  absl::Status RunScatter(const Wire<v1::ScatterRequest>& request,
+                          CallReply<v1::ScatterResponse>* reply);
   absl::Status DoServerInfo(v1::ServerInfo* response);
   // After a failed call: whether the default device is lost, and if so, tells
   // on_device_lost (once).

@@ -81,11 +81,8 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
     call->held.push_back(std::move(slice.region));
     return view;
   }
-  const Payload* payload = nullptr;
-  if (call->payloads != nullptr) {
-    auto it = call->payloads->find(&tensor);
-    if (it != call->payloads->end()) payload = &it->second;
-  }
+  const Payload* payload =
+      call->wire != nullptr ? call->wire->PayloadOf(tensor) : nullptr;
   const int64_t given = payload != nullptr
                             ? payload->size
                             : static_cast<int64_t>(tensor.data().size());
@@ -136,18 +133,15 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
 
 template <typename Request>
 absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
-    const Request& request, const Payloads* payloads,
+    const Wire<Request>& wire,
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
     absl::string_view field, bool reads_active_only) const {
-  size_t inline_bytes = 0;
-  if (payloads != nullptr) {
-    for (const auto& [tensor, payload] : *payloads)
-      inline_bytes += payload.size;
-  }
-  PACKD_RETURN_IF_ERROR(
-      CheckSize("request", request.ByteSizeLong() + inline_bytes));
+  const Request& request = wire.message();
+  PACKD_RETURN_IF_ERROR(CheckSize(
+      "request",
+      request.ByteSizeLong() + static_cast<size_t>(wire.PayloadBytes())));
   DecodedCall call;
-  call.payloads = payloads;
+  call.wire = &wire;
   PACKD_ASSIGN_OR_RETURN(call.device, ResolveDevice(request.device()));
   if (!request.has_mask()) {
     return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
@@ -207,11 +201,11 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
-    const v1::PackRequest& request, const Payloads* payloads) const {
-  PACKD_ASSIGN_OR_RETURN(
-      DecodedCall call,
-      DecodeCall(request, payloads, request.inputs(), "inputs",
-                 /*reads_active_only=*/true));
+    const Wire<v1::PackRequest>& wire) const {
+  const v1::PackRequest& request = wire.message();
+  PACKD_ASSIGN_OR_RETURN(DecodedCall call,
+                         DecodeCall(wire, request.inputs(), "inputs",
+                                    /*reads_active_only=*/true));
   if (request.has_segment_ids()) {
     PACKD_ASSIGN_OR_RETURN(
         call.segment_ids,
@@ -221,8 +215,8 @@ absl::StatusOr<DecodedCall> RequestDecoder::Decode(
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
-    const v1::ScatterRequest& request, const Payloads* payloads) const {
-  return DecodeCall(request, payloads, request.packed(), "packed",
+    const Wire<v1::ScatterRequest>& wire) const {
+  return DecodeCall(wire, wire->packed(), "packed",
                     /*reads_active_only=*/false);
 }
 

@@ -43,8 +43,8 @@ struct DecodedCall {
   std::vector<std::shared_ptr<Region>> held;
   // Buffers that inline tensors split over several slices were gathered into.
   std::vector<Buffer> gathered;
-  // Where inline bytes are: the request's payloads, or none (data fields).
-  const Payloads* payloads = nullptr;
+  // The request as received: where its inline tensors' bytes are.
+  const WireMessage* wire = nullptr;
 };
 
 class RequestDecoder {
@@ -65,16 +65,15 @@ class RequestDecoder {
   // INVALID_ARGUMENT for a missing mask, a bad device name, a tensor whose
   // dtype, shape or byte count is wrong, or outputs of the wrong count;
   // FAILED_PRECONDITION for a device this build or machine lacks; the region
-  // errors of RegionRegistry::Resolve for handles.
-  // `payloads`: the inline bytes of the request's tensors when it was parsed
-  // with ParseWithPayloads, else nullptr.
-  absl::StatusOr<DecodedCall> Decode(const v1::PackRequest& request,
-                                     const Payloads* payloads = nullptr) const;
-  absl::StatusOr<DecodedCall> Decode(const v1::ScatterRequest& request,
-                                     const Payloads* payloads = nullptr) const;
+  // errors of RegionRegistry::Resolve for handles. The call's views of inline
+  // tensors point into `request`'s bytes, which must outlive them.
+  absl::StatusOr<DecodedCall> Decode(
+      const Wire<v1::PackRequest>& request) const;
+  absl::StatusOr<DecodedCall> Decode(
+      const Wire<v1::ScatterRequest>& request) const;
 
   // A view of one tensor's bytes: inline (a cpu view of its payload in
-  // call->payloads, or of its `data`) or a region slice, whose region is
+  // call->wire, or of its `data`) or a region slice, whose region is
   // appended to call->held. INVALID_ARGUMENT naming `field` for a bad header,
   // or when the bytes given (inline, or the slice's byte_size) are not exactly
   // numel * itemsize; the region errors of RegionRegistry::Resolve
@@ -97,7 +96,7 @@ class RequestDecoder {
  private:
   template <typename Request>
   absl::StatusOr<DecodedCall> DecodeCall(
-      const Request& request, const Payloads* payloads,
+      const Wire<Request>& wire,
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
       absl::string_view field, bool reads_active_only) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;

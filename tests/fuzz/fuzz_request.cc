@@ -34,16 +34,11 @@ template <typename Request, typename Response>
 void Run(absl::Span<const absl::string_view> chunks,
          absl::Status (packd::PackServiceImpl::*op)(const Request&,
                                                     Response*)) {
-  Request request;
-  packd::Payloads payloads;
-  if (!packd::ParseWithPayloads(chunks, Request::descriptor()->name(), &request,
-                                &payloads)
-           .ok()) {
-    return;
-  }
-  packd::CopyPayloadsIntoData(payloads);
+  packd::Wire<Request> request;
+  if (!request.Parse(chunks).ok()) return;
+  request.CopyPayloadsIntoData();
   Response response;
-  (Service().*op)(request, &response).IgnoreError();
+  (Service().*op)(request.message(), &response).IgnoreError();
 }
 
 }  // namespace

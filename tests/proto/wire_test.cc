@@ -285,6 +285,47 @@ TEST(WireTest, SplicedMessagesAreProtobufMessages) {
   EXPECT_EQ(owner.use_count(), 1);
 }
 
+// The owner of a message and its bytes: payloads carried from memory whose
+// owners it keeps alive, sent without a copy, received in place in the
+// slices it holds, and still the message's after the owner is moved.
+TEST(WireTest, AWireMessageOwnsItsMessageSlicesAndPayloads) {
+  std::mt19937_64 rng(11);
+  const v1::PackRequest original = SampleRequest(rng);
+  auto x = std::make_shared<std::string>(original.inputs(1).data());
+  Wire<v1::PackRequest> sent;
+  sent.message() = original;
+  sent->mutable_inputs(1)->clear_data();
+  sent.Carry(sent->inputs(1), Payload::Of(x->data(), x->size()), x);
+  EXPECT_EQ(sent.PayloadBytes(), static_cast<int64_t>(x->size()));
+
+  std::vector<grpc::Slice> pieces;
+  {
+    Wire<v1::PackRequest> moved = std::move(sent);  // the message stays put
+    const grpc::ByteBuffer buffer = moved.ToByteBuffer();
+    moved.ReleaseBytes();
+    x.reset();  // the buffer's slices still hold the payload's owner
+    ASSERT_TRUE(buffer.Dump(&pieces).ok());
+  }
+  grpc::ByteBuffer received_bytes(pieces.data(), pieces.size());
+  Wire<v1::PackRequest> received;
+  ASSERT_TRUE(received.Receive(received_bytes).ok());
+  received_bytes.Clear();
+  pieces.clear();
+  Wire<v1::PackRequest> held = std::move(received);
+  ASSERT_NE(held.PayloadOf(held->inputs(1)), nullptr);
+  EXPECT_EQ(held.BytesOf(held->inputs(1)).size,
+            static_cast<int64_t>(original.inputs(1).data().size()));
+  EXPECT_EQ(held.PayloadOf(held->inputs(3)), nullptr);  // a handle: no bytes
+  held.CopyPayloadsIntoData();
+  EXPECT_TRUE(MessageDifferencer::Equals(held.message(), original));
+
+  Wire<v1::PackRequest> bad;
+  const std::vector<absl::string_view> chunks = {"\x0a\x05ab"};
+  const absl::Status status = bad.Parse(chunks);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("PackRequest"));
+}
+
 TEST(WireTest, EmptyAndPayloadFreeMessages) {
   v1::PackResponse parsed;
   Payloads payloads;
