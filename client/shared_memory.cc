@@ -2,17 +2,13 @@
 
 #include <utility>
 
-#include "kernels/status_macros.h"
-
 namespace packd {
 
 absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(
     std::string key, std::string region, int64_t bytes,
     std::function<void()> on_close) {
-  std::unique_ptr<SharedMemory> shm(new SharedMemory);
-  PACKD_RETURN_IF_ERROR(
-      shm->Init(std::move(key), std::move(region), bytes, std::move(on_close)));
-  return shm;
+  return CreateAs<SharedMemory>(std::move(key), std::move(region), bytes,
+                                std::move(on_close));
 }
 
 at::Tensor SharedMemory::Empty(at::IntArrayRef shape, at::ScalarType dtype) {

@@ -38,6 +38,7 @@ class SharedMemory : public ShmRegion {
   at::Tensor Empty(at::IntArrayRef shape, at::ScalarType dtype);
 
  private:
+  friend class ShmRegion;  // CreateAs
   SharedMemory() = default;
 };
 

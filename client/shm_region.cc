@@ -9,10 +9,8 @@ namespace packd {
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(
     std::string key, std::string region, int64_t bytes,
     std::function<void()> on_close) {
-  std::unique_ptr<ShmRegion> shm(new ShmRegion);
-  PACKD_RETURN_IF_ERROR(
-      shm->Init(std::move(key), std::move(region), bytes, std::move(on_close)));
-  return shm;
+  return CreateAs<ShmRegion>(std::move(key), std::move(region), bytes,
+                             std::move(on_close));
 }
 
 absl::Status ShmRegion::Init(std::string key, std::string region, int64_t bytes,

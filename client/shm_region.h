@@ -55,11 +55,22 @@ class ShmRegion {
 
  protected:
   ShmRegion() = default;
-  // Create's work, for subclasses' own Create.
+  // Create for T, ShmRegion or a subclass (which befriends ShmRegion).
+  template <typename T>
+  static absl::StatusOr<std::unique_ptr<T>> CreateAs(
+      std::string key, std::string region, int64_t bytes,
+      std::function<void()> on_close) {
+    std::unique_ptr<T> shm(new T);
+    absl::Status init = shm->Init(std::move(key), std::move(region), bytes,
+                                  std::move(on_close));
+    if (!init.ok()) return init;
+    return shm;
+  }
+
+ private:
   absl::Status Init(std::string key, std::string region, int64_t bytes,
                     std::function<void()> on_close);
 
- private:
   std::unique_ptr<ShmSegment> segment_;  // unlinked after on_close_ runs
   std::string region_;
   char* data_ = nullptr;
