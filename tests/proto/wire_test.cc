@@ -320,7 +320,10 @@ TEST(WireTest, AWireMessageOwnsItsMessageSlicesAndPayloads) {
   EXPECT_TRUE(MessageDifferencer::Equals(held.message(), original));
 
   Wire<v1::PackRequest> bad;
-  const std::vector<absl::string_view> chunks = {"\x0a\x05ab"};
+  // Field 1 (mask) says 5 bytes follow; 2 do.
+  const std::vector<absl::string_view> chunks = {
+      "\x0a\x05"
+      "ab"};
   const absl::Status status = bad.Parse(chunks);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), HasSubstr("PackRequest"));
