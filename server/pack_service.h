@@ -1,6 +1,7 @@
 // PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API.
-// Pack and Scatter are served by a generic handler (inline_calls()) that reads
-// a request only once the memory budget admits the call; the request is read
+// Pack and Scatter are served by a generic handler (inline_calls(),
+// server/inline_call.cc) that reads a request only once the memory budget
+// admits the call; the request is read
 // from the received slices with tensor bytes in place (proto/wire.h), decoded
 // (server/request_decoder.h), run by the op library on its device
 // (kernels/pack.h), and answered with slices that wrap the result buffers, or
