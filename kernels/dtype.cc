@@ -55,19 +55,24 @@ int64_t CountNonzeroAs(const void* data, int64_t n, U magnitude) {
 
 }  // namespace
 
+uint64_t NonzeroBits(DType dtype) {
+  const int64_t bits = 8 * ItemSize(dtype);
+  if (bits == 0) return 0;
+  const uint64_t all = bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
+  return IsFloatingPoint(dtype) ? all >> 1 : all;
+}
+
 int64_t CountNonzero(DType dtype, const void* data, int64_t n) {
-  const bool floating = IsFloatingPoint(dtype);
+  const uint64_t bits = NonzeroBits(dtype);
   switch (ItemSize(dtype)) {
     case 1:
-      return CountNonzeroAs<uint8_t>(data, n, 0xFF);
+      return CountNonzeroAs<uint8_t>(data, n, static_cast<uint8_t>(bits));
     case 2:
-      return CountNonzeroAs<uint16_t>(data, n, floating ? 0x7FFF : 0xFFFF);
+      return CountNonzeroAs<uint16_t>(data, n, static_cast<uint16_t>(bits));
     case 4:
-      return CountNonzeroAs<uint32_t>(data, n,
-                                      floating ? 0x7FFFFFFFu : 0xFFFFFFFFu);
+      return CountNonzeroAs<uint32_t>(data, n, static_cast<uint32_t>(bits));
     case 8:
-      return CountNonzeroAs<uint64_t>(
-          data, n, floating ? ~(uint64_t{1} << 63) : ~uint64_t{0});
+      return CountNonzeroAs<uint64_t>(data, n, bits);
   }
   return 0;
 }

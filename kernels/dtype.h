@@ -44,6 +44,11 @@ int64_t ItemSize(DType dtype);
 // value nonzero.
 bool IsFloatingPoint(DType dtype);
 
+// The bits of an element of `dtype` that make it nonzero, as a mask counts
+// it: all of them for integers and bool, all but the sign for floats (so -0.0
+// is inactive and NaN active). 0 for an invalid dtype.
+uint64_t NonzeroBits(DType dtype);
+
 // How many of the `n` elements of `dtype` at `data` (host memory) are active:
 // nonzero, as a mask counts them (NaN is active, -0.0 is not). 0 for an
 // invalid dtype.

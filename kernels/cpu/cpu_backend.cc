@@ -334,22 +334,23 @@ class SpanBackend : public Backend {
     plan->cu_seqlens.assign(plan->batch + 1, 0);
     plan->last_index.assign(plan->batch, -1);
     plan->active.resize(plan->batch * plan->seq);
-    const bool fp = IsFloatingPoint(mask.dtype);
+    const uint64_t bits = NonzeroBits(mask.dtype);
     switch (ItemSize(mask.dtype)) {
       case 1:
-        ScanMask<uint8_t>(static_cast<const uint8_t*>(mask.data), 0xFF, *plan);
+        ScanMask<uint8_t>(static_cast<const uint8_t*>(mask.data),
+                          static_cast<uint8_t>(bits), *plan);
         break;
       case 2:
         ScanMask<uint16_t>(static_cast<const uint16_t*>(mask.data),
-                           fp ? 0x7FFF : 0xFFFF, *plan);
+                           static_cast<uint16_t>(bits), *plan);
         break;
       case 4:
         ScanMask<uint32_t>(static_cast<const uint32_t*>(mask.data),
-                           fp ? 0x7FFFFFFFu : 0xFFFFFFFFu, *plan);
+                           static_cast<uint32_t>(bits), *plan);
         break;
       default:
-        ScanMask<uint64_t>(static_cast<const uint64_t*>(mask.data),
-                           fp ? 0x7FFFFFFFFFFFFFFFull : ~0ull, *plan);
+        ScanMask<uint64_t>(static_cast<const uint64_t*>(mask.data), bits,
+                           *plan);
         break;
     }
     return plan;
