@@ -280,12 +280,12 @@ int Info(Connection& connection) {
       static_cast<unsigned long long>(info->max_message_bytes()),
       info->shared_memory_enabled() ? "on" : "off");
   for (const v1::DeviceInfo& d : info->devices()) {
-    std::printf(
-        "  %-10s %-5s %s\n", d.name().c_str(), d.kind().c_str(),
+    const std::string memory =
         d.memory_bytes() > 0
             ? absl::StrFormat("%.1f GiB", d.memory_bytes() / 1073741824.0)
-                  .c_str()
-            : "");
+            : "";
+    std::printf("  %-10s %-5s %-10s %s\n", d.name().c_str(), d.kind().c_str(),
+                memory.c_str(), d.uuid().c_str());
   }
   return kOk;
 }

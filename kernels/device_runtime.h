@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,6 +31,9 @@ namespace packd {
 struct DeviceInfo {
   Device device;
   uint64_t memory_bytes = 0;  // total memory; 0 when the runtime cannot say
+  // "GPU-8f3c1a2b-...": the same in every process, whatever index each gives
+  // the device (CUDA_VISIBLE_DEVICES); empty for the CPU.
+  std::string uuid;
 };
 
 // Device memory another process exported, opened in this one: `owner` closes

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -56,6 +57,7 @@ absl::Status Registry::Add(DeviceKind kind, std::unique_ptr<Backend> backend,
 void Registry::SetRuntime(std::unique_ptr<DeviceRuntime> runtime) {
   absl::MutexLock lock(&mu_);
   runtimes_.push_back(std::move(runtime));
+  gpus_.reset();
 }
 
 absl::StatusOr<DeviceRuntime*> Registry::FindRuntime(
@@ -105,6 +107,47 @@ absl::StatusOr<Backend*> Registry::FindBackend(const Device& device,
   return absl::NotFoundError(
       absl::StrCat("no implementation \"", impl, "\" on ", device.ToString(),
                    "; available: ", absl::StrJoin(names, ", ")));
+}
+
+absl::StatusOr<Device> Registry::ResolveDevice(absl::string_view text,
+                                               absl::string_view field) const {
+  if (absl::StartsWith(text, "uuid:")) return FindByUuid(text.substr(5));
+  return ParseDevice(text, field);
+}
+
+absl::StatusOr<Device> Registry::FindByUuid(absl::string_view uuid) const {
+  const std::string wanted = CanonicalDeviceUuid(uuid);
+  std::vector<DeviceInfo> gpus;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!gpus_.has_value()) {
+      gpus_.emplace();
+      for (DeviceKind kind : {DeviceKind::kCuda, DeviceKind::kHip}) {
+        DeviceRuntime* runtime = nullptr;
+        for (const auto& r : runtimes_) {
+          if (r->kind() == kind) runtime = r.get();
+        }
+        if (runtime == nullptr) continue;
+        for (DeviceInfo& info : runtime->ListDevices()) {
+          gpus_->push_back(std::move(info));
+        }
+      }
+    }
+    gpus = *gpus_;
+  }
+  std::vector<std::string> known;
+  for (const DeviceInfo& info : gpus) {
+    if (!info.uuid.empty() && CanonicalDeviceUuid(info.uuid) == wanted) {
+      PACKD_RETURN_IF_ERROR(FindRuntime(info.device).status());
+      return info.device;
+    }
+    known.push_back(absl::StrCat(info.device.ToString(), " ", info.uuid));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "no device on this server has UUID ", wanted, " (it has ",
+      known.empty() ? "no GPU" : absl::StrJoin(known, ", "),
+      "): the client's GPU is not visible to packd; check the GPUs the pod "
+      "or container is given"));
 }
 
 std::vector<std::string> Registry::Names(DeviceKind kind) const {

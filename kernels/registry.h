@@ -11,6 +11,7 @@
 #define PACKD_KERNELS_REGISTRY_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,16 @@ class Registry {
   absl::StatusOr<ForCall> FindForCall(const Device& device,
                                       absl::string_view impl = "") const;
 
+  // The device a request names: "cpu", "cuda:N", "hip:N" (ParseDevice), or
+  // "uuid:GPU-..." for the GPU of that UUID, whatever this process's index
+  // for it. INVALID_ARGUMENT naming `field` for malformed text;
+  // FAILED_PRECONDITION naming the UUID when no device here has it.
+  absl::StatusOr<Device> ResolveDevice(
+      absl::string_view text, absl::string_view field = "device") const;
+  // The GPU whose UUID is `uuid` (with or without "GPU-", any case);
+  // FAILED_PRECONDITION naming it and the UUIDs this machine has.
+  absl::StatusOr<Device> FindByUuid(absl::string_view uuid) const;
+
   // Names of the implementations for `kind`, the default first.
   std::vector<std::string> Names(DeviceKind kind) const;
 
@@ -88,6 +99,9 @@ class Registry {
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
   // The current runtime of a kind is the last one of that kind.
   std::vector<std::unique_ptr<DeviceRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
+  // The GPUs of the current runtimes with their UUIDs, listed once (devices
+  // do not change while a process runs); reset by SetRuntime.
+  mutable std::optional<std::vector<DeviceInfo>> gpus_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace packd

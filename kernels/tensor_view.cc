@@ -1,6 +1,7 @@
 #include "kernels/tensor_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -49,6 +50,22 @@ absl::StatusOr<Device> ParseDevice(absl::string_view text,
   if (!absl::SimpleAtoi(rest, &index) || index > 1023) return invalid();
   device.index = index;
   return device;
+}
+
+std::string FormatDeviceUuid(const unsigned char bytes[16]) {
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out.push_back('-');
+    absl::StrAppend(&out, absl::Hex(bytes[i], absl::kZeroPad2));
+  }
+  return out;
+}
+
+std::string CanonicalDeviceUuid(absl::string_view uuid) {
+  std::string out = absl::AsciiStrToLower(uuid);
+  if (!absl::StartsWith(out, "gpu-")) return absl::StrCat("GPU-", out);
+  out.replace(0, 4, "GPU-");
+  return out;
 }
 
 std::string ShapeString(absl::Span<const int64_t> shape) {

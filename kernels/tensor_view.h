@@ -41,6 +41,15 @@ struct Device {
 absl::StatusOr<Device> ParseDevice(absl::string_view text,
                                    absl::string_view field = "device");
 
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" from a runtime's 16 UUID bytes
+// (cudaUUID_t, hipUUID): the form nvidia-smi prints and torch's
+// get_device_properties(i).uuid carries after "GPU-".
+std::string FormatDeviceUuid(const unsigned char bytes[16]);
+
+// A UUID as clients may send it, in FormatDeviceUuid's form: "GPU-" added
+// when absent, hex digits lowercased.
+std::string CanonicalDeviceUuid(absl::string_view uuid);
+
 using Shape = absl::InlinedVector<int64_t, 6>;
 
 // "[4, 16, 8]".

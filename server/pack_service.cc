@@ -292,7 +292,12 @@ absl::Status PackServiceImpl::DoRegisterDeviceRegion(
     const v1::RegisterDeviceRegionRequest& request) {
   PACKD_RETURN_IF_ERROR(regions_.CheckEnabled());
   PACKD_RETURN_IF_ERROR(RegionRegistry::ValidateName(request.name()));
-  PACKD_ASSIGN_OR_RETURN(Device device, ParseDevice(request.device()));
+  // The UUID names the device whatever either process's index for it.
+  PACKD_ASSIGN_OR_RETURN(
+      Device device,
+      request.device_uuid().empty()
+          ? Registry::Global().ResolveDevice(request.device())
+          : Registry::Global().FindByUuid(request.device_uuid()));
   if (device.kind == DeviceKind::kCpu) {
     return absl::InvalidArgumentError(
         "device regions live on cuda:N or hip:N; register host memory with "
@@ -374,6 +379,7 @@ absl::Status PackServiceImpl::DoServerInfo(v1::ServerInfo* response) {
                      : kind == DeviceKind::kCuda ? "cuda"
                                                  : "hip");
       info->set_memory_bytes(device.memory_bytes);
+      info->set_uuid(device.uuid);
     }
   }
   response->set_default_device(options_.default_device.ToString());

@@ -28,7 +28,8 @@ absl::Status RequestDecoder::CheckSize(absl::string_view what,
 absl::StatusOr<Device> RequestDecoder::ResolveDevice(
     const std::string& text) const {
   if (text.empty()) return default_device_;
-  PACKD_ASSIGN_OR_RETURN(Device device, ParseDevice(text, "device"));
+  PACKD_ASSIGN_OR_RETURN(Device device,
+                         Registry::Global().ResolveDevice(text, "device"));
   // FAILED_PRECONDITION here when the build or the machine lacks the device.
   PACKD_RETURN_IF_ERROR(Registry::Runtime(device).status());
   return device;

@@ -109,6 +109,12 @@ class GpuRuntime : public DeviceRuntime {
       } else {
         (void)gpuGetLastError();
       }
+      unsigned char uuid[16];
+      if (gpuDeviceUuid(uuid, i) == gpuSuccess) {
+        info.uuid = FormatDeviceUuid(uuid);
+      } else {
+        (void)gpuGetLastError();
+      }
       devices.push_back(info);
     }
     return devices;

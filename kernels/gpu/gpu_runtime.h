@@ -55,6 +55,12 @@ inline gpuError_t gpuMemGetAddressRange(void** base, size_t* size,
 inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
   return fakegpu::PointerGetDevice(device, p);
 }
+inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
+  fakegpu::DeviceProp prop;
+  const gpuError_t err = fakegpu::GetDeviceProperties(&prop, device);
+  for (int i = 0; i < 16; ++i) out[i] = prop.uuid.bytes[i];
+  return err;
+}
 
 #elif defined(PACKD_GPU_HIP)
 
@@ -114,6 +120,13 @@ inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
   *device = attributes.device;
   return err;
 }
+inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
+  hipUUID uuid;
+  const hipError_t err = hipDeviceGetUuid(&uuid, device);
+  for (int i = 0; i < 16; ++i)
+    out[i] = static_cast<unsigned char>(uuid.bytes[i]);
+  return err;
+}
 
 #else  // CUDA
 
@@ -167,6 +180,13 @@ inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
   cudaPointerAttributes attributes;
   const cudaError_t err = cudaPointerGetAttributes(&attributes, p);
   *device = attributes.device;
+  return err;
+}
+inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
+  cudaDeviceProp prop;
+  const cudaError_t err = cudaGetDeviceProperties(&prop, device);
+  for (int i = 0; i < 16; ++i)
+    out[i] = static_cast<unsigned char>(prop.uuid.bytes[i]);
   return err;
 }
 

@@ -5,16 +5,25 @@
 //   packd_testing --call_delay_ms=1500 ...  # each Pack/Scatter waits 1.5 s
 //                                           # once its tensors are decoded
 //   packd_testing --call_throws ...         # ... or throws there
+//   packd_testing --fake_gpu_devices=2 --fake_gpu_physical=1,0 ...
+//       # cuda is the fake GPU of tests/fake_gpu (memfd device memory that
+//       # other processes export to it), index 0 being physical device 1
 #include <atomic>
 #include <memory>
 #include <stdexcept>
+#include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "kernels/gpu/gpu_backend.h"
+#include "kernels/registry.h"
 #include "server/flags.h"
 #include "server/log.h"
 #include "server/server.h"
+#include "tests/fake_gpu/fake_gpu_runtime.h"
 
 ABSL_FLAG(int, call_delay_ms, 0,
           "Each Pack and Scatter call waits this long once its tensors are "
@@ -22,9 +31,34 @@ ABSL_FLAG(int, call_delay_ms, 0,
 ABSL_FLAG(bool, call_throws, false,
           "Each Pack and Scatter call throws std::runtime_error once its "
           "tensors are decoded");
+ABSL_FLAG(int, fake_gpu_devices, 0,
+          "Serve cuda on this many fake GPUs (tests/fake_gpu) instead of the "
+          "real runtime; 0: no fake");
+ABSL_FLAG(std::string, fake_gpu_physical, "",
+          "The physical device of each fake GPU index, comma-separated "
+          "(default: index i is physical device i), as CUDA_VISIBLE_DEVICES "
+          "reorders them");
+ABSL_FLAG(int, fake_gpu_memory_mb, 1024, "Memory of each fake GPU");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (const int devices = absl::GetFlag(FLAGS_fake_gpu_devices); devices > 0) {
+    fakegpu::testing::Config config;
+    config.devices = devices;
+    config.memory_bytes = size_t(absl::GetFlag(FLAGS_fake_gpu_memory_mb)) << 20;
+    for (absl::string_view p : absl::StrSplit(
+             absl::GetFlag(FLAGS_fake_gpu_physical), ',', absl::SkipEmpty())) {
+      int physical = 0;
+      if (!absl::SimpleAtoi(p, &physical) || physical < 0) {
+        packd::Log(absl::StrCat("--fake_gpu_physical: \"", p,
+                                "\" is not a device number"));
+        return 2;
+      }
+      config.physical.push_back(physical);
+    }
+    fakegpu::testing::Configure(config);
+    packd::fake_gpu::RegisterGpuBackends(packd::Registry::Global());
+  }
   absl::StatusOr<packd::ServerOptions> options = packd::OptionsFromFlags();
   if (!options.ok()) {
     packd::Log(options.status().ToString());

@@ -1,5 +1,6 @@
 #include "tests/fake_gpu/fake_gpu_runtime.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -9,6 +10,8 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,21 +23,39 @@ namespace fakegpu {
 namespace {
 
 // Device memory is a memfd mapped into this process, so that an IPC open can
-// map the same memory again at another address, as a real importer does.
+// map the same memory again at another address, in this process or another,
+// as a real importer does. The memfd is named "fakegpu-<id>", so that an
+// importer can tell it from whatever later took its descriptor number.
 struct Allocation {
   size_t size = 0;
-  int device = 0;     // where the memory is
+  int device = 0;     // where the memory is, as this process numbers devices
   int mapped_on = 0;  // whose context this address belongs to
   int fd = -1;        // -1: pinned host memory
   bool ipc_mapping = false;
-  uintptr_t origin = 0;  // for a mapping: the allocation it maps
+  uint64_t id = 0;  // of the memory (a mapping has its origin's)
 };
+
+// What an IPC handle carries: enough for any process to open the memfd.
+struct HandleBytes {
+  char magic[8];  // "fakegpu"
+  int32_t pid;
+  int32_t fd;
+  uint64_t size;
+  int32_t physical;  // the physical device the memory is on
+  int32_t unused;
+  uint64_t id;
+};
+static_assert(sizeof(HandleBytes) <= sizeof(IpcMemHandle), "fits a handle");
+
+std::string MemfdName(uint64_t id) { return "fakegpu-" + std::to_string(id); }
 
 struct State {
   absl::Mutex mu;
   testing::Config config;
   std::map<uintptr_t, Allocation> allocations ABSL_GUARDED_BY(mu);
   std::vector<size_t> used ABSL_GUARDED_BY(mu);
+  std::vector<int> physical ABSL_GUARDED_BY(mu);  // of each index
+  uint64_t next_id ABSL_GUARDED_BY(mu) = std::random_device()();
   std::vector<Error> lost ABSL_GUARDED_BY(mu);
   // Injected failures: the error, and how many calls still pass first.
   std::map<std::string, std::pair<Error, int>> fail_next ABSL_GUARDED_BY(mu);
@@ -51,6 +72,8 @@ State& St() {
     auto* s = new State;
     s->used.assign(s->config.devices, 0);
     s->lost.assign(s->config.devices, kSuccess);
+    s->physical.resize(s->config.devices);
+    std::iota(s->physical.begin(), s->physical.end(), 0);
     return s;
   }();
   return *state;
@@ -229,7 +252,12 @@ Error Malloc(void** p, size_t bytes) {
     s.used[current_device] += bytes;
   }
   const size_t length = std::max<size_t>(bytes, 1);
-  const int fd = memfd_create("fakegpu", 0);
+  uint64_t id = 0;
+  {
+    absl::MutexLock lock(&s.mu);
+    id = (s.next_id++ << 16) ^ static_cast<uint64_t>(getpid());
+  }
+  const int fd = memfd_create(MemfdName(id).c_str(), 0);
   void* data =
       fd < 0 || ftruncate(fd, static_cast<off_t>(length)) != 0
           ? MAP_FAILED
@@ -244,6 +272,7 @@ Error Malloc(void** p, size_t bytes) {
   alloc.size = length;
   alloc.device = alloc.mapped_on = current_device;
   alloc.fd = fd;
+  alloc.id = id;
   s.allocations[reinterpret_cast<uintptr_t>(data)] = alloc;
   *p = data;
   return kSuccess;
@@ -394,6 +423,8 @@ Error GetDeviceProperties(DeviceProp* prop, int device) {
     return Record(kErrorInvalidDevice);
   }
   prop->totalGlobalMem = St().config.memory_bytes;
+  absl::MutexLock lock(&St().mu);
+  prop->uuid = PhysicalUuid(St().physical[device]);
   return kSuccess;
 }
 
@@ -405,10 +436,15 @@ Error IpcGetMemHandle(IpcMemHandle* handle, void* p) {
       it->second.ipc_mapping) {
     return Record(kErrorInvalidValue);
   }
+  HandleBytes h{};
+  std::memcpy(h.magic, "fakegpu", 8);
+  h.pid = getpid();
+  h.fd = it->second.fd;
+  h.size = it->second.size;
+  h.physical = s.physical[it->second.device];
+  h.id = it->second.id;
   std::memset(handle, 0, sizeof(*handle));
-  const uintptr_t base = it->first;
-  std::memcpy(handle->reserved, "fakegpu", 7);
-  std::memcpy(handle->reserved + 8, &base, sizeof(base));
+  std::memcpy(handle->reserved, &h, sizeof(h));
   return kSuccess;
 }
 
@@ -416,24 +452,46 @@ Error IpcOpenMemHandle(void** p, IpcMemHandle handle, unsigned) {
   if (Error e = Enter("IpcOpenMemHandle", current_device); e != kSuccess) {
     return e;
   }
-  uintptr_t base = 0;
-  std::memcpy(&base, handle.reserved + 8, sizeof(base));
-  State& s = St();
-  absl::MutexLock lock(&s.mu);
-  auto it = s.allocations.find(base);
-  if (std::memcmp(handle.reserved, "fakegpu", 7) != 0 ||
-      it == s.allocations.end() || it->second.ipc_mapping ||
-      it->second.fd < 0) {
+  HandleBytes h;
+  std::memcpy(&h, handle.reserved, sizeof(h));
+  if (std::memcmp(h.magic, "fakegpu", 8) != 0) {
     return Record(kErrorInvalidResourceHandle);
   }
-  const Allocation origin = it->second;
-  void* mapped = mmap(nullptr, origin.size, PROT_READ | PROT_WRITE, MAP_SHARED,
-                      origin.fd, 0);
-  if (mapped == MAP_FAILED) return Record(kErrorMemoryAllocation);
-  Allocation mapping = origin;
-  mapping.ipc_mapping = true;
+  // The exporter's descriptor, if it still is that memory: freed memory, or
+  // an exporter that exited, leaves nothing (or something else) there.
+  const std::string fd_path =
+      "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+  char target[256];
+  const ssize_t n = readlink(fd_path.c_str(), target, sizeof(target) - 1);
+  const std::string expected = "/memfd:" + MemfdName(h.id) + " (deleted)";
+  if (n <= 0 || std::string(target, n) != expected) {
+    return Record(kErrorInvalidResourceHandle);
+  }
+  const int fd = open(fd_path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return Record(kErrorInvalidResourceHandle);
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  int device = -1;
+  for (int i = 0; i < static_cast<int>(s.physical.size()); ++i) {
+    if (s.physical[i] == h.physical) device = i;
+  }
+  if (device < 0) {  // the memory's device is not visible here
+    close(fd);
+    return Record(kErrorInvalidDevice);
+  }
+  void* mapped =
+      mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (mapped == MAP_FAILED) {
+    close(fd);
+    return Record(kErrorMemoryAllocation);
+  }
+  Allocation mapping;
+  mapping.size = h.size;
+  mapping.device = device;
   mapping.mapped_on = current_device;
-  mapping.origin = base;
+  mapping.fd = fd;
+  mapping.ipc_mapping = true;
+  mapping.id = h.id;
   s.allocations[reinterpret_cast<uintptr_t>(mapped)] = mapping;
   ++s.ipc_mappings;
   *p = mapped;
@@ -448,6 +506,7 @@ Error IpcCloseMemHandle(void* p) {
     return Record(kErrorInvalidValue);
   }
   munmap(p, it->second.size);
+  close(it->second.fd);
   s.allocations.erase(it);
   --s.ipc_mappings;
   return kSuccess;
@@ -501,6 +560,11 @@ void Configure(Config config) {
   s.config = config;
   s.used.assign(config.devices, 0);
   s.lost.assign(config.devices, kSuccess);
+  s.physical = config.physical;
+  s.physical.resize(config.devices, -1);
+  for (int i = 0; i < config.devices; ++i) {
+    if (s.physical[i] < 0) s.physical[i] = i;
+  }
 }
 
 void DrainStreams() {
@@ -545,4 +609,13 @@ int OpenIpcMappings() {
 }
 
 }  // namespace testing
+
+Uuid PhysicalUuid(int physical) {
+  Uuid uuid{};
+  const unsigned char head[4] = {0xfa, 0x4e, 0x00, 0x00};
+  std::memcpy(uuid.bytes, head, sizeof(head));
+  uuid.bytes[15] = static_cast<char>(physical);
+  return uuid;
+}
+
 }  // namespace fakegpu

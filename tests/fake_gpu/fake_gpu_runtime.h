@@ -9,7 +9,11 @@
 //     makes every later call on that device fail, and GetLastError never
 //     clears it;
 //   - device memory with bounds: allocations per device under a memory limit,
-//     IPC handles that open whole allocations, MemGetAddressRange;
+//     IPC handles that open whole allocations, in this process or in another
+//     (the memory is a memfd the importer opens through /proc), and
+//     MemGetAddressRange;
+//   - devices that are physical devices seen under an index of each
+//     process's own (CUDA_VISIBLE_DEVICES), with a UUID per physical device;
 //   - injected failures (FailNext) and counters (pinned memory, mappings).
 // kernels/gpu/gpu_runtime.h maps the gpu* names here when PACKD_GPU_FAKE is
 // defined; tests/fake_gpu/fake_gpu_kernels.cc runs the kernels on the host.
@@ -25,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "absl/time/time.h"
 
@@ -50,8 +55,12 @@ using Stream = StreamImpl*;
 struct IpcMemHandle {
   unsigned char reserved[64];
 };
+struct Uuid {
+  char bytes[16];
+};
 struct DeviceProp {
   size_t totalGlobalMem = 0;
+  Uuid uuid{};  // the physical device's, the same in every process
 };
 
 Error GetDeviceCount(int* count);
@@ -86,12 +95,21 @@ Error PointerGetDevice(int* device, const void* p);
 using Accessible = std::function<bool(const void* p, size_t n)>;
 Error Launch(Stream stream, std::function<Error(const Accessible&)> work);
 
+// The UUID of physical device `physical`:
+// GPU-fa4e0000-0000-0000-0000-0000000000NN.
+Uuid PhysicalUuid(int physical);
+
 namespace testing {
 
 struct Config {
   int devices = 1;
   size_t memory_bytes = size_t{1} << 30;  // per device
+  // The physical device each index is (default: index i is physical device
+  // i), as CUDA_VISIBLE_DEVICES=2,0 makes index 0 physical device 2. Its
+  // UUID is PhysicalUuid(physical).
+  std::vector<int> physical;
 };
+
 // Sets the devices and their memory; call before the first runtime call.
 void Configure(Config config);
 // Waits until every stream is idle.

@@ -231,5 +231,19 @@ TEST(ParseDevice, AcceptsTheThreeKindsAndRejectsTheRest) {
   }
 }
 
+TEST(DeviceUuid, FormatsAsNvidiaSmiAndCanonicalisesWhatClientsSend) {
+  const unsigned char bytes[16] = {0x8f, 0x3c, 0x1a, 0x2b, 0x00, 0x01,
+                                   0xab, 0xcd, 0xef, 0x10, 0x20, 0x30,
+                                   0x40, 0x50, 0x60, 0x7f};
+  EXPECT_EQ(FormatDeviceUuid(bytes),
+            "GPU-8f3c1a2b-0001-abcd-ef10-20304050607f");
+  EXPECT_EQ(CanonicalDeviceUuid("GPU-8F3C1A2B-0001-ABCD-EF10-20304050607F"),
+            "GPU-8f3c1a2b-0001-abcd-ef10-20304050607f");
+  // torch's get_device_properties(i).uuid prints without the prefix.
+  EXPECT_EQ(CanonicalDeviceUuid("8f3c1a2b-0001-abcd-ef10-20304050607f"),
+            "GPU-8f3c1a2b-0001-abcd-ef10-20304050607f");
+  EXPECT_EQ(CanonicalDeviceUuid("gpu-8f3c"), "GPU-8f3c");
+}
+
 }  // namespace
 }  // namespace packd
