@@ -1,5 +1,6 @@
 """packd.Client: Pack and Scatter through a packd server, with torch tensors in and out."""
 import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -8,7 +9,7 @@ from typing import List, Optional, Sequence, Union
 import grpc
 import torch
 
-from packd import _memory, _tensors, _wire
+from packd import _device, _memory, _tensors, _wire
 from packd._shm import Segment
 from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
@@ -157,6 +158,11 @@ def _tls_credentials(ca_file, cert_file, key_file):
 # CANCELLED (this client cancels nothing, so a server going away did: gRPC cancels the calls that
 # reach a server while it shuts down, before a handler sees them, grpc/grpc#41785). Every packd
 # call may be repeated.
+# Device regions of GPU tensors are named py-gpu-PID-TAG-N: the tag tells processes of other pid
+# namespaces apart.
+_GPU_TAG = os.urandom(4).hex()
+_gpu_regions = itertools.count()
+
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _INITIAL_BACKOFF = 0.05  # seconds, doubling between attempts up to
 _MAX_BACKOFF = 2.0
@@ -191,6 +197,13 @@ class Client:
     certificate and key, for mutual TLS; tls_server_name: the name the server's certificate
     carries when it is not the address's host (unix sockets: "localhost"). interceptors: gRPC
     client interceptors applied to every connection (tracing, or faults a test injects).
+
+    GPU tensors stay on their GPU: a call whose tensors are all on one GPU registers the
+    allocations holding them as device regions (once each, with the lease, again when the
+    server lost them), allocates its results on that GPU and has packd write them there; no
+    tensor byte crosses the host, and the results are tensors on that GPU (docs/gpu.md).
+    device_memory: the seam to the GPU runtime (packd._device.DeviceMemory); default: torch's
+    CUDA tensors.
     """
 
     def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=7,
@@ -199,10 +212,17 @@ class Client:
                  keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN",
                  lease_seconds=30, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
                  tls_server_name=None, load_balancing_policy=None, connections=2,
-                 idle_scratch_segments=4, interceptors=()):
+                 idle_scratch_segments=4, interceptors=(), device_memory=None):
         self.address = address
         self.lease_seconds = lease_seconds
+        # Device regions this client registered, by name: their requests, to register again.
         self._device_regions = {}
+        self.device_memory = device_memory or _device.TorchCuda()
+        # The allocations registered for GPU tensors: (device, base) -> (region name, handle);
+        # and the regions of allocations freed since, to unregister.
+        self._gpu_allocations = {}
+        self._gpu_freed = []
+        self._uuids = {}
         self.timeout = timeout
         self.retries = retries
         self.shm_threshold_bytes = shm_threshold_bytes
@@ -298,20 +318,20 @@ class Client:
             ready.cancel()
         time.sleep(max(0.0, end - time.monotonic()))
 
-    def _with_regions(self, call, scratch):
+    def _with_regions(self, call, scratch, regions=()):
         """call(), and once more if it finds a region gone (NOT_FOUND) and registering this
-        call's scratch segment (or the client's device memory) again helps."""
+        call's scratch segment or the device regions it names (`regions`) again helps."""
         try:
             return call()
         except PackdError as e:
-            if e.code != grpc.StatusCode.NOT_FOUND or not self._reregister(scratch):
+            if e.code != grpc.StatusCode.NOT_FOUND or not self._reregister(scratch, regions):
                 raise
         return call()
 
-    def _reregister(self, scratch):
+    def _reregister(self, scratch, regions=()):
         """Registers again what the server no longer holds (a lease ran out, or the server
-        restarted) of `scratch` (the call's own segment, which no other call uses) and the
-        client's device memory; how many. Registering device memory twice is harmless: the
+        restarted) of `scratch` (the call's own segment, which no other call uses) and of the
+        device regions `regions`; how many. Registering device memory twice is harmless: the
         server takes a repeated registration as the one it holds."""
         known = {r.name for r in self._call(self._stub.ListRegions,
                                             pb.ListRegionsRequest()).regions}
@@ -320,7 +340,8 @@ class Client:
             scratch.renew()
             count += 1
         with self._lock:
-            devices = [r for name, r in self._device_regions.items() if name not in known]
+            devices = [self._device_regions[name] for name in set(regions)
+                       if name not in known and name in self._device_regions]
         for request in devices:
             self._call(self._stub.RegisterDeviceRegion, request)
             count += 1
@@ -445,6 +466,156 @@ class Client:
             slices.append(scratch.slice(got[0], n))
         outputs.extend(slices)
 
+    # -- GPU tensors ------------------------------------------------------------------------
+
+    def _gpu_of(self, named):
+        """The GPU of a call whose tensors ((name, tensor or None) pairs) are on one GPU; None
+        when they are in host memory. ValueError naming two that are on different devices.
+        Host tensors without bytes go with any device."""
+        memory = self.device_memory
+        where = []
+        for name, t in named:
+            if t is None:
+                continue
+            index = memory.device_of(t)
+            if index is None and t.device.type == "cpu" and t.numel() == 0:
+                continue
+            where.append((name, index))
+        if not where:
+            return None
+        label = lambda index: "cpu" if index is None else memory.name(index)
+        first_name, first = where[0]
+        for name, index in where[1:]:
+            if index != first:
+                raise ValueError("%s is on %s but %s is on %s: the tensors of one call must be "
+                                 "on one device" % (first_name, label(first), name, label(index)))
+        return first
+
+    def _uuid(self, index):
+        with self._lock:
+            known = self._uuids.get(index)
+        if known is None:
+            known = self.device_memory.uuid(index)
+            with self._lock:
+                self._uuids[index] = known
+        return known
+
+    def _gpu_slice(self, t, index, regions):
+        """The RegionSlice of `t` (contiguous, on GPU `index`, with bytes), its allocation
+        registered as a device region first when it is not yet; the region's name is added to
+        `regions`."""
+        memory = self.device_memory
+        alloc = memory.allocation(t)
+        key = (index, alloc.base)
+        with self._lock:
+            known = self._gpu_allocations.get(key)
+        if known is not None and known[1] != alloc.handle:
+            # The address is another allocation's now: the one registered was freed.
+            self._forget_gpu(key, known[0])
+            self._unregister_freed()
+            known = None
+        if known is None:
+            name = "py-gpu-%d-%s-%d" % (os.getpid(), _GPU_TAG, next(_gpu_regions))
+            request = pb.RegisterDeviceRegionRequest(
+                name=name, ipc_handle=alloc.handle, device=memory.name(index),
+                device_uuid=self._uuid(index), byte_size=alloc.size,
+                lease_seconds=self.lease_seconds)
+            self._call(self._stub.RegisterDeviceRegion, request)
+            with self._lock:
+                raced = self._gpu_allocations.get(key)
+                if raced is not None and raced[1] == alloc.handle:
+                    self._gpu_freed.append(name)  # another call registered it meanwhile
+                else:
+                    self._gpu_allocations[key] = (name, alloc.handle)
+                    self._device_regions[name] = request
+                    raced = None
+            if raced is None:
+                memory.watch(alloc, index, lambda: self._forget_gpu(key, name))
+                known = (name, alloc.handle)
+            else:
+                known = raced
+        regions.append(known[0])
+        return pb.RegionSlice(region=known[0], offset=t.data_ptr() - alloc.base,
+                              byte_size=t.numel() * t.element_size())
+
+    def _forget_gpu(self, key, name):
+        """Region `name` of allocation `key` is no longer to be used (the allocation was
+        freed): unregistered by the next call or close. Takes the lock only: the device memory
+        may say so from a finalizer."""
+        with self._lock:
+            if self._gpu_allocations.get(key, (None,))[0] == name:
+                del self._gpu_allocations[key]
+            if self._device_regions.pop(name, None) is not None:
+                self._gpu_freed.append(name)
+
+    def _unregister_freed(self):
+        """Unregisters the regions of allocations freed since the last call."""
+        with self._lock:
+            names, self._gpu_freed = self._gpu_freed, []
+        for name in names:
+            try:
+                self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name),
+                           retries=0)
+            except PackdError:
+                pass  # gone already (its lease ran out), or the server is away: its lease ends it
+
+    def _encode_gpu(self, t, number, outgoing, index, regions):
+        """Adds GPU tensor `t` (contiguous) as tensor field `number`: a slice of its device
+        region, or no bytes when it has none."""
+        header = pb.Tensor()
+        _tensors.header(t, header)
+        if t.numel() == 0:
+            outgoing.add(number, header, memoryview(b""))
+        else:
+            header.region.CopyFrom(self._gpu_slice(t, index, regions))
+            outgoing.add(number, header)
+
+    def _on_gpu(self, index, method, message, inputs, outputs):
+        """A call on GPU `index`: `inputs` ((field number, tensor) pairs) sent as slices of
+        their device regions, the results written into `outputs` (GPU tensors; none has no
+        bytes) when given, else returned inline. The reply and its inline tensors."""
+        memory = self.device_memory
+        self._unregister_freed()
+        memory.synchronize(index)  # the inputs written, the outputs' memory free
+        regions = []
+
+        def request():
+            del regions[:]
+            out = _wire.Outgoing(message)
+            del out.message.outputs[:]
+            for number, t in inputs:
+                self._encode_gpu(t, number, out, index, regions)
+            out.message.outputs.extend(self._gpu_slice(o, index, regions) for o in outputs)
+            return out
+
+        return self._with_regions(lambda: self._call(method, request()), None, regions)
+
+    def _gpu_results(self, messages, inline, outputs, index):
+        """The result tensors on GPU `index`: `outputs` where packd wrote them (checked against
+        the reply's shapes), else the inline ones copied there."""
+        if not outputs:
+            return [self.device_memory.to_device(t, index) for t in inline]
+        for m, o in zip(messages, outputs):
+            if not m.HasField("region") or list(m.shape) != list(o.shape):
+                raise PackdError(grpc.StatusCode.INTERNAL,
+                                 "packd answered shape %s for a result of shape %s"
+                                 % (list(m.shape), list(o.shape)))
+        return list(outputs)
+
+    def _check_device_argument(self, device, index):
+        if device and device not in (self.device_memory.name(index), "uuid:" + self._uuid(index)):
+            raise ValueError("device=%r names where host tensors run; these tensors are on %s, "
+                             "where the call runs" % (device, self.device_memory.name(index)))
+
+    def to_device_of(self, t, like):
+        """`t` on the GPU that holds `like`, when `t` is not there (a gradient autograd left in
+        host memory); `t` itself otherwise."""
+        memory = self.device_memory
+        index = memory.device_of(like)
+        if index is None or memory.device_of(t) == index or t.numel() == 0:
+            return t
+        return memory.to_device(t.detach().cpu(), index)
+
     # -- the API ----------------------------------------------------------------------------
 
     def _pack_in_parts(self, tensors, mask, segment_ids, scratch, nbytes, device,
@@ -489,29 +660,58 @@ class Client:
         PackdValueError (a ValueError) for malformed input, PackdError for the rest."""
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
-        nbytes = mask.numel() * mask.element_size() + sum(
-            2 * t.numel() * t.element_size() for t in tensors)
-        scratch = self._scratch_for(nbytes)
-        try:
-            reply, packed = self._pack_in_parts(tensors, mask, segment_ids, scratch, nbytes,
-                                                device, with_position_ids)
-        finally:
-            self._give_back(scratch)
+        gpu = self._gpu_of([("mask", mask), ("segment_ids", segment_ids)]
+                           + [("inputs[%d]" % i, t) for i, t in enumerate(tensors)])
+        if gpu is not None:
+            self._check_device_argument(device, gpu)
+            reply, packed = self._pack_on_gpu(gpu, tensors, mask, segment_ids, with_position_ids)
+            place = lambda t: self.device_memory.to_device(t, gpu)
+        else:
+            nbytes = mask.numel() * mask.element_size() + sum(
+                2 * t.numel() * t.element_size() for t in tensors)
+            scratch = self._scratch_for(nbytes)
+            try:
+                reply, packed = self._pack_in_parts(tensors, mask, segment_ids, scratch, nbytes,
+                                                    device, with_position_ids)
+            finally:
+                self._give_back(scratch)
+            place = lambda t: t
+
+        def ints(values, dtype=torch.int64):
+            return place(torch.tensor(list(values), dtype=torch.int64).to(dtype))
+
         docs = segment_ids is not None
         return PackResult(
-            doc_cu_seqlens=(torch.tensor(list(reply.doc_cu_seqlens), dtype=torch.int64)
-                            .to(cu_seqlens_dtype) if docs else None),
+            doc_cu_seqlens=ints(reply.doc_cu_seqlens, cu_seqlens_dtype) if docs else None,
             doc_max_seqlen=reply.doc_max_seqlen,
-            doc_row=torch.tensor(list(reply.doc_row), dtype=torch.int64) if docs else None,
-            doc_last_index=(torch.tensor(list(reply.doc_last_index), dtype=torch.int64)
-                            if docs else None),
+            doc_row=ints(reply.doc_row) if docs else None,
+            doc_last_index=ints(reply.doc_last_index) if docs else None,
             packed=packed[0] if single else packed,
-            cu_seqlens=torch.tensor(list(reply.cu_seqlens), dtype=torch.int64).to(cu_seqlens_dtype),
+            cu_seqlens=ints(reply.cu_seqlens, cu_seqlens_dtype),
             total_active=reply.total_active,
             max_seqlen=reply.max_seqlen,
-            position_ids=(torch.tensor(list(reply.position_ids), dtype=torch.int64)
-                          if with_position_ids else None),
-            last_index=torch.tensor(list(reply.last_index), dtype=torch.int64))
+            position_ids=ints(reply.position_ids) if with_position_ids else None,
+            last_index=ints(reply.last_index))
+
+    def _pack_on_gpu(self, index, tensors, mask, segment_ids, with_position_ids):
+        """The PackResponse and packed tensors of a Pack on GPU `index`, written by packd into
+        tensors allocated there."""
+        mask = mask.contiguous()
+        tensors = [t.contiguous() for t in tensors]
+        inputs = [(1, mask)] + [(2, t) for t in tensors]
+        if segment_ids is not None:
+            inputs.append((6, segment_ids.contiguous()))
+        outputs = []
+        if mask.dim() == 2 and all(t.dim() >= 2 for t in tensors):
+            active = int(torch.count_nonzero(mask))
+            outputs = [self.device_memory.empty([active] + list(t.shape[2:]), t.dtype, index)
+                       for t in tensors]
+            if any(o.numel() == 0 for o in outputs):
+                outputs = []  # results without bytes come inline
+        message = pb.PackRequest(device="uuid:" + self._uuid(index),
+                                 with_position_ids=with_position_ids)
+        reply, inline = self._on_gpu(index, self._pack[0], message, inputs, outputs)
+        return reply, self._gpu_results(reply.packed, inline.get(1, []), outputs, index)
 
     def scatter(self, packed_or_tensors: TensorOrList, mask: torch.Tensor,
                 tail_shape: Optional[Sequence[int]] = None, device="") -> TensorOrList:
@@ -519,6 +719,12 @@ class Client:
         inactive positions. tail_shape, when given, must equal every packed[i].shape[1:]."""
         single = isinstance(packed_or_tensors, torch.Tensor)
         tensors = [packed_or_tensors] if single else list(packed_or_tensors)
+        gpu = self._gpu_of([("mask", mask)]
+                           + [("packed[%d]" % i, t) for i, t in enumerate(tensors)])
+        if gpu is not None:
+            self._check_device_argument(device, gpu)
+            dense = self._scatter_on_gpu(gpu, tensors, mask, tail_shape)
+            return dense[0] if single else dense
         positions = mask.numel()
         dense_sizes = [positions * (t[0].numel() if t.dim() > 0 and t.shape[0] > 0 else 0)
                        * t.element_size() for t in tensors]
@@ -559,6 +765,24 @@ class Client:
         finally:
             self._give_back(scratch)
         return dense[0] if single else dense
+
+    def _scatter_on_gpu(self, index, tensors, mask, tail_shape):
+        """The dense tensors of a Scatter on GPU `index`, written by packd into tensors
+        allocated there."""
+        mask = mask.contiguous()
+        tensors = [t.contiguous() for t in tensors]
+        outputs = []
+        if mask.dim() == 2 and all(t.dim() >= 1 for t in tensors):
+            outputs = [self.device_memory.empty(list(mask.shape) + list(t.shape[1:]), t.dtype,
+                                                index) for t in tensors]
+            if any(o.numel() == 0 for o in outputs):
+                outputs = []
+        message = pb.ScatterRequest(device="uuid:" + self._uuid(index))
+        if tail_shape is not None:
+            message.tail_shape.dims.extend(list(tail_shape))
+        reply, inline = self._on_gpu(index, self._scatter[0], message,
+                                     [(1, mask)] + [(2, t) for t in tensors], outputs)
+        return self._gpu_results(reply.dense, inline.get(1, []), outputs, index)
 
     def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,
                            loss_tokens=None):
@@ -607,12 +831,16 @@ class Client:
 
     def close(self):
         """Unregisters the client's idle scratch segments (those of calls still running go when
-        they end) and closes every connection."""
+        they end) and its device regions, and closes every connection."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            self._gpu_freed.extend(self._device_regions)
+            self._device_regions.clear()
+            self._gpu_allocations.clear()
         for seg in idle:
             seg.close()
+        self._unregister_freed()
         for channel in self._channels:
             channel.close()
 

@@ -20,7 +20,9 @@ class _PackFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_packed, _grad_cu_seqlens):
         (mask,) = ctx.saved_tensors
-        grad_x = ctx.client.scatter(grad_packed.contiguous(), mask, tail_shape=ctx.tail_shape)
+        # On the GPU the batch came from: autograd makes the gradient where the loss is.
+        grad = ctx.client.to_device_of(grad_packed.contiguous(), mask)
+        grad_x = ctx.client.scatter(grad, mask, tail_shape=ctx.tail_shape)
         return grad_x, None, None
 
 
@@ -28,7 +30,7 @@ class RemotePackOp:
     """`op(x, mask)` -> `(packed, cu_seqlens)`: x [B, S, *tail], mask [B, S] (bool or numeric,
     nonzero active), packed [total_active, *tail] in row-major order, cu_seqlens int64 [B + 1].
     Differentiable in x. `op.unpack(packed, mask, tail_shape=None)` is the inverse, zeros at
-    inactive rows.
+    inactive rows. CUDA tensors stay on their GPU, forward and backward (docs/gpu.md).
 
     Malformed input raises ValueError with the server's message; transport failures raise
     packd.PackdError carrying the gRPC code."""

@@ -1,0 +1,196 @@
+"""The Python client's GPU path end to end without a GPU: a packd_testing server whose cuda is the
+fake GPU of tests/fake_gpu, and a client whose device memory is that fake GPU's in this process
+(tests/support/fake_gpu_memory.py). The client registers the allocations holding its tensors as
+device regions, the server opens them from their IPC handles (memfd, across the two processes)
+and writes the results into memory the client allocated; every result is checked byte for byte
+against torch.
+
+The two processes number the GPUs differently (the client's cuda:0 is the server's cuda:1), as
+CUDA_VISIBLE_DEVICES makes them: the devices travel as UUIDs."""
+import os
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+import packd
+from packd.v1 import pack_service_pb2 as pb
+from fake_gpu_memory import FakeGpuMemory
+from packd_server import PackdServer
+from torch_reference import DTYPES, bits, random_tensor, reference_scatter, same
+
+# This process's GPU i is physical device i; the server's index 0 is physical 1 and 1 is 0.
+SERVER_FLAGS = ("--fake_gpu_devices=2", "--fake_gpu_physical=1,0")
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return FakeGpuMemory(os.environ["PACKD_FAKE_GPU_LIB"], devices=2, physical=[0, 1])
+
+
+@pytest.fixture(scope="module")
+def address():
+    with PackdServer(os.environ["PACKD_TESTING_BINARY"], *SERVER_FLAGS) as address:
+        yield address
+
+
+@pytest.fixture
+def client(address, gpu):
+    with packd.Client(address, device_memory=gpu) as c:
+        yield c
+
+
+def regions(client):
+    return {r.name: r for r in client._stub.ListRegions(pb.ListRegionsRequest()).regions}
+
+
+def random_mask(shape, gen=None):
+    return torch.rand(shape, generator=gen) < 0.6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_and_scatter_stay_in_device_memory(client, gpu, dtype):
+    gen = torch.Generator().manual_seed(DTYPES.index(dtype))
+    x = random_tensor(dtype, (5, 33, 3, 2), gen)
+    mask = random_mask((5, 33), gen)
+    r = client.pack(gpu.put(x, 0), gpu.put(mask, 0), with_position_ids=True)
+    assert gpu.device_of(r.packed) == 0 and gpu.device_of(r.cu_seqlens) == 0
+    assert same(r.packed, x[mask])
+    assert r.cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist()
+    dense = client.scatter(r.packed, gpu.put(mask, 0))
+    assert gpu.device_of(dense) == 0
+    assert same(dense, reference_scatter(x[mask], mask, x))
+
+
+def test_devices_travel_as_uuids(client, gpu):
+    """The client's cuda:0 is the server's cuda:1: the region is registered by UUID, opened on
+    the server's index for it, and the server lists both devices with their UUIDs."""
+    x, mask = gpu.put(torch.randn(2, 8, 4), 0), gpu.put(random_mask((2, 8)), 0)
+    client.pack(x, mask)
+    info = {d.uuid: d.name for d in client.info().devices if d.kind == "cuda"}
+    assert info == {gpu.uuid(0): "cuda:1", gpu.uuid(1): "cuda:0"}
+    mine = [r for r in regions(client).values() if r.name.startswith("py-gpu-")]
+    assert mine and {r.device for r in mine} == {"cuda:1"}
+    # The other device works too, and lands on the server's cuda:0.
+    y, m1 = gpu.put(torch.randn(3, 5, 2), 1), gpu.put(random_mask((3, 5)), 1)
+    assert same(client.pack(y, m1).packed, y[m1])
+    assert "cuda:0" in {r.device for r in regions(client).values()}
+
+
+def test_an_unknown_uuid_is_failed_precondition(client, gpu):
+    request = pb.RegisterDeviceRegionRequest(
+        name="unknown-uuid", ipc_handle=b"\0" * 64, device="cuda:0", byte_size=64,
+        device_uuid="GPU-00000000-0000-0000-0000-000000000bad")
+    with pytest.raises(grpc.RpcError) as e:
+        client._stub.RegisterDeviceRegion(request)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "GPU-00000000-0000-0000-0000-000000000bad" in e.value.details()
+    r = pb.PackRequest(device="uuid:GPU-00000000-0000-0000-0000-000000000bad")
+    r.mask.dtype = pb.DTYPE_BOOL
+    r.mask.shape.extend([1, 1])
+    r.mask.data = b"\1"
+    with pytest.raises(grpc.RpcError) as e:
+        client._stub.Pack(r)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_each_allocation_is_registered_once(client, gpu):
+    x, mask = gpu.put(torch.randn(4, 16, 8), 0), gpu.put(random_mask((4, 16)), 0)
+    client.pack(x, mask)
+    first = set(regions(client))
+    for _ in range(3):
+        client.pack(x, mask)
+    # The results are new allocations each time; the inputs' regions are the ones of the first
+    # call, and the results freed since have been unregistered.
+    names = {name for name, _ in client._gpu_allocations.values()}
+    assert client._gpu_allocations[(0, gpu.allocation(x).base)][0] in first
+    assert names <= set(regions(client))
+
+
+def test_differentiable_pack_forward_and_backward(address, gpu):
+    op = packd.RemotePackOp(packd.Client(address, device_memory=gpu))
+    gen = torch.Generator().manual_seed(7)
+    x = gpu.put(torch.randn(3, 10, 4, generator=gen), 0).requires_grad_()
+    mask = gpu.put(random_mask((3, 10), gen), 0)
+    packed, cu_seqlens = op(x, mask)
+    assert gpu.device_of(packed) == 0
+    assert same(packed.detach(), x.detach()[mask])
+    weight = torch.randn(packed.shape, generator=gen)
+    (packed * weight).sum().backward()
+    assert same(x.grad, reference_scatter(weight, mask, x.detach()))
+    op.close()
+
+
+def test_mixed_devices_are_a_value_error_naming_both(client, gpu):
+    x = gpu.put(torch.randn(2, 4, 3), 0)
+    with pytest.raises(ValueError, match=r"mask is on cpu but inputs\[0\] is on cuda:0"):
+        client.pack(x, random_mask((2, 4)))
+    with pytest.raises(ValueError, match=r"mask is on cuda:1 but inputs\[0\] is on cuda:0"):
+        client.pack(x, gpu.put(random_mask((2, 4)), 1))
+    with pytest.raises(ValueError, match=r"packed\[1\] is on cpu"):
+        client.scatter([gpu.put(torch.randn(3, 2), 0), torch.randn(3, 2)],
+                       gpu.put(random_mask((2, 4)), 0))
+
+
+def test_host_tensors_keep_the_host_path(client, gpu):
+    x, mask = torch.randn(3, 7, 2), random_mask((3, 7))
+    r = client.pack(x, mask)
+    assert gpu.device_of(r.packed) is None and same(r.packed, x[mask])
+
+
+def test_a_lease_that_ran_out_is_registered_again(address, gpu):
+    with packd.Client(address, device_memory=gpu, lease_seconds=1) as client:
+        x, mask = gpu.put(torch.randn(4, 9, 3), 0), gpu.put(random_mask((4, 9)), 0)
+        client.pack(x, mask)
+        name = client._gpu_allocations[(0, gpu.allocation(x).base)][0]
+        deadline = time.time() + 10
+        while name in regions(client) and time.time() < deadline:
+            time.sleep(0.1)
+        assert name not in regions(client), "the lease did not run out"
+        assert same(client.pack(x, mask).packed, x[mask])  # registered again, transparently
+        assert name in regions(client)
+
+
+def test_freed_memory_is_unregistered_and_never_read_again(client, gpu):
+    """An allocation freed after a call: its region goes, and memory allocated later (at the
+    same address, as allocators do) is read afresh."""
+    mask = gpu.put(random_mask((4, 32)), 0)
+    x = gpu.put(torch.randn(4, 32, 16), 0)
+    client.pack(x, mask)
+    name = client._gpu_allocations[(0, gpu.allocation(x).base)][0]
+    del x
+    y = gpu.put(torch.randn(4, 32, 16), 0)
+    assert same(client.pack(y, mask).packed, y[mask])
+    assert name not in regions(client)
+
+
+def test_a_region_freed_while_a_call_uses_it(gpu):
+    """The client drops a region while the server still runs a call on it (packd_testing holds
+    every call 1.5 s): the call completes on memory it holds, and the region is gone after."""
+    with PackdServer(os.environ["PACKD_TESTING_BINARY"], *SERVER_FLAGS,
+                     "--call_delay_ms=1500") as address, \
+            packd.Client(address, device_memory=gpu) as client:
+        x, mask = gpu.put(torch.randn(2, 16, 4), 0), gpu.put(random_mask((2, 16)), 0)
+        want = x[mask].clone()
+        client.pack(x, mask)  # registers x's allocation
+        name = client._gpu_allocations[(0, gpu.allocation(x).base)][0]
+        got = {}
+        call = threading.Thread(target=lambda: got.update(r=client.pack(x, mask)))
+        call.start()
+        time.sleep(0.5)  # the call holds the region now
+        client._call(client._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name))
+        call.join()
+        assert same(got["r"].packed, want)
+        assert name not in regions(client)
+
+
+def test_close_unregisters_every_device_region(address, gpu):
+    client = packd.Client(address, device_memory=gpu)
+    x, mask = gpu.put(torch.randn(2, 4, 3), 0), gpu.put(random_mask((2, 4)), 0)
+    client.pack(x, mask)
+    names = {name for name, _ in client._gpu_allocations.values()}
+    client.close()
+    with packd.Client(address) as other:
+        assert not names & set(regions(other))
