@@ -32,8 +32,14 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
     auto* client = reinterpret_cast<Client*>(ctx->saved_data["client"].toInt());
     const at::Tensor mask = ctx->get_saved_variables()[0];
     const std::vector<int64_t> tail = ctx->saved_data["tail"].toIntVector();
+    // On the GPU the batch came from: autograd makes the gradient where the
+    // loss is.
+    absl::StatusOr<at::Tensor> grad =
+        client->ToDeviceOf(grads[0].contiguous(), mask);
+    TORCH_CHECK(grad.ok(),
+                "packd Scatter in backward: ", grad.status().ToString());
     absl::StatusOr<std::vector<at::Tensor>> dense =
-        client->Scatter({grads[0].contiguous()}, mask, tail);
+        client->Scatter({*grad}, mask, tail);
     TORCH_CHECK(dense.ok(),
                 "packd Scatter in backward: ", dense.status().ToString());
     return {(*dense)[0], at::Tensor(), at::Tensor()};

@@ -105,9 +105,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
 }
 
 Client::Client(std::unique_ptr<Connection> connection)
-    : connection_(std::move(connection)), options_(connection_->options()) {}
+    : connection_(std::move(connection)),
+      options_(connection_->options()),
+      device_memory_(options_.device_memory != nullptr
+                         ? options_.device_memory
+                         : MakeCudaDeviceMemory()) {}
 
 Client::~Client() {
+  UnregisterFreed(/*all=*/true);
   // Closing a segment takes mu_ (to forget it) and unregisters it.
   std::vector<std::unique_ptr<SharedMemory>> idle;
   {
@@ -352,7 +357,10 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
   }
   if (!t_in.device().is_cpu()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensors must be in host memory, not on ", t_in.device().str()));
+        "tensors must be in host memory, not on ", t_in.device().str(),
+        device_memory_ == nullptr && t_in.is_cuda()
+            ? ": this client is built without CUDA (docs/gpu.md)"
+            : ""));
   }
   const at::Tensor t = t_in.contiguous();
   EncodeTensorHeader(dtype, t.sizes().vec(), out);
@@ -514,6 +522,33 @@ absl::StatusOr<at::Tensor> JoinRows(const std::vector<const v1::Tensor*>& heads,
 
 }  // namespace
 
+void Client::FillMetadata(const v1::PackResponse& response,
+                          const PackCallOptions& options, PackedBatch* batch) {
+  auto long_tensor = [](const google::protobuf::RepeatedField<int64_t>& f) {
+    at::Tensor t = at::empty({f.size()}, at::kLong);
+    if (f.size() > 0)
+      std::memcpy(t.data_ptr(), f.data(), f.size() * sizeof(int64_t));
+    return t;
+  };
+  batch->cu_seqlens = long_tensor(response.cu_seqlens());
+  if (options.cu_seqlens_int32)
+    batch->cu_seqlens = batch->cu_seqlens.to(at::kInt);
+  batch->total_active = response.total_active();
+  batch->max_seqlen = response.max_seqlen();
+  if (options.with_position_ids)
+    batch->position_ids = long_tensor(response.position_ids());
+  batch->last_index = long_tensor(response.last_index());
+  if (options.segment_ids.defined()) {
+    batch->doc_cu_seqlens = long_tensor(response.doc_cu_seqlens());
+    if (options.cu_seqlens_int32) {
+      batch->doc_cu_seqlens = batch->doc_cu_seqlens.to(at::kInt);
+    }
+    batch->doc_max_seqlen = response.doc_max_seqlen();
+    batch->doc_row = long_tensor(response.doc_row());
+    batch->doc_last_index = long_tensor(response.doc_last_index());
+  }
+}
+
 absl::StatusOr<std::vector<at::Tensor>> Client::Results(
     const std::vector<const Tensors*>& results,
     const std::vector<const WireMessage*>& replies, bool copy_out) {
@@ -605,6 +640,12 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
 absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
                                          const at::Tensor& mask,
                                          const PackCallOptions& options) {
+  Named named = {{"mask", &mask}, {"segment_ids", &options.segment_ids}};
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    named.push_back({absl::StrCat("inputs[", i, "]"), &tensors[i]});
+  }
+  PACKD_ASSIGN_OR_RETURN(std::optional<int> gpu, GpuOf(named));
+  if (gpu.has_value()) return PackOnGpu(*gpu, tensors, mask, options);
   int64_t bytes = mask.nbytes();
   for (const at::Tensor& t : tensors)
     bytes += 2 * t.nbytes();  // inputs and, at most, results
@@ -650,29 +691,7 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   const v1::PackResponse response =
       parts == 1 ? std::move(parts_done[0].reply.message())
                  : JoinPackResponses(responses, first_rows);
-  auto long_tensor = [](const google::protobuf::RepeatedField<int64_t>& f) {
-    at::Tensor t = at::empty({f.size()}, at::kLong);
-    if (f.size() > 0)
-      std::memcpy(t.data_ptr(), f.data(), f.size() * sizeof(int64_t));
-    return t;
-  };
-  batch.cu_seqlens = long_tensor(response.cu_seqlens());
-  if (options.cu_seqlens_int32)
-    batch.cu_seqlens = batch.cu_seqlens.to(at::kInt);
-  batch.total_active = response.total_active();
-  batch.max_seqlen = response.max_seqlen();
-  if (options.with_position_ids)
-    batch.position_ids = long_tensor(response.position_ids());
-  batch.last_index = long_tensor(response.last_index());
-  if (options.segment_ids.defined()) {
-    batch.doc_cu_seqlens = long_tensor(response.doc_cu_seqlens());
-    if (options.cu_seqlens_int32) {
-      batch.doc_cu_seqlens = batch.doc_cu_seqlens.to(at::kInt);
-    }
-    batch.doc_max_seqlen = response.doc_max_seqlen();
-    batch.doc_row = long_tensor(response.doc_row());
-    batch.doc_last_index = long_tensor(response.doc_last_index());
-  }
+  FillMetadata(response, options, &batch);
   return batch;
 }
 
@@ -680,6 +699,19 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     const std::vector<at::Tensor>& packed, const at::Tensor& mask,
     const std::optional<std::vector<int64_t>>& tail_shape,
     const std::string& device) {
+  Named named = {{"mask", &mask}};
+  for (size_t i = 0; i < packed.size(); ++i) {
+    named.push_back({absl::StrCat("packed[", i, "]"), &packed[i]});
+  }
+  PACKD_ASSIGN_OR_RETURN(std::optional<int> gpu, GpuOf(named));
+  if (gpu.has_value()) {
+    if (!device.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device \"", device, "\" is for host tensors; these are on ",
+          device_memory_->Name(*gpu), ", where the call runs"));
+    }
+    return ScatterOnGpu(*gpu, packed, mask, tail_shape);
+  }
   // Each result is [B, S, *tail]: B * S rows of a packed row's bytes (unknown,
   // 0, when a tensor has no rows to measure).
   int64_t bytes = mask.nbytes();

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/connection.h"
+#include "client/device_memory.h"
 #include "client/shared_memory.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
@@ -35,7 +36,8 @@ struct PackCallOptions {
   // cu_seqlens as int32 (what flash-attention and TransformerEngine take)
   // instead of int64.
   bool cu_seqlens_int32 = false;
-  // "cpu", "cuda:N", "hip:N"; empty: the server's default.
+  // "cpu", "cuda:N", "hip:N", "uuid:GPU-..."; empty: the server's default.
+  // For host tensors: GPU tensors run on their own GPU.
   std::string device;
   // Documents within rows (docs/design.md §8): [B, S] of an integer dtype,
   // or undefined for none. position_ids then restart at every document and
@@ -77,17 +79,23 @@ absl::StatusOr<v1::RegionSlice> DeviceSlice(const std::string& region,
 // once each get their own scratch memory, parts and results, and nothing one
 // call writes is visible to another. A SharedMemory it hands out is not:
 // one thread at a time allocates from it.
+//
+// GPU tensors stay on their GPU: a call whose tensors are all on one GPU
+// (ClientOptions::device_memory says which) registers the allocations holding
+// them as device regions, once each, with the lease, and again when the server
+// lost them; allocates the results on that GPU; and has packd write them
+// there. The results, cu_seqlens and the rest, are tensors on that GPU.
+// Tensors on different devices in one call are INVALID_ARGUMENT.
 class Client {
  public:
   // Connects (lazily: the first call dials): the errors of Connection::Open.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
   ~Client();
 
-  // Packs every tensor ([B, S, *tail], CPU, any of the ten dtypes) with one
-  // scan of `mask`
-  // ([B, S]). Errors carry the server's code and message (INVALID_ARGUMENT for
-  // shapes, ...); tensors of a dtype packd does not carry are INVALID_ARGUMENT
-  // here.
+  // Packs every tensor ([B, S, *tail], any of the ten dtypes, in host memory
+  // or all on one GPU with the mask) with one scan of `mask` ([B, S]). Errors
+  // carry the server's code and message (INVALID_ARGUMENT for shapes, ...);
+  // tensors of a dtype packd does not carry are INVALID_ARGUMENT here.
   absl::StatusOr<PackedBatch> Pack(const std::vector<at::Tensor>& tensors,
                                    const at::Tensor& mask,
                                    const PackCallOptions& options = {});
@@ -122,6 +130,11 @@ class Client {
       const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
       int32_t num_ranks = 1, int32_t micro_batch_multiple = 1,
       const std::vector<int64_t>& loss_tokens = {});
+
+  // `t` on the GPU holding `like`, when it is not there (a gradient autograd
+  // left in host memory); `t` itself otherwise.
+  absl::StatusOr<at::Tensor> ToDeviceOf(const at::Tensor& t,
+                                        const at::Tensor& like);
 
   absl::StatusOr<v1::ServerInfo> Info() { return connection_->Info(); }
   // The load-balancing policy the channels use ("round_robin", "pick_first"),
@@ -214,8 +227,59 @@ class Client {
       const std::vector<const Tensors*>& results,
       const std::vector<const WireMessage*>& replies, bool copy_out);
 
+  // Sets the fields of `batch` that the response carries as numbers:
+  // cu_seqlens, position ids, last indices and the documents', on the host.
+  static void FillMetadata(const v1::PackResponse& response,
+                           const PackCallOptions& options, PackedBatch* batch);
+
+  // GPU tensors (gpu_calls.cc). The GPU of a call's tensors (name, tensor;
+  // undefined ones skipped): nullopt for host memory; INVALID_ARGUMENT naming
+  // two on different devices.
+  using Named = std::vector<std::pair<std::string, const at::Tensor*>>;
+  absl::StatusOr<std::optional<int>> GpuOf(const Named& tensors) const;
+  absl::StatusOr<std::string> GpuUuid(int index);
+  // The slice of `t` (contiguous, on GPU `index`, with bytes) in the device
+  // region of its allocation, registered first when it is not yet.
+  absl::StatusOr<v1::RegionSlice> GpuSlice(const at::Tensor& t, int index,
+                                           Outgoing* outgoing);
+  absl::Status EncodeGpuTensor(const at::Tensor& t, int index, v1::Tensor* out,
+                               Outgoing* outgoing);
+  // Forgets and unregisters the regions of allocations freed since the last
+  // call (or of every GPU allocation, with `all`).
+  void UnregisterFreed(bool all = false);
+  // Sends `outgoing` (its GPU tensors encoded) with the results into
+  // `outputs` (none: inline), their slices added to `slices`, once the GPU's
+  // queued work has finished.
+  absl::Status CallOnGpu(
+      int index, const char* method, Outgoing* outgoing,
+      const std::vector<at::Tensor>& outputs,
+      google::protobuf::RepeatedPtrField<v1::RegionSlice>* slices,
+      WireMessage* reply);
+  // The results on GPU `index`: `outputs` where packd wrote them (checked
+  // against the reply's shapes), else the inline ones copied there.
+  absl::StatusOr<std::vector<at::Tensor>> GpuResults(
+      const Tensors& results, const WireMessage& reply,
+      const std::vector<at::Tensor>& outputs, int index);
+  absl::StatusOr<PackedBatch> PackOnGpu(int index,
+                                        const std::vector<at::Tensor>& tensors,
+                                        const at::Tensor& mask,
+                                        const PackCallOptions& options);
+  absl::StatusOr<std::vector<at::Tensor>> ScatterOnGpu(
+      int index, const std::vector<at::Tensor>& packed, const at::Tensor& mask,
+      const std::optional<std::vector<int64_t>>& tail_shape);
+  // Regions of freed GPU allocations, as the device memory reports them (from
+  // wherever memory is freed, maybe after the client is gone: it holds only
+  // this).
+  struct FreedRegions {
+    absl::Mutex mu;
+    std::vector<std::pair<std::pair<int, uintptr_t>, std::string>> regions
+        ABSL_GUARDED_BY(mu);
+  };
+
   const std::unique_ptr<Connection> connection_;
-  const ClientOptions& options_;  // connection_'s
+  const ClientOptions& options_;                       // connection_'s
+  const std::shared_ptr<DeviceMemory> device_memory_;  // may be null
+  const std::shared_ptr<FreedRegions> freed_ = std::make_shared<FreedRegions>();
   // Guards what follows; never held across an RPC.
   absl::Mutex mu_;
   // Signalled when a region's registration again ends.
@@ -232,6 +296,12 @@ class Client {
   // Scratch segments no call holds now.
   std::vector<std::unique_ptr<SharedMemory>> idle_scratch_ ABSL_GUARDED_BY(mu_);
   std::optional<bool> server_allows_shm_ ABSL_GUARDED_BY(mu_);
+  // The device regions of GPU allocations: (device, base) -> (region, IPC
+  // handle); and the devices' UUIDs.
+  absl::flat_hash_map<std::pair<int, uintptr_t>,
+                      std::pair<std::string, std::string>>
+      gpu_allocations_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int, std::string> uuids_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace packd

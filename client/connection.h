@@ -32,6 +32,8 @@
 
 namespace packd {
 
+class DeviceMemory;  // client/device_memory.h
+
 struct ClientOptions {
   // "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes
   // Service (every pod's address; calls spread over them).
@@ -103,6 +105,10 @@ struct ClientOptions {
   std::function<std::vector<
       std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>>()>
       interceptors;
+  // Where GPU tensors live (client/device_memory.h): calls whose tensors are
+  // on one GPU keep them there. Null: MakeCudaDeviceMemory(), libtorch's CUDA
+  // tensors when the client is built with CUDA.
+  std::shared_ptr<DeviceMemory> device_memory;
 };
 
 // The methods RawCall serves.

@@ -1,0 +1,135 @@
+// MakeCudaDeviceMemory for a client built with CUDA: libtorch's CUDA tensors,
+// their allocations found with the driver's cuMemGetAddressRange (reached
+// through the runtime, so that nothing links the driver library, which is
+// absent where there is no GPU) and exported with cudaIpcGetMemHandle.
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/device_memory.h"
+#include "kernels/tensor_view.h"
+
+namespace packd {
+namespace {
+
+absl::Status CudaError(const char* what, cudaError_t err) {
+  (void)cudaGetLastError();
+  return absl::InternalError(
+      absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(err)));
+}
+
+#define PACKD_CUDA_CHECK(what, call)                                 \
+  do {                                                               \
+    const cudaError_t packd_err = (call);                            \
+    if (packd_err != cudaSuccess) return CudaError(what, packd_err); \
+  } while (0)
+
+using AddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);
+
+AddressRange FindAddressRange() {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000,
+                                       cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<AddressRange>(f);
+}
+
+// Runs the torch calls that may throw (allocation, copies) as a Status.
+template <typename F>
+absl::StatusOr<at::Tensor> Torch(const char* what, F&& f) {
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat(what, ": ", e.what_without_backtrace()));
+  }
+}
+
+class CudaMemory : public DeviceMemory {
+ public:
+  std::optional<int> DeviceOf(const at::Tensor& t) const override {
+    if (!t.is_cuda()) return std::nullopt;
+    return t.device().index();
+  }
+
+  std::string Name(int index) const override {
+    return absl::StrCat("cuda:", index);
+  }
+
+  absl::StatusOr<std::string> Uuid(int index) const override {
+    cudaDeviceProp prop;
+    PACKD_CUDA_CHECK("device properties",
+                     cudaGetDeviceProperties(&prop, index));
+    unsigned char bytes[16];
+    for (int i = 0; i < 16; ++i) {
+      bytes[i] = static_cast<unsigned char>(prop.uuid.bytes[i]);
+    }
+    return FormatDeviceUuid(bytes);
+  }
+
+  absl::StatusOr<Allocation> AllocationOf(const at::Tensor& t) const override {
+    static const AddressRange range = FindAddressRange();
+    if (range == nullptr) {
+      return absl::FailedPreconditionError(
+          "the CUDA driver has no cuMemGetAddressRange");
+    }
+    PACKD_CUDA_CHECK("set device", cudaSetDevice(t.device().index()));
+    unsigned long long base = 0;
+    size_t size = 0;
+    if (range(&base, &size,
+              reinterpret_cast<unsigned long long>(t.data_ptr())) != 0) {
+      return absl::InternalError(
+          "cuMemGetAddressRange: the tensor is not in CUDA device memory");
+    }
+    cudaIpcMemHandle_t handle;
+    PACKD_CUDA_CHECK(
+        "IPC handle (memory from cudaMallocAsync or expandable segments "
+        "cannot be exported; use libtorch's default caching allocator)",
+        cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)));
+    Allocation out;
+    out.base = static_cast<uintptr_t>(base);
+    out.size = size;
+    out.ipc_handle.assign(reinterpret_cast<const char*>(&handle),
+                          sizeof(handle));
+    return out;
+  }
+
+  absl::StatusOr<at::Tensor> Empty(at::IntArrayRef shape, at::ScalarType dtype,
+                                   int index) const override {
+    return Torch("CUDA allocation", [&] {
+      return at::empty(
+          shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, index));
+    });
+  }
+
+  absl::StatusOr<at::Tensor> ToDevice(const at::Tensor& host,
+                                      int index) const override {
+    return Torch("copy to the GPU", [&] {
+      return host.to(
+          at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index)));
+    });
+  }
+
+  absl::Status Synchronize(int index) const override {
+    // Every stream of the device: libtorch's current stream is not reachable
+    // from a CPU-only build of its headers.
+    PACKD_CUDA_CHECK("set device", cudaSetDevice(index));
+    PACKD_CUDA_CHECK("device synchronisation", cudaDeviceSynchronize());
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<DeviceMemory> MakeCudaDeviceMemory() {
+  return std::make_shared<CudaMemory>();
+}
+
+}  // namespace packd

@@ -1,0 +1,348 @@
+// Client calls whose tensors are on a GPU: the tensors travel as slices of
+// device regions (the allocations holding them, registered once each), the
+// results are allocated on the same GPU and written there by packd.
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "kernels/dtype.h"
+#include "kernels/status_macros.h"
+#include "kernels/torch/torch_interop.h"
+#include "proto/tensor_codec.h"
+
+namespace packd {
+namespace {
+
+// Device regions of this process are "cpp-gpu-PID-N".
+std::string NewGpuRegionName() {
+  static std::atomic<int64_t> next{0};
+  return absl::StrCat("cpp-gpu-", getpid(), "-", next++);
+}
+
+// Sizes, as a vector, of [lead..., t.sizes()[from:]...].
+std::vector<int64_t> WithTail(std::vector<int64_t> lead, const at::Tensor& t,
+                              int64_t from) {
+  for (int64_t d = from; d < t.dim(); ++d) lead.push_back(t.size(d));
+  return lead;
+}
+
+}  // namespace
+
+absl::StatusOr<std::optional<int>> Client::GpuOf(const Named& tensors) const {
+  const std::string* first_name = nullptr;
+  std::optional<int> first;
+  auto label = [&](const std::optional<int>& index) {
+    return index.has_value() ? device_memory_->Name(*index) : "cpu";
+  };
+  for (const auto& [name, t] : tensors) {
+    if (!t->defined()) continue;
+    std::optional<int> index;
+    if (device_memory_ != nullptr) index = device_memory_->DeviceOf(*t);
+    // Host tensors without bytes go with any device.
+    if (!index.has_value() && t->device().is_cpu() && t->numel() == 0) continue;
+    if (first_name == nullptr) {
+      first_name = &name;
+      first = index;
+    } else if (index != first) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          *first_name, " is on ", label(first), " but ", name, " is on ",
+          label(index), ": the tensors of one call must be on one device"));
+    }
+  }
+  return first;
+}
+
+absl::StatusOr<std::string> Client::GpuUuid(int index) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = uuids_.find(index);
+    if (it != uuids_.end()) return it->second;
+  }
+  PACKD_ASSIGN_OR_RETURN(std::string uuid, device_memory_->Uuid(index));
+  absl::MutexLock lock(&mu_);
+  uuids_[index] = uuid;
+  return uuid;
+}
+
+absl::StatusOr<v1::RegionSlice> Client::GpuSlice(const at::Tensor& t, int index,
+                                                 Outgoing* outgoing) {
+  PACKD_ASSIGN_OR_RETURN(DeviceMemory::Allocation allocation,
+                         device_memory_->AllocationOf(t));
+  const std::pair<int, uintptr_t> key(index, allocation.base);
+  std::string region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = gpu_allocations_.find(key);
+    if (it != gpu_allocations_.end()) {
+      if (it->second.second == allocation.ipc_handle) {
+        region = it->second.first;
+      } else {
+        // The address is another allocation's now: the one registered was
+        // freed.
+        absl::MutexLock freed(&freed_->mu);
+        freed_->regions.push_back({key, it->second.first});
+      }
+    }
+  }
+  if (region.empty()) {
+    UnregisterFreed();
+    PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
+    v1::RegisterDeviceRegionRequest request;
+    request.set_name(NewGpuRegionName());
+    request.set_ipc_handle(allocation.ipc_handle);
+    request.set_device(device_memory_->Name(index));
+    request.set_device_uuid(uuid);
+    request.set_byte_size(allocation.size);
+    request.set_lease_seconds(options_.lease_seconds);
+    v1::RegisterRegionResponse response;
+    PACKD_RETURN_IF_ERROR(connection_->Call([&](grpc::ClientContext* c) {
+      return connection_->stub().RegisterDeviceRegion(c, request, &response);
+    }));
+    region = request.name();
+    bool raced = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = gpu_allocations_.find(key);
+      if (it != gpu_allocations_.end() &&
+          it->second.second == allocation.ipc_handle) {
+        raced = true;  // another call registered it meanwhile: use that one
+        absl::MutexLock freed(&freed_->mu);
+        freed_->regions.push_back({{-1, 0}, region});
+        region = it->second.first;
+      } else {
+        gpu_allocations_[key] = {region, allocation.ipc_handle};
+        device_regions_[region] = request;
+        registrations_[region] = 1;
+      }
+    }
+    if (!raced) {
+      std::weak_ptr<FreedRegions> freed = freed_;
+      device_memory_->Watch(allocation.base, [freed, key, region] {
+        if (std::shared_ptr<FreedRegions> f = freed.lock()) {
+          absl::MutexLock lock(&f->mu);
+          f->regions.push_back({key, region});
+        }
+      });
+    }
+  }
+  outgoing->regions.push_back(region);
+  return DeviceSlice(region, reinterpret_cast<const void*>(allocation.base),
+                     t.data_ptr(), t.nbytes());
+}
+
+void Client::UnregisterFreed(bool all) {
+  std::vector<std::pair<std::pair<int, uintptr_t>, std::string>> freed;
+  {
+    absl::MutexLock lock(&freed_->mu);
+    freed.swap(freed_->regions);
+  }
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    if (all) {
+      for (const auto& [key, entry] : gpu_allocations_) {
+        freed.push_back({key, entry.first});
+      }
+    }
+    for (const auto& [key, region] : freed) {
+      auto it = gpu_allocations_.find(key);
+      if (it != gpu_allocations_.end() && it->second.first == region) {
+        gpu_allocations_.erase(it);
+      }
+      device_regions_.erase(region);
+      registrations_.erase(region);
+      names.push_back(region);
+    }
+  }
+  for (const std::string& name : names) {
+    // Gone already (its lease ran out), or the server is away: its lease
+    // ends it.
+    connection_->UnregisterRegion(name).IgnoreError();
+  }
+}
+
+absl::Status Client::EncodeGpuTensor(const at::Tensor& t, int index,
+                                     v1::Tensor* out, Outgoing* outgoing) {
+  const DType dtype = FromScalarType(t.scalar_type());
+  if (dtype == DType::kUnspecified) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dtype ", c10::toString(t.scalar_type()), " is not one packd carries"));
+  }
+  EncodeTensorHeader(dtype, t.sizes().vec(), out);
+  if (t.numel() == 0) {
+    out->set_data("");
+    return absl::OkStatus();
+  }
+  PACKD_ASSIGN_OR_RETURN(*out->mutable_region(), GpuSlice(t, index, outgoing));
+  return absl::OkStatus();
+}
+
+absl::Status Client::CallOnGpu(
+    int index, const char* method, Outgoing* outgoing,
+    const std::vector<at::Tensor>& outputs,
+    google::protobuf::RepeatedPtrField<v1::RegionSlice>* slices,
+    WireMessage* reply) {
+  for (const at::Tensor& o : outputs) {
+    PACKD_ASSIGN_OR_RETURN(*slices->Add(), GpuSlice(o, index, outgoing));
+  }
+  // The inputs written and the outputs' memory free before packd touches
+  // them.
+  PACKD_RETURN_IF_ERROR(device_memory_->Synchronize(index));
+  return RawCall(0, method, *outgoing, reply);
+}
+
+absl::StatusOr<std::vector<at::Tensor>> Client::GpuResults(
+    const Tensors& results, const WireMessage& reply,
+    const std::vector<at::Tensor>& outputs, int index) {
+  std::vector<at::Tensor> out;
+  if (outputs.empty()) {
+    for (const v1::Tensor& t : results) {
+      PACKD_ASSIGN_OR_RETURN(at::Tensor host,
+                             DecodeResult(t, /*copy_out=*/true, reply));
+      PACKD_ASSIGN_OR_RETURN(at::Tensor placed,
+                             device_memory_->ToDevice(host, index));
+      out.push_back(std::move(placed));
+    }
+    return out;
+  }
+  if (results.size() != static_cast<int>(outputs.size())) {
+    return absl::InternalError("packd returned another number of results");
+  }
+  for (int i = 0; i < results.size(); ++i) {
+    const v1::Tensor& t = results[i];
+    if (!t.has_region() ||
+        std::vector<int64_t>(t.shape().begin(), t.shape().end()) !=
+            outputs[i].sizes().vec()) {
+      return absl::InternalError(absl::StrCat(
+          "packd answered shape ",
+          ShapeString(std::vector<int64_t>(t.shape().begin(), t.shape().end())),
+          " for a result of shape ", ShapeString(outputs[i].sizes().vec())));
+    }
+    out.push_back(outputs[i]);
+  }
+  return out;
+}
+
+absl::StatusOr<PackedBatch> Client::PackOnGpu(
+    int index, const std::vector<at::Tensor>& tensors_in,
+    const at::Tensor& mask_in, const PackCallOptions& options) {
+  if (!options.device.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device \"", options.device, "\" is for host tensors; these are on ",
+        device_memory_->Name(index), ", where the call runs"));
+  }
+  if (options.results_in != nullptr) {
+    return absl::InvalidArgumentError(
+        "results_in is shared memory for host tensors; results of GPU tensors "
+        "are written on their GPU");
+  }
+  UnregisterFreed();
+  const at::Tensor mask = mask_in.contiguous();
+  std::vector<at::Tensor> tensors;
+  bool shaped = mask.dim() == 2;
+  for (const at::Tensor& t : tensors_in) {
+    tensors.push_back(t.contiguous());
+    shaped = shaped && t.dim() >= 2;
+  }
+  std::vector<at::Tensor> outputs;
+  if (shaped) {
+    const int64_t active = at::count_nonzero(mask).item<int64_t>();
+    for (const at::Tensor& t : tensors) {
+      PACKD_ASSIGN_OR_RETURN(at::Tensor o,
+                             device_memory_->Empty(WithTail({active}, t, 2),
+                                                   t.scalar_type(), index));
+      outputs.push_back(std::move(o));
+      if (outputs.back().numel() == 0) shaped = false;
+    }
+  }
+  if (!shaped) outputs.clear();  // results without bytes come inline
+
+  PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
+  Wire<v1::PackRequest> request;
+  Outgoing outgoing(&request);
+  request->set_device(absl::StrCat("uuid:", uuid));
+  request->set_with_position_ids(options.with_position_ids);
+  PACKD_RETURN_IF_ERROR(
+      EncodeGpuTensor(mask, index, request->mutable_mask(), &outgoing));
+  for (const at::Tensor& t : tensors) {
+    PACKD_RETURN_IF_ERROR(
+        EncodeGpuTensor(t, index, request->add_inputs(), &outgoing));
+  }
+  if (options.segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(EncodeGpuTensor(options.segment_ids.contiguous(),
+                                          index, request->mutable_segment_ids(),
+                                          &outgoing));
+  }
+  Wire<v1::PackResponse> reply;
+  PACKD_RETURN_IF_ERROR(CallOnGpu(index, kPackMethod, &outgoing, outputs,
+                                  request->mutable_outputs(), &reply));
+  PackedBatch batch;
+  PACKD_ASSIGN_OR_RETURN(batch.packed,
+                         GpuResults(reply->packed(), reply, outputs, index));
+  FillMetadata(reply.message(), options, &batch);
+  for (at::Tensor* t :
+       {&batch.cu_seqlens, &batch.position_ids, &batch.last_index,
+        &batch.doc_cu_seqlens, &batch.doc_row, &batch.doc_last_index}) {
+    if (!t->defined()) continue;
+    PACKD_ASSIGN_OR_RETURN(*t, device_memory_->ToDevice(*t, index));
+  }
+  return batch;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(
+    int index, const std::vector<at::Tensor>& packed_in,
+    const at::Tensor& mask_in,
+    const std::optional<std::vector<int64_t>>& tail_shape) {
+  UnregisterFreed();
+  const at::Tensor mask = mask_in.contiguous();
+  std::vector<at::Tensor> packed;
+  bool shaped = mask.dim() == 2;
+  for (const at::Tensor& t : packed_in) {
+    packed.push_back(t.contiguous());
+    shaped = shaped && t.dim() >= 1;
+  }
+  std::vector<at::Tensor> outputs;
+  if (shaped) {
+    for (const at::Tensor& t : packed) {
+      PACKD_ASSIGN_OR_RETURN(
+          at::Tensor o,
+          device_memory_->Empty(WithTail({mask.size(0), mask.size(1)}, t, 1),
+                                t.scalar_type(), index));
+      outputs.push_back(std::move(o));
+      if (outputs.back().numel() == 0) shaped = false;
+    }
+  }
+  if (!shaped) outputs.clear();
+
+  PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
+  Wire<v1::ScatterRequest> request;
+  Outgoing outgoing(&request);
+  request->set_device(absl::StrCat("uuid:", uuid));
+  PACKD_RETURN_IF_ERROR(
+      EncodeGpuTensor(mask, index, request->mutable_mask(), &outgoing));
+  for (const at::Tensor& t : packed) {
+    PACKD_RETURN_IF_ERROR(
+        EncodeGpuTensor(t, index, request->add_packed(), &outgoing));
+  }
+  if (tail_shape.has_value()) {
+    for (int64_t d : *tail_shape) request->mutable_tail_shape()->add_dims(d);
+  }
+  Wire<v1::ScatterResponse> reply;
+  PACKD_RETURN_IF_ERROR(CallOnGpu(index, kScatterMethod, &outgoing, outputs,
+                                  request->mutable_outputs(), &reply));
+  return GpuResults(reply->dense(), reply, outputs, index);
+}
+
+absl::StatusOr<at::Tensor> Client::ToDeviceOf(const at::Tensor& t,
+                                              const at::Tensor& like) {
+  if (device_memory_ == nullptr || t.numel() == 0) return t;
+  const std::optional<int> index = device_memory_->DeviceOf(like);
+  if (!index.has_value() || device_memory_->DeviceOf(t) == index) return t;
+  return device_memory_->ToDevice(t.detach().cpu().contiguous(), *index);
+}
+
+}  // namespace packd

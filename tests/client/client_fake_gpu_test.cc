@@ -1,0 +1,293 @@
+// The C++ client's GPU path end to end without a GPU: a packd_testing server
+// whose cuda is the fake GPU of tests/fake_gpu, and a client whose device
+// memory is that fake GPU's in this process (fake_gpu_memory.h). The client
+// registers the allocations holding its tensors as device regions, the server
+// opens them from their IPC handles (memfd, across the two processes) and
+// writes the results into memory the client allocated; every result is
+// checked byte for byte against torch.
+//
+// The processes number the GPUs differently (this process's cuda:0 is the
+// server's cuda:1), as CUDA_VISIBLE_DEVICES makes them: devices travel as
+// UUIDs.
+#include <ATen/ATen.h>
+
+#include <future>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "client/autograd.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/fake_gpu_memory.h"
+#include "tests/e2e/server_process.h"
+#include "tests/kernels/test_util.h"
+#include "workloads/mask_patterns.h"
+
+namespace packd {
+namespace {
+
+using testing::FakeGpuMemory;
+using ::testing::HasSubstr;
+using testing::ServerProcess;
+
+const std::vector<std::string> kServerFlags = {"--fake_gpu_devices=2",
+                                               "--fake_gpu_physical=1,0"};
+
+class ClientFakeGpuTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    fakegpu::testing::Config config;
+    config.devices = 2;  // index i is physical device i
+    config.memory_bytes = size_t{1} << 30;
+    fakegpu::testing::Configure(config);
+  }
+
+  void SetUp() override {
+    server_ =
+        ServerProcess::Start(kServerFlags, ServerProcess::Binary::kTesting);
+    ASSERT_NE(server_, nullptr);
+    client_ = Connect();
+  }
+
+  std::unique_ptr<Client> Connect(uint32_t lease_seconds = 30) {
+    ClientOptions options;
+    options.address = server_->address();
+    options.device_memory = gpu_;
+    options.lease_seconds = lease_seconds;
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  // The server's regions: name -> device.
+  std::map<std::string, std::string> Regions() {
+    v1::ListRegionsResponse listed;
+    grpc::ClientContext context;
+    EXPECT_TRUE(client_->stub().ListRegions(&context, {}, &listed).ok());
+    std::map<std::string, std::string> out;
+    for (const v1::RegionInfo& r : listed.regions()) out[r.name()] = r.device();
+    return out;
+  }
+
+  // A mask of varied active values (2, -1, NaN...), some rows empty.
+  at::Tensor RandomMask(int64_t b, int64_t s) {
+    return testing::RandomMask(rng_, DType::kFloat32, b, s, 0.6,
+                               MaskPattern::kHoles);
+  }
+
+  testing::Rng rng_ = testing::Rng::Fresh();
+
+  std::shared_ptr<FakeGpuMemory> gpu_ = std::make_shared<FakeGpuMemory>();
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(ClientFakeGpuTest, PackAndScatterStayInDeviceMemoryForEveryDtype) {
+  for (DType dtype : kAllDTypes) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const at::Tensor x = testing::RandomTensor(rng_, dtype, {5, 33, 3, 2});
+    const at::Tensor mask = RandomMask(5, 33);
+    PackCallOptions options;
+    options.with_position_ids = true;
+    absl::StatusOr<PackedBatch> batch =
+        client_->Pack({gpu_->Put(x, 0)}, gpu_->Put(mask, 0), options);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    EXPECT_EQ(gpu_->DeviceOf(batch->packed[0]), 0);
+    EXPECT_EQ(gpu_->DeviceOf(batch->cu_seqlens), 0);
+    EXPECT_TRUE(
+        testing::SameBytes(testing::ReferencePack(x, mask), batch->packed[0]));
+    const testing::ReferenceMeta meta = testing::ReferenceMetadata(mask);
+    EXPECT_EQ(std::vector<int64_t>(batch->cu_seqlens.data_ptr<int64_t>(),
+                                   batch->cu_seqlens.data_ptr<int64_t>() +
+                                       batch->cu_seqlens.numel()),
+              meta.cu_seqlens);
+    EXPECT_EQ(std::vector<int64_t>(batch->position_ids.data_ptr<int64_t>(),
+                                   batch->position_ids.data_ptr<int64_t>() +
+                                       batch->position_ids.numel()),
+              meta.position_ids);
+    absl::StatusOr<std::vector<at::Tensor>> dense =
+        client_->Scatter({batch->packed[0]}, gpu_->Put(mask, 0));
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    EXPECT_EQ(gpu_->DeviceOf((*dense)[0]), 0);
+    EXPECT_TRUE(testing::SameBytes(
+        testing::ReferenceScatter(testing::ReferencePack(x, mask), mask,
+                                  x.sizes().vec()),
+        (*dense)[0]));
+  }
+}
+
+TEST_F(ClientFakeGpuTest, DevicesTravelAsUuids) {
+  const at::Tensor x = at::randn({2, 8, 4});
+  const at::Tensor mask = RandomMask(2, 8);
+  ASSERT_TRUE(client_->Pack({gpu_->Put(x, 0)}, gpu_->Put(mask, 0)).ok());
+  absl::StatusOr<v1::ServerInfo> info = client_->Info();
+  ASSERT_TRUE(info.ok());
+  std::map<std::string, std::string> by_uuid;
+  for (const v1::DeviceInfo& d : info->devices()) {
+    if (d.kind() == "cuda") by_uuid[d.uuid()] = d.name();
+  }
+  EXPECT_EQ(by_uuid[*gpu_->Uuid(0)], "cuda:1");
+  EXPECT_EQ(by_uuid[*gpu_->Uuid(1)], "cuda:0");
+  std::set<std::string> devices;
+  for (const auto& [name, device] : Regions()) {
+    if (name.rfind("cpp-gpu-", 0) == 0) devices.insert(device);
+  }
+  EXPECT_EQ(devices, std::set<std::string>{"cuda:1"});
+  // This process's cuda:1 is the server's cuda:0.
+  const at::Tensor y = at::randn({3, 5, 2});
+  const at::Tensor m1 = RandomMask(3, 5);
+  absl::StatusOr<PackedBatch> other =
+      client_->Pack({gpu_->Put(y, 1)}, gpu_->Put(m1, 1));
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_TRUE(
+      testing::SameBytes(testing::ReferencePack(y, m1), other->packed[0]));
+}
+
+TEST_F(ClientFakeGpuTest, AnUnknownUuidIsFailedPreconditionNamingIt) {
+  v1::RegisterDeviceRegionRequest request;
+  request.set_name("unknown-uuid");
+  request.set_ipc_handle(std::string(64, '\0'));
+  request.set_device("cuda:0");
+  request.set_byte_size(64);
+  request.set_device_uuid("GPU-00000000-0000-0000-0000-000000000bad");
+  v1::RegisterRegionResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status =
+      client_->stub().RegisterDeviceRegion(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("GPU-00000000-0000-0000-0000-000000000bad"));
+}
+
+TEST_F(ClientFakeGpuTest, EachAllocationIsRegisteredOnceAndFreedOnesGo) {
+  const at::Tensor x = gpu_->Put(at::randn({4, 16, 8}), 0);
+  const at::Tensor mask = gpu_->Put(RandomMask(4, 16), 0);
+  ASSERT_TRUE(client_->Pack({x}, mask).ok());
+  const size_t after_one = Regions().size();
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<PackedBatch> batch = client_->Pack({x}, mask);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+  }
+  // Each call's results are new allocations, freed (and their regions
+  // unregistered) after; the inputs' regions stay the first call's.
+  EXPECT_LE(Regions().size(), after_one + 1);
+}
+
+TEST_F(ClientFakeGpuTest, MemoryAtAFreedAllocationsAddressIsReadAfresh) {
+  const at::Tensor mask_host = RandomMask(4, 32);
+  const at::Tensor mask = gpu_->Put(mask_host, 0);
+  {
+    const at::Tensor x = gpu_->Put(at::randn({4, 32, 16}), 0);
+    ASSERT_TRUE(client_->Pack({x}, mask).ok());
+  }
+  const at::Tensor y_host = at::randn({4, 32, 16});
+  absl::StatusOr<PackedBatch> batch =
+      client_->Pack({gpu_->Put(y_host, 0)}, mask);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(testing::SameBytes(testing::ReferencePack(y_host, mask_host),
+                                 batch->packed[0]));
+}
+
+TEST_F(ClientFakeGpuTest, DifferentiablePackRunsForwardAndBackwardOnTheGpu) {
+  const at::Tensor x_host = at::randn({3, 10, 4}, at::kDouble);
+  const at::Tensor mask_host = RandomMask(3, 10);
+  at::Tensor x = gpu_->Put(x_host, 0).requires_grad_();
+  const at::Tensor mask = gpu_->Put(mask_host, 0);
+  absl::StatusOr<at::Tensor> packed = PackWithGrad(*client_, x, mask);
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  EXPECT_EQ(gpu_->DeviceOf(*packed), 0);
+  EXPECT_TRUE(testing::SameBytes(testing::ReferencePack(x_host, mask_host),
+                                 packed->detach()));
+  const at::Tensor weight = at::randn(packed->sizes(), at::kDouble);
+  (*packed * weight).sum().backward();
+  EXPECT_TRUE(testing::SameBytes(
+      testing::ReferenceScatter(weight, mask_host, x_host.sizes().vec()),
+      x.grad()));
+}
+
+TEST_F(ClientFakeGpuTest, MixedDevicesAreInvalidArgumentNamingBoth) {
+  const at::Tensor x = gpu_->Put(at::randn({2, 4, 3}), 0);
+  absl::StatusOr<PackedBatch> host_mask = client_->Pack({x}, RandomMask(2, 4));
+  EXPECT_EQ(host_mask.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(host_mask.status().message(),
+              HasSubstr("mask is on cpu but inputs[0] is on cuda:0"));
+  absl::StatusOr<PackedBatch> other =
+      client_->Pack({x}, gpu_->Put(RandomMask(2, 4), 1));
+  EXPECT_THAT(other.status().message(),
+              HasSubstr("mask is on cuda:1 but inputs[0] is on cuda:0"));
+}
+
+TEST_F(ClientFakeGpuTest, ALeaseThatRanOutIsRegisteredAgain) {
+  std::unique_ptr<Client> client = Connect(/*lease_seconds=*/1);
+  const at::Tensor x_host = at::randn({4, 9, 3});
+  const at::Tensor mask_host = RandomMask(4, 9);
+  const at::Tensor x = gpu_->Put(x_host, 0), mask = gpu_->Put(mask_host, 0);
+  ASSERT_TRUE(client->Pack({x}, mask).ok());
+  auto mine = [&] {
+    int n = 0;
+    for (const auto& [name, device] : Regions())
+      n += name.rfind("cpp-gpu-", 0) == 0;
+    return n;
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (mine() > 0 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_EQ(mine(), 0) << "the leases did not run out";
+  absl::StatusOr<PackedBatch> batch = client->Pack({x}, mask);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(testing::SameBytes(testing::ReferencePack(x_host, mask_host),
+                                 batch->packed[0]));
+  EXPECT_GT(mine(), 0);
+}
+
+TEST_F(ClientFakeGpuTest, ARegionUnregisteredWhileACallUsesItServesTheCall) {
+  std::unique_ptr<ServerProcess> slow =
+      ServerProcess::Start({"--fake_gpu_devices=2", "--fake_gpu_physical=1,0",
+                            "--call_delay_ms=1500"},
+                           ServerProcess::Binary::kTesting);
+  ASSERT_NE(slow, nullptr);
+  ClientOptions options;
+  options.address = slow->address();
+  options.device_memory = gpu_;
+  std::unique_ptr<Client> client = *Client::Connect(options);
+  const at::Tensor x_host = at::randn({2, 16, 4});
+  const at::Tensor mask_host = RandomMask(2, 16);
+  const at::Tensor x = gpu_->Put(x_host, 0), mask = gpu_->Put(mask_host, 0);
+  ASSERT_TRUE(client->Pack({x}, mask).ok());  // registers x's allocation
+  auto call =
+      std::async(std::launch::async, [&] { return client->Pack({x}, mask); });
+  absl::SleepFor(absl::Milliseconds(500));  // the call holds its regions now
+  v1::ListRegionsResponse listed;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(client->stub().ListRegions(&context, {}, &listed).ok());
+  }
+  ASSERT_GE(listed.regions_size(), 2);  // the mask's, x's and the result's
+  for (const v1::RegionInfo& r : listed.regions()) {
+    ASSERT_TRUE(client->connection().UnregisterRegion(r.name()).ok());
+  }
+  absl::StatusOr<PackedBatch> batch = call.get();
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(testing::SameBytes(testing::ReferencePack(x_host, mask_host),
+                                 batch->packed[0]));
+}
+
+TEST_F(ClientFakeGpuTest, TheClientUnregistersItsDeviceRegionsWhenItGoes) {
+  std::unique_ptr<Client> client = Connect();
+  ASSERT_TRUE(client
+                  ->Pack({gpu_->Put(at::randn({2, 4, 3}), 0)},
+                         gpu_->Put(RandomMask(2, 4), 0))
+                  .ok());
+  client.reset();
+  for (const auto& [name, device] : Regions()) {
+    EXPECT_NE(name.rfind("cpp-gpu-", 0), 0u) << name;
+  }
+}
+
+}  // namespace
+}  // namespace packd
