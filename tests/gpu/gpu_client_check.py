@@ -1,0 +1,195 @@
+"""packd's GPU path with real CUDA tensors, for run_gpu_checks.sh on a machine with a GPU: a packd
+server (PACKD_BINARY, built with CUDA) and the Python client, checked byte for byte against torch
+on the GPU:
+
+  - a device region whose IPC handle another process exported (the memory of a child process,
+    registered by UUID, packed by the server on the GPU);
+  - Pack and Scatter of CUDA tensors of every dtype, results in the client's own GPU memory;
+  - RemotePackOp forward and backward on the GPU;
+  - documents (segment ids) on the GPU;
+  - the server's devices by UUID, as torch names them.
+
+Prints one row per check (and packd's and torch's times where both exist); exits 1 on any
+mismatch.
+
+    PACKD_BINARY=.gpu/bin/packd PYTHONPATH=.gpu/python python3 tests/gpu/gpu_client_check.py
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import packd
+from packd import _device
+from packd.v1 import pack_service_pb2 as pb
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "support"))
+from packd_server import PackdServer  # noqa: E402
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64]
+failures = 0
+
+
+def row(check, ok, packd_ms=None, torch_ms=None, detail=""):
+    global failures
+    failures += 0 if ok else 1
+    ms = lambda v: "%9.3f" % v if v is not None else "%9s" % "-"
+    print("%-34s %-8s %s %s  %s" % (check, "ok" if ok else "MISMATCH", ms(packd_ms),
+                                    ms(torch_ms), detail), flush=True)
+
+
+def timed(fn, reps=5):
+    """fn()'s result and its median wall time in ms (the GPU synchronised)."""
+    out = fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return out, sorted(times)[len(times) // 2]
+
+
+def random_bytes(dtype, shape, gen):
+    """Random bytes of `dtype` on the GPU (NaN payloads and -0.0 occur); bool 0 or 1."""
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen, device="cuda") < 0.5
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = itemsize
+    for d in shape:
+        n *= d
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen, device="cuda")
+    return data.view(dtype).reshape(shape)
+
+
+def same(a, b):
+    """Same dtype, shape and bytes (on the GPU)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def bits(t):
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                8: torch.int64}[t.element_size()])
+
+
+def reference_scatter(packed, mask, like):
+    dense = torch.zeros_like(bits(like))
+    dense[mask != 0] = bits(packed)
+    return dense.view(like.dtype)
+
+
+def reference_doc_cu_seqlens(mask, ids):
+    """Documents: within a row's active tokens, a new one wherever the id changes."""
+    lengths = []
+    for b in range(mask.shape[0]):
+        a = ids[b][mask[b] != 0].cpu()
+        if a.numel() == 0:
+            continue
+        cuts = [0] + (torch.nonzero(a[1:] != a[:-1]).flatten() + 1).tolist() + [a.numel()]
+        lengths += [cuts[i + 1] - cuts[i] for i in range(len(cuts) - 1)]
+    return [0] + torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()
+
+
+# The child process: exports device memory it owns and holds it until told to let go.
+CHILD = r"""
+import sys, torch
+from packd import _device
+n = int(sys.argv[1])
+x = (torch.arange(n, device="cuda", dtype=torch.int64) * 2654435761 % 65521).to(torch.int32)
+torch.cuda.synchronize()
+a = _device.TorchCuda().allocation(x)
+print(a.handle.hex(), x.data_ptr() - a.base, a.size, flush=True)
+sys.stdin.readline()
+"""
+
+
+def check_child_region(client, gen):
+    """A region exported by a child process, registered by UUID, packed on the GPU."""
+    B, S, H = 4, 512, 32
+    n = B * S * H
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(n)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        handle, offset, size = child.stdout.readline().split()
+        uuid = _device.TorchCuda().uuid(0)
+        client._stub.RegisterDeviceRegion(pb.RegisterDeviceRegionRequest(
+            name="child-region", ipc_handle=bytes.fromhex(handle), device="cuda:0",
+            device_uuid=uuid, byte_size=int(size), lease_seconds=60))
+        x = (torch.arange(n, device="cuda", dtype=torch.int64) * 2654435761 % 65521).to(
+            torch.int32).reshape(B, S, H)
+        mask = torch.rand(B, S, generator=gen, device="cuda") < 0.4
+        request = pb.PackRequest(device="uuid:" + uuid)
+        request.mask.dtype = pb.DTYPE_BOOL
+        request.mask.shape.extend([B, S])
+        request.mask.data = mask.cpu().numpy().tobytes()
+        t = request.inputs.add()
+        t.dtype = pb.DTYPE_INT32
+        t.shape.extend([B, S, H])
+        t.region.region, t.region.offset, t.region.byte_size = "child-region", int(offset), n * 4
+        reply = client._stub.Pack(request)
+        got = torch.frombuffer(bytearray(reply.packed[0].data), dtype=torch.int32)
+        want = x[mask].cpu().reshape(-1)
+        row("region exported by a child process", torch.equal(got, want),
+            detail="%d rows" % reply.total_active)
+        client._stub.UnregisterRegion(pb.UnregisterRegionRequest(name="child-region"))
+    finally:
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+def main():
+    gen = torch.Generator(device="cuda").manual_seed(int(os.environ.get("SEED", "1234")))
+    print("%-34s %-8s %9s %9s  %s" % ("check", "result", "packd ms", "torch ms", "detail"))
+    with PackdServer(os.environ["PACKD_BINARY"], "--device=cpu") as address, \
+            packd.Client(address) as client:
+        uuids = {d.uuid: d.name for d in client.info().devices if d.kind == "cuda"}
+        mine = _device.TorchCuda().uuid(0)
+        row("server lists torch's GPU by UUID", mine in uuids, detail="%s = %s on the server"
+            % (mine, uuids.get(mine, "?")))
+        check_child_region(client, gen)
+
+        B, S, H = 8, 2048, 64
+        mask = torch.rand(B, S, generator=gen, device="cuda") < 0.3
+        for dtype in DTYPES:
+            name = str(dtype).replace("torch.", "")
+            x = random_bytes(dtype, (B, S, H), gen)
+            r, packd_ms = timed(lambda: client.pack(x, mask, with_position_ids=True))
+            _, torch_ms = timed(lambda: x[mask])
+            ok = (same(r.packed, x[mask]) and r.cu_seqlens.is_cuda
+                  and r.cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist())
+            row("pack " + name, ok, packd_ms, torch_ms, "%d of %d rows" % (r.total_active, B * S))
+            dense, packd_ms = timed(lambda: client.scatter(r.packed, mask))
+            want, torch_ms = timed(lambda: reference_scatter(x[mask], mask, x))
+            row("scatter " + name, same(dense, want), packd_ms, torch_ms)
+
+        op = packd.RemotePackOp(client)
+        x = torch.randn(B, S, H, generator=gen, device="cuda", requires_grad=True)
+        packed, cu = op(x, mask)
+        weight = torch.randn(packed.shape, generator=gen, device="cuda")
+        (packed * weight).sum().backward()
+        row("RemotePackOp forward", same(packed.detach(), x.detach()[mask]) and cu.is_cuda)
+        row("RemotePackOp backward", same(x.grad, reference_scatter(weight, mask, x.detach())))
+
+        ids = torch.randint(0, 3, (B, S), generator=gen, device="cuda").to(torch.int32)
+        x = random_bytes(torch.bfloat16, (B, S, H), gen)
+        r = client.pack(x, mask, with_position_ids=True, segment_ids=ids)
+        row("documents (segment ids)", same(r.packed, x[mask]) and r.doc_cu_seqlens.is_cuda
+            and r.doc_cu_seqlens.tolist() == reference_doc_cu_seqlens(mask, ids),
+            detail="%d documents" % (r.doc_cu_seqlens.numel() - 1))
+        ours = [n for n in client._device_regions if n.startswith("py-gpu-")]
+        row("device regions registered", len(ours) > 0, detail="%d regions" % len(ours))
+    print("gpu client checks: %d failed" % failures)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
