@@ -1,4 +1,5 @@
 """packd.Client: Pack and Scatter through a packd server, with torch tensors in and out."""
+import collections
 import dataclasses
 import itertools
 import os
@@ -219,9 +220,10 @@ class Client:
         self._device_regions = {}
         self.device_memory = device_memory or _device.TorchCuda()
         # The allocations registered for GPU tensors: (device, base) -> (region name, handle);
-        # and the regions of allocations freed since, to unregister.
+        # and ((device, base) or None, region name) of allocations freed since, to forget and
+        # unregister: appended to without the lock, from wherever memory is freed (a finalizer).
         self._gpu_allocations = {}
-        self._gpu_freed = []
+        self._gpu_freed = collections.deque()
         self._uuids = {}
         self.timeout = timeout
         self.retries = retries
@@ -524,7 +526,7 @@ class Client:
             with self._lock:
                 raced = self._gpu_allocations.get(key)
                 if raced is not None and raced[1] == alloc.handle:
-                    self._gpu_freed.append(name)  # another call registered it meanwhile
+                    self._gpu_freed.append((None, name))  # another call registered it meanwhile
                 else:
                     self._gpu_allocations[key] = (name, alloc.handle)
                     self._device_regions[name] = request
@@ -540,18 +542,24 @@ class Client:
 
     def _forget_gpu(self, key, name):
         """Region `name` of allocation `key` is no longer to be used (the allocation was
-        freed): unregistered by the next call or close. Takes the lock only: the device memory
-        may say so from a finalizer."""
-        with self._lock:
-            if self._gpu_allocations.get(key, (None,))[0] == name:
-                del self._gpu_allocations[key]
-            if self._device_regions.pop(name, None) is not None:
-                self._gpu_freed.append(name)
+        freed): forgotten and unregistered by the next call or close. Takes no lock: the device
+        memory may say so from a finalizer, in any thread, at any moment."""
+        self._gpu_freed.append((key, name))
 
-    def _unregister_freed(self):
-        """Unregisters the regions of allocations freed since the last call."""
+    def _unregister_freed(self, everything=False):
+        """Forgets and unregisters the regions of allocations freed since the last call (or
+        every device region of the client, with `everything`)."""
+        names = []
         with self._lock:
-            names, self._gpu_freed = self._gpu_freed, []
+            if everything:
+                self._gpu_freed.extend((None, name) for name in self._device_regions)
+                self._gpu_allocations.clear()
+            while self._gpu_freed:
+                key, name = self._gpu_freed.popleft()
+                if key is not None and self._gpu_allocations.get(key, (None,))[0] == name:
+                    del self._gpu_allocations[key]
+                if self._device_regions.pop(name, None) is not None or key is None:
+                    names.append(name)
         for name in names:
             try:
                 self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name),
@@ -835,12 +843,9 @@ class Client:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-            self._gpu_freed.extend(self._device_regions)
-            self._device_regions.clear()
-            self._gpu_allocations.clear()
         for seg in idle:
             seg.close()
-        self._unregister_freed()
+        self._unregister_freed(everything=True)
         for channel in self._channels:
             channel.close()
 
