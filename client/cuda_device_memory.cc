@@ -1,7 +1,6 @@
 // MakeCudaDeviceMemory for a client built with CUDA: libtorch's CUDA tensors,
-// their allocations found with the driver's cuMemGetAddressRange (reached
-// through the runtime, so that nothing links the driver library, which is
-// absent where there is no GPU) and exported with cudaIpcGetMemHandle.
+// their allocations found with the driver's cuMemGetAddressRange
+// (CudaMemGetAddressRange) and exported with cudaIpcGetMemHandle.
 #include <cuda_runtime_api.h>
 
 #include <memory>
@@ -9,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/device_memory.h"
+#include "kernels/gpu/cuda_address_range.h"
 #include "kernels/tensor_view.h"
 
 namespace packd {
@@ -25,21 +25,6 @@ absl::Status CudaError(const char* what, cudaError_t err) {
     const cudaError_t packd_err = (call);                            \
     if (packd_err != cudaSuccess) return CudaError(what, packd_err); \
   } while (0)
-
-using AddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);
-
-AddressRange FindAddressRange() {
-  void* f = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000,
-                                       cudaEnableDefault,
-                                       &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<AddressRange>(f);
-}
 
 // Runs the torch calls that may throw (allocation, copies) as a Status.
 template <typename F>
@@ -75,26 +60,18 @@ class CudaMemory : public DeviceMemory {
   }
 
   absl::StatusOr<Allocation> AllocationOf(const at::Tensor& t) const override {
-    static const AddressRange range = FindAddressRange();
-    if (range == nullptr) {
-      return absl::FailedPreconditionError(
-          "the CUDA driver has no cuMemGetAddressRange");
-    }
     PACKD_CUDA_CHECK("set device", cudaSetDevice(t.device().index()));
-    unsigned long long base = 0;
+    void* base = nullptr;
     size_t size = 0;
-    if (range(&base, &size,
-              reinterpret_cast<unsigned long long>(t.data_ptr())) != 0) {
-      return absl::InternalError(
-          "cuMemGetAddressRange: the tensor is not in CUDA device memory");
-    }
+    PACKD_CUDA_CHECK("address range of the tensor's allocation",
+                     CudaMemGetAddressRange(&base, &size, t.data_ptr()));
     cudaIpcMemHandle_t handle;
     PACKD_CUDA_CHECK(
         "IPC handle (memory from cudaMallocAsync or expandable segments "
         "cannot be exported; use libtorch's default caching allocator)",
-        cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)));
+        cudaIpcGetMemHandle(&handle, base));
     Allocation out;
-    out.base = static_cast<uintptr_t>(base);
+    out.base = reinterpret_cast<uintptr_t>(base);
     out.size = size;
     out.ipc_handle.assign(reinterpret_cast<const char*>(&handle),
                           sizeof(handle));

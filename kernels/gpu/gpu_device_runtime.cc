@@ -11,6 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/gpu/gpu_runtime.h"
+#if !defined(PACKD_GPU_FAKE) && !defined(PACKD_GPU_HIP)
+#include "kernels/gpu/cuda_address_range.h"
+#endif
 #include "kernels/gpu/gpu_status.h"
 #include "kernels/status_macros.h"
 
@@ -317,26 +320,7 @@ absl::Status RuntimeError(const char* what, gpuError_t err) {
 }  // namespace packd::PACKD_GPU_NS
 
 gpuError_t gpuMemGetAddressRange(void** base, size_t* size, const void* p) {
-  using Fn = int (*)(unsigned long long*, size_t*, unsigned long long);
-  static Fn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000,
-                                         cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return static_cast<Fn>(nullptr);
-    }
-    return reinterpret_cast<Fn>(f);
-  }();
-  if (fn == nullptr) return cudaErrorNotSupported;
-  unsigned long long b = 0;
-  if (fn(&b, size, reinterpret_cast<unsigned long long>(p)) != 0) {
-    return cudaErrorInvalidValue;
-  }
-  *base = reinterpret_cast<void*>(b);
-  return cudaSuccess;
+  return packd::CudaMemGetAddressRange(base, size, p);
 }
 
 namespace packd::PACKD_GPU_NS {

@@ -28,9 +28,8 @@ from packd.v1 import pack_service_pb2 as pb
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "support"))
 from packd_server import PackdServer  # noqa: E402
+from torch_reference import DTYPES, reference_scatter  # noqa: E402  (any device)
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64]
 failures = 0
 
 
@@ -73,17 +72,6 @@ def same(a, b):
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
                        b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def bits(t):
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                                8: torch.int64}[t.element_size()])
-
-
-def reference_scatter(packed, mask, like):
-    dense = torch.zeros_like(bits(like))
-    dense[mask != 0] = bits(packed)
-    return dense.view(like.dtype)
 
 
 def reference_doc_cu_seqlens(mask, ids):
