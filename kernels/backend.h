@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/device_runtime.h"
 #include "kernels/tensor_view.h"
 
@@ -85,6 +86,24 @@ class Backend {
   virtual absl::Status PackedPositions(const MaskPlan& plan,
                                        std::vector<int64_t>* positions,
                                        const Stream& stream) = 0;
+
+  // Layouts (kernels/layout.h). out row j = x row rows[j] (an index into x's
+  // flattened [B * S] positions), or where rows[j] is -1 the element `pad`
+  // (ItemSize(x.dtype) bytes, host memory) repeated across the row. `rows`
+  // is in host memory, out.shape[0] entries. Writes every byte of `out`. The
+  // default works on host memory: one copy per run of consecutive rows.
+  virtual absl::Status GatherRows(const TensorView& x,
+                                  absl::Span<const int64_t> rows,
+                                  const unsigned char* pad,
+                                  const TensorView& out, const Stream& stream);
+
+  // The inverse: dense row rows[j] = packed row j where rows[j] >= 0 (rows
+  // distinct and increasing), every other row of `dense` ([B, S, *tail])
+  // zero. The default works on host memory.
+  virtual absl::Status ScatterRows(const TensorView& packed,
+                                   absl::Span<const int64_t> rows,
+                                   const TensorView& dense,
+                                   const Stream& stream);
 
   // Cuts the active tokens of each row into documents where `segment_ids`
   // ([B, S], an integer dtype, on the plan's device) changes between

@@ -172,17 +172,18 @@ absl::Status CheckNoOverlap(const std::vector<ResultTensor>& results, size_t i,
 }
 
 // The results' final places: the caller's outputs (checked against the
-// expected shapes and the sources' dtypes), or where `allocate` says, or
-// memory the call's runtime allocates.
+// expected shapes and dtypes: result i has like[i]'s), or where `allocate`
+// says, or memory the call's runtime allocates. No result may overlap the
+// mask or a source.
 absl::StatusOr<std::vector<ResultTensor>> PlaceResults(
     const CallOptions& options, const CallDevice& call, DeviceRuntime& runtime,
-    absl::Span<const TensorView> sources, const std::vector<Shape>& shapes,
-    const TensorView& mask) {
-  std::vector<ResultTensor> results(sources.size());
+    absl::Span<const TensorView> sources, const std::vector<TensorView>& like,
+    const std::vector<Shape>& shapes, const TensorView& mask) {
+  std::vector<ResultTensor> results(like.size());
   if (options.outputs.empty()) {
-    for (size_t i = 0; i < sources.size(); ++i) {
+    for (size_t i = 0; i < like.size(); ++i) {
       TensorView& v = results[i].view;
-      v.dtype = sources[i].dtype;
+      v.dtype = like[i].dtype;
       v.shape = shapes[i];
       v.device = call.device;
       PACKD_ASSIGN_OR_RETURN(
@@ -203,18 +204,22 @@ absl::StatusOr<std::vector<ResultTensor>> PlaceResults(
     }
     return results;
   }
-  if (options.outputs.size() != sources.size()) {
+  if (options.outputs.size() != like.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "outputs has ", options.outputs.size(), " entries but there are ",
-        sources.size(), " inputs: give one per input, or none"));
+        like.size() == sources.size()
+            ? absl::StrCat(sources.size(), " inputs: give one per input")
+            : absl::StrCat(like.size(),
+                           " results: give one per input, then one per shift"),
+        ", or none"));
   }
-  for (size_t i = 0; i < sources.size(); ++i) {
+  for (size_t i = 0; i < like.size(); ++i) {
     const std::string field = absl::StrCat("outputs[", i, "]");
     const TensorView& out = options.outputs[i];
-    if (out.dtype != sources[i].dtype) {
+    if (out.dtype != like[i].dtype) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".dtype is ", DTypeName(out.dtype),
-                       " but the result is ", DTypeName(sources[i].dtype)));
+                       " but the result is ", DTypeName(like[i].dtype)));
     }
     if (absl::MakeConstSpan(out.shape) != absl::MakeConstSpan(shapes[i])) {
       return absl::InvalidArgumentError(
@@ -232,22 +237,35 @@ absl::StatusOr<std::vector<ResultTensor>> PlaceResults(
 // the sources do not fit the mask.
 using ShapesFn =
     std::function<absl::StatusOr<std::vector<Shape>>(const MaskPlan& plan)>;
-// Runs the op on one source, writing `out`.
+// Runs the op for result `index` from `source`, writing `out`.
 using OpFn = std::function<absl::Status(
-    Backend& backend, const MaskPlan& plan, const TensorView& source,
-    const TensorView& out, const Stream& stream)>;
+    Backend& backend, const MaskPlan& plan, size_t index,
+    const TensorView& source, const TensorView& out, const Stream& stream)>;
+
+// What a call computes: its sources, and for each result the source it is
+// made from (empty: one result per source).
+struct CallSources {
+  absl::Span<const TensorView> tensors;
+  std::vector<size_t> of_result;
+};
 
 // The steps of every Pack and Scatter, in order, after validation: find the
 // implementation and runtime, stage host tensors to the device, scan the mask
-// once, place the results, run the op on every source, copy host-bound
-// results back, and wait for the device. Returns the results and the plan.
+// once (and cut the documents), place the results, run the op for every
+// result, copy host-bound results back, and wait for the device. Returns the
+// results and the plan.
 absl::StatusOr<std::vector<ResultTensor>> RunCall(
     const CallOptions& options, const CallDevice& call,
-    absl::Span<const TensorView> sources, const TensorView& mask,
+    const CallSources& sources_in, const TensorView& mask,
     const ShapesFn& result_shapes, const OpFn& op,
     std::unique_ptr<MaskPlan>* plan,
     const std::optional<TensorView>& segment_ids = std::nullopt,
     DocumentCuts* documents = nullptr) {
+  const absl::Span<const TensorView> sources = sources_in.tensors;
+  std::vector<size_t> of_result = sources_in.of_result;
+  if (of_result.empty()) {
+    for (size_t i = 0; i < sources.size(); ++i) of_result.push_back(i);
+  }
   // One device check per call (a GPU runtime asks the driver).
   PACKD_ASSIGN_OR_RETURN(
       const Registry::ForCall found,
@@ -273,22 +291,25 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
   for (TensorView& t : staged) PACKD_RETURN_IF_ERROR(staging.Upload(&t));
 
   PACKD_ASSIGN_OR_RETURN(*plan, backend->Plan(staged_mask, stream));
-  PACKD_ASSIGN_OR_RETURN(std::vector<Shape> shapes, result_shapes(**plan));
-  PACKD_ASSIGN_OR_RETURN(
-      std::vector<ResultTensor> results,
-      PlaceResults(options, call, *runtime, sources, shapes, mask));
-  for (size_t i = 0; i < staged.size(); ++i) {
-    TensorView out = results[i].view;
-    PACKD_ASSIGN_OR_RETURN(out.data,
-                           staging.Result(out.data, out.device, out.nbytes()));
-    out.device = call.device;
-    PACKD_RETURN_IF_ERROR(op(*backend, **plan, staged[i], out, stream));
-  }
   if (segment_ids.has_value()) {
     TensorView ids = *segment_ids;
     PACKD_RETURN_IF_ERROR(staging.Upload(&ids));
     PACKD_RETURN_IF_ERROR(
         backend->Documents(**plan, ids, *runtime, documents, stream));
+  }
+  PACKD_ASSIGN_OR_RETURN(std::vector<Shape> shapes, result_shapes(**plan));
+  std::vector<TensorView> like;
+  for (size_t source : of_result) like.push_back(sources[source]);
+  PACKD_ASSIGN_OR_RETURN(
+      std::vector<ResultTensor> results,
+      PlaceResults(options, call, *runtime, sources, like, shapes, mask));
+  for (size_t i = 0; i < results.size(); ++i) {
+    TensorView out = results[i].view;
+    PACKD_ASSIGN_OR_RETURN(out.data,
+                           staging.Result(out.data, out.device, out.nbytes()));
+    out.device = call.device;
+    PACKD_RETURN_IF_ERROR(
+        op(*backend, **plan, i, staged[of_result[i]], out, stream));
   }
   PACKD_RETURN_IF_ERROR(staging.Download());
   // The call's work is complete when it returns: results on the device are
@@ -303,6 +324,58 @@ CallDevice CallDeviceOf(const CallOptions& options, const TensorView& mask) {
                                     : CallDevice{mask.device, false};
 }
 
+// A call with a layout, once its mask is scanned: the layout, and for each
+// output row the dense position it is gathered from (-1: padding or fill).
+struct LaidOut {
+  Layout layout;
+  std::vector<int64_t> rows;          // of layout.source
+  std::vector<int64_t> shifted_rows;  // of layout.shifted_source
+  bool placed = false;                // rows computed
+
+  // Computes the dense rows once, with the backend's packed positions.
+  absl::Status Place(Backend& backend, const MaskPlan& plan,
+                     const Stream& stream) {
+    if (placed) return absl::OkStatus();
+    placed = true;
+    std::vector<int64_t> positions;
+    if (plan.total_active() > 0) {
+      PACKD_RETURN_IF_ERROR(backend.PackedPositions(plan, &positions, stream));
+    }
+    auto dense = [&](const std::vector<int64_t>& tokens,
+                     std::vector<int64_t>* out) {
+      out->resize(tokens.size());
+      for (size_t j = 0; j < tokens.size(); ++j) {
+        (*out)[j] = tokens[j] < 0 ? -1 : positions[tokens[j]];
+      }
+    };
+    dense(layout.source, &rows);
+    dense(layout.shifted_source, &shifted_rows);
+    return absl::OkStatus();
+  }
+};
+
+// [rows, *x.shape[2:]]: a row-major result of `rows` rows of x's tail,
+// checked for overflow.
+absl::StatusOr<Shape> RowsShape(const TensorView& x, int64_t rows,
+                                absl::string_view field) {
+  Shape s = x.shape;
+  s.erase(s.begin());
+  s[0] = rows;
+  PACKD_RETURN_IF_ERROR(ByteSize(x.dtype, s, field).status());
+  return s;
+}
+
+// A Scatter takes only the layout fields that place rows.
+absl::Status ValidateScatterLayout(const LayoutOptions& layout, size_t packed) {
+  if (!layout.pad_values.empty() || !layout.shifts.empty() ||
+      layout.with_seq_idx) {
+    return absl::InvalidArgumentError(
+        "Scatter takes the layout's pad_multiple, cp_size, cp_rank and fixed; "
+        "pad_values, shifts and with_seq_idx are Pack's");
+  }
+  return ValidateLayout(layout, packed);
+}
+
 }  // namespace
 
 absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
@@ -313,27 +386,77 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   if (options.segment_ids.has_value()) {
     PACKD_RETURN_IF_ERROR(ValidateSegmentIds(*options.segment_ids, mask, call));
   }
+  const LayoutOptions& lo = options.layout;
+  const bool laid_out = lo.any();
+  // The pad value of each input and the fill of each shift, as their bytes.
+  std::vector<ElementBytes> pads(inputs.size()), fills;
+  CallSources sources{inputs, {}};
+  if (laid_out) {
+    PACKD_RETURN_IF_ERROR(ValidateLayout(lo, inputs.size()));
+    for (size_t i = 0; i < lo.pad_values.size(); ++i) {
+      PACKD_ASSIGN_OR_RETURN(pads[i],
+                             ValueBytes(inputs[i].dtype, lo.pad_values[i],
+                                        absl::StrCat("pad_values[", i, "]")));
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) sources.of_result.push_back(i);
+    for (size_t j = 0; j < lo.shifts.size(); ++j) {
+      const Shift& shift = lo.shifts[j];
+      PACKD_ASSIGN_OR_RETURN(ElementBytes fill,
+                             ValueBytes(inputs[shift.input].dtype, shift.fill,
+                                        absl::StrCat("shifts[", j, "].fill")));
+      fills.push_back(fill);
+      sources.of_result.push_back(shift.input);
+    }
+  }
+  DocumentCuts documents;
+  LaidOut laid;
   auto shapes =
       [&](const MaskPlan& plan) -> absl::StatusOr<std::vector<Shape>> {
+    int64_t rows = plan.total_active();
+    if (laid_out) {
+      PACKD_ASSIGN_OR_RETURN(
+          laid.layout,
+          MakeLayout(
+              options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
+              lo));
+      rows = laid.layout.rows();
+    }
     std::vector<Shape> out;
-    for (const TensorView& x : inputs) {
-      Shape s = x.shape;
-      s.erase(s.begin());
-      s[0] = plan.total_active();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      PACKD_ASSIGN_OR_RETURN(
+          Shape s, RowsShape(inputs[i], rows, absl::StrCat("packed[", i, "]")));
+      out.push_back(std::move(s));
+    }
+    for (size_t j = 0; j < lo.shifts.size() && laid_out; ++j) {
+      PACKD_ASSIGN_OR_RETURN(Shape s,
+                             RowsShape(inputs[lo.shifts[j].input], rows,
+                                       absl::StrCat("shifted[", j, "]")));
       out.push_back(std::move(s));
     }
     return out;
   };
-  auto gather = [](Backend& backend, const MaskPlan& plan, const TensorView& x,
-                   const TensorView& out, const Stream& stream) {
-    return backend.Gather(plan, x, out, stream);
+  auto gather = [&](Backend& backend, const MaskPlan& plan, size_t i,
+                    const TensorView& x, const TensorView& out,
+                    const Stream& stream) -> absl::Status {
+    if (!laid_out) return backend.Gather(plan, x, out, stream);
+    PACKD_RETURN_IF_ERROR(laid.Place(backend, plan, stream));
+    if (i < inputs.size()) {
+      return backend.GatherRows(x, laid.rows, pads[i].data(), out, stream);
+    }
+    return backend.GatherRows(x, laid.shifted_rows,
+                              fills[i - inputs.size()].data(), out, stream);
   };
   std::unique_ptr<MaskPlan> plan;
   PackResult result;
-  DocumentCuts documents;
-  PACKD_ASSIGN_OR_RETURN(
-      result.packed, RunCall(options, call, inputs, mask, shapes, gather, &plan,
-                             options.segment_ids, &documents));
+  PACKD_ASSIGN_OR_RETURN(result.packed,
+                         RunCall(options, call, sources, mask, shapes, gather,
+                                 &plan, options.segment_ids, &documents));
+  if (result.packed.size() > inputs.size()) {
+    result.shifted.assign(
+        std::make_move_iterator(result.packed.begin() + inputs.size()),
+        std::make_move_iterator(result.packed.end()));
+    result.packed.resize(inputs.size());
+  }
 
   const int64_t total = plan->total_active();
   result.total_active = total;
@@ -341,7 +464,8 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
     result.max_seqlen = std::max(result.max_seqlen,
                                  plan->cu_seqlens[b + 1] - plan->cu_seqlens[b]);
   }
-  if (options.segment_ids.has_value()) {
+  const bool docs = options.segment_ids.has_value();
+  if (docs) {
     result.doc_cu_seqlens = std::move(documents.cu);
     result.doc_row = std::move(documents.row);
     result.doc_last_index = std::move(documents.last_index);
@@ -351,12 +475,11 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
                    result.doc_cu_seqlens[d + 1] - result.doc_cu_seqlens[d]);
     }
   }
-  if (options.with_position_ids) {
+  if (options.with_position_ids && !laid_out) {
     // A packed token's rank among its row's active tokens (cumsum(mask != 0) -
     // 1 at that token), or among its document's with segment ids.
-    const std::vector<int64_t>& starts = options.segment_ids.has_value()
-                                             ? result.doc_cu_seqlens
-                                             : plan->cu_seqlens;
+    const std::vector<int64_t>& starts =
+        docs ? result.doc_cu_seqlens : plan->cu_seqlens;
     result.position_ids.resize(total);
     for (size_t b = 0; b + 1 < starts.size(); ++b) {
       for (int64_t k = starts[b]; k < starts[b + 1]; ++k) {
@@ -366,6 +489,19 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   }
   result.cu_seqlens = std::move(plan->cu_seqlens);
   result.last_index = std::move(plan->last_index);
+  if (laid_out) {
+    // The sequences' prefix array and maximum, extended for `fixed`.
+    Layout& layout = laid.layout;
+    (docs ? result.doc_cu_seqlens : result.cu_seqlens) =
+        std::move(layout.cu_seqlens);
+    (docs ? result.doc_max_seqlen : result.max_seqlen) = layout.max_seqlen;
+    result.cu_seqlens_padded = std::move(layout.cu_seqlens_padded);
+    result.max_seqlen_padded = layout.max_seqlen_padded;
+    if (options.with_position_ids) {
+      result.position_ids = std::move(layout.position_ids);
+    }
+    result.seq_idx = std::move(layout.seq_idx);
+  }
   return result;
 }
 
@@ -375,16 +511,39 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
   const CallDevice call = CallDeviceOf(options, mask);
   PACKD_RETURN_IF_ERROR(
       ValidateScatterArgs(packed, mask, options.tail_shape, call));
+  if (options.segment_ids.has_value()) {
+    PACKD_RETURN_IF_ERROR(ValidateSegmentIds(*options.segment_ids, mask, call));
+  }
+  const bool laid_out = options.layout.any() || options.segment_ids.has_value();
+  if (laid_out) {
+    PACKD_RETURN_IF_ERROR(ValidateScatterLayout(options.layout, packed.size()));
+  }
+  DocumentCuts documents;
+  LaidOut laid;
   auto shapes =
       [&](const MaskPlan& plan) -> absl::StatusOr<std::vector<Shape>> {
+    int64_t rows = plan.total_active();
+    std::string what = absl::StrCat("the mask has ", rows, " active positions");
+    if (laid_out) {
+      PACKD_ASSIGN_OR_RETURN(
+          laid.layout,
+          MakeLayout(
+              options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
+              options.layout));
+      rows = laid.layout.rows();
+      what = absl::StrCat(
+          "the layout has ", rows, " rows",
+          options.layout.cp_size > 1
+              ? absl::StrCat(" on cp_rank ", options.layout.cp_rank)
+              : "");
+    }
     std::vector<Shape> out;
     for (size_t i = 0; i < packed.size(); ++i) {
       const TensorView& p = packed[i];
-      if (p.shape[0] != plan.total_active()) {
+      if (p.shape[0] != rows) {
         return absl::InvalidArgumentError(
             absl::StrCat("packed[", i, "].shape ", ShapeString(p.shape),
-                         " has ", p.shape[0], " rows but the mask has ",
-                         plan.total_active(), " active positions"));
+                         " has ", p.shape[0], " rows but ", what));
       }
       Shape s = {mask.shape[0], mask.shape[1]};
       s.insert(s.end(), p.shape.begin() + 1, p.shape.end());
@@ -394,14 +553,19 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
     }
     return out;
   };
-  auto scatter = [](Backend& backend, const MaskPlan& plan, const TensorView& p,
-                    const TensorView& dense, const Stream& stream) {
-    return backend.Scatter(plan, p, dense, stream);
+  auto scatter = [&](Backend& backend, const MaskPlan& plan, size_t,
+                     const TensorView& p, const TensorView& dense,
+                     const Stream& stream) -> absl::Status {
+    if (!laid_out) return backend.Scatter(plan, p, dense, stream);
+    PACKD_RETURN_IF_ERROR(laid.Place(backend, plan, stream));
+    return backend.ScatterRows(p, laid.rows, dense, stream);
   };
   std::unique_ptr<MaskPlan> plan;
   ScatterResult result;
-  PACKD_ASSIGN_OR_RETURN(result.dense, RunCall(options, call, packed, mask,
-                                               shapes, scatter, &plan));
+  PACKD_ASSIGN_OR_RETURN(
+      result.dense,
+      RunCall(options, call, CallSources{packed, {}}, mask, shapes, scatter,
+              &plan, options.segment_ids, &documents));
   return result;
 }
 

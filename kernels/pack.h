@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/buffer.h"
+#include "kernels/layout.h"
 #include "kernels/tensor_view.h"
 
 namespace packd {
@@ -78,6 +79,11 @@ struct PackOptions : CallOptions {
   // positions are never read. When set, position_ids restart at every
   // document and the doc_* results are filled.
   std::optional<TensorView> segment_ids;
+  // Layouts for parallel attention (docs/design.md §10): padding, CP slices,
+  // fixed shapes, shifts, seq_idx. Sequences are the documents with
+  // segment_ids, else the rows. With shifts, `outputs` (when given) holds one
+  // view per input and then one per shift.
+  LayoutOptions layout;
 };
 
 struct PackResult {
@@ -93,11 +99,25 @@ struct PackResult {
   int64_t doc_max_seqlen = 0;
   std::vector<int64_t> doc_row;         // [D]: the row of each document
   std::vector<int64_t> doc_last_index;  // [D]: dense s of its last token
+  // With a layout (docs/design.md §10): packed and position_ids hold the
+  // layout's rows, cu_seqlens (doc_cu_seqlens with documents) and the maxima
+  // are extended for `fixed`, and these are set when it reshapes (padding, CP
+  // or fixed) / asks for them.
+  std::vector<int64_t> cu_seqlens_padded;
+  int64_t max_seqlen_padded = 0;
+  std::vector<int64_t> seq_idx;       // one per output row, with_seq_idx
+  std::vector<ResultTensor> shifted;  // shifted[j] answers layout.shifts[j]
 };
 
 struct ScatterOptions : CallOptions {
   // When set, must equal every packed[i].shape[1:].
   std::optional<Shape> tail_shape;
+  // The layout of the Pack this is the gradient of (docs/design.md §10):
+  // pad_multiple, cp_size / cp_rank and fixed; packed[i] holds its rows, and
+  // pad rows, ghost rows and other ranks' positions are dropped. Documents
+  // are sequences when segment_ids is set.
+  std::optional<TensorView> segment_ids;
+  LayoutOptions layout;
 };
 
 struct ScatterResult {

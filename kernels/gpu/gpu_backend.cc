@@ -116,7 +116,95 @@ class GpuBackend : public Backend {
     return absl::OkStatus();
   }
 
+  // Layouts: the real rows gathered into a compact buffer and scattered to
+  // their output rows; pad rows likewise from one row of pad elements. Every
+  // launch is the pack's or scatter's own kernel; the call's temporaries are
+  // held until the stream has finished with them.
+  absl::Status GatherRows(const TensorView& x, absl::Span<const int64_t> rows,
+                          const unsigned char* pad, const TensorView& out,
+                          const Stream& stream) override {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0 || out.nbytes() == 0) return absl::OkStatus();
+    const int64_t width = out.nbytes() / n;
+    std::vector<int64_t> from, to, pads;
+    for (int64_t j = 0; j < n; ++j) {
+      if (rows[j] >= 0) {
+        from.push_back(rows[j]);
+        to.push_back(j);
+      } else {
+        pads.push_back(j);
+      }
+    }
+    PACKD_GPU_CHECK("set device", gpuSetDevice(out.device.index));
+    std::vector<Buffer> held;
+    PACKD_RETURN_IF_ERROR(Move(x.data, from, to, width, out, stream, &held));
+    if (!pads.empty()) {
+      // One row of pad elements, and every pad row taken from it.
+      const int64_t item = ItemSize(x.dtype);
+      std::vector<unsigned char> row(width);
+      for (int64_t at = 0; at < width; ++at) row[at] = pad[at % item];
+      PACKD_ASSIGN_OR_RETURN(Buffer pad_row,
+                             runtime_->Allocate(width, out.device));
+      PACKD_RETURN_IF_ERROR(
+          runtime_->CopyToDevice(pad_row.data(), row.data(), width, stream));
+      PACKD_RETURN_IF_ERROR(Move(pad_row.data(),
+                                 std::vector<int64_t>(pads.size(), 0), pads,
+                                 width, out, stream, &held));
+      held.push_back(std::move(pad_row));
+    }
+    return runtime_->Synchronize(stream);
+  }
+
+  absl::Status ScatterRows(const TensorView& packed,
+                           absl::Span<const int64_t> rows,
+                           const TensorView& dense,
+                           const Stream& stream) override {
+    if (dense.nbytes() == 0) return absl::OkStatus();
+    const int64_t width = dense.nbytes() / (dense.shape[0] * dense.shape[1]);
+    PACKD_GPU_CHECK("set device", gpuSetDevice(dense.device.index));
+    PACKD_GPU_CHECK("zero fill", gpuMemsetAsync(dense.data, 0, dense.nbytes(),
+                                                NativeStream(stream)));
+    std::vector<int64_t> from, to;
+    for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) {
+      if (rows[j] >= 0) {
+        from.push_back(j);
+        to.push_back(rows[j]);
+      }
+    }
+    std::vector<Buffer> held;
+    PACKD_RETURN_IF_ERROR(
+        Move(packed.data, from, to, width, dense, stream, &held));
+    return runtime_->Synchronize(stream);
+  }
+
  private:
+  // out row to[k] = src row from[k] for every k, through a compact device
+  // buffer; the buffers it uses join `held`.
+  absl::Status Move(const void* src, const std::vector<int64_t>& from,
+                    const std::vector<int64_t>& to, int64_t width,
+                    const TensorView& out, const Stream& stream,
+                    std::vector<Buffer>* held) {
+    const int64_t n = static_cast<int64_t>(from.size());
+    if (n == 0) return absl::OkStatus();
+    PACKD_ASSIGN_OR_RETURN(Buffer index,
+                           runtime_->Allocate(2 * n * 8, out.device));
+    std::vector<int64_t> both(from);
+    both.insert(both.end(), to.begin(), to.end());
+    PACKD_RETURN_IF_ERROR(
+        runtime_->CopyToDevice(index.data(), both.data(), 2 * n * 8, stream));
+    PACKD_ASSIGN_OR_RETURN(Buffer rows,
+                           runtime_->Allocate(n * width, out.device));
+    const int64_t* from_d = static_cast<const int64_t*>(index.data());
+    PACKD_GPU_CHECK("gather launch", LaunchGather(src, rows.data(), from_d, n,
+                                                  width, NativeStream(stream)));
+    PACKD_GPU_CHECK("scatter launch",
+                    LaunchScatterRows(rows.data(), out.data, from_d + n, n,
+                                      width, NativeStream(stream)));
+    held->push_back(std::move(index));
+    held->push_back(std::move(rows));
+    return absl::OkStatus();
+  }
+
   DeviceRuntime* const runtime_;
 };
 

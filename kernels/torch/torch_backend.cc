@@ -106,6 +106,60 @@ class TorchBackend : public Backend {
         dst.index_copy_(0, plan.indices, AsTensor(packed));
     });
   }
+
+  // Layouts with torch's own index ops, on integer views of the bits (so
+  // that NaN payloads and -0.0 move unchanged).
+  absl::Status GatherRows(const TensorView& x, absl::Span<const int64_t> rows,
+                          const unsigned char* pad, const TensorView& out,
+                          const Stream&) override {
+    if (rows.empty() || out.nbytes() == 0) return absl::OkStatus();
+    return Guarded("index_select", [&] {
+      const at::Tensor index =
+          at::from_blob(const_cast<int64_t*>(rows.data()),
+                        {static_cast<int64_t>(rows.size())}, at::kLong);
+      at::Tensor dst = Bits(AsTensor(out));
+      const at::Tensor src = Bits(FlattenRows(x));
+      if (src.size(0) > 0) {
+        at::index_select_out(dst, src, 0, index.clamp_min(0));
+      }
+      const at::Tensor pads = index.lt(0);
+      TensorView element;
+      element.data = const_cast<unsigned char*>(pad);
+      element.dtype = x.dtype;
+      dst.index_put_({pads}, Bits(AsTensor(element)));
+    });
+  }
+
+  absl::Status ScatterRows(const TensorView& packed,
+                           absl::Span<const int64_t> rows,
+                           const TensorView& dense, const Stream&) override {
+    return Guarded("index_copy_", [&] {
+      at::Tensor dst = Bits(FlattenRows(dense));
+      dst.zero_();
+      if (rows.empty()) return;
+      const at::Tensor index =
+          at::from_blob(const_cast<int64_t*>(rows.data()),
+                        {static_cast<int64_t>(rows.size())}, at::kLong);
+      const at::Tensor real = index.ge(0);
+      dst.index_copy_(0, index.masked_select(real),
+                      Bits(AsTensor(packed)).index({real}));
+    });
+  }
+
+ private:
+  // The same bytes as an integer tensor of the element's width.
+  static at::Tensor Bits(const at::Tensor& t) {
+    switch (t.element_size()) {
+      case 1:
+        return t.view(at::kByte);
+      case 2:
+        return t.view(at::kShort);
+      case 4:
+        return t.view(at::kInt);
+      default:
+        return t.view(at::kLong);
+    }
+  }
 };
 
 }  // namespace

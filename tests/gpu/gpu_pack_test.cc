@@ -1,7 +1,8 @@
 // The GPU backend against the CPU implementation, byte for byte, on random
 // data: every dtype of x and mask, sizes 0, 1, odd and large, tails that are
-// not a multiple of 16 bytes, misaligned base pointers. Without a GPU every
-// test is skipped, with the reason.
+// not a multiple of 16 bytes, misaligned base pointers; documents and a
+// layout (padding, CP, a shift, seq_idx) with their Scatter. Without a GPU
+// every test is skipped, with the reason.
 #include <ATen/ATen.h>
 
 #include <cstring>
@@ -136,6 +137,49 @@ class GpuPackTest : public ::testing::Test {
                     bytes);
       }
       EXPECT_TRUE(testing::SameBytes(expected, Download(whole)));
+    }
+
+    // A layout (docs/design.md §10): padded to 8 by documents, CP rank 1 of
+    // 2, a pad value, a shift and seq_idx; and its Scatter.
+    {
+      PackOptions laid = doc_options;
+      laid.segment_ids = AsView(ids);
+      laid.layout.pad_multiple = 8;
+      laid.layout.cp_size = 2;
+      laid.layout.cp_rank = 1;
+      laid.layout.pad_values = {1};
+      laid.layout.shifts = {{0, 0}};
+      laid.layout.with_seq_idx = true;
+      absl::StatusOr<PackResult> cpu_laid =
+          Pack(cpu_inputs, AsView(mask), laid);
+      ASSERT_TRUE(cpu_laid.ok()) << cpu_laid.status();
+      laid.segment_ids = Upload(ids, 0);
+      absl::StatusOr<PackResult> gpu_laid =
+          Pack(gpu_inputs, Upload(mask, misalign), laid);
+      ASSERT_TRUE(gpu_laid.ok()) << gpu_laid.status();
+      EXPECT_EQ(gpu_laid->cu_seqlens_padded, cpu_laid->cu_seqlens_padded);
+      EXPECT_EQ(gpu_laid->seq_idx, cpu_laid->seq_idx);
+      EXPECT_EQ(gpu_laid->position_ids, cpu_laid->position_ids);
+      EXPECT_TRUE(testing::SameBytes(Download(gpu_laid->packed[0].view),
+                                     cpu_laid->packed[0].view));
+      EXPECT_TRUE(testing::SameBytes(Download(gpu_laid->shifted[0].view),
+                                     cpu_laid->shifted[0].view));
+      ScatterOptions back;
+      back.layout.pad_multiple = 8;
+      back.layout.cp_size = 2;
+      back.layout.cp_rank = 1;
+      back.segment_ids = AsView(ids);
+      const std::vector<TensorView> cpu_rows = {cpu_laid->packed[0].view};
+      absl::StatusOr<ScatterResult> cpu_back =
+          Scatter(cpu_rows, AsView(mask), back);
+      ASSERT_TRUE(cpu_back.ok()) << cpu_back.status();
+      back.segment_ids = Upload(ids, 0);
+      const std::vector<TensorView> gpu_rows = {gpu_laid->packed[0].view};
+      absl::StatusOr<ScatterResult> gpu_back =
+          Scatter(gpu_rows, Upload(mask, misalign), back);
+      ASSERT_TRUE(gpu_back.ok()) << gpu_back.status();
+      EXPECT_TRUE(testing::SameBytes(Download(gpu_back->dense[0].view),
+                                     cpu_back->dense[0].view));
     }
 
     // Scatter of fresh packed rows.

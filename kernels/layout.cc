@@ -1,0 +1,293 @@
+#include "kernels/layout.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "kernels/tensor_view.h"
+
+namespace packd {
+namespace {
+
+absl::Status NotNegative(int64_t value, absl::string_view field) {
+  if (value >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " ", value, " is negative"));
+}
+
+// float -> IEEE half, rounding to nearest even (c10::Half's conversion).
+uint16_t HalfBits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // inf
+  if (abs < 0x38800000u) {
+    // A subnormal half (or zero): round abs * 2^24 to an integer.
+    float a;
+    std::memcpy(&a, &abs, 4);
+    const float scaled = a * 16777216.0f;  // exact: a power of two
+    const uint32_t m = static_cast<uint32_t>(std::nearbyint(scaled));
+    return static_cast<uint16_t>(sign | m);
+  }
+  const uint32_t exp = ((abs >> 23) - 112) << 10;
+  uint32_t mant = abs & 0x7fffffu;
+  uint32_t half = exp | (mant >> 13);
+  const uint32_t rest = mant & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<uint16_t>(sign | half);
+}
+
+// float -> bfloat16, rounding to nearest even; NaN is 0x7fc0 (c10's).
+uint16_t BFloat16Bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if (std::isnan(f)) return 0x7fc0u;
+  const uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>((x + rounding) >> 16);
+}
+
+template <typename T>
+void Put(ElementBytes* out, T value) {
+  std::memcpy(out->data(), &value, sizeof(T));
+}
+
+// Sequence k of `starts` laid out: where its padded span begins before CP,
+// its real and padded lengths.
+struct Span {
+  int64_t start = 0;  // in the un-split layout
+  int64_t length = 0;
+  int64_t padded = 0;
+  int64_t first_token = 0;  // packed index of its token 0
+};
+
+}  // namespace
+
+absl::Status ValidateLayout(const LayoutOptions& o, size_t inputs) {
+  PACKD_RETURN_IF_ERROR(NotNegative(o.pad_multiple, "pad_multiple"));
+  PACKD_RETURN_IF_ERROR(NotNegative(o.cp_size, "cp_size"));
+  PACKD_RETURN_IF_ERROR(NotNegative(o.fixed.tokens, "fixed.tokens"));
+  PACKD_RETURN_IF_ERROR(NotNegative(o.fixed.sequences, "fixed.sequences"));
+  PACKD_RETURN_IF_ERROR(NotNegative(o.fixed.max_seqlen, "fixed.max_seqlen"));
+  if (o.cp_size > 1) {
+    if (o.cp_rank < 0 || o.cp_rank >= o.cp_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cp_rank ", o.cp_rank, " is not in [0, cp_size = ", o.cp_size, ")"));
+    }
+    const int64_t m = std::max<int64_t>(o.pad_multiple, 1);
+    if (m % (2 * int64_t{o.cp_size}) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pad_multiple ", o.pad_multiple,
+          " is not a multiple of 2 * cp_size = ", 2 * int64_t{o.cp_size},
+          ": context parallelism splits every sequence into 2 * cp_size "
+          "equal chunks"));
+    }
+  } else if (o.cp_rank != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cp_rank ", o.cp_rank, " needs cp_size > 1 (cp_size is ",
+                     o.cp_size, ")"));
+  }
+  if (!o.pad_values.empty() && o.pad_values.size() != inputs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pad_values has ", o.pad_values.size(), " values but there are ",
+        inputs, " inputs: give one per input, or none for zeros"));
+  }
+  for (size_t j = 0; j < o.shifts.size(); ++j) {
+    if (o.shifts[j].input < 0 ||
+        static_cast<size_t>(o.shifts[j].input) >= inputs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shifts[", j, "].input ", o.shifts[j].input,
+                       " names no input (there are ", inputs, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ElementBytes> ValueBytes(DType dtype, double v,
+                                        absl::string_view field) {
+  ElementBytes out{};
+  auto integer = [&](double lo, double hi) -> absl::Status {
+    if (!std::isfinite(v) || v != std::trunc(v) || v < lo || v > hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " ", v, " is not a value of ", DTypeName(dtype),
+                       " (an integer in [", lo, ", ", hi, "])"));
+    }
+    return absl::OkStatus();
+  };
+  switch (dtype) {
+    case DType::kBool:
+      if (v != 0 && v != 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, " ", v, " is not a value of bool (0 or 1)"));
+      }
+      out[0] = v != 0;
+      return out;
+    case DType::kUInt8:
+      PACKD_RETURN_IF_ERROR(integer(0, 255));
+      Put(&out, static_cast<uint8_t>(v));
+      return out;
+    case DType::kInt8:
+      PACKD_RETURN_IF_ERROR(integer(-128, 127));
+      Put(&out, static_cast<int8_t>(v));
+      return out;
+    case DType::kInt16:
+      PACKD_RETURN_IF_ERROR(integer(-32768, 32767));
+      Put(&out, static_cast<int16_t>(v));
+      return out;
+    case DType::kInt32:
+      PACKD_RETURN_IF_ERROR(integer(-2147483648.0, 2147483647.0));
+      Put(&out, static_cast<int32_t>(v));
+      return out;
+    case DType::kInt64:
+      // Doubles hold integers exactly up to 2^53; 2^63 itself is out of range.
+      PACKD_RETURN_IF_ERROR(
+          integer(-9223372036854775808.0, 9223372036854774784.0));
+      Put(&out, static_cast<int64_t>(v));
+      return out;
+    case DType::kFloat16:
+      Put(&out, HalfBits(static_cast<float>(v)));
+      return out;
+    case DType::kBFloat16:
+      Put(&out, BFloat16Bits(static_cast<float>(v)));
+      return out;
+    case DType::kFloat32:
+      Put(&out, static_cast<float>(v));
+      return out;
+    case DType::kFloat64:
+      Put(&out, v);
+      return out;
+    case DType::kUnspecified:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ": invalid dtype"));
+}
+
+absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
+                                  const LayoutOptions& options) {
+  const int64_t m = std::max<int64_t>(options.pad_multiple, 1);
+  const int64_t K = static_cast<int64_t>(starts.size()) - 1;
+  const FixedLayout& fixed = options.fixed;
+  auto overflow = [] {
+    return absl::InvalidArgumentError(
+        "the padded layout has more rows than int64 can count");
+  };
+
+  // Every sequence's span in the un-split layout.
+  std::vector<Span> spans;
+  spans.reserve(K + 1);
+  int64_t total = 0, longest = 0, longest_padded = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    Span s;
+    s.first_token = starts[k];
+    s.length = starts[k + 1] - starts[k];
+    int64_t padded = 0;
+    if (!CheckedAdd(s.length, m - 1, &padded)) return overflow();
+    s.padded = padded / m * m;
+    s.start = total;
+    if (!CheckedAdd(total, s.padded, &total)) return overflow();
+    longest = std::max(longest, s.length);
+    longest_padded = std::max(longest_padded, s.padded);
+    spans.push_back(s);
+  }
+  const int64_t batch_padded = total;
+  // The trailing ghost sequence of `fixed.tokens`.
+  bool ghost = false;
+  if (fixed.tokens > 0) {
+    if (fixed.tokens < batch_padded) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fixed.tokens ", fixed.tokens, " is less than the ", batch_padded,
+          options.reshapes() && m > 1 ? " padded" : "",
+          " tokens of this batch"));
+    }
+    const int64_t rest = fixed.tokens - batch_padded;
+    if (rest % m != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fixed.tokens ", fixed.tokens, " leaves ", rest,
+          " rows after the batch's ", batch_padded,
+          " padded tokens, which is not a multiple of pad_multiple ", m));
+    }
+    if (rest > 0) {
+      ghost = true;
+      Span g;
+      g.start = batch_padded;
+      g.padded = rest;
+      g.first_token = starts.back();
+      spans.push_back(g);
+      longest_padded = std::max(longest_padded, rest);
+      total = fixed.tokens;
+    }
+  }
+  const int64_t sequences = K + (ghost ? 1 : 0);
+  if (fixed.sequences > 0 && fixed.sequences < sequences) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fixed.sequences ", fixed.sequences, " is less than the ",
+                     sequences, " sequences of this batch",
+                     ghost ? " (its trailing ghost included)" : ""));
+  }
+  if (fixed.max_seqlen > 0 && fixed.max_seqlen < longest_padded) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fixed.max_seqlen ", fixed.max_seqlen, " is less than ", longest_padded,
+        ", the longest padded sequence of this batch",
+        ghost ? " (its trailing ghost included)" : ""));
+  }
+
+  Layout out;
+  out.cu_seqlens = starts;
+  if (ghost) out.cu_seqlens.push_back(starts.back());
+  out.max_seqlen = fixed.max_seqlen > 0 ? fixed.max_seqlen : longest;
+  if (options.reshapes()) {
+    out.cu_seqlens_padded.reserve(spans.size() + 1);
+    out.cu_seqlens_padded.push_back(0);
+    for (const Span& s : spans) {
+      out.cu_seqlens_padded.push_back(s.start + s.padded);
+    }
+    out.max_seqlen_padded =
+        fixed.max_seqlen > 0 ? fixed.max_seqlen : longest_padded;
+  }
+  if (fixed.sequences > 0) {
+    out.cu_seqlens.resize(fixed.sequences + 1, out.cu_seqlens.back());
+    if (options.reshapes()) {
+      out.cu_seqlens_padded.resize(fixed.sequences + 1,
+                                   out.cu_seqlens_padded.back());
+    }
+  }
+
+  // The rows, sequence by sequence: all of them, or with CP this rank's two
+  // chunks of each (TransformerEngine's get_batch_on_this_cp_rank).
+  const int64_t c = options.cp_size > 1 ? options.cp_size : 1;
+  const int64_t r = c > 1 ? options.cp_rank : 0;
+  const bool shifts = !options.shifts.empty();
+  const int64_t rows = total / c;
+  out.source.reserve(rows);
+  out.position_ids.reserve(rows);
+  if (shifts) out.shifted_source.reserve(rows);
+  if (options.with_seq_idx) out.seq_idx.reserve(rows);
+  auto add = [&](int64_t k, const Span& s, int64_t from, int64_t to) {
+    for (int64_t i = from; i < to; ++i) {
+      out.source.push_back(i < s.length ? s.first_token + i : -1);
+      out.position_ids.push_back(i);
+      if (shifts) {
+        out.shifted_source.push_back(i + 1 < s.length ? s.first_token + i + 1
+                                                      : -1);
+      }
+      if (options.with_seq_idx) out.seq_idx.push_back(k);
+    }
+  };
+  for (size_t k = 0; k < spans.size(); ++k) {
+    const Span& s = spans[k];
+    if (c == 1) {
+      add(k, s, 0, s.padded);
+      continue;
+    }
+    const int64_t h = s.padded / (2 * c);
+    add(k, s, r * h, (r + 1) * h);
+    add(k, s, (2 * c - 1 - r) * h, (2 * c - r) * h);
+  }
+  return out;
+}
+
+}  // namespace packd

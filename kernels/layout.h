@@ -1,0 +1,116 @@
+// Layouts for parallel attention (docs/design.md §10): padding every sequence
+// to a multiple, context-parallel (CP) slices, fixed shapes with a ghost
+// sequence, next-token shifts and seq_idx. A layout is a gather plan: for each
+// output row, the packed token it holds or padding. It is built once per call,
+// on the host, from the mask scan (and the document cut), and every tensor of
+// the call uses it: inputs, shifted inputs (the same plan, one token further
+// within the sequence), and position ids and seq_idx derived from it.
+//
+// clang-format off
+//   PACKD_RETURN_IF_ERROR(ValidateLayout(options.layout, inputs.size()));
+//   PACKD_ASSIGN_OR_RETURN(Layout layout, MakeLayout(sequence_starts, options.layout));
+//   // output row j holds packed token layout.source[j], or padding when it is -1
+// clang-format on
+#ifndef PACKD_KERNELS_LAYOUT_H_
+#define PACKD_KERNELS_LAYOUT_H_
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/dtype.h"
+
+namespace packd {
+
+// Shapes for CUDA graphs; each 0 = not fixed.
+struct FixedLayout {
+  int64_t tokens =
+      0;  // T: output rows, a trailing ghost sequence taking the rest
+  int64_t sequences = 0;   // N: prefix arrays extended to N + 1 entries
+  int64_t max_seqlen = 0;  // M: the maxima reported
+
+  bool any() const { return tokens != 0 || sequences != 0 || max_seqlen != 0; }
+};
+
+// A next-token view of input `input`: its row of token i + 1 of the same
+// sequence, `fill` at each sequence's last token and at every pad row.
+struct Shift {
+  int input = 0;
+  double fill = 0;
+};
+
+struct LayoutOptions {
+  int64_t pad_multiple = 0;        // 0 or 1: no padding
+  std::vector<double> pad_values;  // empty: zero pad rows; else one per input
+  int32_t cp_size = 0;             // 0 or 1: no context parallelism
+  int32_t cp_rank = 0;
+  bool with_seq_idx = false;
+  std::vector<Shift> shifts;
+  FixedLayout fixed;
+
+  // Whether the call's rows differ from x[mask]'s (padding, CP or fixed):
+  // then cu_seqlens_padded and max_seqlen_padded are returned.
+  bool reshapes() const {
+    return pad_multiple > 1 || cp_size > 1 || fixed.any();
+  }
+  // Whether any layout field is set, even to a value that changes no row
+  // (pad_multiple 1) or that ValidateLayout refuses (a negative one).
+  bool any() const {
+    return pad_multiple != 0 || cp_size != 0 || cp_rank != 0 || fixed.any() ||
+           !pad_values.empty() || with_seq_idx || !shifts.empty();
+  }
+};
+
+// INVALID_ARGUMENT naming the field for what is wrong whatever the batch: a
+// negative pad_multiple, cp_size or fixed field; a cp_rank outside
+// [0, cp_size); a pad_multiple that is not a multiple of 2 * cp_size; a count
+// of pad_values other than `inputs`; a shift naming no input.
+absl::Status ValidateLayout(const LayoutOptions& options, size_t inputs);
+
+// One element's bytes, little-endian (the first ItemSize of them).
+using ElementBytes = std::array<unsigned char, 8>;
+
+// INVALID_ARGUMENT when `value` (a pad value or fill of `field`) is not one
+// `dtype` holds exactly: out of range or a fraction for an integer, not 0 or 1
+// for bool. Floating dtypes take any value (rounded as torch converts).
+// Otherwise the value's bytes in `dtype`, little-endian, ItemSize(dtype) of
+// them.
+absl::StatusOr<ElementBytes> ValueBytes(DType dtype, double value,
+                                        absl::string_view field);
+
+struct Layout {
+  // The sequences' real prefix array, extended for `fixed` (the ghost's and
+  // zero-length ghosts' entries repeat the last value); its maximum length
+  // (M when fixed.max_seqlen is set).
+  std::vector<int64_t> cu_seqlens;
+  int64_t max_seqlen = 0;
+  // [K + 1] (more with `fixed`), and the largest padded length, ghost
+  // included (M when fixed); empty and 0 unless the options reshape.
+  std::vector<int64_t> cu_seqlens_padded;
+  int64_t max_seqlen_padded = 0;
+  // Per output row, in output order (this CP rank's rows): the packed token it
+  // holds (-1: padding); the packed token its shifted rows hold (-1: fill);
+  // its position id; its sequence.
+  std::vector<int64_t> source;
+  std::vector<int64_t> shifted_source;
+  std::vector<int64_t> position_ids;
+  std::vector<int64_t> seq_idx;
+
+  int64_t rows() const { return static_cast<int64_t>(source.size()); }
+};
+
+// The layout of a batch whose sequences (rows, or documents) are packed
+// tokens starts[k] .. starts[k + 1] (starts[0] = 0, K + 1 entries), for
+// options that passed ValidateLayout. Fills shifted_source only when
+// options.shifts is set, seq_idx only with with_seq_idx. INVALID_ARGUMENT
+// naming the field, its value and what the batch needs when `fixed` does not
+// hold the batch; sizes are checked for overflow.
+absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
+                                  const LayoutOptions& options);
+
+}  // namespace packd
+
+#endif  // PACKD_KERNELS_LAYOUT_H_
