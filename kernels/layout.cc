@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
@@ -167,7 +168,8 @@ absl::StatusOr<ElementBytes> ValueBytes(DType dtype, double v,
 }
 
 absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
-                                  const LayoutOptions& options) {
+                                  const LayoutOptions& options,
+                                  bool with_position_ids) {
   const int64_t m = std::max<int64_t>(options.pad_multiple, 1);
   const int64_t K = static_cast<int64_t>(starts.size()) - 1;
   const FixedLayout& fixed = options.fixed;
@@ -257,25 +259,37 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
   }
 
   // The rows, sequence by sequence: all of them, or with CP this rank's two
-  // chunks of each (TransformerEngine's get_batch_on_this_cp_rank).
+  // chunks of each (TransformerEngine's get_batch_on_this_cp_rank), each
+  // array filled by tight loops over runs of real rows and of padding.
   const int64_t c = options.cp_size > 1 ? options.cp_size : 1;
   const int64_t r = c > 1 ? options.cp_rank : 0;
   const bool shifts = !options.shifts.empty();
   const int64_t rows = total / c;
-  out.source.reserve(rows);
-  out.position_ids.reserve(rows);
-  if (shifts) out.shifted_source.reserve(rows);
-  if (options.with_seq_idx) out.seq_idx.reserve(rows);
+  out.source.resize(rows);
+  if (with_position_ids) out.position_ids.resize(rows);
+  if (shifts) out.shifted_source.resize(rows);
+  if (options.with_seq_idx) out.seq_idx.resize(rows);
+  int64_t j = 0;
   auto add = [&](int64_t k, const Span& s, int64_t from, int64_t to) {
-    for (int64_t i = from; i < to; ++i) {
-      out.source.push_back(i < s.length ? s.first_token + i : -1);
-      out.position_ids.push_back(i);
-      if (shifts) {
-        out.shifted_source.push_back(i + 1 < s.length ? s.first_token + i + 1
-                                                      : -1);
-      }
-      if (options.with_seq_idx) out.seq_idx.push_back(k);
+    const int64_t real = std::clamp(s.length, from, to);
+    int64_t* src = out.source.data() + j;
+    for (int64_t i = from; i < real; ++i) *src++ = s.first_token + i;
+    std::fill(src, src + (to - real), -1);
+    if (with_position_ids) {
+      std::iota(out.position_ids.begin() + j,
+                out.position_ids.begin() + j + (to - from), from);
     }
+    if (shifts) {
+      const int64_t next = std::clamp(s.length - 1, from, to);
+      int64_t* sh = out.shifted_source.data() + j;
+      for (int64_t i = from; i < next; ++i) *sh++ = s.first_token + i + 1;
+      std::fill(sh, sh + (to - next), -1);
+    }
+    if (options.with_seq_idx) {
+      std::fill(out.seq_idx.begin() + j, out.seq_idx.begin() + j + (to - from),
+                k);
+    }
+    j += to - from;
   };
   for (size_t k = 0; k < spans.size(); ++k) {
     const Span& s = spans[k];

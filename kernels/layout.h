@@ -105,11 +105,13 @@ struct Layout {
 // The layout of a batch whose sequences (rows, or documents) are packed
 // tokens starts[k] .. starts[k + 1] (starts[0] = 0, K + 1 entries), for
 // options that passed ValidateLayout. Fills shifted_source only when
-// options.shifts is set, seq_idx only with with_seq_idx. INVALID_ARGUMENT
-// naming the field, its value and what the batch needs when `fixed` does not
-// hold the batch; sizes are checked for overflow.
+// options.shifts is set, seq_idx only with with_seq_idx, position_ids only
+// with `with_position_ids`. INVALID_ARGUMENT naming the field, its value and
+// what the batch needs when `fixed` does not hold the batch; sizes are
+// checked for overflow.
 absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
-                                  const LayoutOptions& options);
+                                  const LayoutOptions& options,
+                                  bool with_position_ids = true);
 
 }  // namespace packd
 

@@ -237,10 +237,12 @@ absl::StatusOr<std::vector<ResultTensor>> PlaceResults(
 // the sources do not fit the mask.
 using ShapesFn =
     std::function<absl::StatusOr<std::vector<Shape>>(const MaskPlan& plan)>;
-// Runs the op for result `index` from `source`, writing `out`.
+// Runs the op for result `index` from `source`, writing `out`, with memory of
+// `runtime` for whatever else it needs.
 using OpFn = std::function<absl::Status(
-    Backend& backend, const MaskPlan& plan, size_t index,
-    const TensorView& source, const TensorView& out, const Stream& stream)>;
+    Backend& backend, DeviceRuntime& runtime, const MaskPlan& plan,
+    size_t index, const TensorView& source, const TensorView& out,
+    const Stream& stream)>;
 
 // What a call computes: its sources, and for each result the source it is
 // made from (empty: one result per source).
@@ -309,7 +311,7 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
                            staging.Result(out.data, out.device, out.nbytes()));
     out.device = call.device;
     PACKD_RETURN_IF_ERROR(
-        op(*backend, **plan, i, staged[of_result[i]], out, stream));
+        op(*backend, *runtime, **plan, i, staged[of_result[i]], out, stream));
   }
   PACKD_RETURN_IF_ERROR(staging.Download());
   // The call's work is complete when it returns: results on the device are
@@ -327,10 +329,90 @@ CallDevice CallDeviceOf(const CallOptions& options, const TensorView& mask) {
 // A call with a layout, once its mask is scanned: the layout, and for each
 // output row the dense position it is gathered from (-1: padding or fill).
 struct LaidOut {
+  // Rows narrower than this go through the packed rows (one plain gather,
+  // then copies of whole sequences, which are runs of packed rows); wider ones
+  // are copied straight from the dense tensor by dense position.
+  static constexpr int64_t kNarrowRow = 64;
+
   Layout layout;
   std::vector<int64_t> rows;          // of layout.source
   std::vector<int64_t> shifted_rows;  // of layout.shifted_source
   bool placed = false;                // rows computed
+  // The packed rows of each narrow source (by its data), as [1, N, *tail].
+  std::vector<std::pair<const void*, TensorView>> packed;
+  std::vector<Buffer> held;
+
+  static int64_t Width(const TensorView& x) {
+    int64_t w = ItemSize(x.dtype);
+    for (size_t d = 2; d < x.shape.size(); ++d) w *= x.shape[d];
+    return w;
+  }
+
+  // `x`'s packed rows (gathered once per source), viewed as [1, N, *tail]
+  // for GatherRows, in memory of `runtime`.
+  absl::StatusOr<TensorView> Packed(Backend& backend, DeviceRuntime& runtime,
+                                    const MaskPlan& plan, const TensorView& x,
+                                    const Stream& stream) {
+    for (const auto& [data, view] : packed) {
+      if (data == x.data) return view;
+    }
+    const int64_t n = plan.total_active();
+    PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                           runtime.Allocate(n * Width(x), stream.device()));
+    TensorView rows_view = x;
+    rows_view.data = buffer.data();
+    rows_view.device = stream.device();
+    rows_view.shape.erase(rows_view.shape.begin());
+    rows_view.shape[0] = n;
+    PACKD_RETURN_IF_ERROR(backend.Gather(plan, x, rows_view, stream));
+    rows_view.shape.insert(rows_view.shape.begin(), 1);
+    held.push_back(std::move(buffer));
+    packed.push_back({x.data, rows_view});
+    return rows_view;
+  }
+
+  // Result rows of x by the layout (`shift`: its shifted rows), `pad` where
+  // there is no token.
+  absl::Status Gather(Backend& backend, DeviceRuntime& runtime,
+                      const MaskPlan& plan, const TensorView& x, bool shift,
+                      const unsigned char* pad, const TensorView& out,
+                      const Stream& stream) {
+    if (Width(x) < kNarrowRow) {
+      PACKD_ASSIGN_OR_RETURN(TensorView rows_view,
+                             Packed(backend, runtime, plan, x, stream));
+      return backend.GatherRows(rows_view,
+                                shift ? layout.shifted_source : layout.source,
+                                pad, out, stream);
+    }
+    PACKD_RETURN_IF_ERROR(Place(backend, plan, stream));
+    return backend.GatherRows(x, shift ? shifted_rows : rows, pad, out, stream);
+  }
+
+  // The dense tensor of a Scatter of the layout's rows `p`.
+  absl::Status Scatter(Backend& backend, DeviceRuntime& runtime,
+                       const MaskPlan& plan, const TensorView& p,
+                       const TensorView& dense, const Stream& stream) {
+    if (Width(dense) < kNarrowRow) {
+      // The packed rows of every real token (zero for other CP ranks'), then
+      // the plain Scatter.
+      const int64_t n = plan.total_active();
+      PACKD_ASSIGN_OR_RETURN(
+          Buffer buffer, runtime.Allocate(n * Width(dense), stream.device()));
+      TensorView rows_view = dense;
+      rows_view.data = buffer.data();
+      rows_view.device = stream.device();
+      rows_view.shape.erase(rows_view.shape.begin());
+      rows_view.shape[0] = n;
+      rows_view.shape.insert(rows_view.shape.begin(), 1);
+      PACKD_RETURN_IF_ERROR(
+          backend.ScatterRows(p, layout.source, rows_view, stream));
+      rows_view.shape.erase(rows_view.shape.begin());
+      held.push_back(std::move(buffer));
+      return backend.Scatter(plan, rows_view, dense, stream);
+    }
+    PACKD_RETURN_IF_ERROR(Place(backend, plan, stream));
+    return backend.ScatterRows(p, rows, dense, stream);
+  }
 
   // Computes the dense rows once, with the backend's packed positions.
   absl::Status Place(Backend& backend, const MaskPlan& plan,
@@ -418,7 +500,7 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
           laid.layout,
           MakeLayout(
               options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
-              lo));
+              lo, options.with_position_ids));
       rows = laid.layout.rows();
     }
     std::vector<Shape> out;
@@ -435,16 +517,15 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
     }
     return out;
   };
-  auto gather = [&](Backend& backend, const MaskPlan& plan, size_t i,
-                    const TensorView& x, const TensorView& out,
+  auto gather = [&](Backend& backend, DeviceRuntime& runtime,
+                    const MaskPlan& plan, size_t i, const TensorView& x,
+                    const TensorView& out,
                     const Stream& stream) -> absl::Status {
     if (!laid_out) return backend.Gather(plan, x, out, stream);
-    PACKD_RETURN_IF_ERROR(laid.Place(backend, plan, stream));
-    if (i < inputs.size()) {
-      return backend.GatherRows(x, laid.rows, pads[i].data(), out, stream);
-    }
-    return backend.GatherRows(x, laid.shifted_rows,
-                              fills[i - inputs.size()].data(), out, stream);
+    const bool shift = i >= inputs.size();
+    return laid.Gather(backend, runtime, plan, x, shift,
+                       shift ? fills[i - inputs.size()].data() : pads[i].data(),
+                       out, stream);
   };
   std::unique_ptr<MaskPlan> plan;
   PackResult result;
@@ -529,7 +610,7 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
           laid.layout,
           MakeLayout(
               options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
-              options.layout));
+              options.layout, /*with_position_ids=*/false));
       rows = laid.layout.rows();
       what = absl::StrCat(
           "the layout has ", rows, " rows",
@@ -553,12 +634,12 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
     }
     return out;
   };
-  auto scatter = [&](Backend& backend, const MaskPlan& plan, size_t,
-                     const TensorView& p, const TensorView& dense,
+  auto scatter = [&](Backend& backend, DeviceRuntime& runtime,
+                     const MaskPlan& plan, size_t, const TensorView& p,
+                     const TensorView& dense,
                      const Stream& stream) -> absl::Status {
     if (!laid_out) return backend.Scatter(plan, p, dense, stream);
-    PACKD_RETURN_IF_ERROR(laid.Place(backend, plan, stream));
-    return backend.ScatterRows(p, laid.rows, dense, stream);
+    return laid.Scatter(backend, runtime, plan, p, dense, stream);
   };
   std::unique_ptr<MaskPlan> plan;
   ScatterResult result;
