@@ -35,6 +35,75 @@ absl::StatusOr<TensorView> DecodeTensorHeader(const v1::Tensor& tensor,
   return view;
 }
 
+namespace {
+
+void EncodeFixed(const FixedLayout& fixed, v1::FixedLayout* out) {
+  out->set_tokens(fixed.tokens);
+  out->set_sequences(fixed.sequences);
+  out->set_max_seqlen(fixed.max_seqlen);
+}
+
+FixedLayout DecodeFixed(const v1::FixedLayout& fixed) {
+  return FixedLayout{fixed.tokens(), fixed.sequences(), fixed.max_seqlen()};
+}
+
+}  // namespace
+
+void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
+  request->set_pad_multiple(layout.pad_multiple);
+  request->mutable_pad_values()->Assign(layout.pad_values.begin(),
+                                        layout.pad_values.end());
+  request->set_cp_size(layout.cp_size);
+  request->set_cp_rank(layout.cp_rank);
+  request->set_with_seq_idx(layout.with_seq_idx);
+  request->clear_shifts();
+  for (const Shift& shift : layout.shifts) {
+    v1::Shift* s = request->add_shifts();
+    s->set_input(shift.input);
+    s->set_fill(shift.fill);
+  }
+  if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
+}
+
+absl::Status EncodeLayout(const LayoutOptions& layout,
+                          v1::ScatterRequest* request) {
+  if (!layout.pad_values.empty() || !layout.shifts.empty() ||
+      layout.with_seq_idx) {
+    return absl::InvalidArgumentError(
+        "Scatter takes the layout's pad_multiple, cp_size, cp_rank and fixed; "
+        "pad_values, shifts and with_seq_idx are Pack's");
+  }
+  request->set_pad_multiple(layout.pad_multiple);
+  request->set_cp_size(layout.cp_size);
+  request->set_cp_rank(layout.cp_rank);
+  if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
+  return absl::OkStatus();
+}
+
+LayoutOptions DecodeLayout(const v1::PackRequest& request) {
+  LayoutOptions layout;
+  layout.pad_multiple = request.pad_multiple();
+  layout.pad_values.assign(request.pad_values().begin(),
+                           request.pad_values().end());
+  layout.cp_size = request.cp_size();
+  layout.cp_rank = request.cp_rank();
+  layout.with_seq_idx = request.with_seq_idx();
+  for (const v1::Shift& shift : request.shifts()) {
+    layout.shifts.push_back({shift.input(), shift.fill()});
+  }
+  layout.fixed = DecodeFixed(request.fixed());
+  return layout;
+}
+
+LayoutOptions DecodeLayout(const v1::ScatterRequest& request) {
+  LayoutOptions layout;
+  layout.pad_multiple = request.pad_multiple();
+  layout.cp_size = request.cp_size();
+  layout.cp_rank = request.cp_rank();
+  layout.fixed = DecodeFixed(request.fixed());
+  return layout;
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),

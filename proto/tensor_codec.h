@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kernels/layout.h"
 #include "kernels/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 
@@ -39,6 +40,15 @@ absl::StatusOr<TensorView> DecodeTensorHeader(const v1::Tensor& tensor,
                                               absl::string_view field);
 
 // absl and gRPC codes are equal by number.
+// A layout's fields (docs/design.md §10) on a request, and back. A Scatter
+// carries only those that place rows: encoding pad_values, shifts or
+// with_seq_idx into one is INVALID_ARGUMENT.
+void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request);
+absl::Status EncodeLayout(const LayoutOptions& layout,
+                          v1::ScatterRequest* request);
+LayoutOptions DecodeLayout(const v1::PackRequest& request);
+LayoutOptions DecodeLayout(const v1::ScatterRequest& request);
+
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

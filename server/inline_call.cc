@@ -55,26 +55,49 @@ int64_t InlineActive(const Wire<v1::PackRequest>& request) {
   return CountNonzero(view->dtype, copy.data(), view->numel());
 }
 
-// The bytes of a call's inline results. Pack's: the active rows of each
-// input, from the mask's active count when the mask is inline (else the
-// inputs' size, which bounds them).
+// The rows of a Pack's results at most: the mask's active count without a
+// layout; with one, that padded (each sequence by at most pad_multiple - 1
+// rows, and there are at most B rows or `active` documents), or
+// fixed.tokens. -1 when unknown.
+int64_t ResultRows(const v1::PackRequest& request, int64_t active) {
+  if (active < 0) return -1;
+  const v1::FixedLayout& fixed = request.fixed();
+  if (fixed.tokens() > 0) return std::max(fixed.tokens(), active);
+  const int64_t m = std::max<int64_t>(request.pad_multiple(), 1);
+  const int64_t sequences = request.has_segment_ids()
+                                ? active
+                                : std::max<int64_t>(0, request.mask().shape(0));
+  return SaturatingAdd(active, SaturatingMul(m - 1, sequences));
+}
+
+// The bytes of a call's inline results. Pack's: the rows of each input (and
+// of each shift's input) that ResultRows bounds when the mask is inline, else
+// the inputs' size, which bounds them without a layout.
 int64_t ResultBytes(const Wire<v1::PackRequest>& wire) {
   const v1::PackRequest& request = wire.message();
   if (!request.outputs().empty()) return 0;
-  const int64_t active = InlineActive(wire);
   const auto& mask = request.mask();
-  int64_t bytes = 0;
-  for (const v1::Tensor& t : request.inputs()) {
+  const int64_t rows = ResultRows(request, InlineActive(wire));
+  auto result_bytes = [&](const v1::Tensor& t) {
     int64_t result = HeaderBytes(t);
-    const bool over_mask = active >= 0 && t.shape_size() >= 2 &&
+    const bool over_mask = rows >= 0 && t.shape_size() >= 2 &&
                            t.shape(0) == mask.shape(0) &&
                            t.shape(1) == mask.shape(1);
     const int64_t positions =
         over_mask ? SaturatingMul(t.shape(0), t.shape(1)) : 0;
     if (positions > 0 && positions < INT64_MAX) {
-      result = SaturatingMul(result / positions, active);
+      result = SaturatingMul(result / positions, rows);
     }
-    bytes = SaturatingAdd(bytes, result);
+    return result;
+  };
+  int64_t bytes = 0;
+  for (const v1::Tensor& t : request.inputs()) {
+    bytes = SaturatingAdd(bytes, result_bytes(t));
+  }
+  for (const v1::Shift& shift : request.shifts()) {
+    if (shift.input() >= 0 && shift.input() < request.inputs_size()) {
+      bytes = SaturatingAdd(bytes, result_bytes(request.inputs(shift.input())));
+    }
   }
   return bytes;
 }

@@ -22,16 +22,23 @@
 namespace packd {
 namespace {
 
+// Slot i of `field`, added when it is not there yet (elements of a repeated
+// message field stay where they are as it grows).
+v1::Tensor* SlotOf(google::protobuf::RepeatedPtrField<v1::Tensor>* field,
+                   size_t i) {
+  while (field->size() <= static_cast<int>(i)) field->Add();
+  return &(*field)[static_cast<int>(i)];
+}
+
 // Writes result i into a pooled buffer that the reply wraps without a copy,
 // carried by `reply` for the i-th tensor of its response field `field`, sized
 // once the mask scan has counted the active rows. The running total is
 // checked against the message limit first.
-template <typename Field>
-OutputAllocator IntoReply(WireMessage* reply, Field* field,
+OutputAllocator IntoReply(WireMessage* reply, ResultSlot slot,
                           std::vector<Buffer>* buffers, int64_t limit,
                           int64_t reserved) {
   return
-      [reply, field, buffers, limit, used = reserved](
+      [reply, slot, buffers, limit, used = reserved](
           size_t index, int64_t bytes) mutable -> absl::StatusOr<OutputPlace> {
         used += bytes;
         if (used > limit) {
@@ -41,8 +48,7 @@ OutputAllocator IntoReply(WireMessage* reply, Field* field,
               " bytes (--max_message_bytes); split the batch or use tensor "
               "handles"));
         }
-        while (field->size() <= static_cast<int>(index)) field->Add();
-        const v1::Tensor* tensor = &(*field)[index];
+        const v1::Tensor* tensor = slot(index);
         if (bytes == 0) {
           reply->Carry(*tensor, Payload());
           return OutputPlace{nullptr, Device::Cpu()};
@@ -71,14 +77,12 @@ OutputAllocator IntoSlices(const std::vector<ResolvedSlice>* slices) {
 
 // Sets each result tensor's header, and the region slice written when results
 // went to the request's outputs.
-template <typename Field>
 void EncodeResults(
     const std::vector<ResultTensor>& results,
     const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
-    Field* field) {
+    const ResultSlot& slot) {
   for (size_t i = 0; i < results.size(); ++i) {
-    while (field->size() <= static_cast<int>(i)) field->Add();
-    v1::Tensor* out = &(*field)[i];
+    v1::Tensor* out = slot(i);
     EncodeTensorHeader(results[i].view.dtype, results[i].view.shape, out);
     if (!outputs.empty()) {
       v1::RegionSlice* written = out->mutable_region();
@@ -116,10 +120,11 @@ std::string PackServiceImpl::RenderMetrics() const {
                          calls_.in_flight());
 }
 
-template <typename Request, typename Response, typename Field, typename Op>
+template <typename Request, typename Response, typename Op>
 absl::Status PackServiceImpl::RunCall(const char* method,
                                       const Wire<Request>& request,
-                                      Field* results, int64_t bytes_per_row,
+                                      const ResultSlot& results,
+                                      int64_t bytes_per_row,
                                       CallReply<Response>* reply, Op&& op) {
   PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder_.Decode(request));
   // The decoder has held the mask's rows against the message limit, so this
@@ -175,8 +180,17 @@ absl::Status PackServiceImpl::RunPack(const Wire<v1::PackRequest>& wire,
     static_cast<CallOptions&>(options) = base;
     options.with_position_ids = request.with_position_ids();
     options.segment_ids = call.segment_ids;
+    options.layout = DecodeLayout(request);
     PACKD_ASSIGN_OR_RETURN(PackResult result,
                            ::packd::Pack(call.tensors, call.mask, options));
+    response->mutable_cu_seqlens_padded()->Assign(
+        result.cu_seqlens_padded.begin(), result.cu_seqlens_padded.end());
+    response->set_max_seqlen_padded(result.max_seqlen_padded);
+    response->mutable_seq_idx()->Assign(result.seq_idx.begin(),
+                                        result.seq_idx.end());
+    for (ResultTensor& shifted : result.shifted) {
+      result.packed.push_back(std::move(shifted));
+    }
     response->mutable_doc_cu_seqlens()->Assign(result.doc_cu_seqlens.begin(),
                                                result.doc_cu_seqlens.end());
     response->set_doc_max_seqlen(result.doc_max_seqlen);
@@ -194,8 +208,14 @@ absl::Status PackServiceImpl::RunPack(const Wire<v1::PackRequest>& wire,
                                            result.last_index.end());
     return std::move(result.packed);
   };
-  return RunCall("Pack", wire, response->mutable_packed(),
-                 RequestDecoder::kBytesPerMaskRow, reply, pack);
+  // Results: the packed inputs, then the shifted ones.
+  const size_t inputs = request.inputs_size();
+  auto slot = [response, inputs](size_t i) {
+    return i < inputs ? SlotOf(response->mutable_packed(), i)
+                      : SlotOf(response->mutable_shifted(), i - inputs);
+  };
+  return RunCall("Pack", wire, slot, RequestDecoder::kBytesPerMaskRow, reply,
+                 pack);
 }
 
 absl::Status PackServiceImpl::RunScatter(
@@ -210,12 +230,17 @@ absl::Status PackServiceImpl::RunScatter(
       options.tail_shape.emplace(request.tail_shape().dims().begin(),
                                  request.tail_shape().dims().end());
     }
+    options.segment_ids = call.segment_ids;
+    options.layout = DecodeLayout(request);
     PACKD_ASSIGN_OR_RETURN(ScatterResult result,
                            ::packd::Scatter(call.tensors, call.mask, options));
     return std::move(result.dense);
   };
-  return RunCall("Scatter", wire, reply->response->mutable_dense(), 0, reply,
-                 scatter);
+  v1::ScatterResponse* response = &reply->response.message();
+  auto slot = [response](size_t i) {
+    return SlotOf(response->mutable_dense(), i);
+  };
+  return RunCall("Scatter", wire, slot, 0, reply, scatter);
 }
 
 absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,

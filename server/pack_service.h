@@ -42,6 +42,10 @@
 
 namespace packd {
 
+// The response tensor that result `index` of a call is, added when it is not
+// there yet: packed[i] (then shifted[j]) of a Pack, dense[i] of a Scatter.
+using ResultSlot = std::function<v1::Tensor*(size_t index)>;
+
 struct ServiceOptions {
   Device default_device;
   // Largest request or response, in bytes (--max_message_bytes).
@@ -153,14 +157,14 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   // whole budget.
   int64_t AdmissionBytes(int64_t declared) const;
   // The steps every Pack and Scatter call takes: decode, place results
-  // (pooled buffers that `reply` carries for its response's repeated tensor
-  // field `results`, or the request's output slices), run `op` with the
-  // call's options, and encode the result headers. `bytes_per_row`: response
-  // bytes besides the tensors for each row of the mask (the per-row metadata:
-  // cu_seqlens, last_index, ...), reserved out of --max_message_bytes.
-  template <typename Request, typename Response, typename Field, typename Op>
+  // (pooled buffers that `reply` carries for the response tensors `results`
+  // names, or the request's output slices), run `op` with the call's options,
+  // and encode the result headers. `bytes_per_row`: response bytes besides
+  // the tensors for each row of the mask (the per-row metadata: cu_seqlens,
+  // last_index, ...), reserved out of --max_message_bytes.
+  template <typename Request, typename Response, typename Op>
   absl::Status RunCall(const char* method, const Wire<Request>& request,
-                       Field* results, int64_t bytes_per_row,
+                       const ResultSlot& results, int64_t bytes_per_row,
                        CallReply<Response>* reply, Op&& op);
   absl::Status RunPack(const Wire<v1::PackRequest>& request,
                        CallReply<v1::PackResponse>* reply);

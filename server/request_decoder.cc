@@ -136,7 +136,7 @@ template <typename Request>
 absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
     const Wire<Request>& wire,
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-    absl::string_view field, bool reads_active_only) const {
+    absl::string_view field, bool reads_active_only, int results) const {
   const Request& request = wire.message();
   PACKD_RETURN_IF_ERROR(CheckSize(
       "request",
@@ -186,11 +186,13 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   }
   const auto& outputs = request.outputs();
   if (outputs.empty()) return call;
-  if (outputs.size() != tensors.size()) {
+  if (outputs.size() != results) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "outputs has ", outputs.size(), " slices but there are ",
-        tensors.size(),
-        " tensors: give one slice per tensor, or none for inline results"));
+        "outputs has ", outputs.size(), " slices but there are ", results,
+        results == tensors.size()
+            ? " tensors: give one slice per tensor"
+            : " results: give one slice per input, then one per shift",
+        ", or none for inline results"));
   }
   for (int i = 0; i < outputs.size(); ++i) {
     PACKD_ASSIGN_OR_RETURN(
@@ -204,9 +206,11 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const Wire<v1::PackRequest>& wire) const {
   const v1::PackRequest& request = wire.message();
-  PACKD_ASSIGN_OR_RETURN(DecodedCall call,
-                         DecodeCall(wire, request.inputs(), "inputs",
-                                    /*reads_active_only=*/true));
+  PACKD_ASSIGN_OR_RETURN(
+      DecodedCall call,
+      DecodeCall(wire, request.inputs(), "inputs",
+                 /*reads_active_only=*/true,
+                 request.inputs_size() + request.shifts_size()));
   if (request.has_segment_ids()) {
     PACKD_ASSIGN_OR_RETURN(
         call.segment_ids,
@@ -217,8 +221,16 @@ absl::StatusOr<DecodedCall> RequestDecoder::Decode(
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const Wire<v1::ScatterRequest>& wire) const {
-  return DecodeCall(wire, wire->packed(), "packed",
-                    /*reads_active_only=*/false);
+  PACKD_ASSIGN_OR_RETURN(
+      DecodedCall call,
+      DecodeCall(wire, wire->packed(), "packed",
+                 /*reads_active_only=*/false, wire->packed_size()));
+  if (wire->has_segment_ids()) {
+    PACKD_ASSIGN_OR_RETURN(
+        call.segment_ids,
+        DecodeTensor(wire->segment_ids(), "segment_ids", &call));
+  }
+  return call;
 }
 
 }  // namespace packd

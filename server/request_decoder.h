@@ -98,7 +98,7 @@ class RequestDecoder {
   absl::StatusOr<DecodedCall> DecodeCall(
       const Wire<Request>& wire,
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-      absl::string_view field, bool reads_active_only) const;
+      absl::string_view field, bool reads_active_only, int results) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
 
   const RegionRegistry& regions_;
