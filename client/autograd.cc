@@ -16,13 +16,25 @@ thread_local absl::Status forward_status;
 struct PackFunction : public torch::autograd::Function<PackFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx,
                             const at::Tensor& x, const at::Tensor& mask,
-                            Client* client) {
-    absl::StatusOr<PackedBatch> batch = client->Pack({x}, mask);
+                            const at::Tensor* segment_ids, Client* client,
+                            const LayoutOptions* layout) {
+    PackCallOptions options;
+    options.layout = *layout;
+    options.segment_ids = *segment_ids;
+    absl::StatusOr<PackedBatch> batch = client->Pack({x}, mask, options);
     if (!batch.ok()) forward_status = batch.status();
     TORCH_CHECK(batch.ok(), batch.status().ToString());
     ctx->save_for_backward({mask});
+    // Not an input of the op (autograd takes no undefined tensor there).
+    if (segment_ids->defined()) ctx->saved_data["segment_ids"] = *segment_ids;
     ctx->saved_data["client"] = reinterpret_cast<int64_t>(client);
     ctx->saved_data["tail"] = x.sizes().slice(2).vec();
+    ctx->saved_data["pad_multiple"] = layout->pad_multiple;
+    ctx->saved_data["cp_size"] = static_cast<int64_t>(layout->cp_size);
+    ctx->saved_data["cp_rank"] = static_cast<int64_t>(layout->cp_rank);
+    ctx->saved_data["fixed"] =
+        std::vector<int64_t>{layout->fixed.tokens, layout->fixed.sequences,
+                             layout->fixed.max_seqlen};
     return batch->packed[0];
   }
 
@@ -31,7 +43,18 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
       torch::autograd::variable_list grads) {
     auto* client = reinterpret_cast<Client*>(ctx->saved_data["client"].toInt());
     const at::Tensor mask = ctx->get_saved_variables()[0];
-    const std::vector<int64_t> tail = ctx->saved_data["tail"].toIntVector();
+    ScatterCallOptions options;
+    if (ctx->saved_data.count("segment_ids") > 0) {
+      options.segment_ids = ctx->saved_data["segment_ids"].toTensor();
+    }
+    options.tail_shape = ctx->saved_data["tail"].toIntVector();
+    options.layout.pad_multiple = ctx->saved_data["pad_multiple"].toInt();
+    options.layout.cp_size =
+        static_cast<int32_t>(ctx->saved_data["cp_size"].toInt());
+    options.layout.cp_rank =
+        static_cast<int32_t>(ctx->saved_data["cp_rank"].toInt());
+    const std::vector<int64_t> fixed = ctx->saved_data["fixed"].toIntVector();
+    options.layout.fixed = {fixed[0], fixed[1], fixed[2]};
     // On the GPU the batch came from: autograd makes the gradient where the
     // loss is.
     absl::StatusOr<at::Tensor> grad =
@@ -39,10 +62,11 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
     TORCH_CHECK(grad.ok(),
                 "packd Scatter in backward: ", grad.status().ToString());
     absl::StatusOr<std::vector<at::Tensor>> dense =
-        client->Scatter({*grad}, mask, tail);
+        client->Scatter({*grad}, mask, options);
     TORCH_CHECK(dense.ok(),
                 "packd Scatter in backward: ", dense.status().ToString());
-    return {(*dense)[0], at::Tensor(), at::Tensor()};
+    return {(*dense)[0], at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -50,9 +74,16 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
 
 absl::StatusOr<at::Tensor> PackWithGrad(Client& client, const at::Tensor& x,
                                         const at::Tensor& mask) {
+  return PackWithGrad(client, x, mask, LayoutOptions());
+}
+
+absl::StatusOr<at::Tensor> PackWithGrad(Client& client, const at::Tensor& x,
+                                        const at::Tensor& mask,
+                                        const LayoutOptions& layout,
+                                        const at::Tensor& segment_ids) {
   forward_status = absl::OkStatus();
   try {
-    return PackFunction::apply(x, mask, &client);
+    return PackFunction::apply(x, mask, &segment_ids, &client, &layout);
   } catch (const c10::Error& e) {
     if (!forward_status.ok()) return forward_status;
     return absl::InternalError(e.what_without_backtrace());

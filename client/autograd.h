@@ -24,6 +24,14 @@ namespace packd {
 absl::StatusOr<at::Tensor> PackWithGrad(Client& client, const at::Tensor& x,
                                         const at::Tensor& mask);
 
+// The same with a layout (docs/design.md §10) and documents: the packed rows
+// are the layout's, and backward scatters with the same layout, so x.grad()
+// gets each real row's gradient and zeros elsewhere.
+absl::StatusOr<at::Tensor> PackWithGrad(Client& client, const at::Tensor& x,
+                                        const at::Tensor& mask,
+                                        const LayoutOptions& layout,
+                                        const at::Tensor& segment_ids = {});
+
 }  // namespace packd
 
 #endif  // PACKD_CLIENT_AUTOGRAD_H_

@@ -547,6 +547,16 @@ void Client::FillMetadata(const v1::PackResponse& response,
     batch->doc_row = long_tensor(response.doc_row());
     batch->doc_last_index = long_tensor(response.doc_last_index());
   }
+  if (response.cu_seqlens_padded_size() > 0) {
+    batch->cu_seqlens_padded = long_tensor(response.cu_seqlens_padded());
+    if (options.cu_seqlens_int32) {
+      batch->cu_seqlens_padded = batch->cu_seqlens_padded.to(at::kInt);
+    }
+  }
+  batch->max_seqlen_padded = response.max_seqlen_padded();
+  if (options.layout.with_seq_idx) {
+    batch->seq_idx = long_tensor(response.seq_idx());
+  }
 }
 
 absl::StatusOr<std::vector<at::Tensor>> Client::Results(
@@ -604,6 +614,7 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
   Outgoing outgoing(&request);
   request->set_device(options.device);
   request->set_with_position_ids(options.with_position_ids);
+  EncodeLayout(options.layout, &request.message());
   PACKD_RETURN_IF_ERROR(
       EncodeTensor(mask, scratch, request->mutable_mask(), &outgoing));
   for (const at::Tensor& t : tensors) {
@@ -617,8 +628,10 @@ absl::StatusOr<Client::PackPart> Client::PackRows(
   // Results into shared memory: room for the largest possible result (every row
   // active). The scratch segment is sized for that; a caller's segment may not
   // be.
-  SharedMemory* results =
-      options.results_in != nullptr ? options.results_in : scratch;
+  SharedMemory* results = options.layout.any()
+                              ? nullptr  // a layout's results come inline
+                          : options.results_in != nullptr ? options.results_in
+                                                          : scratch;
   std::vector<int64_t> result_sizes;
   for (const at::Tensor& t : tensors) result_sizes.push_back(t.nbytes());
   if (results != nullptr &&
@@ -645,6 +658,11 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
     named.push_back({absl::StrCat("inputs[", i, "]"), &tensors[i]});
   }
   PACKD_ASSIGN_OR_RETURN(std::optional<int> gpu, GpuOf(named));
+  if (options.layout.any() && options.results_in != nullptr) {
+    return absl::InvalidArgumentError(
+        "results_in takes the results of a Pack without a layout; a layout's "
+        "results come inline");
+  }
   if (gpu.has_value()) return PackOnGpu(*gpu, tensors, mask, options);
   int64_t bytes = mask.nbytes();
   for (const at::Tensor& t : tensors)
@@ -656,7 +674,7 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   // A large inline call goes as parts of the rows, each on its own
   // connection, at once.
   const int64_t rows = mask.dim() == 2 ? mask.size(0) : 0;
-  const int parts = options.results_in == nullptr &&
+  const int parts = options.results_in == nullptr && !options.layout.any() &&
                             SplitsByRows(tensors, mask, options.segment_ids)
                         ? Parts(bytes, scratch != nullptr, rows)
                         : 1;
@@ -688,6 +706,11 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   PACKD_ASSIGN_OR_RETURN(
       batch.packed,
       Results(results, replies, /*copy_out=*/options.results_in == nullptr));
+  if (parts == 1 && parts_done[0].reply->shifted_size() > 0) {
+    PACKD_ASSIGN_OR_RETURN(batch.shifted,
+                           Results({&parts_done[0].reply->shifted()}, replies,
+                                   /*copy_out=*/true));
+  }
   const v1::PackResponse response =
       parts == 1 ? std::move(parts_done[0].reply.message())
                  : JoinPackResponses(responses, first_rows);
@@ -699,7 +722,19 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     const std::vector<at::Tensor>& packed, const at::Tensor& mask,
     const std::optional<std::vector<int64_t>>& tail_shape,
     const std::string& device) {
-  Named named = {{"mask", &mask}};
+  ScatterCallOptions options;
+  options.tail_shape = tail_shape;
+  options.device = device;
+  return Scatter(packed, mask, options);
+}
+
+absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
+    const std::vector<at::Tensor>& packed, const at::Tensor& mask,
+    const ScatterCallOptions& options) {
+  const std::optional<std::vector<int64_t>>& tail_shape = options.tail_shape;
+  const std::string& device = options.device;
+  const bool laid_out = options.layout.any() || options.segment_ids.defined();
+  Named named = {{"mask", &mask}, {"segment_ids", &options.segment_ids}};
   for (size_t i = 0; i < packed.size(); ++i) {
     named.push_back({absl::StrCat("packed[", i, "]"), &packed[i]});
   }
@@ -710,7 +745,7 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
           "device \"", device, "\" is for host tensors; these are on ",
           device_memory_->Name(*gpu), ", where the call runs"));
     }
-    return ScatterOnGpu(*gpu, packed, mask, tail_shape);
+    return ScatterOnGpu(*gpu, packed, mask, options);
   }
   // Each result is [B, S, *tail]: B * S rows of a packed row's bytes (unknown,
   // 0, when a tensor has no rows to measure).
@@ -729,6 +764,12 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     Wire<v1::ScatterRequest> request;
     Outgoing outgoing(&request);
     request->set_device(device);
+    PACKD_RETURN_IF_ERROR(EncodeLayout(options.layout, &request.message()));
+    if (options.segment_ids.defined()) {
+      PACKD_RETURN_IF_ERROR(EncodeTensor(options.segment_ids, segment,
+                                         request->mutable_segment_ids(),
+                                         &outgoing));
+    }
     PACKD_RETURN_IF_ERROR(
         EncodeTensor(rows_mask, segment, request->mutable_mask(), &outgoing));
     for (const at::Tensor& t : rows_packed) {
@@ -752,7 +793,7 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
   // of its part, on their own connections at once: part k's packed rows
   // start at the active count before its first row.
   const int64_t rows = mask.dim() == 2 ? mask.size(0) : 0;
-  int parts = Parts(bytes, scratch != nullptr, rows);
+  int parts = laid_out ? 1 : Parts(bytes, scratch != nullptr, rows);
   std::vector<int64_t> first_packed(parts + 1, 0);
   if (parts > 1) {
     const at::Tensor before =

@@ -26,6 +26,7 @@
 #include "client/connection.h"
 #include "client/device_memory.h"
 #include "client/shared_memory.h"
+#include "kernels/layout.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
 
@@ -47,6 +48,21 @@ struct PackCallOptions {
   // (read in place, valid until the segment is reset or destroyed) instead of
   // being copied out.
   SharedMemory* results_in = nullptr;
+  // Layouts for parallel attention (docs/design.md §10, docs/operation.md):
+  // padding, CP slices, fixed shapes, shifts, seq_idx. Sequences are the
+  // documents with segment_ids, else the rows. A call with a layout goes
+  // whole (not in parts), its results inline (results_in refused).
+  LayoutOptions layout;
+};
+
+// A Scatter's options: the Pack's layout it inverts (pad_multiple, cp_size /
+// cp_rank, fixed, and segment_ids for documents), where it runs, and the
+// tail check.
+struct ScatterCallOptions {
+  std::optional<std::vector<int64_t>> tail_shape;
+  std::string device;
+  at::Tensor segment_ids;
+  LayoutOptions layout;
 };
 
 // What Pack returns, as the wire contract has it.
@@ -64,6 +80,15 @@ struct PackedBatch {
   int64_t doc_max_seqlen = 0;
   at::Tensor doc_row;
   at::Tensor doc_last_index;
+  // With a layout: packed and position_ids hold the layout's rows, and
+  // cu_seqlens (doc_cu_seqlens with documents) and the maxima are extended
+  // for `fixed`. cu_seqlens_padded (like cu_seqlens' dtype) when the layout
+  // reshapes; seq_idx [rows] int64 with with_seq_idx; shifted[j] answers
+  // layout.shifts[j].
+  at::Tensor cu_seqlens_padded;
+  int64_t max_seqlen_padded = 0;
+  at::Tensor seq_idx;
+  std::vector<at::Tensor> shifted;
 };
 
 // The slice of region `region` (registered from an IPC handle of the
@@ -107,6 +132,12 @@ class Client {
       const std::vector<at::Tensor>& packed, const at::Tensor& mask,
       const std::optional<std::vector<int64_t>>& tail_shape = std::nullopt,
       const std::string& device = "");
+  // With a Pack's layout: packed[i] holds that layout's rows, and pad rows,
+  // ghost rows and other CP ranks' positions are dropped (the gradient of that
+  // Pack).
+  absl::StatusOr<std::vector<at::Tensor>> Scatter(
+      const std::vector<at::Tensor>& packed, const at::Tensor& mask,
+      const ScatterCallOptions& options);
 
   // Registers device memory another library exported as region `name`:
   // `ipc_handle` from cudaIpcGetMemHandle / hipIpcGetMemHandle (64 bytes),
@@ -266,7 +297,7 @@ class Client {
                                         const PackCallOptions& options);
   absl::StatusOr<std::vector<at::Tensor>> ScatterOnGpu(
       int index, const std::vector<at::Tensor>& packed, const at::Tensor& mask,
-      const std::optional<std::vector<int64_t>>& tail_shape);
+      const ScatterCallOptions& options);
   // Regions of freed GPU allocations, as the device memory reports them (from
   // wherever memory is freed, maybe after the client is gone: it holds only
   // this).

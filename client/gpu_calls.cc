@@ -249,6 +249,8 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
     shaped = shaped && t.dim() >= 2;
   }
   std::vector<at::Tensor> outputs;
+  // A layout's results come inline and are copied to the GPU.
+  shaped = shaped && !options.layout.any();
   if (shaped) {
     const int64_t active = at::count_nonzero(mask).item<int64_t>();
     for (const at::Tensor& t : tensors) {
@@ -266,6 +268,7 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
   Outgoing outgoing(&request);
   request->set_device(absl::StrCat("uuid:", uuid));
   request->set_with_position_ids(options.with_position_ids);
+  EncodeLayout(options.layout, &request.message());
   PACKD_RETURN_IF_ERROR(
       EncodeGpuTensor(mask, index, request->mutable_mask(), &outgoing));
   for (const at::Tensor& t : tensors) {
@@ -283,10 +286,13 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
   PackedBatch batch;
   PACKD_ASSIGN_OR_RETURN(batch.packed,
                          GpuResults(reply->packed(), reply, outputs, index));
+  PACKD_ASSIGN_OR_RETURN(batch.shifted,
+                         GpuResults(reply->shifted(), reply, {}, index));
   FillMetadata(reply.message(), options, &batch);
   for (at::Tensor* t :
        {&batch.cu_seqlens, &batch.position_ids, &batch.last_index,
-        &batch.doc_cu_seqlens, &batch.doc_row, &batch.doc_last_index}) {
+        &batch.doc_cu_seqlens, &batch.doc_row, &batch.doc_last_index,
+        &batch.cu_seqlens_padded, &batch.seq_idx}) {
     if (!t->defined()) continue;
     PACKD_ASSIGN_OR_RETURN(*t, device_memory_->ToDevice(*t, index));
   }
@@ -295,8 +301,8 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
 
 absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(
     int index, const std::vector<at::Tensor>& packed_in,
-    const at::Tensor& mask_in,
-    const std::optional<std::vector<int64_t>>& tail_shape) {
+    const at::Tensor& mask_in, const ScatterCallOptions& options) {
+  const std::optional<std::vector<int64_t>>& tail_shape = options.tail_shape;
   UnregisterFreed();
   const at::Tensor mask = mask_in.contiguous();
   std::vector<at::Tensor> packed;
@@ -322,6 +328,12 @@ absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(
   Wire<v1::ScatterRequest> request;
   Outgoing outgoing(&request);
   request->set_device(absl::StrCat("uuid:", uuid));
+  PACKD_RETURN_IF_ERROR(EncodeLayout(options.layout, &request.message()));
+  if (options.segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(EncodeGpuTensor(options.segment_ids.contiguous(),
+                                          index, request->mutable_segment_ids(),
+                                          &outgoing));
+  }
   PACKD_RETURN_IF_ERROR(
       EncodeGpuTensor(mask, index, request->mutable_mask(), &outgoing));
   for (const at::Tensor& t : packed) {

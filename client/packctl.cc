@@ -5,6 +5,7 @@
 //   packctl info                       # version, devices, limits
 //   packctl probe --max_latency_ms=50  # one small Pack round trip; a Kubernetes exec probe
 //   packctl pack --shape=16,1024,4096 --dtype=bfloat16 --density=0.3
+//   packctl pack --pad_multiple=8 --cp_size=2 --cp_rank=1 --fixed=16384,0,16384
 //   packctl bench --concurrency=4 --duration=10 --transport=shm --json=out.json
 //   packctl plan --samples=1024 --distribution=lognormal --max_tokens=16384 --ranks=8
 // clang-format on
@@ -38,6 +39,7 @@
 #include "client/connection.h"
 #include "client/shm_region.h"
 #include "kernels/dtype.h"
+#include "kernels/layout.h"
 #include "planner/planner.h"
 #include "proto/tensor_codec.h"
 #include "workloads/lengths.h"
@@ -79,6 +81,12 @@ ABSL_FLAG(std::string, mask_file, "",
           "active) instead of generating it");
 ABSL_FLAG(std::string, output, "",
           "pack: write the packed bytes of x to this file");
+ABSL_FLAG(int64_t, pad_multiple, 0,
+          "pack: pad every row to a multiple of this (docs/operation.md)");
+ABSL_FLAG(int, cp_size, 0, "pack: context-parallel ranks (0 or 1: none)");
+ABSL_FLAG(int, cp_rank, 0, "pack: the context-parallel rank to return");
+ABSL_FLAG(std::string, fixed, "",
+          "pack: fixed shapes TOKENS,SEQUENCES,MAX_SEQLEN (0 = not fixed)");
 ABSL_FLAG(int, concurrency, 1, "bench: calls in flight");
 ABSL_FLAG(double, duration, 5, "bench: seconds to run");
 ABSL_FLAG(std::string, transport, "inline",
@@ -299,9 +307,11 @@ struct PackResult {
 };
 absl::StatusOr<PackResult> PackInline(Connection& connection,
                                       const Batch& batch,
-                                      bool with_position_ids) {
+                                      bool with_position_ids,
+                                      const LayoutOptions& layout = {}) {
   Wire<v1::PackRequest> request;
   request->set_with_position_ids(with_position_ids);
+  EncodeLayout(layout, &request.message());
   PackRequestFor(batch, nullptr, nullptr, &request);
   PackResult result;
   const auto start = std::chrono::steady_clock::now();
@@ -341,14 +351,73 @@ int Probe(Connection& connection) {
   return kOk;
 }
 
+// The layout the flags ask for (docs/design.md §10).
+absl::StatusOr<LayoutOptions> LayoutFromFlags() {
+  LayoutOptions layout;
+  layout.pad_multiple = absl::GetFlag(FLAGS_pad_multiple);
+  layout.cp_size = absl::GetFlag(FLAGS_cp_size);
+  layout.cp_rank = absl::GetFlag(FLAGS_cp_rank);
+  const std::string fixed = absl::GetFlag(FLAGS_fixed);
+  if (!fixed.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(fixed, ',');
+    int64_t v[3] = {0, 0, 0};
+    if (parts.size() > 3) {
+      return absl::InvalidArgumentError(
+          "--fixed takes TOKENS,SEQUENCES,MAX_SEQLEN");
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (!absl::SimpleAtoi(parts[i], &v[i])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--fixed=", fixed, ": \"", parts[i], "\" is not an integer"));
+      }
+    }
+    layout.fixed = {v[0], v[1], v[2]};
+  }
+  return layout;
+}
+
+// The bytes a Pack of `batch` with `layout` returns: each output row x's row
+// of the token it holds, zeros for padding.
+absl::StatusOr<std::string> LaidOutBytes(const Batch& batch,
+                                         const LayoutOptions& layout) {
+  std::vector<int64_t> starts = {0}, positions;
+  for (int64_t b = 0; b < batch.shape[0]; ++b) {
+    for (int64_t s = 0; s < batch.shape[1]; ++s) {
+      if (batch.mask[b * batch.shape[1] + s]) {
+        positions.push_back(b * batch.shape[1] + s);
+      }
+    }
+    starts.push_back(static_cast<int64_t>(positions.size()));
+  }
+  absl::StatusOr<Layout> laid = MakeLayout(starts, layout);
+  if (!laid.ok()) return laid.status();
+  const int64_t width = batch.row_bytes();
+  std::string out;
+  for (int64_t token : laid->source) {
+    if (token < 0) {
+      out.append(width, '\0');
+    } else {
+      out.append(batch.x.data() + positions[token] * width, width);
+    }
+  }
+  return out;
+}
+
+std::string Head(const google::protobuf::RepeatedField<int64_t>& values) {
+  const int head = std::min(values.size(), 9);
+  return absl::StrCat(
+      "[", absl::StrJoin(values.begin(), values.begin() + head, ", "),
+      values.size() > head ? ", ..." : "", "]");
+}
+
 int PackCommand(Connection& connection) {
   absl::StatusOr<Batch> batch = MakeBatch();
   if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
-  absl::StatusOr<PackResult> r = PackInline(connection, *batch, true);
+  absl::StatusOr<LayoutOptions> layout = LayoutFromFlags();
+  if (!layout.ok()) return Fail(kUsage, std::string(layout.status().message()));
+  absl::StatusOr<PackResult> r = PackInline(connection, *batch, true, *layout);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
   const v1::PackResponse& response = r->reply.message();
-  const auto& cu = response.cu_seqlens();
-  const int head = std::min(cu.size(), 9);
   std::printf("x:            [%s] %s (%.1f MiB)\n",
               absl::StrJoin(batch->shape, ", ").c_str(),
               DTypeName(batch->dtype), batch->x.size() / 1048576.0);
@@ -358,9 +427,13 @@ int PackCommand(Connection& connection) {
   std::printf("total_active: %lld   max_seqlen: %lld\n",
               static_cast<long long>(response.total_active()),
               static_cast<long long>(response.max_seqlen()));
-  std::printf("cu_seqlens:   [%s%s]\n",
-              absl::StrJoin(cu.begin(), cu.begin() + head, ", ").c_str(),
-              cu.size() > head ? ", ..." : "");
+  std::printf("cu_seqlens:   %s\n", Head(response.cu_seqlens()).c_str());
+  if (layout->any()) {
+    std::printf("cu_seqlens_padded: %s   max_seqlen_padded: %lld\n",
+                Head(response.cu_seqlens_padded()).c_str(),
+                static_cast<long long>(response.max_seqlen_padded()));
+    std::printf("position_ids: %s\n", Head(response.position_ids()).c_str());
+  }
   std::printf("time:         %.2f ms\n", r->ms);
   const std::string output = absl::GetFlag(FLAGS_output);
   if (!output.empty()) {
@@ -369,12 +442,16 @@ int PackCommand(Connection& connection) {
     if (!f) return Fail(kUsage, "cannot write --output=" + output);
   }
   // Every byte checked against packing here, row by row.
-  if (r->packed != batch->Packed()) {
+  absl::StatusOr<std::string> want =
+      layout->any() ? LaidOutBytes(*batch, *layout) : batch->Packed();
+  if (!want.ok()) return Fail(kCheckFailed, want.status().ToString());
+  if (r->packed != *want) {
     return Fail(kCheckFailed,
                 "pack: the packed bytes differ from the rows of x the mask "
-                "selects");
+                "selects (laid out)");
   }
-  std::printf("checked:      the packed bytes equal the masked rows of x\n");
+  std::printf("checked:      the packed bytes equal the masked rows of x%s\n",
+              layout->any() ? ", laid out" : "");
   return kOk;
 }
 

@@ -23,6 +23,7 @@
 #include "client/autograd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/pack.h"
 #include "kernels/torch/torch_interop.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
@@ -120,6 +121,80 @@ TEST_F(ClientTest, ScatterAndErrorsCarryTheServersCode) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   r = client_->Pack({at::zeros({3, 50}, at::kComplexFloat)}, mask);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A layout through the client (docs/design.md §10): the same bytes and arrays
+// as the op library's Pack of the same batch, shifted labels included, and a
+// differentiable Pack whose backward scatters with the layout, through the
+// shared-memory path too.
+TEST_F(ClientTest, LayoutsForParallelAttention) {
+  Rng rng = Rng::Fresh();
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, 4, 37, 0.6, MaskPattern::kHoles);
+  const at::Tensor ids = at::randint(0, 3, {4, 37}, at::kInt);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {4, 37, 6});
+  const at::Tensor tok = testing::RandomTensor(rng, DType::kInt64, {4, 37});
+  PackCallOptions options;
+  options.segment_ids = ids;
+  options.with_position_ids = true;
+  options.cu_seqlens_int32 = true;
+  options.layout.pad_multiple = 8;
+  options.layout.cp_size = 2;
+  options.layout.cp_rank = 1;
+  options.layout.with_seq_idx = true;
+  options.layout.pad_values = {0.5, -1};
+  options.layout.shifts = {{1, -100}};
+  absl::StatusOr<PackedBatch> r = client_->Pack({x, tok}, mask, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  PackOptions op;
+  op.segment_ids = AsView(ids);
+  op.with_position_ids = true;
+  op.layout = options.layout;
+  absl::StatusOr<PackResult> want =
+      packd::Pack({AsView(x), AsView(tok)}, AsView(mask), op);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_TRUE(SameBytes(r->packed[0], want->packed[0].view));
+  EXPECT_TRUE(SameBytes(r->packed[1], want->packed[1].view));
+  ASSERT_EQ(r->shifted.size(), 1u);
+  EXPECT_TRUE(SameBytes(r->shifted[0], want->shifted[0].view));
+  EXPECT_TRUE(at::equal(r->cu_seqlens_padded,
+                        at::tensor(want->cu_seqlens_padded).to(at::kInt)));
+  EXPECT_EQ(r->cu_seqlens_padded.scalar_type(), at::kInt);
+  EXPECT_EQ(r->max_seqlen_padded, want->max_seqlen_padded);
+  EXPECT_TRUE(at::equal(r->seq_idx, at::tensor(want->seq_idx)));
+  EXPECT_TRUE(at::equal(r->position_ids, at::tensor(want->position_ids)));
+
+  // Backward through the layout, inline and through shared memory.
+  for (int64_t threshold : {int64_t{0}, int64_t{1}}) {
+    ClientOptions client_options;
+    client_options.address = server_->address();
+    client_options.shared_memory_threshold_bytes = threshold;
+    std::unique_ptr<Client> client = *Client::Connect(client_options);
+    LayoutOptions layout;
+    layout.pad_multiple = 8;
+    layout.cp_size = 2;
+    layout.cp_rank = 0;
+    at::Tensor xd = at::randn({4, 37, 3}, at::kDouble).requires_grad_();
+    absl::StatusOr<at::Tensor> packed =
+        PackWithGrad(*client, xd, mask, layout, ids);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    const at::Tensor weight = at::randn(packed->sizes(), at::kDouble);
+    (*packed * weight).sum().backward();
+    ScatterOptions back;
+    back.layout = layout;
+    back.segment_ids = AsView(ids);
+    absl::StatusOr<ScatterResult> dense =
+        packd::Scatter({AsView(weight)}, AsView(mask), back);
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    EXPECT_TRUE(SameBytes(xd.grad(), dense->dense[0].view)) << threshold;
+  }
+
+  // Errors carry the server's code and message.
+  options.layout.pad_multiple = 6;
+  r = client_->Pack({x, tok}, mask, options);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("pad_multiple 6 is not a multiple of 2 * cp_size = 4"));
 }
 
 // Large inline calls go as two halves of the rows on two connections: the
