@@ -11,7 +11,8 @@ through a packd server.
                         cu_seqlens_dtype=torch.int32)
 """
 from packd.client import Client, PackdError, PackResult, device_slice, varlen_kwargs
+from packd.layout import Layout
 from packd.ops import RemotePackOp
 
-__all__ = ["Client", "PackdError", "PackResult", "RemotePackOp", "device_slice",
+__all__ = ["Client", "Layout", "PackdError", "PackResult", "RemotePackOp", "device_slice",
            "varlen_kwargs"]

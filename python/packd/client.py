@@ -12,6 +12,7 @@ import torch
 
 from packd import _device, _memory, _tensors, _wire
 from packd._shm import Segment
+from packd.layout import Layout
 from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
 
@@ -52,15 +53,40 @@ class PackResult:
     doc_max_seqlen: int = 0
     doc_row: Optional[torch.Tensor] = None         # [D] int64
     doc_last_index: Optional[torch.Tensor] = None  # [D] int64
+    # With a layout (docs/design.md §10): packed and position_ids hold the layout's rows, and
+    # cu_seqlens (doc_cu_seqlens with documents) and the maxima are extended for `fixed`.
+    cu_seqlens_padded: Optional[torch.Tensor] = None  # when the layout reshapes; cu dtype
+    max_seqlen_padded: int = 0
+    seq_idx: Optional[torch.Tensor] = None         # [rows] int64, with with_seq_idx
+    shifted: Optional[list] = None                 # shifted[j] answers shifts[j]
 
 
-def varlen_kwargs(result: PackResult):
-    """The keyword arguments varlen attention takes (flash_attn_varlen_func and the like) for a
-    pack result: cu_seqlens_q/k (int32) and max_seqlen_q/k, per document when the pack had
-    segment ids, per row otherwise."""
+def varlen_kwargs(result: PackResult, style="flash_attn"):
+    """The keyword arguments varlen attention takes for a pack result, int32, per document
+    when the pack had segment ids, per row otherwise.
+
+    style "flash_attn" (flash_attn_varlen_func and the like): cu_seqlens_q/k and
+    max_seqlen_q/k; a padded layout has pad rows inside the packed tensor, which flash
+    attention cannot skip, so it is a ValueError there. style "te" (TransformerEngine's THD
+    format, context parallelism included): cu_seqlens_q/kv, cu_seqlens_q/kv_padded (the real
+    ones when the layout pads nothing) and max_seqlen_q/kv (the padded maximum)."""
     docs = result.doc_cu_seqlens is not None
     cu = (result.doc_cu_seqlens if docs else result.cu_seqlens).to(torch.int32)
     longest = result.doc_max_seqlen if docs else result.max_seqlen
+    padded = result.cu_seqlens_padded
+    if style == "te":
+        padded = cu if padded is None else padded.to(torch.int32)
+        longest = max(longest, result.max_seqlen_padded)
+        return {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "cu_seqlens_q_padded": padded,
+                "cu_seqlens_kv_padded": padded, "max_seqlen_q": longest,
+                "max_seqlen_kv": longest}
+    if style != "flash_attn":
+        raise ValueError("style is \"flash_attn\" or \"te\", not %r" % (style,))
+    if padded is not None and not torch.equal(padded.to(cu.device, torch.int64),
+                                              cu.to(torch.int64)):
+        raise ValueError("this layout puts pad rows between sequences, which flash attention "
+                         "would attend to: use style=\"te\" (TransformerEngine) or "
+                         "pad_multiple 0")
     return {"cu_seqlens_q": cu, "cu_seqlens_k": cu,
             "max_seqlen_q": longest, "max_seqlen_k": longest}
 
@@ -627,60 +653,75 @@ class Client:
     # -- the API ----------------------------------------------------------------------------
 
     def _pack_in_parts(self, tensors, mask, segment_ids, scratch, nbytes, device,
-                       with_position_ids):
-        """The PackResponse and packed tensors of a Pack: one call (through `scratch` when
-        given), or parts of the rows on their own connections, joined."""
+                       with_position_ids, layout):
+        """The PackResponse, packed and shifted tensors of a Pack: one call (through `scratch`
+        when given), or parts of the rows on their own connections, joined. A layout's rows
+        (padded, CP slices) are the whole batch's: such a call goes whole, its results inline."""
+        laid_out = layout.any()
 
         def request(rows):
             if scratch is not None:
                 scratch.reset()
             out = _wire.Outgoing(pb.PackRequest(device=device,
                                                 with_position_ids=with_position_ids))
+            layout.to_pack(out.message)
             self._encode(_rows(mask, rows), 1, out, scratch)
             for t in tensors:
                 self._encode(_rows(t, rows), 2, out, scratch)
             if segment_ids is not None:
                 self._encode(_rows(segment_ids, rows), 6, out, scratch)
-            self._outputs(scratch, [t.numel() * t.element_size() for t in tensors],
-                          out.message.outputs)
+            if not laid_out:
+                self._outputs(scratch, [t.numel() * t.element_size() for t in tensors],
+                              out.message.outputs)
             return out
 
         extra = [] if segment_ids is None else [segment_ids]
         parts = (self._parts(nbytes, scratch, mask.shape[0])
-                 if self._by_rows(mask, tensors + extra) else 1)
+                 if self._by_rows(mask, tensors + extra) and not laid_out else 1)
         if parts == 1:
             reply, results = self._with_regions(
                 lambda: self._call(self._pack[0], request(None)), scratch)
-            return reply, [self._decode(m, t, scratch)
-                           for m, t in zip(reply.packed, results.get(1, []))]
+            return (reply, [self._decode(m, t, scratch)
+                            for m, t in zip(reply.packed, results.get(1, []))],
+                    results.get(14, []))
         bounds = self._bounds(mask.shape[0], parts)
         replies = self._in_parts(
             self._pack, [request(slice(bounds[k], bounds[k + 1])) for k in range(parts)])
         packed = [torch.cat([r[1][1][i] for r in replies]) for i in range(len(tensors))]
-        return _joined(replies, bounds[:-1]), packed
+        return _joined(replies, bounds[:-1]), packed, []
 
     def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor, with_position_ids=False,
-             cu_seqlens_dtype=torch.int64, device="", segment_ids=None) -> PackResult:
+             cu_seqlens_dtype=torch.int64, device="", segment_ids=None, *, pad_multiple=0,
+             pad_values=None, cp_size=0, cp_rank=0, with_seq_idx=False, shifts=(),
+             fixed=None) -> PackResult:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
         packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
         active tokens of each row are also cut into documents where the id changes: the doc_*
-        fields describe them and position_ids restart at each (docs/design.md §8). Raises
-        PackdValueError (a ValueError) for malformed input, PackdError for the rest."""
+        fields describe them and position_ids restart at each (docs/design.md §8).
+
+        Layouts for parallel attention (packd.Layout, docs/operation.md): pad_multiple,
+        pad_values, cp_size / cp_rank, with_seq_idx, shifts ([(input, fill)]: next-token views
+        in `shifted`) and fixed ((tokens, sequences, max_seqlen)). Raises PackdValueError (a
+        ValueError) for malformed input, PackdError for the rest."""
+        layout = Layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx,
+                        tuple(tuple(s) for s in shifts), tuple(fixed) if fixed else None)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         gpu = self._gpu_of([("mask", mask), ("segment_ids", segment_ids)]
                            + [("inputs[%d]" % i, t) for i, t in enumerate(tensors)])
         if gpu is not None:
             self._check_device_argument(device, gpu)
-            reply, packed = self._pack_on_gpu(gpu, tensors, mask, segment_ids, with_position_ids)
+            reply, packed, shifted = self._pack_on_gpu(gpu, tensors, mask, segment_ids,
+                                                       with_position_ids, layout)
             place = lambda t: self.device_memory.to_device(t, gpu)
         else:
             nbytes = mask.numel() * mask.element_size() + sum(
                 2 * t.numel() * t.element_size() for t in tensors)
             scratch = self._scratch_for(nbytes)
             try:
-                reply, packed = self._pack_in_parts(tensors, mask, segment_ids, scratch, nbytes,
-                                                    device, with_position_ids)
+                reply, packed, shifted = self._pack_in_parts(
+                    tensors, mask, segment_ids, scratch, nbytes, device, with_position_ids,
+                    layout)
             finally:
                 self._give_back(scratch)
             place = lambda t: t
@@ -699,18 +740,24 @@ class Client:
             total_active=reply.total_active,
             max_seqlen=reply.max_seqlen,
             position_ids=ints(reply.position_ids) if with_position_ids else None,
-            last_index=ints(reply.last_index))
+            last_index=ints(reply.last_index),
+            cu_seqlens_padded=(ints(reply.cu_seqlens_padded, cu_seqlens_dtype)
+                               if reply.cu_seqlens_padded else None),
+            max_seqlen_padded=reply.max_seqlen_padded,
+            seq_idx=ints(reply.seq_idx) if with_seq_idx else None,
+            shifted=list(shifted) if layout.shifts else None)
 
-    def _pack_on_gpu(self, index, tensors, mask, segment_ids, with_position_ids):
-        """The PackResponse and packed tensors of a Pack on GPU `index`, written by packd into
-        tensors allocated there."""
+    def _pack_on_gpu(self, index, tensors, mask, segment_ids, with_position_ids, layout):
+        """The PackResponse, packed and shifted tensors of a Pack on GPU `index`, written by
+        packd into tensors allocated there (a layout's results come inline and are copied
+        there)."""
         mask = mask.contiguous()
         tensors = [t.contiguous() for t in tensors]
         inputs = [(1, mask)] + [(2, t) for t in tensors]
         if segment_ids is not None:
             inputs.append((6, segment_ids.contiguous()))
         outputs = []
-        if mask.dim() == 2 and all(t.dim() >= 2 for t in tensors):
+        if mask.dim() == 2 and all(t.dim() >= 2 for t in tensors) and not layout.any():
             active = int(torch.count_nonzero(mask))
             outputs = [self.device_memory.empty([active] + list(t.shape[2:]), t.dtype, index)
                        for t in tensors]
@@ -718,21 +765,30 @@ class Client:
                 outputs = []  # results without bytes come inline
         message = pb.PackRequest(device="uuid:" + self._uuid(index),
                                  with_position_ids=with_position_ids)
+        layout.to_pack(message)
         reply, inline = self._on_gpu(index, self._pack[0], message, inputs, outputs)
-        return reply, self._gpu_results(reply.packed, inline.get(1, []), outputs, index)
+        return (reply, self._gpu_results(reply.packed, inline.get(1, []), outputs, index),
+                self._gpu_results(reply.shifted, inline.get(14, []), [], index))
 
     def scatter(self, packed_or_tensors: TensorOrList, mask: torch.Tensor,
-                tail_shape: Optional[Sequence[int]] = None, device="") -> TensorOrList:
+                tail_shape: Optional[Sequence[int]] = None, device="", segment_ids=None, *,
+                pad_multiple=0, cp_size=0, cp_rank=0, fixed=None) -> TensorOrList:
         """The inverse of pack: each [total_active, *tail] back to [B, S, *tail], zeros at
-        inactive positions. tail_shape, when given, must equal every packed[i].shape[1:]."""
+        inactive positions. tail_shape, when given, must equal every packed[i].shape[1:].
+        With the layout of a Pack (segment_ids, pad_multiple, cp_size / cp_rank, fixed), the
+        packed rows are that layout's: pad rows, ghost rows and other CP ranks' positions are
+        dropped (the gradient of that Pack)."""
+        layout = Layout(pad_multiple=pad_multiple, cp_size=cp_size, cp_rank=cp_rank,
+                        fixed=tuple(fixed) if fixed else None)
         single = isinstance(packed_or_tensors, torch.Tensor)
         tensors = [packed_or_tensors] if single else list(packed_or_tensors)
-        gpu = self._gpu_of([("mask", mask)]
+        gpu = self._gpu_of([("mask", mask), ("segment_ids", segment_ids)]
                            + [("packed[%d]" % i, t) for i, t in enumerate(tensors)])
         if gpu is not None:
             self._check_device_argument(device, gpu)
-            dense = self._scatter_on_gpu(gpu, tensors, mask, tail_shape)
+            dense = self._scatter_on_gpu(gpu, tensors, mask, tail_shape, segment_ids, layout)
             return dense[0] if single else dense
+        laid_out = layout.any() or segment_ids is not None
         positions = mask.numel()
         dense_sizes = [positions * (t[0].numel() if t.dim() > 0 and t.shape[0] > 0 else 0)
                        * t.element_size() for t in tensors]
@@ -744,9 +800,12 @@ class Client:
             if scratch is not None:
                 scratch.reset()
             out = _wire.Outgoing(pb.ScatterRequest(device=device))
+            layout.to_scatter(out.message)
             self._encode(_rows(mask, mask_rows), 1, out, scratch)
             for t in tensors:
                 self._encode(_rows(t, packed_rows), 2, out, scratch)
+            if segment_ids is not None:
+                self._encode(_rows(segment_ids, mask_rows), 6, out, scratch)
             if tail_shape is not None:
                 out.message.tail_shape.dims.extend(list(tail_shape))
             if all(n > 0 for n in dense_sizes):
@@ -754,7 +813,8 @@ class Client:
             return out
 
         try:
-            parts = self._parts(nbytes, scratch, mask.shape[0]) if mask.dim() == 2 else 1
+            parts = (self._parts(nbytes, scratch, mask.shape[0])
+                     if mask.dim() == 2 and not laid_out else 1)
             if parts > 1:
                 # Part k's packed rows start at the active count before its first row.
                 bounds = self._bounds(mask.shape[0], parts)
@@ -774,7 +834,7 @@ class Client:
             self._give_back(scratch)
         return dense[0] if single else dense
 
-    def _scatter_on_gpu(self, index, tensors, mask, tail_shape):
+    def _scatter_on_gpu(self, index, tensors, mask, tail_shape, segment_ids, layout):
         """The dense tensors of a Scatter on GPU `index`, written by packd into tensors
         allocated there."""
         mask = mask.contiguous()
@@ -786,10 +846,13 @@ class Client:
             if any(o.numel() == 0 for o in outputs):
                 outputs = []
         message = pb.ScatterRequest(device="uuid:" + self._uuid(index))
+        layout.to_scatter(message)
         if tail_shape is not None:
             message.tail_shape.dims.extend(list(tail_shape))
-        reply, inline = self._on_gpu(index, self._scatter[0], message,
-                                     [(1, mask)] + [(2, t) for t in tensors], outputs)
+        inputs = [(1, mask)] + [(2, t) for t in tensors]
+        if segment_ids is not None:
+            inputs.append((6, segment_ids.contiguous()))
+        reply, inline = self._on_gpu(index, self._scatter[0], message, inputs, outputs)
         return self._gpu_results(reply.dense, inline.get(1, []), outputs, index)
 
     def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,

@@ -1,29 +1,34 @@
 """RemotePackOp: the seeds' pack op (`packed, cu_seqlens = pack(x, mask)`), run by packd and
-differentiable: backward scatters the gradient through packd."""
+differentiable: backward scatters the gradient through packd, with the same layout."""
 from typing import Optional, Sequence, Union
 
 import torch
 
-from packd.client import Client
+from packd.client import Client, PackResult
+from packd.layout import Layout
 
 
 class _PackFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, mask, client):
-        result = client.pack(x, mask)
+    def forward(ctx, x, mask, segment_ids, client, layout, with_position_ids, results):
+        result = client.pack(x, mask, segment_ids=segment_ids,
+                             with_position_ids=with_position_ids, **layout.pack_kwargs())
+        results.append(result)
         ctx.client = client
+        ctx.layout = layout
         ctx.tail_shape = tuple(x.shape[2:])
-        ctx.save_for_backward(mask)
+        ctx.save_for_backward(mask, segment_ids)
         ctx.mark_non_differentiable(result.cu_seqlens)
         return result.packed, result.cu_seqlens
 
     @staticmethod
     def backward(ctx, grad_packed, _grad_cu_seqlens):
-        (mask,) = ctx.saved_tensors
+        mask, segment_ids = ctx.saved_tensors
         # On the GPU the batch came from: autograd makes the gradient where the loss is.
         grad = ctx.client.to_device_of(grad_packed.contiguous(), mask)
-        grad_x = ctx.client.scatter(grad, mask, tail_shape=ctx.tail_shape)
-        return grad_x, None, None
+        grad_x = ctx.client.scatter(grad, mask, tail_shape=ctx.tail_shape,
+                                    segment_ids=segment_ids, **ctx.layout.scatter_kwargs())
+        return grad_x, None, None, None, None, None, None
 
 
 class RemotePackOp:
@@ -32,19 +37,37 @@ class RemotePackOp:
     Differentiable in x. `op.unpack(packed, mask, tail_shape=None)` is the inverse, zeros at
     inactive rows. CUDA tensors stay on their GPU, forward and backward (docs/gpu.md).
 
+    layout (a packd.Layout or its fields as a dict): every call packs with it (padding, CP
+    slices, fixed shapes, shifts), and backward scatters with the same layout.
+    `op.pack(x, mask, segment_ids=None)` returns the whole PackResult, its `packed`
+    differentiable.
+
     Malformed input raises ValueError with the server's message; transport failures raise
     packd.PackdError carrying the gRPC code."""
 
-    def __init__(self, address_or_client: Union[str, Client] = "127.0.0.1:50051", **kwargs):
+    def __init__(self, address_or_client: Union[str, Client] = "127.0.0.1:50051", *,
+                 layout: Union[Layout, dict, None] = None, **kwargs):
         self.client = (address_or_client if isinstance(address_or_client, Client)
                        else Client(address_or_client, **kwargs))
+        self.layout = layout if isinstance(layout, Layout) else Layout(**(layout or {}))
 
-    def __call__(self, x: torch.Tensor, mask: torch.Tensor):
-        return _PackFunction.apply(x, mask, self.client)
+    def pack(self, x: torch.Tensor, mask: torch.Tensor, segment_ids=None,
+             with_position_ids=False) -> PackResult:
+        results = []
+        packed, _ = _PackFunction.apply(x, mask, segment_ids, self.client, self.layout,
+                                        with_position_ids, results)
+        result = results[0]
+        result.packed = packed
+        return result
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor, segment_ids=None):
+        result = self.pack(x, mask, segment_ids)
+        return result.packed, result.cu_seqlens
 
     def unpack(self, packed: torch.Tensor, mask: torch.Tensor,
-               tail_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-        return self.client.scatter(packed, mask, tail_shape=tail_shape)
+               tail_shape: Optional[Sequence[int]] = None, segment_ids=None) -> torch.Tensor:
+        return self.client.scatter(packed, mask, tail_shape=tail_shape, segment_ids=segment_ids,
+                                   **self.layout.scatter_kwargs())
 
     def close(self):
         self.client.close()

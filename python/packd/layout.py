@@ -1,0 +1,70 @@
+"""Layouts for parallel attention (docs/design.md §10): how Pack lays its rows out, and the
+fields Scatter needs to invert it.
+
+    layout = packd.Layout(pad_multiple=8, cp_size=2, cp_rank=rank, shifts=[(1, -100)])
+    r = client.pack([hidden, token_ids], mask, segment_ids=doc_ids, **layout.pack_kwargs())
+    labels = r.shifted[0]                                     # next tokens, -100 at ends
+    kw = packd.varlen_kwargs(r, style="te")                   # TransformerEngine THD + CP
+"""
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+from packd.v1 import pack_service_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """pad_multiple: every sequence (a document with segment ids, else a row) padded to a
+    multiple of it; pad_values: one per input (default zeros), in its dtype; cp_size / cp_rank:
+    context parallelism, this rank's two chunks of every sequence (pad_multiple must be a
+    multiple of 2 * cp_size); with_seq_idx: each output row's sequence; shifts: (input, fill)
+    pairs, next-token views that stop at every sequence's end; fixed: (tokens, sequences,
+    max_seqlen) for CUDA graphs, each 0 = not fixed."""
+    pad_multiple: int = 0
+    pad_values: Optional[Sequence[float]] = None
+    cp_size: int = 0
+    cp_rank: int = 0
+    with_seq_idx: bool = False
+    shifts: Sequence[Tuple[int, float]] = ()
+    fixed: Optional[Tuple[int, int, int]] = None
+
+    def any(self):
+        return bool(self.pad_multiple or self.pad_values or self.cp_size or self.cp_rank
+                    or self.with_seq_idx or self.shifts or (self.fixed and any(self.fixed)))
+
+    def pack_kwargs(self):
+        return dataclasses.asdict(self)
+
+    def scatter_kwargs(self):
+        """What Scatter takes to invert this layout's Pack."""
+        return {"pad_multiple": self.pad_multiple, "cp_size": self.cp_size,
+                "cp_rank": self.cp_rank, "fixed": self.fixed}
+
+    def _fixed(self, message):
+        if self.fixed:
+            tokens, sequences, max_seqlen = (list(self.fixed) + [0, 0, 0])[:3]
+            message.fixed.CopyFrom(pb.FixedLayout(tokens=int(tokens), sequences=int(sequences),
+                                                  max_seqlen=int(max_seqlen)))
+
+    def to_pack(self, message):
+        """Sets a PackRequest's layout fields."""
+        message.pad_multiple = int(self.pad_multiple)
+        if self.pad_values is not None:
+            message.pad_values.extend(float(v) for v in self.pad_values)
+        message.cp_size = int(self.cp_size)
+        message.cp_rank = int(self.cp_rank)
+        message.with_seq_idx = bool(self.with_seq_idx)
+        for shift in self.shifts:
+            source, fill = shift
+            message.shifts.add(input=int(source), fill=float(fill))
+        self._fixed(message)
+
+    def to_scatter(self, message):
+        """Sets a ScatterRequest's layout fields (pad_values, shifts and seq_idx are Pack's)."""
+        if self.pad_values or self.shifts or self.with_seq_idx:
+            raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank and fixed; "
+                             "pad_values, shifts and with_seq_idx are Pack's")
+        message.pad_multiple = int(self.pad_multiple)
+        message.cp_size = int(self.cp_size)
+        message.cp_rank = int(self.cp_rank)
+        self._fixed(message)

@@ -1,0 +1,176 @@
+"""Layouts for parallel attention through the Python client (docs/design.md §10), against a
+reference written from the rules with torch: padding, cu_seqlens_padded, position ids through the
+padding, seq_idx, shifts that stop at every sequence's end, fixed shapes with a ghost, CP
+slices; RemotePackOp's backward through the layout equal to torch autograd; varlen_kwargs;
+every error INVALID_ARGUMENT, the server serving after each."""
+import random
+
+import pytest
+import torch
+
+import packd
+from torch_reference import DTYPES, bits, random_tensor, same
+
+
+@pytest.fixture
+def client(address):
+    with packd.Client(address, shm_threshold_bytes=0) as c:
+        yield c
+
+
+def sequences(mask, ids):
+    """Each sequence's dense positions (flattened b * S + s): rows, or documents."""
+    B, S = mask.shape
+    out = []
+    for b in range(B):
+        pos = torch.nonzero(mask[b] != 0).flatten().tolist()
+        if ids is None:
+            out.append([b * S + p for p in pos])
+            continue
+        for i, p in enumerate(pos):
+            if i == 0 or ids[b, p] != ids[b, pos[i - 1]]:
+                out.append([])
+            out[-1].append(b * S + p)
+    return out
+
+
+def reference(mask, ids, m=1, cp=1, rank=0, tokens=0):
+    """(rows, shifted rows, position ids, seq_idx, cu_padded) of a layout; -1 is padding."""
+    seqs = sequences(mask, ids)
+    m = max(m, 1)
+    spans, cu = [], [0]
+    for seq in seqs:
+        P = -(-len(seq) // m) * m
+        spans.append((seq + [-1] * (P - len(seq)), seq[1:] + [-1] * (P - len(seq) + 1)))
+        cu.append(cu[-1] + P)
+    if tokens > cu[-1]:
+        ghost = tokens - cu[-1]
+        spans.append(([-1] * ghost, [-1] * ghost))
+        cu.append(tokens)
+    rows, shifted, pos, seq_idx = [], [], [], []
+    for k, (r, sh) in enumerate(spans):
+        P = len(r)
+        h = P // (2 * cp)
+        take = (list(range(P)) if cp == 1 else
+                list(range(rank * h, (rank + 1) * h))
+                + list(range((2 * cp - 1 - rank) * h, (2 * cp - rank) * h)))
+        rows += [r[i] for i in take]
+        shifted += [sh[i] for i in take]
+        pos += take
+        seq_idx += [k] * len(take)
+    return rows, shifted, pos, seq_idx, cu
+
+
+def gathered(x, rows, pad):
+    """x's rows at dense positions `rows`, `pad` (in x's dtype, as torch converts) at -1."""
+    B, S = x.shape[:2]
+    flat = bits(x).reshape(B * S, *x.shape[2:])
+    index = torch.tensor(rows, dtype=torch.int64)
+    out = flat[index.clamp(min=0)] if flat.shape[0] else flat.new_empty((len(rows),) + flat.shape[1:])
+    pad_bits = bits(torch.tensor([pad], dtype=torch.float64).to(x.dtype))[0]
+    out[index < 0] = pad_bits
+    return out.view(x.dtype)
+
+
+def test_transformer_engines_worked_case(client):
+    """Two sequences of 8, cp 2: rank 0 holds rows 0, 1, 6, 7, 8, 9, 14, 15."""
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    x = torch.arange(16, dtype=torch.int64).view(2, 8, 1)
+    r0 = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=0, with_position_ids=True)
+    assert r0.packed.flatten().tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
+    assert r0.position_ids.tolist() == [0, 1, 6, 7, 0, 1, 6, 7]
+    assert r0.cu_seqlens_padded.tolist() == [0, 8, 16] and r0.max_seqlen_padded == 8
+    r1 = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=1)
+    assert r1.packed.flatten().tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
+
+
+def test_shifted_labels_stop_at_the_document_boundary(client):
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    ids = torch.tensor([[7, 7, 7, 9, 9]], dtype=torch.int32)
+    tokens = torch.tensor([[10, 11, 12, 20, 21]])
+    r = client.pack(tokens.unsqueeze(2), mask, segment_ids=ids, shifts=[(0, -100)])
+    assert r.shifted[0].flatten().tolist() == [11, 12, -100, 21, -100]
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_random_layouts_match_the_reference(client, trial):
+    rng = random.Random(trial)
+    gen = torch.Generator().manual_seed(trial)
+    B, S = rng.randint(1, 5), rng.randint(1, 20)
+    mask = torch.rand(B, S, generator=gen) < [0.0, 0.5, 1.0][trial % 3]
+    ids = torch.randint(0, 3, (B, S), generator=gen) if trial % 2 else None
+    dtype = DTYPES[trial % len(DTYPES)]
+    x = random_tensor(dtype, (B, S, 2), gen)
+    tok = torch.randint(0, 1000, (B, S), generator=gen)
+    cp = 1 + trial % 3
+    m = 2 * cp * rng.randint(1, 3)
+    rank = rng.randrange(cp)
+    _, _, _, _, cu = reference(mask, ids, m, cp, rank)
+    tokens = cu[-1] + m * (trial % 2) if trial % 4 < 2 else 0
+    fixed = (tokens, 0, tokens) if tokens else None
+    rows, shifted, pos, seq_idx, cu = reference(mask, ids, m, cp, rank, tokens)
+    pad = 1 if dtype == torch.bool else 5
+    r = client.pack([x, tok.unsqueeze(2)], mask, segment_ids=ids, with_position_ids=True,
+                    pad_multiple=m, cp_size=cp, cp_rank=rank, with_seq_idx=True,
+                    pad_values=[pad, -1], shifts=[(1, -100)], fixed=fixed,
+                    cu_seqlens_dtype=torch.int32)
+    assert same(r.packed[0], gathered(x, rows, pad))
+    assert same(r.packed[1], gathered(tok.unsqueeze(2), rows, -1))
+    assert same(r.shifted[0], gathered(tok.unsqueeze(2), shifted, -100))
+    assert r.position_ids.tolist() == pos and r.seq_idx.tolist() == seq_idx
+    assert r.cu_seqlens_padded.tolist() == cu and r.cu_seqlens_padded.dtype == torch.int32
+    assert r.total_active == int((mask != 0).sum())
+
+
+def test_remote_pack_op_backward_through_the_layout_is_torch_autograd(address):
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 11, generator=gen) < 0.6
+    ids = torch.randint(0, 2, (3, 11), generator=gen)
+    layout = packd.Layout(pad_multiple=8, cp_size=2, cp_rank=1)
+    op = packd.RemotePackOp(address, layout=layout, shm_threshold_bytes=0)
+    x = torch.randn(3, 11, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    packed, _ = op(x, mask, segment_ids=ids)
+    rows, *_ = reference(mask, ids, 8, 2, 1)
+    assert same(packed.detach(), gathered(x.detach(), rows, 0))
+    weight = torch.randn(packed.shape, dtype=torch.float64, generator=gen)
+    (packed * weight).sum().backward()
+    # torch autograd through the reference pack.
+    ref_x = x.detach().clone().requires_grad_()
+    index = torch.tensor(rows)
+    ref = ref_x.reshape(33, 4)[index.clamp(min=0)] * (index >= 0).unsqueeze(1)
+    (ref * weight).sum().backward()
+    assert same(x.grad, ref_x.grad)
+    op.close()
+
+
+def test_varlen_kwargs_for_transformer_engine_and_flash_attention(client):
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    x = torch.randn(2, 4, 3)
+    r = client.pack(x, mask, pad_multiple=4)
+    te = packd.varlen_kwargs(r, style="te")
+    assert te["cu_seqlens_q"].tolist() == [0, 3, 5] and te["cu_seqlens_q"].dtype == torch.int32
+    assert te["cu_seqlens_kv_padded"].tolist() == [0, 4, 8]
+    assert te["max_seqlen_q"] == 4 and te["max_seqlen_kv"] == 4
+    with pytest.raises(ValueError, match="pad rows"):
+        packd.varlen_kwargs(r)
+    plain = packd.varlen_kwargs(client.pack(x, mask))
+    assert plain["cu_seqlens_k"].tolist() == [0, 3, 5] and plain["max_seqlen_k"] == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pad_multiple=-1), "pad_multiple -1 is negative"),
+    (dict(cp_size=2, pad_multiple=6), "pad_multiple 6 is not a multiple of 2 * cp_size = 4"),
+    (dict(cp_size=2, pad_multiple=4, cp_rank=3), "cp_rank 3 is not in [0, cp_size = 2)"),
+    (dict(pad_values=[1, 2, 3]), "pad_values has 3 values but there are 2 inputs"),
+    (dict(pad_values=[0, 0.5]), "pad_values[1] 0.5 is not a value of int64"),
+    (dict(shifts=[(2, 0)]), "shifts[0].input 2 names no input"),
+    (dict(pad_multiple=4, fixed=(6, 0, 0)), "fixed.tokens 6 is less than the 8 padded tokens"),
+    (dict(pad_multiple=4, fixed=(8, 0, 2)), "fixed.max_seqlen 2 is less than 4"),
+])
+def test_every_error_is_invalid_argument_and_the_server_keeps_serving(client, kwargs, message):
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    x, tok = torch.randn(2, 4, 3), torch.arange(8).view(2, 4)
+    with pytest.raises(packd.PackdError) as e:
+        client.pack([x, tok], mask, **kwargs)
+    assert isinstance(e.value, ValueError) and message in e.value.details
+    assert same(client.pack(x, mask).packed, x[mask])
