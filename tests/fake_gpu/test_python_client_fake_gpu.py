@@ -194,3 +194,24 @@ def test_close_unregisters_every_device_region(address, gpu):
     client.close()
     with packd.Client(address) as other:
         assert not names & set(regions(other))
+
+
+def test_a_layout_on_the_gpu_equals_the_host_layout(client, gpu):
+    """Documents, padding, a CP slice, a shift and seq_idx on device tensors: the server's GPU
+    path gives the host path's bytes and arrays, and Scatter with the layout inverts it."""
+    gen = torch.Generator().manual_seed(11)
+    x = random_tensor(torch.bfloat16, (3, 20, 4), gen)
+    mask = random_mask((3, 20), gen)
+    ids = torch.randint(0, 3, (3, 20), generator=gen)
+    kw = dict(with_position_ids=True, pad_multiple=8, cp_size=2, cp_rank=1,
+              with_seq_idx=True, shifts=[(0, 0)], pad_values=[1])
+    g = client.pack(gpu.put(x, 0), gpu.put(mask, 0), segment_ids=gpu.put(ids, 0), **kw)
+    h = client.pack(x, mask, segment_ids=ids, **kw)
+    assert gpu.device_of(g.packed) == 0 and gpu.device_of(g.shifted[0]) == 0
+    assert same(g.packed, h.packed) and same(g.shifted[0], h.shifted[0])
+    assert g.cu_seqlens_padded.tolist() == h.cu_seqlens_padded.tolist()
+    assert g.seq_idx.tolist() == h.seq_idx.tolist()
+    back = client.scatter(g.packed, gpu.put(mask, 0), segment_ids=gpu.put(ids, 0),
+                          pad_multiple=8, cp_size=2, cp_rank=1)
+    want = client.scatter(h.packed, mask, segment_ids=ids, pad_multiple=8, cp_size=2, cp_rank=1)
+    assert gpu.device_of(back) == 0 and same(back, want)

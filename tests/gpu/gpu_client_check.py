@@ -6,7 +6,7 @@ on the GPU:
     registered by UUID, packed by the server on the GPU);
   - Pack and Scatter of CUDA tensors of every dtype, results in the client's own GPU memory;
   - RemotePackOp forward and backward on the GPU;
-  - documents (segment ids) on the GPU;
+  - documents (segment ids) and a layout (padding, CP, a shift) on the GPU;
   - the server's devices by UUID, as torch names them.
 
 Prints one row per check (and packd's and torch's times where both exist); exits 1 on any
@@ -173,6 +173,17 @@ def main():
         row("documents (segment ids)", same(r.packed, x[mask]) and r.doc_cu_seqlens.is_cuda
             and r.doc_cu_seqlens.tolist() == reference_doc_cu_seqlens(mask, ids),
             detail="%d documents" % (r.doc_cu_seqlens.numel() - 1))
+        # A layout on the GPU (padding, CP rank 1 of 2, a shift, seq_idx) against the same
+        # layout packed on the host by the server's CPU backend.
+        kw = dict(segment_ids=ids, with_position_ids=True, pad_multiple=8, cp_size=2,
+                  cp_rank=1, with_seq_idx=True, shifts=[(0, 0)], pad_values=[1])
+        g = client.pack(x, mask, **kw)
+        h = client.pack(x.cpu(), mask.cpu(), **dict(kw, segment_ids=ids.cpu()))
+        row("layout (pad 8, cp 2, shift)", same(g.packed.cpu(), h.packed)
+            and same(g.shifted[0].cpu(), h.shifted[0])
+            and g.cu_seqlens_padded.tolist() == h.cu_seqlens_padded.tolist()
+            and g.seq_idx.tolist() == h.seq_idx.tolist(),
+            detail="%d rows" % g.packed.shape[0])
         ours = [n for n in client._device_regions if n.startswith("py-gpu-")]
         row("device regions registered", len(ours) > 0, detail="%d regions" % len(ours))
     print("gpu client checks: %d failed" % failures)

@@ -421,6 +421,39 @@ TEST_F(LayoutTest, EveryViolationIsInvalidArgumentNamingTheField) {
               HasSubstr("shifts and with_seq_idx are Pack's"));
 }
 
+// Outputs a caller gives a layout Pack are the layout's results (one per
+// input, then one per shift): of another count or shape, nothing is written.
+TEST_F(LayoutTest, OutputsMustBeTheLayoutsResults) {
+  const at::Tensor mask = at::ones({2, 6}, at::kBool);
+  const at::Tensor x = at::randn({2, 6, 4});
+  PackOptions options;
+  options.layout.pad_multiple = 4;
+  options.layout.shifts = {{0, 0}};
+  at::Tensor right = at::full({16, 4}, 7.0), wrong = at::full({12, 4}, 7.0);
+  std::vector<TensorView> one = {View(right)};
+  options.outputs = one;
+  absl::StatusOr<PackResult> r = Pack({View(x)}, View(mask), options);
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("outputs has 1 entries but there are 2 results: give "
+                        "one per input, then one per shift"));
+  std::vector<TensorView> two = {View(right), View(wrong)};
+  options.outputs = two;
+  r = Pack({View(x)}, View(mask), options);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      std::string(r.status().message()),
+      HasSubstr("outputs[1].shape is [12, 4] but the result is [16, 4]"));
+  EXPECT_TRUE(at::equal(right, at::full({16, 4}, 7.0)));
+  at::Tensor shifted = at::full({16, 4}, 7.0);
+  std::vector<TensorView> both = {View(right), View(shifted)};
+  options.outputs = both;
+  r = Pack({View(x)}, View(mask), options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(at::equal(right.narrow(0, 0, 6), x[0]));
+  EXPECT_TRUE(at::equal(shifted.narrow(0, 0, 5), x[0].narrow(0, 1, 5)));
+  EXPECT_TRUE(at::equal(shifted.narrow(0, 5, 3), at::zeros({3, 4})));
+}
+
 TEST_F(LayoutTest, PadValuesAreConvertedAsTorchConvertsThem) {
   for (DType dtype : kAllDTypes) {
     for (double v :
