@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -237,6 +238,19 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
         ghost ? " (its trailing ghost included)" : ""));
   }
 
+  if (options.max_rows > 0 && fixed.sequences > options.max_rows) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("fixed.sequences ", fixed.sequences,
+                     " asks for prefix arrays of more "
+                     "than the ",
+                     options.max_rows,
+                     " entries this server takes (--max_message_bytes / 8)"));
+  }
+  if (fixed.sequences == std::numeric_limits<int64_t>::max()) {
+    return absl::InvalidArgumentError(
+        "fixed.sequences is too large: its prefix arrays have sequences + 1 "
+        "entries");
+  }
   Layout out;
   out.cu_seqlens = starts;
   if (ghost) out.cu_seqlens.push_back(starts.back());
@@ -249,6 +263,13 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
     }
     out.max_seqlen_padded =
         fixed.max_seqlen > 0 ? fixed.max_seqlen : longest_padded;
+  }
+  if (fixed.sequences > 0 && options.max_rows == 0 &&
+      fixed.sequences > (int64_t{1} << 40)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("fixed.sequences ", fixed.sequences,
+                     " asks for prefix arrays too "
+                     "large for memory"));
   }
   if (fixed.sequences > 0) {
     out.cu_seqlens.resize(fixed.sequences + 1, out.cu_seqlens.back());
@@ -265,10 +286,21 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
   const int64_t r = c > 1 ? options.cp_rank : 0;
   const bool shifts = !options.shifts.empty();
   const int64_t rows = total / c;
-  out.source.resize(rows);
-  if (with_position_ids) out.position_ids.resize(rows);
-  if (shifts) out.shifted_source.resize(rows);
-  if (options.with_seq_idx) out.seq_idx.resize(rows);
+  if (options.max_rows > 0 && rows > options.max_rows) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the layout has ", rows, " rows (pad_multiple ", options.pad_multiple,
+        ", fixed.tokens ", fixed.tokens, "), more than the ", options.max_rows,
+        " this server takes (--max_message_bytes / 8)"));
+  }
+  try {
+    out.source.resize(rows);
+    if (with_position_ids) out.position_ids.resize(rows);
+    if (shifts) out.shifted_source.resize(rows);
+    if (options.with_seq_idx) out.seq_idx.resize(rows);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the layout's ", rows, " rows do not fit in this process's memory"));
+  }
   int64_t j = 0;
   auto add = [&](int64_t k, const Span& s, int64_t from, int64_t to) {
     const int64_t real = std::clamp(s.length, from, to);

@@ -50,6 +50,10 @@ struct LayoutOptions {
   bool with_seq_idx = false;
   std::vector<Shift> shifts;
   FixedLayout fixed;
+  // Output rows a layout may have at most (0: no limit): MakeLayout refuses
+  // more with RESOURCE_EXHAUSTED before it allocates anything for them. A
+  // server sets it from its message limit (each row costs at least 8 bytes).
+  int64_t max_rows = 0;
 
   // Whether the call's rows differ from x[mask]'s (padding, CP or fixed):
   // then cu_seqlens_padded and max_seqlen_padded are returned.
@@ -108,7 +112,7 @@ struct Layout {
 // options.shifts is set, seq_idx only with with_seq_idx, position_ids only
 // with `with_position_ids`. INVALID_ARGUMENT naming the field, its value and
 // what the batch needs when `fixed` does not hold the batch; sizes are
-// checked for overflow.
+// checked for overflow; RESOURCE_EXHAUSTED for more rows than max_rows.
 absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
                                   const LayoutOptions& options,
                                   bool with_position_ids = true);

@@ -181,6 +181,7 @@ absl::Status PackServiceImpl::RunPack(const Wire<v1::PackRequest>& wire,
     options.with_position_ids = request.with_position_ids();
     options.segment_ids = call.segment_ids;
     options.layout = DecodeLayout(request);
+    options.layout.max_rows = options_.max_message_bytes / 8;
     PACKD_ASSIGN_OR_RETURN(PackResult result,
                            ::packd::Pack(call.tensors, call.mask, options));
     response->mutable_cu_seqlens_padded()->Assign(
@@ -232,6 +233,7 @@ absl::Status PackServiceImpl::RunScatter(
     }
     options.segment_ids = call.segment_ids;
     options.layout = DecodeLayout(request);
+    options.layout.max_rows = options_.max_message_bytes / 8;
     PACKD_ASSIGN_OR_RETURN(ScatterResult result,
                            ::packd::Scatter(call.tensors, call.mask, options));
     return std::move(result.dense);

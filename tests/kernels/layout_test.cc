@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -452,6 +453,33 @@ TEST_F(LayoutTest, OutputsMustBeTheLayoutsResults) {
   EXPECT_TRUE(at::equal(right.narrow(0, 0, 6), x[0]));
   EXPECT_TRUE(at::equal(shifted.narrow(0, 0, 5), x[0].narrow(0, 1, 5)));
   EXPECT_TRUE(at::equal(shifted.narrow(0, 5, 3), at::zeros({3, 4})));
+}
+
+// A server bounds a layout's rows before anything is allocated for them: a
+// huge pad_multiple, fixed.tokens or fixed.sequences is RESOURCE_EXHAUSTED.
+TEST_F(LayoutTest, HugeLayoutsAreRefusedBeforeTheyAreAllocated) {
+  LayoutOptions o;
+  o.max_rows = 1 << 20;
+  o.pad_multiple = int64_t{1} << 40;
+  absl::StatusOr<Layout> l = MakeLayout({0, 3, 5}, o);
+  EXPECT_EQ(l.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(l.status().message()),
+              HasSubstr("more than the 1048576"));
+  o.pad_multiple = 0;
+  o.fixed.tokens = int64_t{1} << 50;
+  EXPECT_EQ(MakeLayout({0, 3, 5}, o).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  o.fixed.tokens = 0;
+  o.fixed.sequences = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(MakeLayout({0, 3, 5}, o).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  o.max_rows = 0;
+  EXPECT_EQ(MakeLayout({0, 3, 5}, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.pad_multiple = std::numeric_limits<int64_t>::max();
+  o.fixed.sequences = 0;
+  EXPECT_EQ(MakeLayout({0, 3, 5}, o).status().code(),
+            absl::StatusCode::kInvalidArgument);  // overflow
 }
 
 TEST_F(LayoutTest, PadValuesAreConvertedAsTorchConvertsThem) {
