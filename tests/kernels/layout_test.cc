@@ -26,6 +26,7 @@
 namespace packd {
 namespace {
 
+using testing::Bits;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using testing::Rng;
@@ -113,20 +114,6 @@ Ref ReferenceLayout(const at::Tensor& mask, const at::Tensor& ids,
     for (int64_t i = 0; i < P / c; ++i) ref.seq_idx.push_back(k);
   }
   return ref;
-}
-
-// An integer view of `t`'s bits (comparisons and selection move bits only).
-at::Tensor Bits(const at::Tensor& t) {
-  switch (t.element_size()) {
-    case 1:
-      return t.contiguous().view(at::kByte);
-    case 2:
-      return t.contiguous().view(at::kShort);
-    case 4:
-      return t.contiguous().view(at::kInt);
-    default:
-      return t.contiguous().view(at::kLong);
-  }
 }
 
 // x's rows at `rows` (dense positions; -1: `pad` converted by torch to x's

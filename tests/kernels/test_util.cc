@@ -78,12 +78,10 @@ at::Tensor RandomTensor(Rng& rng, DType dtype,
   return t;
 }
 
-namespace {
-
-// An integer view of `t`'s bits (same element size). torch's boolean indexing
-// on floating types can convert values: index_put_ with a single value goes
-// through a scalar and returns the canonical NaN, dropping payload and sign.
-// On integers it only moves bits, which is what the reference must do.
+// torch's boolean indexing on floating types can convert values: index_put_
+// with a single value goes through a scalar and returns the canonical NaN,
+// dropping payload and sign. On integers it only moves bits, which is what the
+// references must do.
 at::Tensor Bits(const at::Tensor& t) {
   switch (t.element_size()) {
     case 1:
@@ -96,8 +94,6 @@ at::Tensor Bits(const at::Tensor& t) {
       return t.contiguous().view(at::kLong);
   }
 }
-
-}  // namespace
 
 at::Tensor ReferencePack(const at::Tensor& x, const at::Tensor& mask) {
   return Bits(x).index({mask.ne(0)}).view(x.scalar_type());

@@ -47,6 +47,10 @@ at::Tensor RandomMask(Rng& rng, DType dtype, int64_t B, int64_t S,
 at::Tensor RandomTensor(Rng& rng, DType dtype,
                         const std::vector<int64_t>& shape);
 
+// An integer view of `t`'s bits, of the same element size: what references
+// select and compare, so that NaN payloads and -0.0 move unchanged.
+at::Tensor Bits(const at::Tensor& t);
+
 // x[mask != 0] and its inverse, computed by libtorch's own boolean indexing.
 at::Tensor ReferencePack(const at::Tensor& x, const at::Tensor& mask);
 at::Tensor ReferenceScatter(const at::Tensor& packed, const at::Tensor& mask,
