@@ -90,20 +90,20 @@ class Backend {
   // Layouts (kernels/layout.h). out row j = x row rows[j] (an index into x's
   // flattened [B * S] positions), or where rows[j] is -1 the element `pad`
   // (ItemSize(x.dtype) bytes, host memory) repeated across the row. `rows`
-  // is in host memory, out.shape[0] entries. Writes every byte of `out`. The
-  // default works on host memory: one copy per run of consecutive rows.
+  // is in host memory, out.shape[0] entries. Writes every byte of `out`.
   virtual absl::Status GatherRows(const TensorView& x,
                                   absl::Span<const int64_t> rows,
                                   const unsigned char* pad,
-                                  const TensorView& out, const Stream& stream);
+                                  const TensorView& out,
+                                  const Stream& stream) = 0;
 
   // The inverse: dense row rows[j] = packed row j where rows[j] >= 0 (rows
   // distinct and increasing), every other row of `dense` ([B, S, *tail])
-  // zero. The default works on host memory.
+  // zero.
   virtual absl::Status ScatterRows(const TensorView& packed,
                                    absl::Span<const int64_t> rows,
                                    const TensorView& dense,
-                                   const Stream& stream);
+                                   const Stream& stream) = 0;
 
   // Cuts the active tokens of each row into documents where `segment_ids`
   // ([B, S], an integer dtype, on the plan's device) changes between

@@ -58,6 +58,14 @@ void Put(ElementBytes* out, T value) {
   std::memcpy(out->data(), &value, sizeof(T));
 }
 
+// Rows i in [from, to) of a sequence whose token 0 is packed token `first`:
+// dst[i - from] is packed token first + i below `end`, -1 (padding) from it.
+void Tokens(int64_t* dst, int64_t first, int64_t from, int64_t end,
+            int64_t to) {
+  for (int64_t i = from; i < end; ++i) *dst++ = first + i;
+  std::fill(dst, dst + (to - end), -1);
+}
+
 // Sequence k of `starts` laid out: where its padded span begins before CP,
 // its real and padded lengths.
 struct Span {
@@ -112,13 +120,20 @@ absl::Status ValidateLayout(const LayoutOptions& o, size_t inputs) {
 absl::StatusOr<ElementBytes> ValueBytes(DType dtype, double v,
                                         absl::string_view field) {
   ElementBytes out{};
-  auto integer = [&](double lo, double hi) -> absl::Status {
-    if (!std::isfinite(v) || v != std::trunc(v) || v < lo || v > hi) {
+  // An integer dtype T holds v when v is whole and in [min, max]: below
+  // 2^digits, which a double holds exactly (max itself may not be).
+  auto integer = [&](auto zero) -> absl::StatusOr<ElementBytes> {
+    using T = decltype(zero);
+    const double upper = std::ldexp(1.0, std::numeric_limits<T>::digits);
+    if (!std::isfinite(v) || v != std::trunc(v) ||
+        v < static_cast<double>(std::numeric_limits<T>::min()) || v >= upper) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, " ", v, " is not a value of ", DTypeName(dtype),
-                       " (an integer in [", lo, ", ", hi, "])"));
+                       " (an integer in [", std::numeric_limits<T>::min(), ", ",
+                       std::numeric_limits<T>::max(), "])"));
     }
-    return absl::OkStatus();
+    Put(&out, static_cast<T>(v));
+    return out;
   };
   switch (dtype) {
     case DType::kBool:
@@ -129,27 +144,15 @@ absl::StatusOr<ElementBytes> ValueBytes(DType dtype, double v,
       out[0] = v != 0;
       return out;
     case DType::kUInt8:
-      PACKD_RETURN_IF_ERROR(integer(0, 255));
-      Put(&out, static_cast<uint8_t>(v));
-      return out;
+      return integer(uint8_t{0});
     case DType::kInt8:
-      PACKD_RETURN_IF_ERROR(integer(-128, 127));
-      Put(&out, static_cast<int8_t>(v));
-      return out;
+      return integer(int8_t{0});
     case DType::kInt16:
-      PACKD_RETURN_IF_ERROR(integer(-32768, 32767));
-      Put(&out, static_cast<int16_t>(v));
-      return out;
+      return integer(int16_t{0});
     case DType::kInt32:
-      PACKD_RETURN_IF_ERROR(integer(-2147483648.0, 2147483647.0));
-      Put(&out, static_cast<int32_t>(v));
-      return out;
+      return integer(int32_t{0});
     case DType::kInt64:
-      // Doubles hold integers exactly up to 2^53; 2^63 itself is out of range.
-      PACKD_RETURN_IF_ERROR(
-          integer(-9223372036854775808.0, 9223372036854774784.0));
-      Put(&out, static_cast<int64_t>(v));
-      return out;
+      return integer(int64_t{0});
     case DType::kFloat16:
       Put(&out, HalfBits(static_cast<float>(v)));
       return out;
@@ -303,19 +306,15 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
   }
   int64_t j = 0;
   auto add = [&](int64_t k, const Span& s, int64_t from, int64_t to) {
-    const int64_t real = std::clamp(s.length, from, to);
-    int64_t* src = out.source.data() + j;
-    for (int64_t i = from; i < real; ++i) *src++ = s.first_token + i;
-    std::fill(src, src + (to - real), -1);
+    Tokens(out.source.data() + j, s.first_token, from,
+           std::clamp(s.length, from, to), to);
     if (with_position_ids) {
       std::iota(out.position_ids.begin() + j,
                 out.position_ids.begin() + j + (to - from), from);
     }
-    if (shifts) {
-      const int64_t next = std::clamp(s.length - 1, from, to);
-      int64_t* sh = out.shifted_source.data() + j;
-      for (int64_t i = from; i < next; ++i) *sh++ = s.first_token + i + 1;
-      std::fill(sh, sh + (to - next), -1);
+    if (shifts) {  // token i + 1 of the sequence, where there is one
+      Tokens(out.shifted_source.data() + j, s.first_token + 1, from,
+             std::clamp(s.length - 1, from, to), to);
     }
     if (options.with_seq_idx) {
       std::fill(out.seq_idx.begin() + j, out.seq_idx.begin() + j + (to - from),

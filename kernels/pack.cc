@@ -348,27 +348,43 @@ struct LaidOut {
     return w;
   }
 
-  // `x`'s packed rows (gathered once per source), viewed as [1, N, *tail]
-  // for GatherRows, in memory of `runtime`.
+  // Memory for the N packed rows of a tensor like `like` ([B, S, *tail]),
+  // held until the call ends, viewed as [1, N, *tail]: the shape GatherRows
+  // and ScatterRows take, whose rows are packed token indices.
+  absl::StatusOr<TensorView> PackedRows(DeviceRuntime& runtime,
+                                        const MaskPlan& plan,
+                                        const TensorView& like,
+                                        const Stream& stream) {
+    const int64_t n = plan.total_active();
+    PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                           runtime.Allocate(n * Width(like), stream.device()));
+    TensorView view = like;
+    view.data = buffer.data();
+    view.device = stream.device();
+    view.shape[0] = 1;
+    view.shape[1] = n;
+    held.push_back(std::move(buffer));
+    return view;
+  }
+
+  // The same view as [N, *tail], the packed tensor Gather and Scatter take.
+  static TensorView Flat(TensorView view) {
+    view.shape.erase(view.shape.begin());
+    return view;
+  }
+
+  // `x`'s packed rows, gathered once per source (a shift reuses its input's).
   absl::StatusOr<TensorView> Packed(Backend& backend, DeviceRuntime& runtime,
                                     const MaskPlan& plan, const TensorView& x,
                                     const Stream& stream) {
     for (const auto& [data, view] : packed) {
       if (data == x.data) return view;
     }
-    const int64_t n = plan.total_active();
-    PACKD_ASSIGN_OR_RETURN(Buffer buffer,
-                           runtime.Allocate(n * Width(x), stream.device()));
-    TensorView rows_view = x;
-    rows_view.data = buffer.data();
-    rows_view.device = stream.device();
-    rows_view.shape.erase(rows_view.shape.begin());
-    rows_view.shape[0] = n;
-    PACKD_RETURN_IF_ERROR(backend.Gather(plan, x, rows_view, stream));
-    rows_view.shape.insert(rows_view.shape.begin(), 1);
-    held.push_back(std::move(buffer));
-    packed.push_back({x.data, rows_view});
-    return rows_view;
+    PACKD_ASSIGN_OR_RETURN(TensorView view,
+                           PackedRows(runtime, plan, x, stream));
+    PACKD_RETURN_IF_ERROR(backend.Gather(plan, x, Flat(view), stream));
+    packed.push_back({x.data, view});
+    return view;
   }
 
   // Result rows of x by the layout (`shift`: its shifted rows), `pad` where
@@ -395,20 +411,11 @@ struct LaidOut {
     if (Width(dense) < kNarrowRow) {
       // The packed rows of every real token (zero for other CP ranks'), then
       // the plain Scatter.
-      const int64_t n = plan.total_active();
-      PACKD_ASSIGN_OR_RETURN(
-          Buffer buffer, runtime.Allocate(n * Width(dense), stream.device()));
-      TensorView rows_view = dense;
-      rows_view.data = buffer.data();
-      rows_view.device = stream.device();
-      rows_view.shape.erase(rows_view.shape.begin());
-      rows_view.shape[0] = n;
-      rows_view.shape.insert(rows_view.shape.begin(), 1);
+      PACKD_ASSIGN_OR_RETURN(TensorView view,
+                             PackedRows(runtime, plan, dense, stream));
       PACKD_RETURN_IF_ERROR(
-          backend.ScatterRows(p, layout.source, rows_view, stream));
-      rows_view.shape.erase(rows_view.shape.begin());
-      held.push_back(std::move(buffer));
-      return backend.Scatter(plan, rows_view, dense, stream);
+          backend.ScatterRows(p, layout.source, view, stream));
+      return backend.Scatter(plan, Flat(view), dense, stream);
     }
     PACKD_RETURN_IF_ERROR(Place(backend, plan, stream));
     return backend.ScatterRows(p, rows, dense, stream);
@@ -595,7 +602,9 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
   if (options.segment_ids.has_value()) {
     PACKD_RETURN_IF_ERROR(ValidateSegmentIds(*options.segment_ids, mask, call));
   }
-  const bool laid_out = options.layout.any() || options.segment_ids.has_value();
+  // Documents place rows only through a layout: without one, Scatter is the
+  // plain one (the ids were validated, and are not read).
+  const bool laid_out = options.layout.any();
   if (laid_out) {
     PACKD_RETURN_IF_ERROR(ValidateScatterLayout(options.layout, packed.size()));
   }
@@ -646,7 +655,8 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
   PACKD_ASSIGN_OR_RETURN(
       result.dense,
       RunCall(options, call, CallSources{packed, {}}, mask, shapes, scatter,
-              &plan, options.segment_ids, &documents));
+              &plan, laid_out ? options.segment_ids : std::nullopt,
+              &documents));
   return result;
 }
 

@@ -189,6 +189,25 @@ std::pair<int64_t, int64_t> PieceRange(int64_t total, int i, int n) {
   return {total * i / n, total * (i + 1) / n};
 }
 
+// `n` rows of `width` bytes at `dst`, each the element `pad` (`item` bytes)
+// repeated.
+void FillRows(char* dst, int64_t n, int64_t width, const unsigned char* pad,
+              int64_t item) {
+  const int64_t bytes = n * width;
+  if (bytes == 0) return;
+  if (std::all_of(pad, pad + item, [](unsigned char b) { return b == 0; })) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  for (int64_t at = 0; at < std::min(bytes, item); ++at) dst[at] = pad[at];
+  // Doubling copies of what is written: whole elements, as item divides it.
+  for (int64_t done = std::min(bytes, item); done < bytes;) {
+    const int64_t n_copy = std::min(done, bytes - done);
+    std::memcpy(dst + done, dst, n_copy);
+    done += n_copy;
+  }
+}
+
 int64_t RowBytes(const MaskPlan& plan, const TensorView& dense) {
   const int64_t positions = plan.batch * plan.seq;
   return positions == 0 ? 0 : dense.nbytes() / positions;
@@ -396,6 +415,87 @@ class SpanBackend : public Backend {
         positions->push_back(p);
       }
     }
+    return absl::OkStatus();
+  }
+
+  // Layouts: one copy per run of consecutive rows, pad rows filled in runs;
+  // the output rows split evenly across the pool.
+  absl::Status GatherRows(const TensorView& x, absl::Span<const int64_t> rows,
+                          const unsigned char* pad, const TensorView& out,
+                          const Stream&) override {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0 || out.nbytes() == 0) return absl::OkStatus();
+    const int64_t width = out.nbytes() / n;
+    const char* src = static_cast<const char*>(x.data);
+    char* dst = static_cast<char*>(out.data);
+    const int64_t item = ItemSize(x.dtype);
+    const int pieces =
+        static_cast<int>(std::min<int64_t>(Pieces(n * width), n));
+    ThreadPool::Global().ParallelFor(pieces, [&](int p) {
+      const int64_t end = n * (p + 1) / pieces;
+      for (int64_t j = n * p / pieces; j < end;) {
+        int64_t k = j + 1;
+        if (rows[j] < 0) {
+          while (k < end && rows[k] < 0) ++k;
+          FillRows(dst + j * width, k - j, width, pad, item);
+        } else {
+          while (k < end && rows[k] == rows[j] + (k - j)) ++k;
+          std::memcpy(dst + j * width, src + rows[j] * width, (k - j) * width);
+        }
+        j = k;
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status ScatterRows(const TensorView& packed,
+                           absl::Span<const int64_t> rows,
+                           const TensorView& dense, const Stream&) override {
+    const int64_t positions = dense.shape[0] * dense.shape[1];
+    if (positions == 0 || dense.nbytes() == 0) return absl::OkStatus();
+    const int64_t width = dense.nbytes() / positions;
+    const char* src = static_cast<const char*>(packed.data);
+    char* dst = static_cast<char*>(dense.data);
+    // Runs of packed rows that land on consecutive dense rows, in dense order;
+    // the gaps between them are zeroed.
+    struct Run {
+      int64_t from, to, len;
+    };
+    std::vector<Run> runs;
+    for (int64_t j = 0, n = static_cast<int64_t>(rows.size()); j < n;) {
+      if (rows[j] < 0) {
+        ++j;
+        continue;
+      }
+      int64_t k = j + 1;
+      while (k < n && rows[k] == rows[j] + (k - j)) ++k;
+      runs.push_back({j, rows[j], k - j});
+      j = k;
+    }
+    if (runs.empty()) {
+      std::memset(dst, 0, positions * width);
+      return absl::OkStatus();
+    }
+    // Each piece has at least one run; it zeroes from the end of the run before
+    // its first up to its last run's end (the last piece: to the end).
+    const int64_t count = static_cast<int64_t>(runs.size());
+    const int pieces =
+        static_cast<int>(std::min<int64_t>(Pieces(positions * width), count));
+    auto run_end = [&](int64_t r) { return runs[r].to + runs[r].len; };
+    ThreadPool::Global().ParallelFor(pieces, [&](int p) {
+      const int64_t r_begin = count * p / pieces;
+      const int64_t r_end = count * (p + 1) / pieces;
+      int64_t pos = r_begin == 0 ? 0 : run_end(r_begin - 1);
+      for (int64_t r = r_begin; r < r_end; ++r) {
+        std::memset(dst + pos * width, 0, (runs[r].to - pos) * width);
+        std::memcpy(dst + runs[r].to * width, src + runs[r].from * width,
+                    runs[r].len * width);
+        pos = run_end(r);
+      }
+      if (p + 1 == pieces) {
+        std::memset(dst + pos * width, 0, (positions - pos) * width);
+      }
+    });
     return absl::OkStatus();
   }
 
