@@ -286,6 +286,12 @@ class Client {
       const std::vector<at::Tensor>& outputs,
       google::protobuf::RepeatedPtrField<v1::RegionSlice>* slices,
       WireMessage* reply);
+  // Result memory on GPU `index`, one tensor per `like`: [*lead,
+  // *t.shape[tail_from:]]; none at all when one would have no bytes (results
+  // then come inline).
+  absl::StatusOr<std::vector<at::Tensor>> GpuOutputs(
+      const std::vector<at::Tensor>& like, const std::vector<int64_t>& lead,
+      int64_t tail_from, int index);
   // The results on GPU `index`: `outputs` where packd wrote them (checked
   // against the reply's shapes), else the inline ones copied there.
   absl::StatusOr<std::vector<at::Tensor>> GpuResults(

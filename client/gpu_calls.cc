@@ -227,6 +227,21 @@ absl::StatusOr<std::vector<at::Tensor>> Client::GpuResults(
   return out;
 }
 
+absl::StatusOr<std::vector<at::Tensor>> Client::GpuOutputs(
+    const std::vector<at::Tensor>& like, const std::vector<int64_t>& lead,
+    int64_t tail_from, int index) {
+  std::vector<at::Tensor> outputs;
+  for (const at::Tensor& t : like) {
+    PACKD_ASSIGN_OR_RETURN(at::Tensor o,
+                           device_memory_->Empty(WithTail(lead, t, tail_from),
+                                                 t.scalar_type(), index));
+    // Results without bytes come inline (a slice of none names no memory).
+    if (o.numel() == 0) return std::vector<at::Tensor>();
+    outputs.push_back(std::move(o));
+  }
+  return outputs;
+}
+
 absl::StatusOr<PackedBatch> Client::PackOnGpu(
     int index, const std::vector<at::Tensor>& tensors_in,
     const at::Tensor& mask_in, const PackCallOptions& options) {
@@ -250,18 +265,10 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
   }
   std::vector<at::Tensor> outputs;
   // A layout's results come inline and are copied to the GPU.
-  shaped = shaped && !options.layout.any();
-  if (shaped) {
+  if (shaped && !options.layout.any()) {
     const int64_t active = at::count_nonzero(mask).item<int64_t>();
-    for (const at::Tensor& t : tensors) {
-      PACKD_ASSIGN_OR_RETURN(at::Tensor o,
-                             device_memory_->Empty(WithTail({active}, t, 2),
-                                                   t.scalar_type(), index));
-      outputs.push_back(std::move(o));
-      if (outputs.back().numel() == 0) shaped = false;
-    }
+    PACKD_ASSIGN_OR_RETURN(outputs, GpuOutputs(tensors, {active}, 2, index));
   }
-  if (!shaped) outputs.clear();  // results without bytes come inline
 
   PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
   Wire<v1::PackRequest> request;
@@ -313,16 +320,9 @@ absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(
   }
   std::vector<at::Tensor> outputs;
   if (shaped) {
-    for (const at::Tensor& t : packed) {
-      PACKD_ASSIGN_OR_RETURN(
-          at::Tensor o,
-          device_memory_->Empty(WithTail({mask.size(0), mask.size(1)}, t, 1),
-                                t.scalar_type(), index));
-      outputs.push_back(std::move(o));
-      if (outputs.back().numel() == 0) shaped = false;
-    }
+    PACKD_ASSIGN_OR_RETURN(
+        outputs, GpuOutputs(packed, {mask.size(0), mask.size(1)}, 1, index));
   }
-  if (!shaped) outputs.clear();
 
   PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
   Wire<v1::ScatterRequest> request;

@@ -624,6 +624,13 @@ class Client:
 
         return self._with_regions(lambda: self._call(method, request()), None, regions)
 
+    def _gpu_outputs(self, shapes, index):
+        """Result memory on GPU `index`, one tensor per (shape, dtype); none at all when one
+        would have no bytes (results then come inline: a slice of none names no memory)."""
+        if any(torch.Size(shape).numel() == 0 for shape, _ in shapes):
+            return []
+        return [self.device_memory.empty(shape, dtype, index) for shape, dtype in shapes]
+
     def _gpu_results(self, messages, inline, outputs, index):
         """The result tensors on GPU `index`: `outputs` where packd wrote them (checked against
         the reply's shapes), else the inline ones copied there."""
@@ -759,10 +766,8 @@ class Client:
         outputs = []
         if mask.dim() == 2 and all(t.dim() >= 2 for t in tensors) and not layout.any():
             active = int(torch.count_nonzero(mask))
-            outputs = [self.device_memory.empty([active] + list(t.shape[2:]), t.dtype, index)
-                       for t in tensors]
-            if any(o.numel() == 0 for o in outputs):
-                outputs = []  # results without bytes come inline
+            outputs = self._gpu_outputs([([active] + list(t.shape[2:]), t.dtype)
+                                         for t in tensors], index)
         message = pb.PackRequest(device="uuid:" + self._uuid(index),
                                  with_position_ids=with_position_ids)
         layout.to_pack(message)
@@ -841,10 +846,8 @@ class Client:
         tensors = [t.contiguous() for t in tensors]
         outputs = []
         if mask.dim() == 2 and all(t.dim() >= 1 for t in tensors):
-            outputs = [self.device_memory.empty(list(mask.shape) + list(t.shape[1:]), t.dtype,
-                                                index) for t in tensors]
-            if any(o.numel() == 0 for o in outputs):
-                outputs = []
+            outputs = self._gpu_outputs([(list(mask.shape) + list(t.shape[1:]), t.dtype)
+                                         for t in tensors], index)
         message = pb.ScatterRequest(device="uuid:" + self._uuid(index))
         layout.to_scatter(message)
         if tail_shape is not None:
