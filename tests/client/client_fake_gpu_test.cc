@@ -11,11 +11,14 @@
 // UUIDs.
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <future>
 #include <map>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -94,9 +97,12 @@ TEST_F(ClientFakeGpuTest, PackAndScatterStayInDeviceMemoryForEveryDtype) {
     const at::Tensor mask = RandomMask(5, 33);
     PackCallOptions options;
     options.with_position_ids = true;
+    const int synced = gpu_->synchronized();
     absl::StatusOr<PackedBatch> batch =
         client_->Pack({gpu_->Put(x, 0)}, gpu_->Put(mask, 0), options);
     ASSERT_TRUE(batch.ok()) << batch.status();
+    // The GPU's queued work is done before packd reads the inputs.
+    EXPECT_GT(gpu_->synchronized(), synced);
     EXPECT_EQ(gpu_->DeviceOf(batch->packed[0]), 0);
     EXPECT_EQ(gpu_->DeviceOf(batch->cu_seqlens), 0);
     EXPECT_TRUE(
@@ -275,6 +281,60 @@ TEST_F(ClientFakeGpuTest, ARegionUnregisteredWhileACallUsesItServesTheCall) {
   ASSERT_TRUE(batch.ok()) << batch.status();
   EXPECT_TRUE(testing::SameBytes(testing::ReferencePack(x_host, mask_host),
                                  batch->packed[0]));
+}
+
+// Threads sharing one client on the GPU path: each packs and scatters its own
+// device tensors, and all of them one shared allocation, at once (the
+// allocations' regions are registered once between them, and no thread sees
+// another's results).
+TEST_F(ClientFakeGpuTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
+  const at::Tensor shared_host = at::randn({4, 24, 6});
+  const at::Tensor shared = gpu_->Put(shared_host, 0);
+  const uint64_t seed = rng_.Next();
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      testing::Rng rng{std::mt19937_64(seed + t)};
+      for (int i = 0; i < 12; ++i) {
+        const at::Tensor mask_host = testing::RandomMask(
+            rng, DType::kBool, 4, 24, 0.5, MaskPattern::kHoles);
+        const at::Tensor x_host =
+            i % 3 == 0
+                ? shared_host
+                : testing::RandomTensor(rng, DType::kBFloat16, {4, 24, 6});
+        const at::Tensor x = i % 3 == 0 ? shared : gpu_->Put(x_host, t % 2);
+        const at::Tensor mask = gpu_->Put(mask_host, i % 3 == 0 ? 0 : t % 2);
+        absl::StatusOr<PackedBatch> r = client_->Pack({x}, mask);
+        const at::Tensor want = testing::ReferencePack(x_host, mask_host);
+        if (!r.ok() || !testing::SameBytes(want, r->packed[0])) {
+          ++failures;
+          continue;
+        }
+        absl::StatusOr<std::vector<at::Tensor>> dense =
+            client_->Scatter({r->packed[0]}, mask);
+        if (!dense.ok() || !testing::SameBytes(testing::ReferenceScatter(
+                                                   want, mask_host, {4, 24, 6}),
+                                               (*dense)[0])) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  // The shared allocation ends with one region, however many threads
+  // registered it at once (a duplicate goes with the next call).
+  ASSERT_TRUE(client_->Pack({shared}, gpu_->Put(RandomMask(4, 24), 0)).ok());
+  v1::ListRegionsResponse listed;
+  grpc::ClientContext context;
+  ASSERT_TRUE(client_->stub().ListRegions(&context, {}, &listed).ok());
+  int regions_of_shared = 0;
+  for (const v1::RegionInfo& r : listed.regions()) {
+    regions_of_shared +=
+        r.byte_size() == static_cast<uint64_t>(shared.nbytes());
+  }
+  EXPECT_EQ(regions_of_shared, 1);
 }
 
 TEST_F(ClientFakeGpuTest, TheClientUnregistersItsDeviceRegionsWhenItGoes) {

@@ -22,6 +22,7 @@
 #include "client/client.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "kernels/pack.h"
 #include "kernels/torch/torch_interop.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
@@ -113,10 +114,10 @@ Case RandomCase(Rng& rng, int64_t bytes, bool floating) {
 }
 
 // 8 threads share one client and mix every path (inline, split into parts
-// over 3 connections, shared-memory scratch) with Pack, Scatter and a
-// differentiable Pack; every result equals torch's, byte for byte. Before
-// each call had its own scratch segment, 95 of 117 such calls returned
-// another thread's rows or were refused.
+// over 3 connections, shared-memory scratch) with Pack, Scatter, a
+// differentiable Pack and a layout Pack; every result equals torch's, byte for
+// byte. Before each call had its own scratch segment, 95 of 117 such calls
+// returned another thread's rows or were refused.
 TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
   ClientOptions options;
   options.address = server_->address();
@@ -139,7 +140,7 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
                               : path == Path::kSplit
                                   ? 14 << 10
                                   : (40 << 10) + rng.Next() % (400 << 10);
-        const int op = rng.Next() % 3;
+        const int op = rng.Next() % 4;
         Case c = RandomCase(rng, bytes, /*floating=*/op == 2);
         const int64_t total = 2 * c.x.nbytes() + c.mask.nbytes();
         const Path taken = total >= kShmBytes     ? Path::kSharedMemory
@@ -173,6 +174,23 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
           EXPECT_TRUE(SameBytes(
               testing::ReferenceScatter(packed, c.mask, c.x.sizes().vec()),
               (*dense)[0]));
+        } else if (op == 3) {
+          // A layout: the call goes whole, its results inline; the op
+          // library's Pack of the same batch is the reference.
+          PackCallOptions laid;
+          laid.layout.pad_multiple = 4;
+          laid.layout.cp_size = 2;
+          laid.layout.cp_rank = static_cast<int32_t>(rng.Next() % 2);
+          laid.layout.shifts = {{0, 0}};
+          absl::StatusOr<PackedBatch> r = client->Pack({c.x}, c.mask, laid);
+          ASSERT_TRUE(r.ok()) << r.status();
+          PackOptions reference;
+          reference.layout = laid.layout;
+          absl::StatusOr<PackResult> want =
+              packd::Pack({AsView(c.x)}, AsView(c.mask), reference);
+          ASSERT_TRUE(want.ok()) << want.status();
+          EXPECT_TRUE(SameBytes(r->packed[0], want->packed[0].view));
+          EXPECT_TRUE(SameBytes(r->shifted[0], want->shifted[0].view));
         } else {
           at::Tensor x = c.x.clone().set_requires_grad(true);
           absl::StatusOr<at::Tensor> packed = PackWithGrad(*client, x, c.mask);

@@ -55,7 +55,9 @@ def test_pack_and_scatter_stay_in_device_memory(client, gpu, dtype):
     gen = torch.Generator().manual_seed(DTYPES.index(dtype))
     x = random_tensor(dtype, (5, 33, 3, 2), gen)
     mask = random_mask((5, 33), gen)
+    synced = gpu.synchronized
     r = client.pack(gpu.put(x, 0), gpu.put(mask, 0), with_position_ids=True)
+    assert gpu.synchronized > synced  # the GPU's queued work done before packd reads
     assert gpu.device_of(r.packed) == 0 and gpu.device_of(r.cu_seqlens) == 0
     assert same(r.packed, x[mask])
     assert r.cu_seqlens.tolist() == [0] + mask.sum(1).cumsum(0).tolist()
@@ -215,3 +217,38 @@ def test_a_layout_on_the_gpu_equals_the_host_layout(client, gpu):
                           pad_multiple=8, cp_size=2, cp_rank=1)
     want = client.scatter(h.packed, mask, segment_ids=ids, pad_multiple=8, cp_size=2, cp_rank=1)
     assert gpu.device_of(back) == 0 and same(back, want)
+
+
+def test_threads_sharing_one_client_on_the_gpu_path(client, gpu):
+    """Six threads share one client: each packs and scatters its own device tensors, and all of
+    them one shared allocation, at once; every result is its own, and the shared allocation
+    ends with one region however many threads registered it."""
+    gen = torch.Generator().manual_seed(5)
+    shared_host = torch.randn(4, 24, 6, generator=gen)
+    shared = gpu.put(shared_host, 0)
+    failures = []
+
+    def work(t):
+        g = torch.Generator().manual_seed(100 + t)
+        for i in range(10):
+            host = shared_host if i % 3 == 0 else random_tensor(torch.bfloat16, (4, 24, 6), g)
+            x = shared if i % 3 == 0 else gpu.put(host, t % 2)
+            mask_host = random_mask((4, 24), g)
+            mask = gpu.put(mask_host, 0 if i % 3 == 0 else t % 2)
+            try:
+                r = client.pack(x, mask)
+                assert same(r.packed, host[mask_host])
+                dense = client.scatter(r.packed, mask)
+                assert same(dense, reference_scatter(host[mask_host], mask_host, host))
+            except Exception as e:  # an assert in a thread fails nothing by itself
+                failures.append("thread %d call %d: %r" % (t, i, e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures, failures[:5]
+    client.pack(shared, gpu.put(random_mask((4, 24)), 0))  # a duplicate goes with the next call
+    size = shared.numel() * shared.element_size()
+    assert sum(r.byte_size == size for r in regions(client).values()) == 1

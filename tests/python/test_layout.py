@@ -9,67 +9,14 @@ import pytest
 import torch
 
 import packd
-from torch_reference import DTYPES, bits, random_tensor, same
+from torch_reference import (DTYPES, gathered, random_tensor, reference_layout,
+                             same)
 
 
 @pytest.fixture
 def client(address):
     with packd.Client(address, shm_threshold_bytes=0) as c:
         yield c
-
-
-def sequences(mask, ids):
-    """Each sequence's dense positions (flattened b * S + s): rows, or documents."""
-    B, S = mask.shape
-    out = []
-    for b in range(B):
-        pos = torch.nonzero(mask[b] != 0).flatten().tolist()
-        if ids is None:
-            out.append([b * S + p for p in pos])
-            continue
-        for i, p in enumerate(pos):
-            if i == 0 or ids[b, p] != ids[b, pos[i - 1]]:
-                out.append([])
-            out[-1].append(b * S + p)
-    return out
-
-
-def reference(mask, ids, m=1, cp=1, rank=0, tokens=0):
-    """(rows, shifted rows, position ids, seq_idx, cu_padded) of a layout; -1 is padding."""
-    seqs = sequences(mask, ids)
-    m = max(m, 1)
-    spans, cu = [], [0]
-    for seq in seqs:
-        P = -(-len(seq) // m) * m
-        spans.append((seq + [-1] * (P - len(seq)), seq[1:] + [-1] * (P - len(seq) + 1)))
-        cu.append(cu[-1] + P)
-    if tokens > cu[-1]:
-        ghost = tokens - cu[-1]
-        spans.append(([-1] * ghost, [-1] * ghost))
-        cu.append(tokens)
-    rows, shifted, pos, seq_idx = [], [], [], []
-    for k, (r, sh) in enumerate(spans):
-        P = len(r)
-        h = P // (2 * cp)
-        take = (list(range(P)) if cp == 1 else
-                list(range(rank * h, (rank + 1) * h))
-                + list(range((2 * cp - 1 - rank) * h, (2 * cp - rank) * h)))
-        rows += [r[i] for i in take]
-        shifted += [sh[i] for i in take]
-        pos += take
-        seq_idx += [k] * len(take)
-    return rows, shifted, pos, seq_idx, cu
-
-
-def gathered(x, rows, pad):
-    """x's rows at dense positions `rows`, `pad` (in x's dtype, as torch converts) at -1."""
-    B, S = x.shape[:2]
-    flat = bits(x).reshape(B * S, *x.shape[2:])
-    index = torch.tensor(rows, dtype=torch.int64)
-    out = flat[index.clamp(min=0)] if flat.shape[0] else flat.new_empty((len(rows),) + flat.shape[1:])
-    pad_bits = bits(torch.tensor([pad], dtype=torch.float64).to(x.dtype))[0]
-    out[index < 0] = pad_bits
-    return out.view(x.dtype)
 
 
 def test_transformer_engines_worked_case(client):
@@ -105,10 +52,10 @@ def test_random_layouts_match_the_reference(client, trial):
     cp = 1 + trial % 3
     m = 2 * cp * rng.randint(1, 3)
     rank = rng.randrange(cp)
-    _, _, _, _, cu = reference(mask, ids, m, cp, rank)
+    _, _, _, _, cu = reference_layout(mask, ids, m, cp, rank)
     tokens = cu[-1] + m * (trial % 2) if trial % 4 < 2 else 0
     fixed = (tokens, 0, tokens) if tokens else None
-    rows, shifted, pos, seq_idx, cu = reference(mask, ids, m, cp, rank, tokens)
+    rows, shifted, pos, seq_idx, cu = reference_layout(mask, ids, m, cp, rank, tokens)
     pad = 1 if dtype == torch.bool else 5
     r = client.pack([x, tok.unsqueeze(2)], mask, segment_ids=ids, with_position_ids=True,
                     pad_multiple=m, cp_size=cp, cp_rank=rank, with_seq_idx=True,
@@ -130,7 +77,7 @@ def test_remote_pack_op_backward_through_the_layout_is_torch_autograd(address):
     op = packd.RemotePackOp(address, layout=layout, shm_threshold_bytes=0)
     x = torch.randn(3, 11, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     packed, _ = op(x, mask, segment_ids=ids)
-    rows, *_ = reference(mask, ids, 8, 2, 1)
+    rows, *_ = reference_layout(mask, ids, 8, 2, 1)
     assert same(packed.detach(), gathered(x.detach(), rows, 0))
     weight = torch.randn(packed.shape, dtype=torch.float64, generator=gen)
     (packed * weight).sum().backward()

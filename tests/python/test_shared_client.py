@@ -13,7 +13,8 @@ import torch
 
 import packd
 from packd_server import unused_port
-from torch_reference import DTYPES, bits, random_tensor, reference_scatter, same
+from torch_reference import (DTYPES, bits, gathered, random_tensor, reference_layout,
+                             reference_scatter, same)
 
 SPLIT_BYTES = 24 << 10  # the client's split_threshold_bytes below
 SHM_BYTES = 64 << 10    # and its shm_threshold_bytes
@@ -45,8 +46,8 @@ def _case(rng, nbytes, dtypes):
 
 def test_threads_sharing_one_client_each_get_their_own_results(address):
     """8 threads share one client and mix every path (inline, split into parts over 3
-    connections, shared-memory scratch) with pack, scatter and a differentiable pack; every
-    result equals torch's, byte for byte. Before each call had its own scratch segment, most
+    connections, shared-memory scratch) with pack, scatter, a differentiable pack and a layout
+    pack; every result equals torch's, byte for byte. Before each call had its own scratch segment, most
     such calls returned another thread's rows or were refused."""
     seed = random.randrange(1 << 30)
     print("seed", seed)
@@ -64,7 +65,7 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
             path = rng.choice(["inline", "split", "shm"])
             nbytes = {"inline": 4 << 10, "split": 14 << 10,
                       "shm": (40 << 10) + rng.randrange(400 << 10)}[path]
-            kind = rng.choice(["pack", "scatter", "grad"])
+            kind = rng.choice(["pack", "scatter", "grad", "layout"])
             x, mask = _case(rng, nbytes, FLOATS if kind == "grad" else DTYPES)
             active = mask != 0
             total = 2 * x.numel() * x.element_size() + mask.numel() * mask.element_size()
@@ -78,6 +79,13 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                     assert r.cu_seqlens.tolist() == [0] + counts.cumsum(0).tolist(), where
                     assert r.position_ids.tolist() == (
                         active.long().cumsum(1) - 1)[active].tolist(), where
+                elif kind == "layout":  # padding, a CP rank, a shift: whole, results inline
+                    rank = rng.randrange(2)
+                    r = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=rank,
+                                    shifts=[(0, 0)])
+                    rows, shifted, *_ = reference_layout(mask, None, 4, 2, rank)
+                    assert same(gathered(x, rows, 0), r.packed), where
+                    assert same(gathered(x, shifted, 0), r.shifted[0]), where
                 elif kind == "scatter":
                     packed = bits(x)[active].view(x.dtype)
                     dense = client.scatter(packed, mask)

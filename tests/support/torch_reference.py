@@ -4,6 +4,8 @@ comparison.
 
     x = random_tensor(torch.bfloat16, (4, 16, 8))
     assert same(reference_scatter(x[mask != 0], mask, x), dense)
+    rows, shifted, *_ = reference_layout(mask, ids, m=8, cp=2, rank=1)
+    assert same(gathered(x, rows, pad=0), r.packed)
 """
 import torch
 
@@ -47,3 +49,58 @@ def reference_scatter(packed, mask, like):
 def same(a, b):
     """Same dtype, shape and bytes."""
     return a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b)
+
+
+def sequences(mask, ids):
+    """Each sequence's dense positions (flattened b * S + s): rows, or documents."""
+    B, S = mask.shape
+    out = []
+    for b in range(B):
+        pos = torch.nonzero(mask[b] != 0).flatten().tolist()
+        if ids is None:
+            out.append([b * S + p for p in pos])
+            continue
+        for i, p in enumerate(pos):
+            if i == 0 or ids[b, p] != ids[b, pos[i - 1]]:
+                out.append([])
+            out[-1].append(b * S + p)
+    return out
+
+
+def reference_layout(mask, ids, m=1, cp=1, rank=0, tokens=0):
+    """(rows, shifted rows, position ids, seq_idx, cu_padded) of a layout (docs/design.md §10),
+    written from its rules: each output row's dense position (b * S + s), -1 for padding."""
+    seqs = sequences(mask, ids)
+    m = max(m, 1)
+    spans, cu = [], [0]
+    for seq in seqs:
+        P = -(-len(seq) // m) * m
+        spans.append((seq + [-1] * (P - len(seq)), seq[1:] + [-1] * (P - len(seq) + 1)))
+        cu.append(cu[-1] + P)
+    if tokens > cu[-1]:
+        ghost = tokens - cu[-1]
+        spans.append(([-1] * ghost, [-1] * ghost))
+        cu.append(tokens)
+    rows, shifted, pos, seq_idx = [], [], [], []
+    for k, (r, sh) in enumerate(spans):
+        P = len(r)
+        h = P // (2 * cp)
+        take = (list(range(P)) if cp == 1 else
+                list(range(rank * h, (rank + 1) * h))
+                + list(range((2 * cp - 1 - rank) * h, (2 * cp - rank) * h)))
+        rows += [r[i] for i in take]
+        shifted += [sh[i] for i in take]
+        pos += take
+        seq_idx += [k] * len(take)
+    return rows, shifted, pos, seq_idx, cu
+
+
+def gathered(x, rows, pad):
+    """x's rows at dense positions `rows`, `pad` (in x's dtype, as torch converts) at -1."""
+    B, S = x.shape[:2]
+    flat = bits(x).reshape(B * S, *x.shape[2:])
+    index = torch.tensor(rows, dtype=torch.int64)
+    out = flat[index.clamp(min=0)] if flat.shape[0] else flat.new_empty((len(rows),) + flat.shape[1:])
+    pad_bits = bits(torch.tensor([pad], dtype=torch.float64).to(x.dtype))[0]
+    out[index < 0] = pad_bits
+    return out.view(x.dtype)
