@@ -1,9 +1,9 @@
-// The planner's building blocks, shared with its peer (workloads/
-// verl_planner.h, the plan packd is measured against) so that both validate
-// and partition alike. Not API: planner.h is.
+// The planner's building blocks, shared with its peers (workloads/
+// peer_planners.h, the plans packd is measured against) so that all validate,
+// cost and partition alike. Not API: planner.h is.
 //
 //   PACKD_ASSIGN_OR_RETURN(Checked c, Validate(lengths, loss_tokens, options));
-//   auto ranks = KarmarkarKarp(lengths, all, c.ranks, /*equal_size=*/true);
+//   auto ranks = KarmarkarKarp(c.units.cost, AllUnits(c), c.ranks, false);
 #ifndef PACKD_PLANNER_INTERNAL_PLANNER_INTERNAL_H_
 #define PACKD_PLANNER_INTERNAL_PLANNER_INTERNAL_H_
 
@@ -16,21 +16,35 @@
 
 namespace packd::planner_internal {
 
-// Samples of each micro-batch of each rank: bins[rank][m].
+// What the planner places: units, each a sample or all the samples of a
+// group, ordered by their first sample.
+struct Units {
+  std::vector<int64_t> padded;  // padded tokens of each unit
+  std::vector<double> cost;     // cost of each unit
+  // Unit u's samples, ascending: samples[begin[u]] .. samples[begin[u + 1]].
+  std::vector<int64_t> begin;
+  std::vector<int64_t> samples;
+  int64_t size() const { return static_cast<int64_t>(padded.size()); }
+};
+
+// Micro-batches of units of each rank: bins[rank][m].
 using Bins = std::vector<std::vector<std::vector<int64_t>>>;
 
-// A request's options, checked and normalised.
+// A request, checked and normalised.
 struct Checked {
   int32_t ranks = 1;
   int32_t multiple = 1;
   int64_t budget = 0;
-  int64_t total = 0;
-  // Sum of min(length, budget): a sample over the budget fills one
+  int64_t total = 0;  // sum of lengths
+  // Sum of min(padded, budget) over units: a unit over the budget fills one
   // micro-batch, whatever its length.
   int64_t capped_total = 0;
+  std::vector<int64_t> padded;  // of each sample
+  std::vector<double> cost;     // of each sample
+  Units units;
 };
 
-// The checked options, or INVALID_ARGUMENT as PlanMicroBatches documents.
+// The checked request, or INVALID_ARGUMENT as PlanMicroBatches documents.
 absl::StatusOr<Checked> Validate(absl::Span<const int64_t> lengths,
                                  absl::Span<const int64_t> loss_tokens,
                                  const PlanOptions& options);
@@ -38,17 +52,34 @@ absl::StatusOr<Checked> Validate(absl::Span<const int64_t> lengths,
 // n rounded up to a multiple of `to` (> 0).
 int64_t RoundUp(int64_t n, int64_t to);
 
-// The plan of `bins`: samples sorted, sums, loss tokens, imbalance.
-Plan Assemble(Bins bins, absl::Span<const int64_t> lengths,
+// MicroBatchLowerBound of a checked request.
+int64_t LowerBound(const Checked& c);
+
+// Whether a micro-batch of `count` units and `padded` tokens keeps the cap:
+// within the budget, or one unit alone.
+inline bool KeepsCap(const Checked& c, int64_t padded, size_t count) {
+  return padded <= c.budget || count <= 1;
+}
+
+// The plan of `bins` (of units): samples ascending in each micro-batch, the
+// sums, the imbalances and global counts.
+Plan Assemble(const Bins& bins, const Checked& c,
+              absl::Span<const int64_t> lengths,
               absl::Span<const int64_t> loss_tokens);
 
-// Karmarkar-Karp (largest differencing) k-way partition of `items`, as verl's
-// get_seqlen_balanced_partitions does it: each partial solution is k sets,
-// sorted by sum, heaviest first; the two with the largest spread are merged,
-// the heaviest set of one with the lightest of the other. With equal_size,
-// items enter in sorted groups of k, so every set gets the same count.
+// 0 .. c.units.size() - 1.
+std::vector<int64_t> AllUnits(const Checked& c);
+
+// Karmarkar-Karp (largest differencing) k-way partition of `items` by
+// value[item], as verl's get_seqlen_balanced_partitions does it: items sorted
+// ascending; each partial solution is k sets, heaviest first; the two with
+// the largest spread are merged, the heaviest set of one with the lightest of
+// the other. With equal_size, items enter in sorted groups of k, so every set
+// gets the same count. Partial solutions keep only their non-empty sets and
+// sets are linked lists, so a merge costs the sets it touches: about
+// n log k in all.
 std::vector<std::vector<int64_t>> KarmarkarKarp(
-    absl::Span<const int64_t> lengths, const std::vector<int64_t>& items,
+    absl::Span<const double> value, const std::vector<int64_t>& items,
     int64_t k, bool equal_size);
 
 }  // namespace packd::planner_internal
