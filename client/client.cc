@@ -252,12 +252,30 @@ absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
     const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
     int32_t num_ranks, int32_t micro_batch_multiple,
     const std::vector<int64_t>& loss_tokens) {
+  PlanCallOptions options;
+  options.num_ranks = num_ranks;
+  options.micro_batch_multiple = micro_batch_multiple;
+  options.loss_tokens = loss_tokens;
+  return PlanMicroBatches(lengths, max_tokens_per_micro_batch, options);
+}
+
+absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
+    const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
+    const PlanCallOptions& options) {
   v1::PlanRequest request;
   request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
-  request.mutable_loss_tokens()->Assign(loss_tokens.begin(), loss_tokens.end());
+  request.mutable_loss_tokens()->Assign(options.loss_tokens.begin(),
+                                        options.loss_tokens.end());
   request.set_max_tokens_per_micro_batch(max_tokens_per_micro_batch);
-  request.set_num_ranks(num_ranks);
-  request.set_micro_batch_multiple(micro_batch_multiple);
+  request.set_num_ranks(options.num_ranks);
+  request.set_micro_batch_multiple(options.micro_batch_multiple);
+  request.set_cost_per_token(options.cost_per_token);
+  request.set_cost_per_token_squared(options.cost_per_token_squared);
+  request.mutable_costs()->Assign(options.costs.begin(), options.costs.end());
+  request.mutable_groups()->Assign(options.groups.begin(),
+                                   options.groups.end());
+  request.set_pad_multiple(options.pad_multiple);
+  request.set_pipeline_order(options.pipeline_order);
   return connection_->Plan(request);
 }
 

@@ -65,6 +65,22 @@ struct ScatterCallOptions {
   LayoutOptions layout;
 };
 
+// How a plan is made (docs/design.md §9, §11), beyond the lengths and the
+// budget: PlanRequest's fields, with the same defaults.
+struct PlanCallOptions {
+  int32_t num_ranks = 1;
+  int32_t micro_batch_multiple = 1;
+  std::vector<int64_t> loss_tokens;  // empty, or one per sample
+  // cost = cost_per_token * P + cost_per_token_squared * P^2 (P: the padded
+  // length); both 0: P. `costs` (one per sample) replaces the model.
+  double cost_per_token = 0;
+  double cost_per_token_squared = 0;
+  std::vector<double> costs;
+  std::vector<int64_t> groups;  // empty, or a group id per sample
+  int64_t pad_multiple = 0;
+  bool pipeline_order = false;
+};
+
 // What Pack returns, as the wire contract has it.
 struct PackedBatch {
   // packed[i] answers tensors[i]: [total_active, *tail_i].
@@ -161,6 +177,16 @@ class Client {
       const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
       int32_t num_ranks = 1, int32_t micro_batch_multiple = 1,
       const std::vector<int64_t>& loss_tokens = {});
+  // The same, balanced by cost, with groups, padding and pipeline order
+  // (docs/design.md §11): each micro-batch's cost and padded_tokens, and
+  // cost_imbalance and global_sequences in the response.
+  //
+  //   PlanCallOptions o{.num_ranks = 8, .cost_per_token = 24576,
+  //                     .cost_per_token_squared = 1, .pad_multiple = 8};
+  //   auto plan = client->PlanMicroBatches(lengths, 16384, o);
+  absl::StatusOr<v1::PlanResponse> PlanMicroBatches(
+      const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
+      const PlanCallOptions& options);
 
   // `t` on the GPU holding `like`, when it is not there (a gradient autograd
   // left in host memory); `t` itself otherwise.

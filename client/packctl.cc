@@ -8,6 +8,7 @@
 //   packctl pack --pad_multiple=8 --cp_size=2 --cp_rank=1 --fixed=16384,0,16384
 //   packctl bench --concurrency=4 --duration=10 --transport=shm --json=out.json
 //   packctl plan --samples=1024 --distribution=lognormal --max_tokens=16384 --ranks=8
+//   packctl plan --cost=24576,1 --pad_multiple=8 --pipeline_order
 // clang-format on
 //
 // Exit codes: 0 ok; 1 a check failed (not serving, too slow, wrong result); 2
@@ -44,7 +45,7 @@
 #include "proto/tensor_codec.h"
 #include "workloads/lengths.h"
 #include "workloads/mask_patterns.h"
-#include "workloads/verl_planner.h"
+#include "workloads/peer_planners.h"
 
 ABSL_FLAG(std::string, token_file, "",
           "Bearer token for a server with --auth_token_file: the file's first "
@@ -102,6 +103,12 @@ ABSL_FLAG(int64_t, max_tokens, 16384, "plan: token budget of a micro-batch");
 ABSL_FLAG(int, ranks, 8, "plan: data-parallel ranks");
 ABSL_FLAG(int, multiple, 1,
           "plan: micro-batches per rank are a multiple of this");
+ABSL_FLAG(std::string, cost, "",
+          "plan: A,B balances ranks by A*P + B*P^2 per sample (P: its padded "
+          "length), e.g. 24576,1 (a 7B-class model) or 0,1 (attention); "
+          "empty: by tokens");
+ABSL_FLAG(bool, pipeline_order, false,
+          "plan: each rank's micro-batches costliest in the middle");
 ABSL_FLAG(std::string, json, "",
           "bench: also write the summary as JSON to this file");
 
@@ -645,6 +652,58 @@ absl::StatusOr<std::vector<int64_t>> PlanLengths() {
       "--distribution must be lognormal, uniform or bimodal");
 }
 
+// "A,B" into the cost model's two coefficients.
+absl::Status ParseCost(const std::string& text, PlanOptions* options) {
+  if (text.empty()) return absl::OkStatus();
+  const std::vector<std::string> parts = absl::StrSplit(text, ',');
+  if (parts.size() != 2 ||
+      !absl::SimpleAtod(parts[0], &options->cost_per_token) ||
+      !absl::SimpleAtod(parts[1], &options->cost_per_token_squared)) {
+    return absl::InvalidArgumentError(
+        "--cost must be A,B (cost = A*P + B*P^2), e.g. --cost=24576,1");
+  }
+  return absl::OkStatus();
+}
+
+// One line per rank: a bar per micro-batch, its width its cost (the
+// costliest rank spans kWidth columns, neighbours alternate # and =), then
+// the rank's cost over the mean and its tokens.
+void PrintPlanPicture(const v1::PlanResponse& plan, int32_t ranks) {
+  constexpr int kWidth = 64;
+  std::vector<double> rank_cost(ranks, 0);
+  std::vector<int64_t> rank_tokens(ranks, 0);
+  for (const v1::MicroBatch& mb : plan.micro_batches()) {
+    rank_cost[mb.rank()] += mb.cost();
+    rank_tokens[mb.rank()] += mb.tokens();
+  }
+  const double max = *std::max_element(rank_cost.begin(), rank_cost.end());
+  double total = 0;
+  for (double c : rank_cost) total += c;
+  const double mean = total / ranks;
+  std::printf(
+      "\neach bar is a micro-batch, as wide as its cost; the costliest rank "
+      "is %d columns\n",
+      kWidth);
+  for (int32_t r = 0; r < ranks; ++r) {
+    std::string bar;
+    double cumulative = 0;
+    int drawn = 0, i = 0;
+    for (const v1::MicroBatch& mb : plan.micro_batches()) {
+      if (mb.rank() != r) continue;
+      cumulative += mb.cost();
+      const int end =
+          max == 0 ? 0
+                   : static_cast<int>(std::lround(kWidth * cumulative / max));
+      bar.append(std::max(0, end - drawn), i++ % 2 == 0 ? '#' : '=');
+      drawn = std::max(drawn, end);
+    }
+    bar.resize(kWidth, ' ');
+    std::printf("rank %-4d |%s| %7.4f of mean, %lld tokens\n", r, bar.c_str(),
+                mean == 0 ? 1.0 : rank_cost[r] / mean,
+                static_cast<long long>(rank_tokens[r]));
+  }
+}
+
 int PlanCommand(Connection& connection) {
   absl::StatusOr<std::vector<int64_t>> lengths = PlanLengths();
   if (!lengths.ok())
@@ -653,44 +712,57 @@ int PlanCommand(Connection& connection) {
   options.max_tokens_per_micro_batch = absl::GetFlag(FLAGS_max_tokens);
   options.num_ranks = absl::GetFlag(FLAGS_ranks);
   options.micro_batch_multiple = absl::GetFlag(FLAGS_multiple);
+  options.pad_multiple = absl::GetFlag(FLAGS_pad_multiple);
+  options.pipeline_order = absl::GetFlag(FLAGS_pipeline_order);
+  absl::Status cost = ParseCost(absl::GetFlag(FLAGS_cost), &options);
+  if (!cost.ok()) return Fail(kUsage, std::string(cost.message()));
   v1::PlanRequest request;
   request.mutable_lengths()->Assign(lengths->begin(), lengths->end());
   request.set_max_tokens_per_micro_batch(options.max_tokens_per_micro_batch);
   request.set_num_ranks(options.num_ranks);
   request.set_micro_batch_multiple(options.micro_batch_multiple);
+  request.set_cost_per_token(options.cost_per_token);
+  request.set_cost_per_token_squared(options.cost_per_token_squared);
+  request.set_pad_multiple(options.pad_multiple);
+  request.set_pipeline_order(options.pipeline_order);
   absl::StatusOr<v1::PlanResponse> plan = connection.Plan(request);
   if (!plan.ok()) return Fail(kRpcError, plan.status().ToString());
   int64_t total = 0;
   for (int64_t v : *lengths) total += v;
-  std::printf("%zu samples, %lld tokens, %d ranks, budget %lld, multiple %d\n",
-              lengths->size(), static_cast<long long>(total), options.num_ranks,
-              static_cast<long long>(options.max_tokens_per_micro_batch),
-              std::max(1, options.micro_batch_multiple));
-  std::printf("packd:       %lld micro-batches per rank, imbalance %.6f\n",
-              static_cast<long long>(plan->micro_batches_per_rank()),
-              plan->imbalance());
-  std::printf("lower bound: %lld\n",
-              static_cast<long long>(MicroBatchLowerBound(*lengths, options)));
-  absl::StatusOr<Plan> peer = PlanMicroBatchesLikeVerl(*lengths, {}, options);
-  if (peer.ok()) {
-    std::printf("peer (verl): %lld micro-batches per rank, imbalance %.6f\n",
-                static_cast<long long>(peer->micro_batches_per_rank),
-                peer->imbalance);
+  const int32_t ranks = std::max(1, options.num_ranks);
+  std::printf(
+      "%zu samples, %lld tokens, %d ranks, budget %lld, multiple %d, pad %lld, "
+      "cost %s\n",
+      lengths->size(), static_cast<long long>(total), ranks,
+      static_cast<long long>(options.max_tokens_per_micro_batch),
+      std::max(1, options.micro_batch_multiple),
+      static_cast<long long>(std::max<int64_t>(1, options.pad_multiple)),
+      absl::GetFlag(FLAGS_cost).empty()
+          ? "P (tokens)"
+          : absl::StrCat(options.cost_per_token, "*P + ",
+                         options.cost_per_token_squared, "*P^2")
+                .c_str());
+  std::printf(
+      "packd:       %lld micro-batches per rank (lower bound %lld), cost "
+      "imbalance %.5f, token imbalance %.5f\n",
+      static_cast<long long>(plan->micro_batches_per_rank()),
+      static_cast<long long>(MicroBatchLowerBound(*lengths, options)),
+      plan->cost_imbalance(), plan->imbalance());
+  for (const auto& [name, peer] :
+       {std::make_pair("verl", PlanMicroBatchesLikeVerl(*lengths, {}, options)),
+        std::make_pair("slime",
+                       PlanMicroBatchesLikeSlime(*lengths, {}, options))}) {
+    if (!peer.ok()) continue;
+    std::printf("peer %-6s  %lld micro-batches per rank, cost imbalance %.5f\n",
+                name, static_cast<long long>(peer->micro_batches_per_rank),
+                peer->cost_imbalance);
   }
   std::printf(
-      "global_loss_tokens: %lld (divide the summed token loss by this)\n",
-      static_cast<long long>(plan->global_loss_tokens()));
-  for (int r = 0; r < std::max(1, options.num_ranks); ++r) {
-    std::string line;
-    int64_t tokens = 0;
-    for (const v1::MicroBatch& mb : plan->micro_batches()) {
-      if (mb.rank() != r) continue;
-      absl::StrAppend(&line, line.empty() ? "" : " ", mb.tokens());
-      tokens += mb.tokens();
-    }
-    std::printf("rank %-3d %10lld tokens: %s\n", r,
-                static_cast<long long>(tokens), line.c_str());
-  }
+      "global_loss_tokens: %lld (divide the summed token loss by this); "
+      "global_sequences: %lld (a sum of sequence-mean losses)\n",
+      static_cast<long long>(plan->global_loss_tokens()),
+      static_cast<long long>(plan->global_sequences()));
+  PrintPlanPicture(*plan, ranks);
   return kOk;
 }
 
@@ -716,9 +788,12 @@ commands:
           shared memory (--transport); prints calls/s, GB/s, p50 and p99.
             packctl bench --concurrency=4 --duration=10 --transport=shm
   plan    Plans --samples lengths (or --lengths_file) into micro-batches of
-          --max_tokens over --ranks; prints each rank's micro-batches, the
-          imbalance and the global loss-token count.
+          --max_tokens over --ranks, balanced by --cost (A,B: A*P + B*P^2)
+          with --pad_multiple and --pipeline_order; prints the imbalances,
+          the peers' (verl, slime), the global counts, and a picture: a line
+          per rank, a bar per micro-batch as wide as its cost.
             packctl plan --samples=1024 --max_tokens=16384 --ranks=8
+            packctl plan --cost=24576,1 --pad_multiple=8
 
 Every command takes --address (HOST:PORT or unix:PATH), --deadline_ms, --attempts, a token
 (--token_file, else PACKD_TOKEN in the environment) and TLS files (--tls_*).

@@ -252,6 +252,14 @@ absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
   options.max_tokens_per_micro_batch = request.max_tokens_per_micro_batch();
   options.num_ranks = request.num_ranks();
   options.micro_batch_multiple = request.micro_batch_multiple();
+  options.cost_per_token = request.cost_per_token();
+  options.cost_per_token_squared = request.cost_per_token_squared();
+  options.costs =
+      absl::MakeConstSpan(request.costs().data(), request.costs_size());
+  options.groups =
+      absl::MakeConstSpan(request.groups().data(), request.groups_size());
+  options.pad_multiple = request.pad_multiple();
+  options.pipeline_order = request.pipeline_order();
   const absl::Span<const int64_t> lengths(request.lengths().data(),
                                           request.lengths_size());
   const absl::Span<const int64_t> loss(request.loss_tokens().data(),
@@ -275,10 +283,14 @@ absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
     out->mutable_samples()->Assign(mb.samples.begin(), mb.samples.end());
     out->set_tokens(mb.tokens);
     out->set_loss_tokens(mb.loss_tokens);
+    out->set_cost(mb.cost);
+    out->set_padded_tokens(mb.padded_tokens);
   }
   response->set_micro_batches_per_rank(plan.micro_batches_per_rank);
   response->set_global_loss_tokens(plan.global_loss_tokens);
   response->set_imbalance(plan.imbalance);
+  response->set_cost_imbalance(plan.cost_imbalance);
+  response->set_global_sequences(plan.global_sequences);
   absl::Status size = decoder_.CheckSize("response", response->ByteSizeLong());
   if (!size.ok()) response->Clear();
   return size;

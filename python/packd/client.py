@@ -859,18 +859,37 @@ class Client:
         return self._gpu_results(reply.dense, inline.get(1, []), outputs, index)
 
     def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,
-                           loss_tokens=None):
-        """Plans micro-batches over data-parallel ranks (docs/design.md §9).
+                           loss_tokens=None, cost=None, costs=None, groups=None, pad_multiple=0,
+                           pipeline_order=False):
+        """Plans micro-batches over data-parallel ranks (docs/design.md §9, §11).
 
-        Returns the PlanResponse: micro_batches (rank, samples, tokens, loss_tokens; by rank,
-        then position), micro_batches_per_rank, imbalance, and global_loss_tokens, the one
-        number to divide the summed per-token loss of all micro-batches of all ranks by.
+        cost=(a, b) balances ranks by a * P + b * P**2 for each sample (P: its length padded to
+        pad_multiple), e.g. (24576, 1) for a 7B-class model, (0, 1) for attention alone; or
+        costs= gives one cost per sample. Without either, the cost is P. groups= gives a group id
+        per sample: a group's samples share one micro-batch. The budget counts padded tokens.
+        pipeline_order=True emits each rank's micro-batches costliest in the middle.
+
+        Returns the PlanResponse: micro_batches (rank, samples, tokens, loss_tokens, cost,
+        padded_tokens; by rank, then position), micro_batches_per_rank, imbalance (tokens),
+        cost_imbalance, global_loss_tokens (divide the summed per-token loss of all micro-batches
+        of all ranks by it) and global_sequences (divide a sum of per-sequence mean losses by it).
         """
+        if cost is not None and costs is not None:
+            raise ValueError("give cost=(a, b) or costs=, not both")
         request = pb.PlanRequest(lengths=[int(v) for v in lengths],
                                  max_tokens_per_micro_batch=int(max_tokens),
-                                 num_ranks=num_ranks, micro_batch_multiple=micro_batch_multiple)
+                                 num_ranks=num_ranks, micro_batch_multiple=micro_batch_multiple,
+                                 pad_multiple=int(pad_multiple),
+                                 pipeline_order=bool(pipeline_order))
         if loss_tokens is not None:
             request.loss_tokens.extend(int(v) for v in loss_tokens)
+        if cost is not None:
+            a, b = cost
+            request.cost_per_token, request.cost_per_token_squared = float(a), float(b)
+        if costs is not None:
+            request.costs.extend(float(v) for v in costs)
+        if groups is not None:
+            request.groups.extend(int(v) for v in groups)
         return self._call(self._stub.PlanMicroBatches, request)
 
     def register_cuda_tensor(self, name, tensor, device=None):

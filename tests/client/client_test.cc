@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -408,6 +409,54 @@ TEST_F(ClientTest, DeviceMemoryFollowsTheIpcOffsetRule) {
   }
 }
 
+// PlanCallOptions reach the server: costs, groups, padding, pipeline order
+// and loss tokens all show in the plan; the short form still plans by tokens.
+TEST_F(ClientTest, PlansByCostWithGroupsAndPadding) {
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 60; ++i) lengths.push_back(100 + 97 * i % 3000);
+  PlanCallOptions o;
+  o.num_ranks = 2;
+  o.micro_batch_multiple = 2;
+  o.cost_per_token = 24576;
+  o.cost_per_token_squared = 1;
+  o.pad_multiple = 64;
+  o.pipeline_order = true;
+  for (int i = 0; i < 60; ++i) o.groups.push_back(i / 3);
+  for (int i = 0; i < 60; ++i) o.loss_tokens.push_back(i % 4 ? lengths[i] : 0);
+  absl::StatusOr<v1::PlanResponse> plan =
+      client_->PlanMicroBatches(lengths, 8192, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->micro_batches_per_rank() % 2, 0);
+  EXPECT_EQ(plan->global_sequences(), 45);
+  for (const v1::MicroBatch& mb : plan->micro_batches()) {
+    int64_t padded = 0;
+    double cost = 0;
+    for (int64_t i : mb.samples()) {
+      const double p = static_cast<double>((lengths[i] + 63) / 64 * 64);
+      padded += static_cast<int64_t>(p);
+      cost += 24576 * p + p * p;
+      // The other samples of its group are here too.
+      for (int64_t j = i / 3 * 3; j < i / 3 * 3 + 3; ++j) {
+        EXPECT_NE(std::find(mb.samples().begin(), mb.samples().end(), j),
+                  mb.samples().end());
+      }
+    }
+    EXPECT_EQ(mb.padded_tokens(), padded);
+    // Within the budget, or one group that alone exceeds it.
+    if (mb.padded_tokens() > 8192) EXPECT_EQ(mb.samples_size(), 3);
+    EXPECT_DOUBLE_EQ(mb.cost(), cost);
+  }
+  EXPECT_LT(plan->cost_imbalance(), 1.05);
+  absl::StatusOr<v1::PlanResponse> by_tokens =
+      client_->PlanMicroBatches(lengths, 8192, 2);
+  ASSERT_TRUE(by_tokens.ok()) << by_tokens.status();
+  EXPECT_EQ(by_tokens->micro_batches(0).cost(),
+            static_cast<double>(by_tokens->micro_batches(0).tokens()));
+  o.costs = {1.0};
+  EXPECT_EQ(client_->PlanMicroBatches(lengths, 8192, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(ClientTest, InfoAndHealth) {
   absl::StatusOr<v1::ServerInfo> info = client_->Info();
   ASSERT_TRUE(info.ok()) << info.status();
@@ -789,10 +838,24 @@ TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
               &out),
       0)
       << out;
-  EXPECT_THAT(out, HasSubstr("packd:       1 micro-batches per rank, "
-                             "imbalance 1.000000"));
+  EXPECT_THAT(out, HasSubstr("packd:       1 micro-batches per rank (lower "
+                             "bound 1), cost imbalance 1.00000"));
   EXPECT_THAT(out, HasSubstr("global_loss_tokens: 1000"));
+  // The picture: 100 + 400 and 200 + 300, each rank one full-width bar.
+  EXPECT_THAT(out, HasSubstr("rank 1    |" + std::string(64, '#') +
+                             "|  1.0000 of mean, 500 tokens"));
+  EXPECT_EQ(Packctl(at +
+                        "plan --ranks=2 --max_tokens=300 --cost=0,1 "
+                        "--pad_multiple=64 --pipeline_order --lengths_file=" +
+                        lengths,
+                    &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("cost 0*P + 1*P^2"));
+  EXPECT_THAT(out, HasSubstr("peer slime"));
   EXPECT_EQ(Packctl(at + "plan --distribution=zipf", &out), 2) << out;
+  EXPECT_EQ(Packctl(at + "plan --cost=24576", &out), 2) << out;
+  EXPECT_THAT(out, HasSubstr("--cost must be A,B"));
 
   const std::string input = ::testing::TempDir() + "/packctl_input.bin";
   {

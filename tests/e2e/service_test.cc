@@ -310,6 +310,27 @@ TEST_F(ServiceTest, ServerInfoAnswers) {
   ExpectStillServing();
 }
 
+// The library's Plan of a wire plan, for CheckPlan.
+Plan PlanOf(const v1::PlanResponse& response) {
+  Plan plan;
+  plan.micro_batches_per_rank = response.micro_batches_per_rank();
+  plan.global_loss_tokens = response.global_loss_tokens();
+  plan.imbalance = response.imbalance();
+  plan.cost_imbalance = response.cost_imbalance();
+  plan.global_sequences = response.global_sequences();
+  for (const v1::MicroBatch& mb : response.micro_batches()) {
+    MicroBatch m;
+    m.rank = mb.rank();
+    m.samples.assign(mb.samples().begin(), mb.samples().end());
+    m.tokens = mb.tokens();
+    m.loss_tokens = mb.loss_tokens();
+    m.cost = mb.cost();
+    m.padded_tokens = mb.padded_tokens();
+    plan.micro_batches.push_back(std::move(m));
+  }
+  return plan;
+}
+
 TEST_F(ServiceTest, PlanMicroBatchesKeepsTheRulesAndRefusesBadInput) {
   Rng rng = Rng::Fresh();
   v1::PlanRequest request;
@@ -334,18 +355,7 @@ TEST_F(ServiceTest, PlanMicroBatchesKeepsTheRulesAndRefusesBadInput) {
   options.max_tokens_per_micro_batch = 4096;
   options.num_ranks = 4;
   options.micro_batch_multiple = 2;
-  Plan plan;
-  plan.micro_batches_per_rank = response.micro_batches_per_rank();
-  plan.global_loss_tokens = response.global_loss_tokens();
-  plan.imbalance = response.imbalance();
-  for (const v1::MicroBatch& mb : response.micro_batches()) {
-    MicroBatch m;
-    m.rank = mb.rank();
-    m.samples.assign(mb.samples().begin(), mb.samples().end());
-    m.tokens = mb.tokens();
-    m.loss_tokens = mb.loss_tokens();
-    plan.micro_batches.push_back(std::move(m));
-  }
+  const Plan plan = PlanOf(response);
   EXPECT_TRUE(CheckPlan(plan, lengths, loss, options).ok())
       << CheckPlan(plan, lengths, loss, options);
   int64_t loss_total = 0;
@@ -359,6 +369,60 @@ TEST_F(ServiceTest, PlanMicroBatchesKeepsTheRulesAndRefusesBadInput) {
       stub_->PlanMicroBatches(&context, request, &response);
   EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(bad.error_message(), HasSubstr("lengths[3] is -5"));
+  ExpectStillServing();
+}
+
+// §11 over the wire: a cost model, groups, padding and pipeline order; the
+// response is the library's plan, keeps every rule, and is the same bytes
+// when asked again (every rank may plan alone); a bad cost is refused.
+TEST_F(ServiceTest, PlanMicroBatchesByCostIsDeterministic) {
+  Rng rng = Rng::Fresh();
+  v1::PlanRequest request;
+  std::vector<int64_t> lengths, groups;
+  for (int i = 0; i < 400; ++i) {
+    lengths.push_back(1 + rng.Next() % 6000);
+    groups.push_back(i % 3 == 0 ? i / 3 : 1000 + i);  // some pairs and triples
+  }
+  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
+  request.mutable_groups()->Assign(groups.begin(), groups.end());
+  request.set_max_tokens_per_micro_batch(16384);
+  request.set_num_ranks(4);
+  request.set_cost_per_token(24576);
+  request.set_cost_per_token_squared(1);
+  request.set_pad_multiple(16);
+  request.set_pipeline_order(true);
+  std::string first;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    v1::PlanResponse response;
+    grpc::ClientContext context;
+    grpc::Status status = stub_->PlanMicroBatches(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    if (attempt == 0) {
+      first = response.SerializeAsString();
+      PlanOptions options;
+      options.max_tokens_per_micro_batch = 16384;
+      options.num_ranks = 4;
+      options.cost_per_token = 24576;
+      options.cost_per_token_squared = 1;
+      options.pad_multiple = 16;
+      options.pipeline_order = true;
+      options.groups = groups;
+      const Plan plan = PlanOf(response);
+      EXPECT_TRUE(CheckPlan(plan, lengths, {}, options).ok())
+          << CheckPlan(plan, lengths, {}, options);
+      EXPECT_EQ(response.global_sequences(), 400);
+      EXPECT_LE(response.cost_imbalance(), 1.01);
+    } else {
+      EXPECT_EQ(response.SerializeAsString(), first);
+    }
+  }
+  request.set_cost_per_token(-1);
+  v1::PlanResponse response;
+  grpc::ClientContext context;
+  const grpc::Status bad =
+      stub_->PlanMicroBatches(&context, request, &response);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(), HasSubstr("cost_per_token is -1"));
   ExpectStillServing();
 }
 

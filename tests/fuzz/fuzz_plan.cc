@@ -1,4 +1,5 @@
-// libFuzzer target: a PlanMicroBatches request, bytes in, through the
+// libFuzzer target: a PlanMicroBatches request, bytes in (cost models, costs,
+// groups, padding and pipeline order included), through the
 // service's planner entry point (the message-size guard, the planner and its
 // own checks, the response).
 #include <google/protobuf/stubs/logging.h>

@@ -2,6 +2,7 @@
 RemotePackOp, shared memory against inline, errors."""
 import glob
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -258,6 +259,39 @@ def test_plan_micro_batches(client):
     with pytest.raises(packd.PackdError) as e:
         client.plan_micro_batches([1, -1], 10)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_plan_micro_batches_by_cost(client):
+    rng = random.Random()
+    lengths = [rng.randint(1, 6000) for _ in range(300)]
+    groups = [i // 2 for i in range(300)]  # pairs
+    loss = [0 if i % 5 == 0 else n for i, n in enumerate(lengths)]
+    kwargs = dict(num_ranks=4, cost=(24576, 1), groups=groups, pad_multiple=8,
+                  pipeline_order=True, loss_tokens=loss)
+    plan = client.plan_micro_batches(lengths, 16384, **kwargs)
+    assert plan == client.plan_micro_batches(lengths, 16384, **kwargs)  # deterministic
+    seen = sorted(i for mb in plan.micro_batches for i in mb.samples)
+    assert seen == list(range(300))
+    padded = [(n + 7) // 8 * 8 for n in lengths]
+    for mb in plan.micro_batches:
+        assert mb.padded_tokens == sum(padded[i] for i in mb.samples)
+        assert mb.padded_tokens <= 16384
+        assert mb.cost == pytest.approx(sum(24576 * padded[i] + padded[i] ** 2
+                                            for i in mb.samples), rel=1e-12)
+        for i in mb.samples:
+            assert (i ^ 1) in mb.samples  # a pair shares its micro-batch
+    assert plan.global_sequences == sum(1 for v in loss if v > 0)
+    assert plan.global_loss_tokens == sum(loss)
+    assert plan.cost_imbalance < 1.01
+    by_costs = client.plan_micro_batches(lengths, 16384, num_ranks=2,
+                                         costs=[float(n) ** 2 for n in lengths])
+    assert by_costs.cost_imbalance >= 1.0
+    with pytest.raises(ValueError):
+        client.plan_micro_batches(lengths, 16384, cost=(1, 1), costs=[1.0] * 300)
+    with pytest.raises(packd.PackdError) as e:
+        client.plan_micro_batches([1, 2], 10, costs=[1.0, -1.0])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "costs[1] is -1" in e.value.details
 
 
 def test_documents_and_varlen_kwargs(client):
