@@ -851,6 +851,39 @@ std::vector<Partner> PartnersOf(const Packing& p, int32_t l, int64_t* emptiest,
   return partners;
 }
 
+// The partners b with tol < base - c_b < gap - tol that `feasible`
+// accepts, nearest base - gap / 2 (where d = base - c_b halves the gap): the
+// first feasible one outward in each direction is that direction's best, so
+// each direction stops at it; `consider(b, d)` hears both. `skip` is a
+// position of `partners` not to take.
+template <typename Feasible, typename Consider>
+void SearchOutward(const std::vector<Partner>& partners, double base,
+                   double gap, double tol, int64_t skip, int64_t* work,
+                   Feasible feasible, Consider consider) {
+  const auto mid = std::lower_bound(partners.begin(), partners.end(),
+                                    Partner{base - gap / 2, -1, 0, 0});
+  *work -= 16;
+  for (auto it = mid; it != partners.end(); ++it) {  // d <= gap / 2
+    const double d = base - it->cost;
+    if (d <= tol) break;
+    --*work;
+    if (it - partners.begin() != skip && d < gap - tol && feasible(*it)) {
+      consider(*it, d);
+      break;
+    }
+  }
+  for (auto it = mid; it != partners.begin();) {  // d > gap / 2
+    --it;
+    const double d = base - it->cost;
+    if (d >= gap - tol) break;
+    --*work;
+    if (it - partners.begin() != skip && d > tol && feasible(*it)) {
+      consider(*it, d);
+      break;
+    }
+  }
+}
+
 // BestChange between ranks h (the costlier, `gap` above l) and l, found
 // without comparing every pair: l's units sorted by cost, each unit a of h
 // looks for the partner b nearest c_a - gap / 2, outward in both directions;
@@ -880,37 +913,17 @@ std::optional<Change> BestRankChange(const Packing& p, int32_t h, int32_t l,
                    p.bins[l][emptiest].size() + 1)) {
         consider(ca, hb, hi, emptiest, -1);
       }
-      // Partners b with tol < ca - c_b < gap - tol, nearest ca - gap / 2
-      // first.
-      const double ideal = ca - gap / 2;
-      const auto mid = std::lower_bound(partners.begin(), partners.end(),
-                                        Partner{ideal, -1, 0, 0});
-      auto feasible = [&](const Partner& b) {
-        const int64_t pb = units.padded[b.unit];
-        return KeepsCap(*p.c, ffill - pa + pb, fbin.size()) &&
-               KeepsCap(*p.c, p.fill[l][b.bin] - pb + pa,
-                        p.bins[l][b.bin].size());
-      };
-      *work -= 16;
-      for (auto it = mid; it != partners.end(); ++it) {  // c_b >= ideal
-        const double d = ca - it->cost;
-        if (d <= tol) break;
-        --*work;
-        if (d < gap - tol && feasible(*it)) {
-          consider(d, hb, hi, it->bin, it->pos);
-          break;
-        }
-      }
-      for (auto it = mid; it != partners.begin();) {  // c_b < ideal
-        --it;
-        const double d = ca - it->cost;
-        if (d >= gap - tol) break;
-        --*work;
-        if (d > tol && feasible(*it)) {
-          consider(d, hb, hi, it->bin, it->pos);
-          break;
-        }
-      }
+      SearchOutward(
+          partners, ca, gap, tol, -1, work,
+          [&](const Partner& b) {
+            const int64_t pb = units.padded[b.unit];
+            return KeepsCap(*p.c, ffill - pa + pb, fbin.size()) &&
+                   KeepsCap(*p.c, p.fill[l][b.bin] - pb + pa,
+                            p.bins[l][b.bin].size());
+          },
+          [&](const Partner& b, double d) {
+            consider(d, hb, hi, b.bin, b.pos);
+          });
     }
   }
   return best;
@@ -922,12 +935,14 @@ std::optional<Change> BestRankChange(const Packing& p, int32_t h, int32_t l,
 // outward from its ideal cost as BestRankChange searches b.
 std::optional<Change> BestPairChange(const Packing& p, int32_t h, int32_t l,
                                      double gap, double tol, int64_t* work) {
+  // Quadratic in a rank's units: for ranks of a few hundred, where the cap
+  // binds hardest (large batches spread over many units level by swaps).
+  size_t count = 0;
+  for (const std::vector<int64_t>& bin : p.bins[l]) count += bin.size();
+  if (count > kMostPairPartners) return std::nullopt;
   const Units& units = p.c->units;
   int64_t emptiest;
   const std::vector<Partner> partners = PartnersOf(p, l, &emptiest, work);
-  // Quadratic in a rank's units: for ranks of a few hundred, where the cap
-  // binds hardest (large batches spread over many units level by swaps).
-  if (partners.size() > kMostPairPartners) return std::nullopt;
   std::optional<Change> best;
   for (int64_t hb = 0; hb < p.m() && *work > 0; ++hb) {
     const std::vector<int64_t>& fbin = p.bins[h][hb];
@@ -958,31 +973,10 @@ std::optional<Change> BestPairChange(const Packing& p, int32_t h, int32_t l,
             best = Change{h, hb, hi, l, b1.bin, b1.pos, d, b2.bin, b2.pos};
           }
         };
-        // d = ca - c_b1 - c_b2, best nearest gap / 2: c_b2 near `ideal`.
-        const double ideal = ca - b1.cost - gap / 2;
-        const auto mid = std::lower_bound(partners.begin(), partners.end(),
-                                          Partner{ideal, -1, 0, 0});
-        for (auto it = mid; it != partners.end(); ++it) {  // d <= gap / 2
-          if (it - partners.begin() == static_cast<int64_t>(i)) continue;
-          const double d = ca - b1.cost - it->cost;
-          if (d <= tol) break;
-          --*work;
-          if (feasible(*it)) {
-            consider(*it, d);
-            break;
-          }
-        }
-        for (auto it = mid; it != partners.begin();) {  // d > gap / 2
-          --it;
-          if (it - partners.begin() == static_cast<int64_t>(i)) continue;
-          const double d = ca - b1.cost - it->cost;
-          if (d >= gap - tol) break;
-          --*work;
-          if (feasible(*it)) {
-            consider(*it, d);
-            break;
-          }
-        }
+        // d = ca - c_b1 - c_b2: b2 searched as a swap's partner of base
+        // ca - c_b1.
+        SearchOutward(partners, ca - b1.cost, gap, tol, static_cast<int64_t>(i),
+                      work, feasible, consider);
       }
     }
   }
