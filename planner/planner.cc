@@ -377,6 +377,8 @@ std::vector<std::vector<int64_t>> KarmarkarKarp(
 
 namespace {
 
+using Slot = std::pair<int32_t, int64_t>;  // (rank, micro-batch)
+
 // A packing under way: the units of each micro-batch of each rank, with
 // every micro-batch's padded tokens and cost, and every rank's cost.
 struct Packing {
@@ -692,7 +694,6 @@ bool TokensThenCost(const Checked& c, int64_t m, Packing* p) {
 // same rank (rank costs unchanged), then from any rank. A moved unit comes
 // from a micro-batch of several, so it is within the budget.
 void FillEmpty(Packing* p) {
-  using Slot = std::pair<int32_t, int64_t>;  // (rank, micro-batch)
   auto move_smallest = [&](Slot from, Slot to) {
     const std::vector<int64_t>& bin = p->bins[from.first][from.second];
     const auto smallest =
@@ -748,54 +749,6 @@ struct Change {
   int64_t to_bin2 = -1, to_pos2 = -1;
 };
 
-using Slot = std::pair<int32_t, int64_t>;  // (rank, micro-batch)
-
-// The change between the micro-batches `from` (of the costlier side) and
-// `to` that brings the two sides, `gap` apart, closest together, keeping the
-// cap and leaving no micro-batch empty; none when every change would leave
-// the larger side no smaller than now (by more than `tol`). Spends the units
-// compared from `work`.
-std::optional<Change> BestChange(const Packing& p,
-                                 const std::vector<Slot>& from,
-                                 const std::vector<Slot>& to, double gap,
-                                 double tol, int64_t* work) {
-  const Units& units = p.c->units;
-  std::optional<Change> best;
-  auto consider = [&](double d, Slot f, int64_t fi, Slot t, int64_t ti) {
-    if (d <= tol || d >= gap - tol) return;
-    if (!best || std::abs(gap - 2 * d) < std::abs(gap - 2 * best->d)) {
-      best = Change{f.first, f.second, fi, t.first, t.second, ti, d};
-    }
-  };
-  for (Slot f : from) {
-    const std::vector<int64_t>& fbin = p.bins[f.first][f.second];
-    const int64_t ffill = p.fill[f.first][f.second];
-    for (int64_t fi = 0; fi < static_cast<int64_t>(fbin.size()); ++fi) {
-      const double ca = units.cost[fbin[fi]];
-      const int64_t pa = units.padded[fbin[fi]];
-      if (ca <= tol) continue;
-      for (Slot t : to) {
-        const std::vector<int64_t>& tbin = p.bins[t.first][t.second];
-        const int64_t tfill = p.fill[t.first][t.second];
-        *work -= 1 + static_cast<int64_t>(tbin.size());
-        if (fbin.size() >= 2 && KeepsCap(*p.c, tfill + pa, tbin.size() + 1)) {
-          consider(ca, f, fi, t, -1);
-        }
-        for (int64_t ti = 0; ti < static_cast<int64_t>(tbin.size()); ++ti) {
-          const double d = ca - units.cost[tbin[ti]];
-          if (d <= tol || d >= gap - tol) continue;
-          const int64_t pb = units.padded[tbin[ti]];
-          if (KeepsCap(*p.c, ffill - pa + pb, fbin.size()) &&
-              KeepsCap(*p.c, tfill - pb + pa, tbin.size())) {
-            consider(d, f, fi, t, ti);
-          }
-        }
-      }
-    }
-  }
-  return best;
-}
-
 void Apply(const Change& ch, Packing* p) {
   const int64_t a = p->Take(ch.from_rank, ch.from_bin, ch.from_pos);
   if (ch.to_pos2 >= 0) {
@@ -822,32 +775,37 @@ void Apply(const Change& ch, Packing* p) {
   p->Put(ch.to_rank, ch.to_bin, a);
 }
 
-// The units of rank l sorted by cost, each with its place, and l's emptiest
-// micro-batch: what a change with l searches.
+// A unit of the cheaper side of a change, with its place, in cost order.
 struct Partner {
   double cost;
-  int64_t unit, bin, pos;
+  int64_t unit;
+  Slot slot;
+  int64_t pos;
   bool operator<(const Partner& o) const {
     return cost != o.cost ? cost < o.cost : unit < o.unit;
   }
 };
 
-std::vector<Partner> PartnersOf(const Packing& p, int32_t l, int64_t* emptiest,
-                                int64_t* work) {
+// The units of the micro-batches `to`, sorted by cost, and the emptiest of
+// them (the least padded tokens, then the fewest units): what a change
+// into `to` searches.
+std::vector<Partner> PartnersOf(const Packing& p, const std::vector<Slot>& to,
+                                Slot* emptiest, int64_t* work) {
   std::vector<Partner> partners;
-  *emptiest = 0;
-  for (int64_t b = 0; b < p.m(); ++b) {
-    const std::vector<int64_t>& bin = p.bins[l][b];
+  *emptiest = to[0];
+  auto load = [&](Slot s) {
+    return std::make_pair(p.fill[s.first][s.second],
+                          p.bins[s.first][s.second].size());
+  };
+  for (Slot t : to) {
+    const std::vector<int64_t>& bin = p.bins[t.first][t.second];
     for (int64_t j = 0; j < static_cast<int64_t>(bin.size()); ++j) {
-      partners.push_back({p.c->units.cost[bin[j]], bin[j], b, j});
+      partners.push_back({p.c->units.cost[bin[j]], bin[j], t, j});
     }
-    if (std::make_pair(p.fill[l][b], bin.size()) <
-        std::make_pair(p.fill[l][*emptiest], p.bins[l][*emptiest].size())) {
-      *emptiest = b;
-    }
+    if (load(t) < load(*emptiest)) *emptiest = t;
   }
   std::sort(partners.begin(), partners.end());
-  *work -= static_cast<int64_t>(partners.size());
+  *work -= static_cast<int64_t>(partners.size()) + 1;
   return partners;
 }
 
@@ -861,7 +819,7 @@ void SearchOutward(const std::vector<Partner>& partners, double base,
                    double gap, double tol, int64_t skip, int64_t* work,
                    Feasible feasible, Consider consider) {
   const auto mid = std::lower_bound(partners.begin(), partners.end(),
-                                    Partner{base - gap / 2, -1, 0, 0});
+                                    Partner{base - gap / 2, -1, {0, 0}, 0});
   *work -= 16;
   for (auto it = mid; it != partners.end(); ++it) {  // d <= gap / 2
     const double d = base - it->cost;
@@ -884,93 +842,105 @@ void SearchOutward(const std::vector<Partner>& partners, double base,
   }
 }
 
-// BestChange between ranks h (the costlier, `gap` above l) and l, found
-// without comparing every pair: l's units sorted by cost, each unit a of h
-// looks for the partner b nearest c_a - gap / 2, outward in both directions;
-// the first that keeps the cap on each side is that side's best, so the
-// result is BestChange's. Moves go to l's emptiest micro-batch.
-std::optional<Change> BestRankChange(const Packing& p, int32_t h, int32_t l,
-                                     double gap, double tol, int64_t* work) {
+// The change between the micro-batches `from` (of the costlier side) and
+// `to`, `gap` apart, that brings the two sides closest together, keeping
+// the cap and leaving no micro-batch empty; none when every change would
+// leave the larger side no smaller than now (by more than `tol`). A move
+// of a unit a takes c_a: it goes to the emptiest of `to`, which holds it if
+// any does. A swap with b takes c_a - c_b: `to`'s units sorted by cost,
+// each a looks for b nearest c_a - gap / 2, outward in both directions, so
+// the result is that of comparing every pair, at a fraction of the work.
+std::optional<Change> BestChange(const Packing& p,
+                                 const std::vector<Slot>& from,
+                                 const std::vector<Slot>& to, double gap,
+                                 double tol, int64_t* work) {
   const Units& units = p.c->units;
-  int64_t emptiest;
-  const std::vector<Partner> partners = PartnersOf(p, l, &emptiest, work);
+  Slot emptiest;
+  const std::vector<Partner> partners = PartnersOf(p, to, &emptiest, work);
+  const std::vector<int64_t>& ebin = p.bins[emptiest.first][emptiest.second];
+  const int64_t efill = p.fill[emptiest.first][emptiest.second];
   std::optional<Change> best;
-  auto consider = [&](double d, int64_t hb, int64_t hi, int64_t lb,
-                      int64_t li) {
+  auto consider = [&](double d, Slot f, int64_t fi, Slot t, int64_t ti) {
     if (!best || std::abs(gap - 2 * d) < std::abs(gap - 2 * best->d)) {
-      best = Change{h, hb, hi, l, lb, li, d};
+      best = Change{f.first, f.second, fi, t.first, t.second, ti, d};
     }
   };
-  for (int64_t hb = 0; hb < p.m(); ++hb) {
-    const std::vector<int64_t>& fbin = p.bins[h][hb];
-    const int64_t ffill = p.fill[h][hb];
-    for (int64_t hi = 0; hi < static_cast<int64_t>(fbin.size()); ++hi) {
-      const double ca = units.cost[fbin[hi]];
-      const int64_t pa = units.padded[fbin[hi]];
+  for (Slot f : from) {
+    const std::vector<int64_t>& fbin = p.bins[f.first][f.second];
+    const int64_t ffill = p.fill[f.first][f.second];
+    for (int64_t fi = 0; fi < static_cast<int64_t>(fbin.size()); ++fi) {
+      const double ca = units.cost[fbin[fi]];
+      const int64_t pa = units.padded[fbin[fi]];
       if (ca <= tol) continue;
       if (fbin.size() >= 2 && ca < gap - tol &&
-          KeepsCap(*p.c, p.fill[l][emptiest] + pa,
-                   p.bins[l][emptiest].size() + 1)) {
-        consider(ca, hb, hi, emptiest, -1);
+          KeepsCap(*p.c, efill + pa, ebin.size() + 1)) {
+        consider(ca, f, fi, emptiest, -1);
       }
       SearchOutward(
           partners, ca, gap, tol, -1, work,
           [&](const Partner& b) {
             const int64_t pb = units.padded[b.unit];
             return KeepsCap(*p.c, ffill - pa + pb, fbin.size()) &&
-                   KeepsCap(*p.c, p.fill[l][b.bin] - pb + pa,
-                            p.bins[l][b.bin].size());
+                   KeepsCap(*p.c, p.fill[b.slot.first][b.slot.second] - pb + pa,
+                            p.bins[b.slot.first][b.slot.second].size());
           },
           [&](const Partner& b, double d) {
-            consider(d, hb, hi, b.bin, b.pos);
+            consider(d, f, fi, b.slot, b.pos);
           });
     }
   }
   return best;
 }
 
-// Where no move or swap helps (the cap full on both sides), a unit a of h
-// swapped for two units of l that together cost less and fit where a was:
-// the pair (b1, b2) with c_a - c_b1 - c_b2 nearest gap / 2, b2 searched
-// outward from its ideal cost as BestRankChange searches b.
-std::optional<Change> BestPairChange(const Packing& p, int32_t h, int32_t l,
-                                     double gap, double tol, int64_t* work) {
-  // Quadratic in a rank's units: for ranks of a few hundred, where the cap
-  // binds hardest (large batches spread over many units level by swaps).
+// Where no move or swap helps (the cap full on both sides), a unit a of
+// `from` swapped for two units of `to` (micro-batches of one rank) that
+// together cost less and fit where a was: the pair (b1, b2) with c_a - c_b1
+// - c_b2 nearest gap / 2, b2 searched as BestChange searches b.
+std::optional<Change> BestPairChange(const Packing& p,
+                                     const std::vector<Slot>& from,
+                                     const std::vector<Slot>& to, double gap,
+                                     double tol, int64_t* work) {
+  // Quadratic in the units of `to`: for ranks of a few hundred, where the
+  // cap binds hardest (large batches spread over many units level by
+  // swaps).
   size_t count = 0;
-  for (const std::vector<int64_t>& bin : p.bins[l]) count += bin.size();
+  for (Slot t : to) count += p.bins[t.first][t.second].size();
   if (count > kMostPairPartners) return std::nullopt;
   const Units& units = p.c->units;
-  int64_t emptiest;
-  const std::vector<Partner> partners = PartnersOf(p, l, &emptiest, work);
+  Slot emptiest;
+  const std::vector<Partner> partners = PartnersOf(p, to, &emptiest, work);
   std::optional<Change> best;
-  for (int64_t hb = 0; hb < p.m() && *work > 0; ++hb) {
-    const std::vector<int64_t>& fbin = p.bins[h][hb];
-    const int64_t ffill = p.fill[h][hb];
-    for (int64_t hi = 0; hi < static_cast<int64_t>(fbin.size()); ++hi) {
-      const double ca = units.cost[fbin[hi]];
-      const int64_t pa = units.padded[fbin[hi]];
+  for (Slot f : from) {
+    if (*work <= 0) break;
+    const std::vector<int64_t>& fbin = p.bins[f.first][f.second];
+    const int64_t ffill = p.fill[f.first][f.second];
+    for (int64_t fi = 0; fi < static_cast<int64_t>(fbin.size()); ++fi) {
+      const double ca = units.cost[fbin[fi]];
+      const int64_t pa = units.padded[fbin[fi]];
       *work -= 16 * static_cast<int64_t>(partners.size());
       for (size_t i = 0; i < partners.size(); ++i) {
         const Partner& b1 = partners[i];
         if (ca - b1.cost <= tol) break;  // the rest cost more
         const int64_t p1 = units.padded[b1.unit];
+        const std::vector<int64_t>& bin1 =
+            p.bins[b1.slot.first][b1.slot.second];
+        const int64_t fill1 = p.fill[b1.slot.first][b1.slot.second];
         auto feasible = [&](const Partner& b2) {
           const int64_t p2 = units.padded[b2.unit];
           if (!KeepsCap(*p.c, ffill - pa + p1 + p2, fbin.size() + 1)) {
             return false;
           }
-          const std::vector<int64_t>& bin1 = p.bins[l][b1.bin];
-          if (b2.bin == b1.bin) {
-            return KeepsCap(*p.c, p.fill[l][b1.bin] - p1 - p2 + pa,
-                            bin1.size() - 1);
+          if (b2.slot == b1.slot) {
+            return KeepsCap(*p.c, fill1 - p1 - p2 + pa, bin1.size() - 1);
           }
-          return p.bins[l][b2.bin].size() >= 2 &&
-                 KeepsCap(*p.c, p.fill[l][b1.bin] - p1 + pa, bin1.size());
+          return p.bins[b2.slot.first][b2.slot.second].size() >= 2 &&
+                 KeepsCap(*p.c, fill1 - p1 + pa, bin1.size());
         };
         auto consider = [&](const Partner& b2, double d) {
           if (!best || std::abs(gap - 2 * d) < std::abs(gap - 2 * best->d)) {
-            best = Change{h, hb, hi, l, b1.bin, b1.pos, d, b2.bin, b2.pos};
+            best = Change{f.first,        f.second, fi, b1.slot.first,
+                          b1.slot.second, b1.pos,   d,  b2.slot.second,
+                          b2.pos};
           }
         };
         // d = ca - c_b1 - c_b2: b2 searched as a swap's partner of base
@@ -981,6 +951,12 @@ std::optional<Change> BestPairChange(const Packing& p, int32_t h, int32_t l,
     }
   }
   return best;
+}
+
+std::vector<Slot> SlotsOf(const Packing& p, int32_t r) {
+  std::vector<Slot> slots;
+  for (int64_t b = 0; b < p.m(); ++b) slots.push_back({r, b});
+  return slots;
 }
 
 // Lowers the largest rank cost: a move of a unit from the costliest rank to
@@ -1000,9 +976,10 @@ void BalanceRanks(Packing* p, int64_t* work) {
       // No change gains tol where the gap is under twice that; nor with
       // the ranks after, which are costlier.
       if (l == h || high - low < 2 * tol) break;
+      const std::vector<Slot> from = SlotsOf(*p, h), to = SlotsOf(*p, l);
       std::optional<Change> ch =
-          BestRankChange(*p, h, l, high - low, tol, work);
-      if (!ch) ch = BestPairChange(*p, h, l, high - low, tol, work);
+          BestChange(*p, from, to, high - low, tol, work);
+      if (!ch) ch = BestPairChange(*p, from, to, high - low, tol, work);
       if (!ch) continue;
       order.erase(std::prev(order.end()));
       order.erase(it);
