@@ -207,6 +207,104 @@ std::vector<int64_t> AllUnits(const Checked& c) {
   return all;
 }
 
+std::vector<double> PaddedValues(const Checked& c) {
+  return std::vector<double>(c.units.padded.begin(), c.units.padded.end());
+}
+
+std::optional<std::vector<std::vector<int64_t>>> FirstFit(const Checked& c,
+                                                          int64_t slots) {
+  int64_t leaves = 1;
+  while (leaves < slots) leaves *= 2;
+  // room[leaves + b]: micro-batch b's room (the budget, less its fill; an
+  // empty one takes any unit, one over the budget none); room[i]: the most
+  // of its subtree. The first micro-batch with room is found from the root.
+  constexpr int64_t kAny = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> room(2 * leaves, -1);
+  for (int64_t b = 0; b < slots; ++b) room[leaves + b] = kAny;
+  for (int64_t i = leaves - 1; i >= 1; --i) {
+    room[i] = std::max(room[2 * i], room[2 * i + 1]);
+  }
+  std::vector<std::vector<int64_t>> batches(slots);
+  std::vector<int64_t> fill(slots, 0);
+  int64_t used = 0;
+  for (int64_t u = 0; u < c.units.size(); ++u) {
+    const int64_t need = c.units.padded[u];
+    if (room[1] < need) return std::nullopt;
+    int64_t i = 1;
+    while (i < leaves) i = room[2 * i] >= need ? 2 * i : 2 * i + 1;
+    const int64_t b = i - leaves;
+    batches[b].push_back(u);
+    fill[b] += need;
+    used = std::max(used, b + 1);
+    room[i] = need > c.budget ? -1 : c.budget - fill[b];
+    for (i /= 2; i >= 1; i /= 2) {
+      room[i] = std::max(room[2 * i], room[2 * i + 1]);
+    }
+  }
+  batches.resize(used);
+  return batches;
+}
+
+Bins SplitAndDeal(const Checked& c, std::vector<std::vector<int64_t>> batches,
+                  int64_t m) {
+  const int64_t slots = int64_t{c.ranks} * m;
+  const std::vector<double> padded = PaddedValues(c);
+  std::vector<int64_t> fill;
+  // The fullest micro-batch of several units first (ties: the first).
+  std::priority_queue<std::pair<int64_t, int64_t>> splittable;
+  auto offer = [&](int64_t b) {
+    fill.resize(batches.size());
+    fill[b] = 0;
+    for (int64_t u : batches[b]) fill[b] += c.units.padded[u];
+    if (batches[b].size() >= 2) splittable.push({fill[b], -b});
+  };
+  for (int64_t b = 0; b < static_cast<int64_t>(batches.size()); ++b) offer(b);
+  while (static_cast<int64_t>(batches.size()) < slots && !splittable.empty()) {
+    const int64_t largest = -splittable.top().second;
+    splittable.pop();
+    std::vector<std::vector<int64_t>> halves =
+        KarmarkarKarp(padded, batches[largest], 2, /*equal_size=*/false);
+    batches[largest] = std::move(halves[0]);
+    batches.push_back(std::move(halves[1]));
+    offer(largest);
+    offer(static_cast<int64_t>(batches.size()) - 1);
+  }
+  batches.resize(slots);  // empty ones, when nothing is left to split
+  std::vector<double> cost(slots, 0);
+  for (int64_t b = 0; b < slots; ++b) {
+    for (int64_t u : batches[b]) cost[b] += c.units.cost[u];
+  }
+  std::vector<int64_t> all(slots);
+  std::iota(all.begin(), all.end(), 0);
+  Bins bins;
+  for (const std::vector<int64_t>& rank :
+       KarmarkarKarp(cost, all, c.ranks, /*equal_size=*/true)) {
+    bins.emplace_back();
+    for (int64_t b : rank) bins.back().push_back(std::move(batches[b]));
+  }
+  return bins;
+}
+
+std::vector<std::vector<int64_t>> RanksByTokens(const Checked& c) {
+  return KarmarkarKarp(PaddedValues(c), AllUnits(c), c.ranks,
+                       c.units.size() % c.ranks == 0);
+}
+
+std::optional<Bins> SplitByCost(const Checked& c,
+                                const std::vector<std::vector<int64_t>>& ranks,
+                                int64_t m) {
+  Bins bins;
+  for (const std::vector<int64_t>& rank : ranks) {
+    bins.push_back(KarmarkarKarp(c.units.cost, rank, m, /*equal_size=*/false));
+    for (const std::vector<int64_t>& b : bins.back()) {
+      int64_t fill = 0;
+      for (int64_t u : b) fill += c.units.padded[u];
+      if (!KeepsCap(c, fill, b.size())) return std::nullopt;
+    }
+  }
+  return bins;
+}
+
 Plan Assemble(const Bins& bins, const Checked& c,
               absl::Span<const int64_t> lengths,
               absl::Span<const int64_t> loss_tokens) {
@@ -595,99 +693,6 @@ Packing PackingOf(const Checked& c, const Bins& bins) {
     }
   }
   return p;
-}
-
-// Units first fit, in their order, into micro-batches of the budget, the
-// largest of several units split in two (Karmarkar-Karp by tokens) until
-// there are ranks x m, then dealt to ranks m each, balanced by cost with
-// Karmarkar-Karp. False when first fit needs more than ranks x m. First fit
-// finds the first micro-batch with room in a tree of the rooms left, so it
-// takes log time per unit.
-bool FirstFitDealt(const Checked& c, int64_t m, Packing* p) {
-  const int64_t slots = int64_t{c.ranks} * m;
-  int64_t leaves = 1;
-  while (leaves < slots) leaves *= 2;
-  // room[leaves + b]: micro-batch b's room (the budget, less its fill; an
-  // empty one takes any unit); room[i]: the most of its subtree.
-  constexpr int64_t kAny = std::numeric_limits<int64_t>::max();
-  std::vector<int64_t> room(2 * leaves, -1);
-  for (int64_t b = 0; b < slots; ++b) room[leaves + b] = kAny;
-  for (int64_t i = leaves - 1; i >= 1; --i) {
-    room[i] = std::max(room[2 * i], room[2 * i + 1]);
-  }
-  std::vector<std::vector<int64_t>> batches(slots);
-  std::vector<int64_t> fill(slots, 0);
-  int64_t used = 0;
-  for (int64_t u = 0; u < c.units.size(); ++u) {
-    const int64_t need = c.units.padded[u];
-    if (room[1] < need) return false;
-    int64_t i = 1;
-    while (i < leaves) i = room[2 * i] >= need ? 2 * i : 2 * i + 1;
-    const int64_t b = i - leaves;
-    batches[b].push_back(u);
-    fill[b] += need;
-    used = std::max(used, b + 1);
-    room[i] = need > c.budget ? -1 : c.budget - fill[b];
-    for (i /= 2; i >= 1; i /= 2)
-      room[i] = std::max(room[2 * i], room[2 * i + 1]);
-  }
-  batches.resize(used);
-  const std::vector<double> padded(c.units.padded.begin(),
-                                   c.units.padded.end());
-  // The fullest micro-batch of several units first (ties: the first).
-  std::priority_queue<std::pair<int64_t, int64_t>> splittable;
-  auto offer = [&](int64_t b) {
-    fill[b] = 0;
-    for (int64_t u : batches[b]) fill[b] += c.units.padded[u];
-    if (batches[b].size() >= 2) splittable.push({fill[b], -b});
-  };
-  for (int64_t b = 0; b < used; ++b) offer(b);
-  while (static_cast<int64_t>(batches.size()) < slots && !splittable.empty()) {
-    const int64_t largest = -splittable.top().second;
-    splittable.pop();
-    std::vector<std::vector<int64_t>> halves =
-        KarmarkarKarp(padded, batches[largest], 2, /*equal_size=*/false);
-    batches[largest] = std::move(halves[0]);
-    batches.push_back(std::move(halves[1]));
-    fill.resize(batches.size());
-    offer(largest);
-    offer(static_cast<int64_t>(batches.size()) - 1);
-  }
-  batches.resize(slots);  // empty ones, when nothing is left to split
-  std::vector<double> cost(slots, 0);
-  for (int64_t b = 0; b < slots; ++b) {
-    for (int64_t u : batches[b]) cost[b] += c.units.cost[u];
-  }
-  std::vector<int64_t> all(slots);
-  std::iota(all.begin(), all.end(), 0);
-  Bins bins;
-  for (const std::vector<int64_t>& rank :
-       KarmarkarKarp(cost, all, c.ranks, /*equal_size=*/true)) {
-    bins.emplace_back();
-    for (int64_t b : rank) bins.back().push_back(std::move(batches[b]));
-  }
-  *p = PackingOf(c, bins);
-  return true;
-}
-
-// Ranks balanced by tokens with Karmarkar-Karp (equal counts when they
-// divide), each split by cost into m micro-batches with Karmarkar-Karp.
-// False when a micro-batch breaks the cap.
-bool TokensThenCost(const Checked& c, int64_t m, Packing* p) {
-  const std::vector<double> padded(c.units.padded.begin(),
-                                   c.units.padded.end());
-  Bins bins;
-  for (const std::vector<int64_t>& rank : KarmarkarKarp(
-           padded, AllUnits(c), c.ranks, c.units.size() % c.ranks == 0)) {
-    bins.push_back(KarmarkarKarp(c.units.cost, rank, m, /*equal_size=*/false));
-    for (const std::vector<int64_t>& b : bins.back()) {
-      int64_t fill = 0;
-      for (int64_t u : b) fill += c.units.padded[u];
-      if (!KeepsCap(c, fill, b.size())) return false;
-    }
-  }
-  *p = PackingOf(c, bins);
-  return true;
 }
 
 // Fills empty micro-batches while others hold several units: first from the
@@ -1109,14 +1114,15 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
                        c.multiple));
   // Candidates at the fewest micro-batches per rank any of them reaches:
   // the greedy packing by cost (or, where the cap is too tight for it, by
-  // tokens), the Karmarkar-Karp partition by cost, first fit dealt by cost,
-  // and ranks balanced by tokens split by cost; the best is balanced by
-  // local search, across ranks, then within each.
+  // tokens), the Karmarkar-Karp partition by cost, first fit dealt by cost
+  // (slime's plan), and ranks balanced by tokens split by cost (verl's); the
+  // best is balanced by local search, across ranks, then within each.
   const std::vector<std::vector<int64_t>> partition =
       KarmarkarKarp(c.units.cost, AllUnits(c), c.ranks, /*equal_size=*/false);
   double mean_cost = 0;
   for (double v : c.units.cost) mean_cost += v;
   mean_cost /= c.ranks;
+  std::vector<std::vector<int64_t>> by_tokens;  // made when first needed
   std::vector<Packing> candidates;
   for (;; m += c.multiple) {
     Packing p(c, 0);
@@ -1131,9 +1137,16 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
         candidates.begin(), candidates.end(), [&](const Packing& q) {
           return q.MaxRankCost() <= mean_cost * (1 + 1e-7);
         });
-    if (!level && FirstFitDealt(c, m, &p)) candidates.push_back(std::move(p));
-    if (!level && TokensThenCost(c, m, &p)) {
-      candidates.push_back(std::move(p));
+    if (!level) {
+      // First fit dealt by cost; ranks balanced by tokens, split by cost.
+      if (auto batches = FirstFit(c, int64_t{c.ranks} * m)) {
+        candidates.push_back(
+            PackingOf(c, SplitAndDeal(c, *std::move(batches), m)));
+      }
+      if (by_tokens.empty()) by_tokens = RanksByTokens(c);
+      if (std::optional<Bins> bins = SplitByCost(c, by_tokens, m)) {
+        candidates.push_back(PackingOf(c, *bins));
+      }
     }
     if (!candidates.empty()) break;
   }

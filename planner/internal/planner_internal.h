@@ -8,6 +8,7 @@
 #define PACKD_PLANNER_INTERNAL_PLANNER_INTERNAL_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -69,6 +70,32 @@ Plan Assemble(const Bins& bins, const Checked& c,
 
 // 0 .. c.units.size() - 1.
 std::vector<int64_t> AllUnits(const Checked& c);
+
+// The units' padded tokens, as values for KarmarkarKarp.
+std::vector<double> PaddedValues(const Checked& c);
+
+// The units first fit, in their order, into at most `slots` micro-batches
+// of the budget (a unit over it alone); nullopt when they need more. Log
+// time per unit: the first micro-batch with room is found in a tree of the
+// rooms left.
+std::optional<std::vector<std::vector<int64_t>>> FirstFit(const Checked& c,
+                                                          int64_t slots);
+
+// `batches` made ranks x m: the fullest of several units split in two
+// (Karmarkar-Karp by tokens) while there are fewer, empty ones added when
+// none can be split; then dealt to the ranks m each, balanced by cost with
+// Karmarkar-Karp (equal counts). slime's plan, and a candidate of packd's.
+Bins SplitAndDeal(const Checked& c, std::vector<std::vector<int64_t>> batches,
+                  int64_t m);
+
+// The units over ranks balanced by padded tokens with Karmarkar-Karp, equal
+// counts when they divide; SplitByCost then splits each rank by cost into m
+// micro-batches with Karmarkar-Karp, nullopt when one breaks the cap. verl's
+// plan, and a candidate of packd's.
+std::vector<std::vector<int64_t>> RanksByTokens(const Checked& c);
+std::optional<Bins> SplitByCost(const Checked& c,
+                                const std::vector<std::vector<int64_t>>& ranks,
+                                int64_t m);
 
 // Karmarkar-Karp (largest differencing) k-way partition of `items` by
 // value[item], as verl's get_seqlen_balanced_partitions does it: items sorted
