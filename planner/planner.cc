@@ -1112,6 +1112,16 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
       std::max(LowerBound(c),
                RoundUp(std::max<int64_t>(1, (oversize + c.ranks - 1) / c.ranks),
                        c.multiple));
+  int64_t slots;
+  if (options.max_micro_batches > 0 &&
+      (__builtin_mul_overflow(m, int64_t{c.ranks}, &slots) ||
+       slots > options.max_micro_batches)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the plan would hold at least ", m, " micro-batches on each of ",
+        c.ranks, " ranks, more than max_micro_batches (",
+        options.max_micro_batches,
+        ") in all: raise max_tokens_per_micro_batch"));
+  }
   // Candidates at the fewest micro-batches per rank any of them reaches:
   // the greedy packing by cost (or, where the cap is too tight for it, by
   // tokens), the Karmarkar-Karp partition by cost, first fit dealt by cost

@@ -50,6 +50,9 @@ struct PlanOptions {
   // both ends: sorted by cost, largest first, into p, then reversed(p[0::2])
   // followed by p[1::2].
   bool pipeline_order = false;
+  // The most micro-batches (over all ranks) a plan may hold; a request whose
+  // lower bound passes it is RESOURCE_EXHAUSTED before any planning. 0: none.
+  int64_t max_micro_batches = 0;
 };
 
 struct MicroBatch {
@@ -92,8 +95,9 @@ struct Plan {
 // [0, its length], a negative num_ranks, micro_batch_multiple or
 // pad_multiple, a negative or non-finite cost or coefficient (or a cost the
 // model makes infinite), or lengths summing past 2^53 (the loss divisor would
-// not be exact as a double). Any budget is taken; one above the total plans
-// as the total.
+// not be exact as a double). RESOURCE_EXHAUSTED when the plan would pass
+// max_micro_batches. Any budget is taken; one above the total plans as the
+// total.
 absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
                                       absl::Span<const int64_t> loss_tokens,
                                       const PlanOptions& options);

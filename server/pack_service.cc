@@ -264,19 +264,18 @@ absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
                                           request.lengths_size());
   const absl::Span<const int64_t> loss(request.loss_tokens().data(),
                                        request.loss_tokens_size());
-  // Every micro-batch slot costs a message: refuse plans whose slots alone
-  // would pass the message limit before planning them.
-  const int64_t lower = MicroBatchLowerBound(lengths, options);
-  const int64_t ranks = std::max<int32_t>(1, options.num_ranks);
-  if (lower > options_.max_message_bytes / 8 / ranks) {
+  // Every micro-batch slot costs at least 8 bytes of the response: the
+  // planner refuses plans whose slots alone would pass the message limit.
+  options.max_micro_batches =
+      static_cast<int64_t>(options_.max_message_bytes / 8);
+  absl::StatusOr<Plan> planned =
+      ::packd::PlanMicroBatches(lengths, loss, options);
+  if (planned.status().code() == absl::StatusCode::kResourceExhausted) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("the plan would hold at least ", lower,
-                     " micro-batches on each of ", ranks,
-                     " ranks, too many for one response (--max_message_bytes); "
-                     "raise max_tokens_per_micro_batch"));
+        absl::StrCat(planned.status().message(),
+                     " (one response holds no more: --max_message_bytes)"));
   }
-  PACKD_ASSIGN_OR_RETURN(Plan plan,
-                         ::packd::PlanMicroBatches(lengths, loss, options));
+  PACKD_ASSIGN_OR_RETURN(Plan plan, std::move(planned));
   for (MicroBatch& mb : plan.micro_batches) {
     v1::MicroBatch* out = response->add_micro_batches();
     out->set_rank(mb.rank);

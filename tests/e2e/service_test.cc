@@ -787,6 +787,20 @@ TEST(ServiceLimits, OversizedRequestsAndResponsesAreResourceExhausted) {
               HasSubstr("the response would hold at least"));
   EXPECT_THAT(status.error_message(), HasSubstr("--max_message_bytes"));
 
+  // A plan whose micro-batches alone would pass the limit: 1 MiB / 8 bytes
+  // is 131,072 slots; 200,000 one-token samples at a budget of 1 need more.
+  v1::PlanRequest plan;
+  const std::vector<int64_t> ones(200000, 1);
+  plan.mutable_lengths()->Assign(ones.begin(), ones.end());
+  plan.set_max_tokens_per_micro_batch(1);
+  v1::PlanResponse plan_response;
+  grpc::ClientContext c4;
+  status = stub->PlanMicroBatches(&c4, plan, &plan_response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("at least 200000 micro-batches on each of 1 ranks"));
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_message_bytes"));
+
   // Still serving.
   v1::PackRequest small;
   *small.mutable_mask() = ToProto(at::ones({1, 2}, at::kBool));

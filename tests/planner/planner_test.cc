@@ -301,6 +301,22 @@ TEST(Planner, BadCostsGroupsAndPadsAreInvalidArgument) {
   EXPECT_THAT(message({1, 1, 1}), HasSubstr("padded to multiples"));
 }
 
+TEST(Planner, APlanPastMaxMicroBatchesIsRefusedBeforePlanning) {
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = 10;
+  options.num_ranks = 4;
+  options.max_micro_batches = 8;
+  // 100 tokens over 4 ranks of 10: at least 3 each, 12 in all.
+  const std::vector<int64_t> lengths(10, 10);
+  absl::Status s = PlanMicroBatches(lengths, {}, options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("at least 3 micro-batches on each of 4 ranks, more "
+                        "than max_micro_batches (8)"));
+  options.max_micro_batches = 12;
+  EXPECT_TRUE(PlanMicroBatches(lengths, {}, options).ok());
+}
+
 TEST(Planner, OneHundredThousandSamples) {
   std::mt19937_64 rng = Fresh();
   PlanOptions options;
