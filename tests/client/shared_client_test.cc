@@ -24,6 +24,7 @@
 #include "kernels/dtype.h"
 #include "kernels/pack.h"
 #include "kernels/torch/torch_interop.h"
+#include "planner/planner.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
 
@@ -140,7 +141,7 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
                               : path == Path::kSplit
                                   ? 14 << 10
                                   : (40 << 10) + rng.Next() % (400 << 10);
-        const int op = rng.Next() % 4;
+        const int op = rng.Next() % 5;
         Case c = RandomCase(rng, bytes, /*floating=*/op == 2);
         const int64_t total = 2 * c.x.nbytes() + c.mask.nbytes();
         const Path taken = total >= kShmBytes     ? Path::kSharedMemory
@@ -174,6 +175,44 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
           EXPECT_TRUE(SameBytes(
               testing::ReferenceScatter(packed, c.mask, c.x.sizes().vec()),
               (*dense)[0]));
+        } else if (op == 4) {
+          // A plan by cost with groups and padding: the library's plan of
+          // the same request, micro-batch for micro-batch.
+          std::vector<int64_t> lengths, groups;
+          for (int j = 0; j < 200; ++j) {
+            lengths.push_back(1 + rng.Next() % 5000);
+            groups.push_back(j / 2);
+          }
+          PlanCallOptions o;
+          o.num_ranks = 1 + rng.Next() % 8;
+          o.cost_per_token = 24576;
+          o.cost_per_token_squared = 1;
+          o.groups = groups;
+          o.pad_multiple = 16;
+          o.pipeline_order = true;
+          absl::StatusOr<v1::PlanResponse> plan =
+              client->PlanMicroBatches(lengths, 16384, o);
+          ASSERT_TRUE(plan.ok()) << plan.status();
+          PlanOptions library;
+          library.max_tokens_per_micro_batch = 16384;
+          library.num_ranks = o.num_ranks;
+          library.cost_per_token = 24576;
+          library.cost_per_token_squared = 1;
+          library.groups = groups;
+          library.pad_multiple = 16;
+          library.pipeline_order = true;
+          absl::StatusOr<Plan> want = PlanMicroBatches(lengths, {}, library);
+          ASSERT_TRUE(want.ok()) << want.status();
+          ASSERT_EQ(plan->micro_batches_size(),
+                    static_cast<int>(want->micro_batches.size()));
+          for (size_t j = 0; j < want->micro_batches.size(); ++j) {
+            const v1::MicroBatch& mb = plan->micro_batches(j);
+            EXPECT_EQ(
+                std::vector<int64_t>(mb.samples().begin(), mb.samples().end()),
+                want->micro_batches[j].samples);
+            EXPECT_EQ(mb.cost(), want->micro_batches[j].cost);
+          }
+          EXPECT_EQ(plan->cost_imbalance(), want->cost_imbalance);
         } else if (op == 3) {
           // A layout: the call goes whole, its results inline; the op
           // library's Pack of the same batch is the reference.

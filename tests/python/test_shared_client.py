@@ -46,8 +46,8 @@ def _case(rng, nbytes, dtypes):
 
 def test_threads_sharing_one_client_each_get_their_own_results(address):
     """8 threads share one client and mix every path (inline, split into parts over 3
-    connections, shared-memory scratch) with pack, scatter, a differentiable pack and a layout
-    pack; every result equals torch's, byte for byte. Before each call had its own scratch segment, most
+    connections, shared-memory scratch) with pack, scatter, a differentiable pack, a layout
+    pack and a plan by cost; every result equals torch's, byte for byte. Before each call had its own scratch segment, most
     such calls returned another thread's rows or were refused."""
     seed = random.randrange(1 << 30)
     print("seed", seed)
@@ -58,6 +58,16 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                           split_threshold_bytes=SPLIT_BYTES, connections=3,
                           idle_scratch_segments=2)
     op = packd.RemotePackOp(client)
+    # Plans by cost with groups and padding, made once up front: every thread's
+    # plan of the same request is the same (plans are deterministic).
+    plan_rng = random.Random(seed)
+    plans = []
+    for _ in range(3):
+        lengths = [plan_rng.randint(1, 5000) for _ in range(200)]
+        kwargs = dict(num_ranks=plan_rng.randint(1, 8), cost=(24576, 1),
+                      groups=[i // 2 for i in range(200)], pad_multiple=16,
+                      pipeline_order=True)
+        plans.append((lengths, kwargs, client.plan_micro_batches(lengths, 16384, **kwargs)))
 
     def work(t):
         rng = random.Random(seed + t)
@@ -65,7 +75,7 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
             path = rng.choice(["inline", "split", "shm"])
             nbytes = {"inline": 4 << 10, "split": 14 << 10,
                       "shm": (40 << 10) + rng.randrange(400 << 10)}[path]
-            kind = rng.choice(["pack", "scatter", "grad", "layout"])
+            kind = rng.choice(["pack", "scatter", "grad", "layout", "plan"])
             x, mask = _case(rng, nbytes, FLOATS if kind == "grad" else DTYPES)
             active = mask != 0
             total = 2 * x.numel() * x.element_size() + mask.numel() * mask.element_size()
@@ -86,6 +96,9 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                     rows, shifted, *_ = reference_layout(mask, None, 4, 2, rank)
                     assert same(gathered(x, rows, 0), r.packed), where
                     assert same(gathered(x, shifted, 0), r.shifted[0]), where
+                elif kind == "plan":
+                    lengths, kwargs, want = rng.choice(plans)
+                    assert client.plan_micro_batches(lengths, 16384, **kwargs) == want, where
                 elif kind == "scatter":
                     packed = bits(x)[active].view(x.dtype)
                     dense = client.scatter(packed, mask)
