@@ -645,10 +645,12 @@ RankOrder OrderOf(const Packing& p) {
 // the cheapest rank (or the one with the fewest tokens) that has room, into
 // its fullest micro-batch the unit fits (which keeps room for what follows).
 // False when some unit fits nowhere.
-bool Greedy(const Checked& c, int64_t m, bool by_cost, Packing* p) {
+// `order` is Descending(c, by_cost).
+bool Greedy(const Checked& c, const std::vector<int64_t>& order, int64_t m,
+            bool by_cost, Packing* p) {
   *p = Packing(c, m);
   CheapestRanks ranks(*p, by_cost);
-  for (int64_t u : Descending(c, by_cost)) {
+  for (int64_t u : order) {
     if (!ranks.Place(p, u)) return false;
   }
   return true;
@@ -1132,13 +1134,21 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
   double mean_cost = 0;
   for (double v : c.units.cost) mean_cost += v;
   mean_cost /= c.ranks;
-  std::vector<std::vector<int64_t>> by_tokens;  // made when first needed
+  // Orders and partitions the tries below share, made once (the last two
+  // when first needed).
+  const std::vector<int64_t> by_cost = Descending(c, /*by_cost=*/true);
+  std::vector<int64_t> by_padded;
+  std::vector<std::vector<int64_t>> by_tokens;
   std::vector<Packing> candidates;
   for (;; m += c.multiple) {
     Packing p(c, 0);
-    if (Greedy(c, m, /*by_cost=*/true, &p) ||
-        Greedy(c, m, /*by_cost=*/false, &p)) {
+    if (Greedy(c, by_cost, m, /*by_cost=*/true, &p)) {
       candidates.push_back(std::move(p));
+    } else {
+      if (by_padded.empty()) by_padded = Descending(c, /*by_cost=*/false);
+      if (Greedy(c, by_padded, m, /*by_cost=*/false, &p)) {
+        candidates.push_back(std::move(p));
+      }
     }
     if (Differenced(c, partition, m, &p)) candidates.push_back(std::move(p));
     // The other two only where those are not level already (large batches
