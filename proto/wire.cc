@@ -309,17 +309,35 @@ void Payload::CopyOut(int64_t offset, int64_t n, char* out) const {
   }
 }
 
-absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
-                               absl::string_view what, Message* message,
-                               Payloads* payloads) {
-  message->Clear();
-  payloads->clear();
+namespace {
+
+// How deep messages that hold tensors nest (PackMicroBatchesResponse.packed is
+// a PackResponse: 2).
+constexpr int kMaxTensorDepth = 4;
+
+// Whether messages of type `d` hold packd.v1.Tensor fields, in themselves or
+// in a message field (a PackRequest inside a PackMicroBatchesRequest).
+bool HoldsTensors(const Descriptor* d, int depth = 0) {
+  if (d == nullptr || d == v1::Tensor::descriptor() ||
+      depth >= kMaxTensorDepth) {
+    return false;
+  }
+  for (int i = 0; i < d->field_count(); ++i) {
+    const Descriptor* m = d->field(i)->message_type();
+    if (m == v1::Tensor::descriptor() || HoldsTensors(m, depth + 1))
+      return true;
+  }
+  return false;
+}
+
+// Parses the fields up to `end` into `message` (merging): tensor fields keep
+// their inline bytes in `payloads`, and so do those of message fields that
+// hold tensors. `prefix` names the message's place in the top-level one.
+absl::Status ParseFields(Reader& reader, int64_t end, Message* message,
+                         const std::string& prefix, int depth,
+                         Payloads* payloads) {
   const Descriptor* descriptor = message->GetDescriptor();
   const Reflection* reflection = message->GetReflection();
-  int64_t end = 0;
-  for (absl::string_view chunk : chunks) end += chunk.size();
-
-  Reader reader(chunks, what);
   std::string field_bytes;
   while (reader.position() < end) {
     const Cursor start = reader.cursor();
@@ -328,22 +346,30 @@ absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
     PACKD_RETURN_IF_ERROR(reader.ReadTag(end, &number, &wire_type));
     const FieldDescriptor* field = descriptor->FindFieldByNumber(number);
     std::string name =
-        field != nullptr ? field->name() : absl::StrCat("field ", number);
-    if (field != nullptr && wire_type == kLengthDelimited &&
-        field->message_type() == v1::Tensor::descriptor()) {
+        absl::StrCat(prefix, field != nullptr ? field->name()
+                                              : absl::StrCat("field ", number));
+    const Descriptor* type = field != nullptr ? field->message_type() : nullptr;
+    const bool tensor = type == v1::Tensor::descriptor();
+    if (wire_type == kLengthDelimited &&
+        (tensor || (depth + 1 < kMaxTensorDepth && HoldsTensors(type)))) {
       int64_t n = 0;
       PACKD_RETURN_IF_ERROR(reader.ReadLength(end, name, &n));
-      v1::Tensor* tensor = nullptr;
+      Message* sub = nullptr;
       if (field->is_repeated()) {
         name = absl::StrCat(name, "[", reflection->FieldSize(*message, field),
                             "]");
-        tensor =
-            static_cast<v1::Tensor*>(reflection->AddMessage(message, field));
+        sub = reflection->AddMessage(message, field);
       } else {
-        tensor = static_cast<v1::Tensor*>(
-            reflection->MutableMessage(message, field));
+        sub = reflection->MutableMessage(message, field);
       }
-      PACKD_RETURN_IF_ERROR(ParseTensor(reader, n, name, tensor, payloads));
+      if (tensor) {
+        PACKD_RETURN_IF_ERROR(ParseTensor(
+            reader, n, name, static_cast<v1::Tensor*>(sub), payloads));
+      } else {
+        PACKD_RETURN_IF_ERROR(ParseFields(reader, reader.position() + n, sub,
+                                          absl::StrCat(name, "."), depth + 1,
+                                          payloads));
+      }
       continue;
     }
     PACKD_RETURN_IF_ERROR(reader.SkipValue(end, number, wire_type, name));
@@ -357,6 +383,19 @@ absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
+                               absl::string_view what, Message* message,
+                               Payloads* payloads) {
+  message->Clear();
+  payloads->clear();
+  int64_t end = 0;
+  for (absl::string_view chunk : chunks) end += chunk.size();
+  Reader reader(chunks, what);
+  return ParseFields(reader, end, message, "", 0, payloads);
 }
 
 void CopyPayloadsIntoData(const Payloads& payloads) {
@@ -439,41 +478,66 @@ std::string Spliced::Flatten() const {
   return out;
 }
 
-Spliced SerializeWithPayloads(const Message& message,
-                              const Payloads& payloads) {
+namespace {
+
+// Appends `message`'s encoding to `out`, tensors in `payloads` carrying those
+// bytes, recursing into message fields that hold tensors.
+void AppendMessage(const Message& message, const Payloads& payloads, int depth,
+                   Spliced* out) {
   const Reflection* reflection = message.GetReflection();
   std::vector<const FieldDescriptor*> fields;
   reflection->ListFields(message, &fields);
-  std::vector<const FieldDescriptor*> tensor_fields;
+  std::vector<const FieldDescriptor*> special;  // tensors, and their holders
   for (const FieldDescriptor* field : fields) {
-    if (field->message_type() == v1::Tensor::descriptor()) {
-      tensor_fields.push_back(field);
+    const Descriptor* type = field->message_type();
+    if (type == v1::Tensor::descriptor() ||
+        (depth + 1 < kMaxTensorDepth && HoldsTensors(type))) {
+      special.push_back(field);
     }
   }
-  Spliced out;
-  if (tensor_fields.empty()) {
-    out.header = message.SerializeAsString();
-    return out;
+  if (special.empty()) {
+    message.AppendToString(&out->header);
+    return;
   }
   std::unique_ptr<Message> rest(message.New());
   rest->CopyFrom(message);
-  for (const FieldDescriptor* field : tensor_fields) {
+  for (const FieldDescriptor* field : special) {
     rest->GetReflection()->ClearField(rest.get(), field);
   }
-  out.header = rest->SerializeAsString();
-  for (const FieldDescriptor* field : tensor_fields) {
+  rest->AppendToString(&out->header);
+  for (const FieldDescriptor* field : special) {
     const int count =
         field->is_repeated() ? reflection->FieldSize(message, field) : 1;
     for (int i = 0; i < count; ++i) {
-      const auto& t = static_cast<const v1::Tensor&>(
+      const Message& sub =
           field->is_repeated()
               ? reflection->GetRepeatedMessage(message, field, i)
-              : reflection->GetMessage(message, field));
-      auto it = payloads.find(&t);
-      AppendTensor(field->number(), t,
-                   it == payloads.end() ? nullptr : &it->second, &out);
+              : reflection->GetMessage(message, field);
+      if (field->message_type() == v1::Tensor::descriptor()) {
+        auto it = payloads.find(static_cast<const v1::Tensor*>(&sub));
+        AppendTensor(field->number(), static_cast<const v1::Tensor&>(sub),
+                     it == payloads.end() ? nullptr : &it->second, out);
+        continue;
+      }
+      Spliced inner;
+      AppendMessage(sub, payloads, depth + 1, &inner);
+      AppendTag(field->number(), kLengthDelimited, &out->header);
+      AppendVarint(static_cast<uint64_t>(inner.size()), &out->header);
+      const size_t base = out->header.size();
+      for (const auto& [at, piece] : inner.inserts) {
+        out->inserts.emplace_back(base + at, piece);
+      }
+      out->header += inner.header;
     }
   }
+}
+
+}  // namespace
+
+Spliced SerializeWithPayloads(const Message& message,
+                              const Payloads& payloads) {
+  Spliced out;
+  AppendMessage(message, payloads, 0, &out);
   return out;
 }
 

@@ -1,11 +1,13 @@
 // Tensor-aware protobuf wire format: packd.v1 messages read from, and written
 // to, a sequence of byte chunks (gRPC's slices) without copying tensor bytes.
 //
-// The top-level packd.v1.Tensor fields of a message (PackRequest.mask, inputs,
-// segment_ids; PackResponse.packed; ...) carry their inline `data` as a
-// Payload: the chunks that hold it, in place. Everything else is small and is
-// parsed by protobuf. The bytes on the wire are exactly the protobuf encoding
-// of the message, so plain protobuf peers cannot tell the difference.
+// The packd.v1.Tensor fields of a message (PackRequest.mask, inputs,
+// segment_ids; PackResponse.packed; ...), and those of its message fields that
+// hold tensors (PackMicroBatchesRequest.batch.inputs), carry their inline
+// `data` as a Payload: the chunks that hold it, in place. Everything else is
+// small and is parsed by protobuf. The bytes on the wire are exactly the
+// protobuf encoding of the message, so plain protobuf peers cannot tell the
+// difference.
 //
 // clang-format off
 //   PACKD_RETURN_IF_ERROR(ParseWithPayloads(chunks, "PackRequest", &request, &payloads));
@@ -85,15 +87,15 @@ struct Payload {
 using Payloads = absl::flat_hash_map<const v1::Tensor*, Payload>;
 
 // Parses the bytes `chunks` hold as `message` (cleared first). Tensor fields at
-// the top level keep their inline bytes in place: their `data` is set empty
-// and `payloads` gets the bytes, which live as long as the chunks. Protobuf's
-// rules hold: fields in any order, repeated fields appended, singular messages
-// merged, the last of a oneof winning, unknown fields kept.
-// INVALID_ARGUMENT naming `what` (the message type, as the caller calls it),
-// the field and its byte offset when the bytes do not parse: a truncated tag,
-// varint or field, a length past the end of its message, a bad wire type or
-// field number, or a field protobuf refuses (such as a string that is not
-// UTF-8).
+// the top level (and in message fields that hold tensors) keep their inline
+// bytes in place: their `data` is set empty and `payloads` gets the bytes,
+// which live as long as the chunks. Protobuf's rules hold: fields in any order,
+// repeated fields appended, singular messages merged, the last of a oneof
+// winning, unknown fields kept. INVALID_ARGUMENT naming `what` (the message
+// type, as the caller calls it), the field and its byte offset when the bytes
+// do not parse: a truncated tag, varint or field, a length past the end of its
+// message, a bad wire type or field number, or a field protobuf refuses (such
+// as a string that is not UTF-8).
 absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
                                absl::string_view what,
                                google::protobuf::Message* message,
@@ -115,7 +117,7 @@ struct Spliced {
   std::string Flatten() const;
 };
 
-// `message` serialized with the top-level tensors in `payloads` carrying those
+// `message` serialized with the tensors in `payloads` carrying those
 // bytes as their `data`: the protobuf encoding of the message those tensors'
 // data fields set (their own `data` and `region` are ignored). Other tensors
 // are written as they are.
@@ -135,7 +137,7 @@ absl::Status ReadChunks(const grpc::ByteBuffer& buffer,
 grpc::ByteBuffer ToByteBuffer(const Spliced& message,
                               std::shared_ptr<const void> keep_alive);
 
-// A message with its top-level tensors' bytes in place, and what keeps those
+// A message with its tensors' bytes in place, and what keeps those
 // bytes alive: the slices it was received in, or the owners of the memory it
 // is sent from. It holds the message on the heap and is the only way to reach
 // its payloads, so a payload is always found through the message it belongs
@@ -159,7 +161,7 @@ class WireMessage {
   google::protobuf::Message& base() { return *message_; }
   const google::protobuf::Message& base() const { return *message_; }
 
-  // The payload of `t`, a top-level tensor of the message, or null when its
+  // The payload of `t`, a tensor of the message, or null when its
   // bytes (if any) are in its own `data` field.
   const Payload* PayloadOf(const v1::Tensor& t) const;
   // The bytes of `t`: its payload, or its own `data` field.
@@ -169,7 +171,7 @@ class WireMessage {
   int64_t PayloadBytes() const;
   int64_t SplitPayloadBytes() const;
 
-  // `t`, a top-level tensor of the message, carries `payload`; `owner` keeps
+  // `t`, a tensor of the message, carries `payload`; `owner` keeps
   // its memory alive until the message and any buffer sent from it are gone.
   void Carry(const v1::Tensor& t, Payload payload,
              std::shared_ptr<const void> owner = nullptr);

@@ -53,33 +53,41 @@ v1::PackRequest SampleRequest(std::mt19937_64& rng) {
   return r;
 }
 
+// Copies every payload of `from` and its message fields back into the
+// matching tensor's data in `to` (a copy of `from`).
+void CopyBackPayloads(const google::protobuf::Message& from,
+                      google::protobuf::Message* to, const Payloads& payloads) {
+  const auto* reflection = from.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(from, &fields);
+  for (const auto* field : fields) {
+    if (field->message_type() == nullptr) continue;
+    const int n = field->is_repeated() ? reflection->FieldSize(from, field) : 1;
+    for (int i = 0; i < n; ++i) {
+      const auto& sub = field->is_repeated()
+                            ? reflection->GetRepeatedMessage(from, field, i)
+                            : reflection->GetMessage(from, field);
+      auto* to_sub = field->is_repeated()
+                         ? reflection->MutableRepeatedMessage(to, field, i)
+                         : reflection->MutableMessage(to, field);
+      if (field->message_type() != v1::Tensor::descriptor()) {
+        CopyBackPayloads(sub, to_sub, payloads);
+        continue;
+      }
+      auto it = payloads.find(static_cast<const v1::Tensor*>(&sub));
+      if (it == payloads.end()) continue;
+      std::string bytes(it->second.size, '\0');
+      it->second.CopyOut(0, it->second.size, bytes.data());
+      static_cast<v1::Tensor*>(to_sub)->set_data(bytes);
+    }
+  }
+}
+
 // The message with every payload copied back into its tensor's data.
 template <typename M>
 M Materialized(const M& parsed, const Payloads& payloads) {
   M out = parsed;
-  const auto* reflection = out.GetReflection();
-  std::vector<const google::protobuf::FieldDescriptor*> fields;
-  reflection->ListFields(parsed, &fields);
-  for (const auto* field : fields) {
-    if (field->message_type() != v1::Tensor::descriptor()) continue;
-    const int n =
-        field->is_repeated() ? reflection->FieldSize(parsed, field) : 1;
-    for (int i = 0; i < n; ++i) {
-      const auto& from = static_cast<const v1::Tensor&>(
-          field->is_repeated()
-              ? reflection->GetRepeatedMessage(parsed, field, i)
-              : reflection->GetMessage(parsed, field));
-      auto* to = static_cast<v1::Tensor*>(
-          field->is_repeated()
-              ? reflection->MutableRepeatedMessage(&out, field, i)
-              : reflection->MutableMessage(&out, field));
-      auto it = payloads.find(&from);
-      if (it == payloads.end()) continue;
-      std::string bytes(it->second.size, '\0');
-      it->second.CopyOut(0, it->second.size, bytes.data());
-      to->set_data(bytes);
-    }
-  }
+  CopyBackPayloads(parsed, &out, payloads);
   return out;
 }
 
@@ -246,6 +254,49 @@ TEST(WireTest, RandomCorruptionParsesLikeProtobuf) {
     ExpectAgrees<v1::PackRequest>(bytes, {rng() % (bytes.size() + 1)});
     ExpectAgrees<v1::ScatterRequest>(bytes, {rng() % (bytes.size() + 1)});
   }
+}
+
+// A step's messages hold tensors one level down (batch.inputs, packed.packed):
+// those carry their bytes in place too, from any split, and write back as
+// protobuf does.
+TEST(WireTest, NestedTensorsStayInPlace) {
+  std::mt19937_64 rng(13);
+  v1::PackMicroBatchesRequest step;
+  *step.mutable_batch() = SampleRequest(rng);
+  step.mutable_plan()->set_max_tokens_per_micro_batch(64);
+  step.mutable_loss_mask()->set_dtype(v1::DTYPE_BOOL);
+  step.mutable_loss_mask()->set_data(RandomBytes(rng, 6));
+  step.add_ranks(1);
+  const std::string bytes = step.SerializeAsString();
+  for (size_t cut = 0; cut <= bytes.size(); ++cut) {
+    ExpectAgrees<v1::PackMicroBatchesRequest>(bytes, {cut});
+  }
+  v1::PackMicroBatchesRequest parsed;
+  Payloads payloads;
+  ASSERT_TRUE(ParseSplit(bytes, {}, &parsed, &payloads).ok());
+  EXPECT_EQ(payloads.size(), 6u);  // the batch's five, and loss_mask
+  const Payload& input = payloads.at(&parsed.batch().inputs(2));
+  EXPECT_GE(input.data(), bytes.data());
+  EXPECT_LT(input.data(), bytes.data() + bytes.size());
+  EXPECT_TRUE(parsed.batch().inputs(2).data().empty());
+
+  v1::PackMicroBatchesResponse reply;
+  reply.set_rank(2);
+  reply.add_samples(5);
+  v1::Tensor* packed = reply.mutable_packed()->add_packed();
+  packed->set_dtype(v1::DTYPE_INT64);
+  packed->add_shape(3);
+  reply.mutable_packed()->add_cu_seqlens(3);
+  const std::string data = RandomBytes(rng, 24);
+  const Spliced spliced = SerializeWithPayloads(
+      reply, Payloads{{packed, Payload::Of(data.data(), data.size())}});
+  ASSERT_EQ(spliced.inserts.size(), 1u);
+  v1::PackMicroBatchesResponse expected = reply;
+  expected.mutable_packed()->mutable_packed(0)->set_data(data);
+  EXPECT_EQ(spliced.size(), static_cast<int64_t>(expected.ByteSizeLong()));
+  v1::PackMicroBatchesResponse back;
+  ASSERT_TRUE(back.ParseFromString(spliced.Flatten()));
+  EXPECT_TRUE(MessageDifferencer::Equals(back, expected));
 }
 
 TEST(WireTest, SplicedMessagesAreProtobufMessages) {
