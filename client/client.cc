@@ -259,11 +259,12 @@ absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
   return PlanMicroBatches(lengths, max_tokens_per_micro_batch, options);
 }
 
-absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
-    const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
-    const PlanCallOptions& options) {
+namespace {
+
+// The PlanRequest of `options` and a budget, its lengths left empty.
+v1::PlanRequest PlanRequestOf(const PlanCallOptions& options,
+                              int64_t max_tokens_per_micro_batch) {
   v1::PlanRequest request;
-  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
   request.mutable_loss_tokens()->Assign(options.loss_tokens.begin(),
                                         options.loss_tokens.end());
   request.set_max_tokens_per_micro_batch(max_tokens_per_micro_batch);
@@ -276,6 +277,16 @@ absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
                                    options.groups.end());
   request.set_pad_multiple(options.pad_multiple);
   request.set_pipeline_order(options.pipeline_order);
+  return request;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
+    const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
+    const PlanCallOptions& options) {
+  v1::PlanRequest request = PlanRequestOf(options, max_tokens_per_micro_batch);
+  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
   return connection_->Plan(request);
 }
 
@@ -734,6 +745,94 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
                  : JoinPackResponses(responses, first_rows);
   FillMetadata(response, options, &batch);
   return batch;
+}
+
+absl::Status Client::PackMicroBatches(
+    const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
+    int64_t max_tokens_per_micro_batch, const StepCallOptions& options,
+    const std::function<absl::Status(const v1::PlanResponse&)>& on_plan,
+    const std::function<absl::Status(StepMicroBatch)>& on_micro_batch) {
+  const PackCallOptions& pack = options.pack;
+  Named named = {{"mask", &mask},
+                 {"segment_ids", &pack.segment_ids},
+                 {"loss_mask", &options.loss_mask}};
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    named.push_back({absl::StrCat("inputs[", i, "]"), &tensors[i]});
+  }
+  PACKD_ASSIGN_OR_RETURN(std::optional<int> gpu, GpuOf(named));
+  if (gpu.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PackMicroBatches takes tensors in host memory; these are on ",
+        device_memory_->Name(*gpu),
+        ": plan with PlanMicroBatches and Pack each micro-batch"));
+  }
+  if (pack.results_in != nullptr) {
+    return absl::InvalidArgumentError(
+        "results_in is Pack's; a step's micro-batches come in its stream");
+  }
+  int64_t bytes = 0;
+  for (const auto& [name, t] : named) bytes += t->defined() ? t->nbytes() : 0;
+  PACKD_ASSIGN_OR_RETURN(Scratch scratch, ScratchFor(bytes));
+  Wire<v1::PackMicroBatchesRequest> request;
+  Outgoing outgoing(&request);
+  *request->mutable_plan() =
+      PlanRequestOf(options.plan, max_tokens_per_micro_batch);
+  request->mutable_ranks()->Assign(options.ranks.begin(), options.ranks.end());
+  v1::PackRequest* batch = request->mutable_batch();
+  batch->set_device(pack.device);
+  batch->set_with_position_ids(pack.with_position_ids);
+  EncodeLayout(pack.layout, batch);
+  PACKD_RETURN_IF_ERROR(
+      EncodeTensor(mask, scratch.get(), batch->mutable_mask(), &outgoing));
+  for (const at::Tensor& t : tensors) {
+    PACKD_RETURN_IF_ERROR(
+        EncodeTensor(t, scratch.get(), batch->add_inputs(), &outgoing));
+  }
+  if (pack.segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(EncodeTensor(pack.segment_ids, scratch.get(),
+                                       batch->mutable_segment_ids(),
+                                       &outgoing));
+  }
+  if (options.loss_mask.defined()) {
+    PACKD_RETURN_IF_ERROR(EncodeTensor(options.loss_mask, scratch.get(),
+                                       request->mutable_loss_mask(),
+                                       &outgoing));
+  }
+  bool planned = false;
+  auto on_message = [&](const grpc::ByteBuffer& buffer) -> absl::Status {
+    Wire<v1::PackMicroBatchesResponse> reply;
+    if (absl::Status parsed = reply.Receive(buffer); !parsed.ok()) {
+      return absl::InternalError(
+          absl::StrCat("the server's reply: ", parsed.message()));
+    }
+    if (!planned) {
+      planned = true;
+      return on_plan(reply->plan());
+    }
+    StepMicroBatch mb;
+    mb.rank = reply->rank();
+    mb.index = reply->index();
+    mb.samples.assign(reply->samples().begin(), reply->samples().end());
+    PACKD_ASSIGN_OR_RETURN(mb.batch.packed,
+                           Results({&reply->packed().packed()}, {&reply},
+                                   /*copy_out=*/true));
+    PACKD_ASSIGN_OR_RETURN(mb.batch.shifted,
+                           Results({&reply->packed().shifted()}, {&reply},
+                                   /*copy_out=*/true));
+    FillMetadata(reply->packed(), pack, &mb.batch);
+    return on_micro_batch(std::move(mb));
+  };
+  absl::Status status =
+      connection_->RawStream(kPackMicroBatchesMethod, request, on_message);
+  if (status.code() == absl::StatusCode::kNotFound && !planned) {
+    // A region of ours may be gone (lease, restart): register, then again.
+    absl::StatusOr<bool> missing = Reregister(outgoing.regions);
+    if (missing.ok() && *missing) {
+      status =
+          connection_->RawStream(kPackMicroBatchesMethod, request, on_message);
+    }
+  }
+  return status;
 }
 
 absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -81,7 +82,17 @@ struct PlanCallOptions {
   bool pipeline_order = false;
 };
 
-// What Pack returns, as the wire contract has it.
+// A training step in one call (docs/design.md §12): how the batch's rows are
+// planned (plan: loss_tokens, costs and pad_multiple must stay empty, packd
+// measures them) and packed (pack: its layout and options, results_in
+// refused), the loss mask, and the ranks whose micro-batches are sent (empty:
+// every rank).
+struct StepCallOptions {
+  PlanCallOptions plan;
+  PackCallOptions pack;
+  at::Tensor loss_mask;  // [B, S], or undefined: every active position
+  std::vector<int32_t> ranks;
+};
 struct PackedBatch {
   // packed[i] answers tensors[i]: [total_active, *tail_i].
   std::vector<at::Tensor> packed;
@@ -105,6 +116,15 @@ struct PackedBatch {
   int64_t max_seqlen_padded = 0;
   at::Tensor seq_idx;
   std::vector<at::Tensor> shifted;
+};
+
+// One micro-batch of a step: exactly Pack of the batch's rows `samples`, in
+// that order, with the step's options.
+struct StepMicroBatch {
+  int32_t rank = 0;
+  int32_t index = 0;  // its position in its rank
+  std::vector<int64_t> samples;
+  PackedBatch batch;
 };
 
 // The slice of region `region` (registered from an IPC handle of the
@@ -187,6 +207,27 @@ class Client {
   absl::StatusOr<v1::PlanResponse> PlanMicroBatches(
       const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
       const PlanCallOptions& options);
+
+  // A training step in one call (docs/design.md §12): the rows of the batch
+  // (`tensors` [B, S, *tail] and `mask`, in host memory) planned into
+  // micro-batches of at most max_tokens_per_micro_batch tokens in the layout,
+  // and each packed. `on_plan` gets the plan first (global_loss_tokens: the
+  // one denominator of the summed token loss), then `on_micro_batch` each
+  // micro-batch as it arrives, by rank and index; while it runs the server
+  // packs the next one. A callback's error cancels the call and is returned;
+  // otherwise the server's errors (Pack's and Plan's).
+  //
+  //   StepCallOptions o;
+  //   o.plan.num_ranks = 8;
+  //   o.pack.layout.shifts = {{0, -100}};
+  //   client->PackMicroBatches({token_ids}, mask, 16384, o,
+  //       [&](const v1::PlanResponse& plan) { ...; return absl::OkStatus(); },
+  //       [&](StepMicroBatch mb) { ...; return absl::OkStatus(); });
+  absl::Status PackMicroBatches(
+      const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
+      int64_t max_tokens_per_micro_batch, const StepCallOptions& options,
+      const std::function<absl::Status(const v1::PlanResponse&)>& on_plan,
+      const std::function<absl::Status(StepMicroBatch)>& on_micro_batch);
 
   // `t` on the GPU holding `like`, when it is not there (a gradient autograd
   // left in host memory); `t` itself otherwise.

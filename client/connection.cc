@@ -145,7 +145,8 @@ Connection::Connection(
 }
 
 absl::Status Connection::Call(
-    const std::function<grpc::Status(grpc::ClientContext*)>& rpc) {
+    const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
+    const std::function<bool()>& may_retry) {
   const absl::Time deadline = absl::Now() + options_.deadline;
   absl::Duration backoff = options_.initial_backoff;
   for (int attempt = 1;; ++attempt) {
@@ -155,7 +156,7 @@ absl::Status Connection::Call(
       context.AddMetadata("authorization", "Bearer " + token_);
     const grpc::Status status = rpc(&context);
     if (!IsRetried(status.error_code()) || attempt >= options_.max_attempts ||
-        absl::Now() + backoff >= deadline) {
+        absl::Now() + backoff >= deadline || (may_retry && !may_retry())) {
       return FromGrpcStatus(status);
     }
     absl::SleepFor(backoff);
@@ -190,6 +191,55 @@ absl::Status Connection::RawCall(int connection, const char* method,
         absl::StrCat("the server's reply: ", parsed.message()));
   }
   return absl::OkStatus();
+}
+
+absl::Status Connection::RawStream(
+    const char* method, const WireMessage& request,
+    const std::function<absl::Status(const grpc::ByteBuffer&)>& on_message) {
+  const grpc::ByteBuffer sent = request.ToByteBuffer();
+  bool delivered = false;
+  absl::Status refused;  // what on_message answered, when it failed
+  absl::Status status = Call(
+      [&](grpc::ClientContext* context) {
+        context->AddMetadata(kRequestBytesHeader,
+                             std::to_string(sent.Length()));
+        // One completion queue for the call's own operations, one at a time.
+        grpc::CompletionQueue cq;
+        std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+            generic_[0]->PrepareCall(context, method, &cq);
+        auto wait = [&cq] {
+          void* tag = nullptr;
+          bool ok = false;
+          return cq.Next(&tag, &ok) && ok;
+        };
+        call->StartCall(nullptr);
+        if (wait()) {
+          call->Write(sent, nullptr);
+          if (wait()) {
+            call->WritesDone(nullptr);
+            wait();
+          }
+        }
+        while (true) {
+          grpc::ByteBuffer message;
+          call->Read(&message, nullptr);
+          if (!wait()) break;
+          delivered = true;
+          if (refused.ok()) refused = on_message(message);
+          if (!refused.ok()) context->TryCancel();
+        }
+        grpc::Status finished;
+        call->Finish(&finished, nullptr);
+        wait();
+        cq.Shutdown();
+        void* tag = nullptr;
+        bool ok = false;
+        while (cq.Next(&tag, &ok)) {
+        }
+        return finished;
+      },
+      [&] { return !delivered; });
+  return refused.ok() ? status : refused;
 }
 
 absl::StatusOr<v1::ServerInfo> Connection::Info() {

@@ -114,6 +114,9 @@ struct ClientOptions {
 // The methods RawCall serves.
 inline constexpr char kPackMethod[] = "/packd.v1.PackService/Pack";
 inline constexpr char kScatterMethod[] = "/packd.v1.PackService/Scatter";
+// The method RawStream serves.
+inline constexpr char kPackMicroBatchesMethod[] =
+    "/packd.v1.PackService/PackMicroBatches";
 
 // Safe to share across threads, as gRPC channels are: calls from many threads
 // at once each have their own context, deadline and reply.
@@ -128,8 +131,11 @@ class Connection {
   // Runs `rpc(context)` with the token, retrying on UNAVAILABLE and CANCELLED
   // (see max_attempts), every attempt within the one deadline of the call;
   // the last attempt's status.
+  // `may_retry`, when given, says whether an attempt that failed so may be
+  // made again (a stream that delivered messages may not).
   absl::Status Call(
-      const std::function<grpc::Status(grpc::ClientContext*)>& rpc);
+      const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
+      const std::function<bool()>& may_retry = nullptr);
 
   // Calls `method` (kPackMethod, kScatterMethod) on connection `connection`
   // (taken modulo connections(): parts of a call run at once on different
@@ -138,6 +144,14 @@ class Connection {
   // slices it then holds (INTERNAL when it does not parse).
   absl::Status RawCall(int connection, const char* method,
                        const WireMessage& request, WireMessage* response);
+
+  // Calls server-streaming `method` (kPackMicroBatchesMethod) with `request`,
+  // sent in place, and gives each message to `on_message` as it arrives, in
+  // order. Retried as Call retries until the first message arrives, never
+  // after. A failure of `on_message` cancels the call and is returned.
+  absl::Status RawStream(
+      const char* method, const WireMessage& request,
+      const std::function<absl::Status(const grpc::ByteBuffer&)>& on_message);
 
   absl::StatusOr<v1::ServerInfo> Info();
   // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"

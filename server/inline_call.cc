@@ -6,6 +6,7 @@
 // RunPack and RunScatter, are in pack_service.cc.
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -15,6 +16,7 @@
 #include "kernels/status_macros.h"
 #include "proto/tensor_codec.h"
 #include "server/pack_service.h"
+#include "server/step.h"
 
 namespace packd {
 
@@ -141,40 +143,61 @@ int64_t PackServiceImpl::AdmissionBytes(int64_t declared) const {
   return std::min(limit, SaturatingMul(3, request));
 }
 
-// One Pack or Scatter call, served by a generic handler so that gRPC reads the
+// A call of a raw method, served by a generic handler so that gRPC reads the
 // request only once the memory budget has admitted the call: until then it
 // stays with its sender (HTTP/2 flow control; the server turns off
 // bandwidth-delay probing so that a stream's window stays at 64 KiB until its
 // message is asked for). The call reserves what its request can make it hold
 // (AdmissionBytes: from the size its client declares in kRequestBytesHeader,
 // else the largest), reads and parses the request from the received slices
-// with tensor bytes in place, keeps what it needs (request, gathered inputs,
-// inline results), runs the op, and answers with slices that wrap the result
-// buffers and the reservation.
-template <typename Request, typename Response>
-class InlineCall final : public grpc::ServerGenericBidiReactor {
+// with tensor bytes in place, keeps what it needs (Prepare: the request, the
+// inputs gathered, results), and then serves it (Serve, on packd's workers).
+// Pack and Scatter answer one message (InlineCall), PackMicroBatches a stream
+// (StepCall).
+template <typename Request>
+class BudgetedCall : public grpc::ServerGenericBidiReactor {
  public:
-  using Reply = PackServiceImpl::CallReply<Response>;
-  using Work = absl::Status (PackServiceImpl::*)(const Wire<Request>&, Reply*);
-
-  InlineCall(PackServiceImpl* service,
-             grpc::GenericCallbackServerContext* context, const char* method,
-             Work work)
+  BudgetedCall(PackServiceImpl* service,
+               grpc::GenericCallbackServerContext* context, const char* method)
       : service_(service),
         method_(method),
-        work_(work),
-        deadline_(PackServiceImpl::BudgetDeadline(context)) {
+        deadline_(PackServiceImpl::BudgetDeadline(context)),
+        context_(context) {}
+
+  void OnReadDone(bool ok) override {
+    TakeOver(this);
+    if (!ok) {
+      Done(absl::CancelledError(absl::StrCat(
+          "the ", method_, " call ended before its request arrived")));
+      return;
+    }
+    // The parse and the op run on packd's workers, never on gRPC's thread.
+    service_->calls_.Submit([this] { ParseAndServe(); });
+  }
+
+  // The call has ended: its response sent (or its failure told), so a drain
+  // that waits for it also waits for its reply to leave.
+  void OnDone() override {
+    TakeOver(this);
+    if (admitted_) service_->calls_.Release();
+    delete this;
+  }
+
+ protected:
+  // Admits the call and reserves its memory, then reads the request. Called
+  // once by the subclass's constructor.
+  void Start() {
     // Authenticated and counted in flight (UNAVAILABLE while draining), then
     // released in OnDone once the reply has been sent.
     if (absl::Status admitted =
-            service_->calls_.Admit(*context, Draining::kRefused);
+            service_->calls_.Admit(*context_, Draining::kRefused);
         !admitted.ok()) {
       Done(admitted);
       return;
     }
     admitted_ = true;
-    const auto declared = context->client_metadata().find(kRequestBytesHeader);
-    if (declared != context->client_metadata().end() &&
+    const auto declared = context_->client_metadata().find(kRequestBytesHeader);
+    if (declared != context_->client_metadata().end() &&
         (!absl::SimpleAtoi(absl::string_view(declared->second.data(),
                                              declared->second.size()),
                            &declared_bytes_) ||
@@ -201,33 +224,51 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
         });
   }
 
-  void OnReadDone(bool ok) override {
-    TakeOver(this);
-    if (!ok) {
-      Done(absl::CancelledError(absl::StrCat(
-          "the ", method_, " call ended before its request arrived")));
-      return;
+  // After the parse: what the call needs besides its request (its results),
+  // having done what it must before it knows (a step plans). On a worker.
+  virtual absl::StatusOr<int64_t> Prepare() = 0;
+  // Serves the parsed call, with its memory held, and ends it with Done. On a
+  // worker.
+  virtual void Serve() = 0;
+  // Sends the reply of a call that succeeded and finishes (Done's last step).
+  virtual void FinishOk() = 0;
+
+  // Finishes the call: with the reply when `status` is OK. Nothing may touch
+  // the reactor afterwards (OnDone deletes it).
+  void Done(const absl::Status& status) {
+    hold_.reset();
+    if (admitted_ && !status.ok()) service_->calls_.AfterFailure();
+    service_->calls_.Record(method_, status.code(), start_, request_bytes_,
+                            status.ok() ? response_bytes_ : 0);
+    HandOff(this);  // OnDone runs on one of gRPC's threads
+    if (status.ok()) {
+      FinishOk();
+    } else {
+      Finish(ToGrpcStatus(status));
     }
-    // The parse and the op run on packd's workers, never on gRPC's thread.
-    service_->calls_.Submit([this] { ParseAndRun(); });
   }
 
-  // The call has ended: its response sent (or its failure told), so a drain
-  // that waits for it also waits for its reply to leave.
-  void OnDone() override {
-    TakeOver(this);
-    if (admitted_) service_->calls_.Release();
-    delete this;
+  // Lets go of the request's bytes once they are no longer needed, rather
+  // than when the reply has been sent.
+  void ReleaseRequest() {
+    parsed_.ReleaseBytes();
+    request_.Clear();
   }
+
+  PackServiceImpl* const service_;
+  const char* const method_;
+  MemoryBudget::Hold hold_;
+  Wire<Request> parsed_;
+  size_t response_bytes_ = 0;
 
  private:
-  void ParseAndRun() {
+  void ParseAndServe() {
     int64_t needed = 0;
     absl::Status status = Guarded(method_, [&] { return Parse(&needed); });
     if (!status.ok() || hold_ == nullptr || needed <= hold_->bytes()) {
       MemoryBudget::ShrinkTo(hold_, needed);
-      Done(status.ok() ? Guarded(method_, [this] { return Run(); }) : status);
-      return;
+      if (status.ok()) return Serve();
+      return Done(status);
     }
     // Needs more than it reserved (a Scatter whose results outgrow its
     // request): it gives its reservation back and waits, ahead of calls not
@@ -240,8 +281,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
           if (!hold.ok()) return Done(hold.status());
           hold_ = *std::move(hold);
           // Not on the budget's thread: it grants every waiter.
-          service_->calls_.Submit(
-              [this] { Done(Guarded(method_, [this] { return Run(); })); });
+          service_->calls_.Submit([this] { Serve(); });
         },
         /*first=*/true);
   }
@@ -249,8 +289,7 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
   // Parses the request, and sets `needed` to what the call holds from now on:
   // the request, the copies of its inline inputs that arrived in several
   // slices (gathered into one buffer; those in one slice are read in place),
-  // and its inline results, sized exactly (never more than a response may
-  // carry).
+  // and what Prepare says (never more than the budget).
   absl::Status Parse(int64_t* needed) {
     request_bytes_ = request_.Length();
     PACKD_RETURN_IF_ERROR(
@@ -262,14 +301,55 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
           declared_bytes_, " its ", kRequestBytesHeader, " header declared"));
     }
     PACKD_RETURN_IF_ERROR(parsed_.Receive(request_));
-    *needed = SaturatingAdd(
-        SaturatingAdd(static_cast<int64_t>(request_bytes_),
-                      parsed_.SplitPayloadBytes()),
-        std::min(ResultBytes(parsed_), service_->options_.max_message_bytes));
+    PACKD_ASSIGN_OR_RETURN(const int64_t results, Prepare());
+    *needed = SaturatingAdd(SaturatingAdd(static_cast<int64_t>(request_bytes_),
+                                          parsed_.SplitPayloadBytes()),
+                            results);
     if (service_->budget_.limit() > 0 && *needed > service_->budget_.limit()) {
       return service_->budget_.TooLarge(*needed);
     }
     return absl::OkStatus();
+  }
+
+  const absl::Time start_ = absl::Now();
+  const absl::Time deadline_;
+  grpc::GenericCallbackServerContext* const context_;
+  int64_t declared_bytes_ = 0;
+  bool admitted_ = false;
+  grpc::ByteBuffer request_;
+  size_t request_bytes_ = 0;
+};
+
+// One Pack or Scatter call: runs the op and answers with slices that wrap the
+// result buffers and the reservation.
+template <typename Request, typename Response>
+class InlineCall final : public BudgetedCall<Request> {
+ public:
+  using Reply = PackServiceImpl::CallReply<Response>;
+  using Work = absl::Status (PackServiceImpl::*)(const Wire<Request>&, Reply*);
+
+  InlineCall(PackServiceImpl* service,
+             grpc::GenericCallbackServerContext* context, const char* method,
+             Work work)
+      : BudgetedCall<Request>(service, context, method), work_(work) {
+    this->Start();
+  }
+
+ private:
+  // Its inline results, sized exactly (never more than a response may
+  // carry).
+  absl::StatusOr<int64_t> Prepare() override {
+    return std::min(ResultBytes(this->parsed_),
+                    this->service_->options_.max_message_bytes);
+  }
+
+  void Serve() override {
+    this->Done(Guarded(this->method_, [this] { return Run(); }));
+  }
+
+  void FinishOk() override {
+    this->StartWriteAndFinish(&response_, grpc::WriteOptions(),
+                              grpc::Status::OK);
   }
 
   // Runs the op and makes the response.
@@ -277,52 +357,167 @@ class InlineCall final : public grpc::ServerGenericBidiReactor {
     // Owned by the slices of the reply until gRPC has sent them, with the
     // call's share of the budget.
     auto reply = std::make_shared<Reply>();
-    reply->hold = std::move(hold_);
-    absl::Status done = (service_->*work_)(parsed_, reply.get());
-    // The request's bytes are no longer needed: release them now rather than
-    // when the reply has been sent.
-    parsed_.ReleaseBytes();
-    request_.Clear();
+    reply->hold = std::move(this->hold_);
+    absl::Status done = (this->service_->*work_)(this->parsed_, reply.get());
+    this->ReleaseRequest();
     PACKD_RETURN_IF_ERROR(done);
     const Spliced spliced = reply->response.Serialize();
     // From now on the call holds its reply alone: the rest of its share goes
     // back to the budget for the calls waiting.
     MemoryBudget::ShrinkTo(reply->hold, spliced.size());
     PACKD_RETURN_IF_ERROR(
-        service_->decoder_.CheckSize("response", spliced.size()));
+        this->service_->decoder_.CheckSize("response", spliced.size()));
     response_ = ToByteBuffer(spliced, reply);
-    response_bytes_ = spliced.size();
+    this->response_bytes_ = spliced.size();
     return absl::OkStatus();
   }
 
-  // Finishes the call: with the response when `status` is OK. Nothing may
-  // touch the reactor afterwards (OnDone deletes it).
-  void Done(const absl::Status& status) {
-    hold_.reset();
-    if (admitted_ && !status.ok()) service_->calls_.AfterFailure();
-    service_->calls_.Record(method_, status.code(), start_, request_bytes_,
-                            status.ok() ? response_bytes_ : 0);
-    HandOff(this);  // OnDone runs on one of gRPC's threads
-    if (status.ok()) {
-      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
-    } else {
-      Finish(ToGrpcStatus(status));
+  const Work work_;
+  grpc::ByteBuffer response_;
+};
+
+// One PackMicroBatches call (docs/design.md §12): the step made once its
+// request is parsed (TrainingStep: measured and planned), then the plan and
+// one message per micro-batch, written in order. Micro-batch n + 1 is packed
+// on a worker while n is being sent, and no further: the call holds at most
+// two packed micro-batches (the one gRPC is writing and the next), so a slow
+// reader holds the server to that, and its reservation covers it.
+class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
+ public:
+  StepCall(PackServiceImpl* service,
+           grpc::GenericCallbackServerContext* context)
+      : BudgetedCall(service, context, "PackMicroBatches") {
+    Start();
+  }
+
+  void OnWriteDone(bool ok) override {
+    TakeOver(this);
+    std::optional<absl::Status> finish;
+    bool write = false, prepare = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok && failure_.ok()) {
+        failure_ = absl::CancelledError(
+            "the PackMicroBatches stream ended before every micro-batch was "
+            "sent");
+      }
+      if (!failure_.ok() || (pending_ == nullptr && next_ == messages_)) {
+        // Failed, or every message is written: done once no packing runs.
+        if (!preparing_) finish = failure_;
+      } else if (pending_ != nullptr) {
+        current_ = std::move(pending_);
+        writing_ = write = true;
+        prepare = preparing_ = next_ < messages_;
+      }
+    }
+    if (finish.has_value()) return Done(*finish);
+    if (write) Write();
+    if (prepare) service_->calls_.Submit([this] { PrepareNext(); });
+  }
+
+ private:
+  absl::StatusOr<int64_t> Prepare() override {
+    PACKD_ASSIGN_OR_RETURN(
+        step_,
+        TrainingStep::Make(
+            parsed_, service_->decoder_, service_->options_.max_message_bytes,
+            [this](const v1::PlanRequest& request, v1::PlanResponse* response) {
+              return service_->DoPlan(request, response);
+            }));
+    messages_ = step_->size() + 1;
+    return SaturatingMul(2, step_->max_micro_batch_bytes());
+  }
+
+  void Serve() override {
+    if (service_->options_.testing_call_hook) {
+      service_->options_.testing_call_hook(method_);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      preparing_ = true;
+    }
+    PrepareNext();
+  }
+
+  void FinishOk() override { Finish(grpc::Status::OK); }
+
+  // Makes message next_ (0: the plan), then writes it, or leaves it pending
+  // while the previous one is written; goes on to the next while nothing is
+  // pending. On a worker.
+  void PrepareNext() {
+    while (true) {
+      size_t k = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        k = next_++;
+      }
+      auto message = std::make_unique<Message>();
+      absl::Status made =
+          Guarded(method_, [&] { return Make(k, message.get()); });
+      std::optional<absl::Status> finish;
+      bool write = false, more = false;
+      {
+        absl::MutexLock lock(&mu_);
+        if (!made.ok() && failure_.ok()) failure_ = made;
+        if (!failure_.ok()) {
+          preparing_ = false;
+          if (!writing_) finish = failure_;
+        } else if (writing_) {
+          pending_ = std::move(message);
+          preparing_ = false;
+        } else {
+          current_ = std::move(message);
+          writing_ = write = true;
+          more = next_ < messages_;
+          preparing_ = more;
+        }
+      }
+      if (finish.has_value()) return Done(*finish);
+      if (write) Write();
+      if (!more) return;
     }
   }
 
-  PackServiceImpl* const service_;
-  const char* const method_;
-  const Work work_;
-  const absl::Time start_ = absl::Now();
-  const absl::Time deadline_;
-  int64_t declared_bytes_ = 0;
-  bool admitted_ = false;
-  MemoryBudget::Hold hold_;
-  grpc::ByteBuffer request_;
-  size_t request_bytes_ = 0;
-  Wire<Request> parsed_;
-  grpc::ByteBuffer response_;
-  size_t response_bytes_ = 0;
+  struct Message {
+    grpc::ByteBuffer buffer;
+    int64_t bytes = 0;
+  };
+
+  // Message k: the plan, or micro-batch k - 1 packed.
+  absl::Status Make(size_t k, Message* out) {
+    auto reply = std::make_shared<
+        PackServiceImpl::CallReply<v1::PackMicroBatchesResponse>>();
+    if (k == 0) {
+      *reply->response->mutable_plan() = step_->plan();
+    } else {
+      PACKD_RETURN_IF_ERROR(
+          step_->PackMicroBatch(k - 1, &reply->response, &reply->buffers));
+    }
+    const Spliced spliced = reply->response.Serialize();
+    PACKD_RETURN_IF_ERROR(
+        service_->decoder_.CheckSize("response", spliced.size()));
+    out->buffer = ToByteBuffer(spliced, reply);
+    out->bytes = spliced.size();
+    return absl::OkStatus();
+  }
+
+  // Writes current_.
+  void Write() {
+    response_bytes_ += current_->bytes;
+    HandOff(this);  // OnWriteDone runs on one of gRPC's threads
+    StartWrite(&current_->buffer);
+  }
+
+  std::unique_ptr<TrainingStep> step_;
+  size_t messages_ = 0;
+  absl::Mutex mu_;
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;       // the next message to make
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // current_ is being written
+  bool preparing_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<Message> current_;
+  std::unique_ptr<Message> pending_ ABSL_GUARDED_BY(mu_);
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
 };
 
 grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
@@ -330,6 +525,9 @@ grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
   if (context->method() == "/packd.v1.PackService/Pack") {
     return new InlineCall<v1::PackRequest, v1::PackResponse>(
         service_, context, "Pack", &PackServiceImpl::RunPack);
+  }
+  if (context->method() == "/packd.v1.PackService/PackMicroBatches") {
+    return new StepCall(service_, context);
   }
   if (context->method() == "/packd.v1.PackService/Scatter") {
     return new InlineCall<v1::ScatterRequest, v1::ScatterResponse>(

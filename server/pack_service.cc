@@ -14,87 +14,13 @@
 #include "kernels/status_macros.h"
 #include "planner/planner.h"
 #include "proto/tensor_codec.h"
+#include "server/pack_reply.h"
 
 #ifndef PACKD_VERSION
 #define PACKD_VERSION "unknown"
 #endif
 
 namespace packd {
-namespace {
-
-// Slot i of `field`, added when it is not there yet (elements of a repeated
-// message field stay where they are as it grows).
-v1::Tensor* SlotOf(google::protobuf::RepeatedPtrField<v1::Tensor>* field,
-                   size_t i) {
-  while (field->size() <= static_cast<int>(i)) field->Add();
-  return &(*field)[static_cast<int>(i)];
-}
-
-// Writes result i into a pooled buffer that the reply wraps without a copy,
-// carried by `reply` for the i-th tensor of its response field `field`, sized
-// once the mask scan has counted the active rows. The running total is
-// checked against the message limit first.
-OutputAllocator IntoReply(WireMessage* reply, ResultSlot slot,
-                          std::vector<Buffer>* buffers, int64_t limit,
-                          int64_t reserved) {
-  return
-      [reply, slot, buffers, limit, used = reserved](
-          size_t index, int64_t bytes) mutable -> absl::StatusOr<OutputPlace> {
-        used += bytes;
-        if (used > limit) {
-          return absl::ResourceExhaustedError(absl::StrCat(
-              "the response would hold at least ", used,
-              " bytes, over the server's limit of ", limit,
-              " bytes (--max_message_bytes); split the batch or use tensor "
-              "handles"));
-        }
-        const v1::Tensor* tensor = slot(index);
-        if (bytes == 0) {
-          reply->Carry(*tensor, Payload());
-          return OutputPlace{nullptr, Device::Cpu()};
-        }
-        PACKD_ASSIGN_OR_RETURN(Buffer buffer,
-                               HostBufferPool::Global().Acquire(bytes));
-        reply->Carry(*tensor, Payload::Of(buffer.data(), bytes));
-        void* data = buffer.data();
-        buffers->push_back(std::move(buffer));
-        return OutputPlace{data, Device::Cpu()};
-      };
-}
-
-// Writes result i into the request's output slice i, if it fits.
-OutputAllocator IntoSlices(const std::vector<ResolvedSlice>* slices) {
-  return [slices](size_t i, int64_t bytes) -> absl::StatusOr<OutputPlace> {
-    const ResolvedSlice& slice = (*slices)[i];
-    if (static_cast<uint64_t>(bytes) > slice.byte_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("outputs[", i, "] has ", slice.byte_size,
-                       " bytes but the result needs ", bytes, " bytes"));
-    }
-    return OutputPlace{slice.data, slice.region->device()};
-  };
-}
-
-// Sets each result tensor's header, and the region slice written when results
-// went to the request's outputs.
-void EncodeResults(
-    const std::vector<ResultTensor>& results,
-    const google::protobuf::RepeatedPtrField<v1::RegionSlice>& outputs,
-    const ResultSlot& slot) {
-  for (size_t i = 0; i < results.size(); ++i) {
-    v1::Tensor* out = slot(i);
-    EncodeTensorHeader(results[i].view.dtype, results[i].view.shape, out);
-    if (!outputs.empty()) {
-      v1::RegionSlice* written = out->mutable_region();
-      written->set_region(outputs[i].region());
-      written->set_offset(outputs[i].offset());
-      written->set_byte_size(results[i].view.nbytes());
-    }
-  }
-}
-
-}  // namespace
-
 PackServiceImpl::PackServiceImpl(ServiceOptions options)
     : options_(std::move(options)),
       regions_(options_.regions),
@@ -176,47 +102,15 @@ absl::Status PackServiceImpl::RunPack(const Wire<v1::PackRequest>& wire,
   v1::PackResponse* response = &reply->response.message();
   auto pack = [&](const DecodedCall& call, const CallOptions& base)
       -> absl::StatusOr<std::vector<ResultTensor>> {
-    PackOptions options;
-    static_cast<CallOptions&>(options) = base;
-    options.with_position_ids = request.with_position_ids();
-    options.segment_ids = call.segment_ids;
-    options.layout = DecodeLayout(request);
-    options.layout.max_rows = options_.max_message_bytes / 8;
-    PACKD_ASSIGN_OR_RETURN(PackResult result,
-                           ::packd::Pack(call.tensors, call.mask, options));
-    response->mutable_cu_seqlens_padded()->Assign(
-        result.cu_seqlens_padded.begin(), result.cu_seqlens_padded.end());
-    response->set_max_seqlen_padded(result.max_seqlen_padded);
-    response->mutable_seq_idx()->Assign(result.seq_idx.begin(),
-                                        result.seq_idx.end());
-    for (ResultTensor& shifted : result.shifted) {
-      result.packed.push_back(std::move(shifted));
-    }
-    response->mutable_doc_cu_seqlens()->Assign(result.doc_cu_seqlens.begin(),
-                                               result.doc_cu_seqlens.end());
-    response->set_doc_max_seqlen(result.doc_max_seqlen);
-    response->mutable_doc_row()->Assign(result.doc_row.begin(),
-                                        result.doc_row.end());
-    response->mutable_doc_last_index()->Assign(result.doc_last_index.begin(),
-                                               result.doc_last_index.end());
-    response->mutable_cu_seqlens()->Assign(result.cu_seqlens.begin(),
-                                           result.cu_seqlens.end());
-    response->set_total_active(result.total_active);
-    response->set_max_seqlen(result.max_seqlen);
-    response->mutable_position_ids()->Assign(result.position_ids.begin(),
-                                             result.position_ids.end());
-    response->mutable_last_index()->Assign(result.last_index.begin(),
-                                           result.last_index.end());
-    return std::move(result.packed);
+    PACKD_ASSIGN_OR_RETURN(
+        PackResult result,
+        ::packd::Pack(call.tensors, call.mask,
+                      PackOptionsOf(request, base, call.segment_ids,
+                                    options_.max_message_bytes)));
+    return SetPackResponse(std::move(result), response);
   };
-  // Results: the packed inputs, then the shifted ones.
-  const size_t inputs = request.inputs_size();
-  auto slot = [response, inputs](size_t i) {
-    return i < inputs ? SlotOf(response->mutable_packed(), i)
-                      : SlotOf(response->mutable_shifted(), i - inputs);
-  };
-  return RunCall("Pack", wire, slot, RequestDecoder::kBytesPerMaskRow, reply,
-                 pack);
+  return RunCall("Pack", wire, PackSlots(response, request.inputs_size()),
+                 RequestDecoder::kBytesPerMaskRow, reply, pack);
 }
 
 absl::Status PackServiceImpl::RunScatter(

@@ -37,14 +37,11 @@
 #include "server/call.h"
 #include "server/memory_budget.h"
 #include "server/metrics.h"
+#include "server/pack_reply.h"
 #include "server/regions.h"
 #include "server/request_decoder.h"
 
 namespace packd {
-
-// The response tensor that result `index` of a call is, added when it is not
-// there yet: packed[i] (then shifted[j]) of a Pack, dense[i] of a Scatter.
-using ResultSlot = std::function<v1::Tensor*(size_t index)>;
 
 struct ServiceOptions {
   Device default_device;
@@ -71,12 +68,17 @@ struct ServiceOptions {
   int worker_threads = 0;
 };
 
+template <typename Request>
+class BudgetedCall;
 template <typename Request, typename Response>
 class InlineCall;
+class StepCall;
 
-class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
-                                  v1::PackService::WithGenericMethod_Scatter<
-                                      v1::PackService::CallbackService>> {
+class PackServiceImpl final
+    : public v1::PackService::WithGenericMethod_Pack<
+          v1::PackService::WithGenericMethod_Scatter<
+              v1::PackService::WithGenericMethod_PackMicroBatches<
+                  v1::PackService::CallbackService>>> {
  public:
   explicit PackServiceImpl(ServiceOptions options);
 
@@ -87,8 +89,9 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
   // when none is.
   bool WaitForIdle(absl::Time deadline);
 
-  // Pack and Scatter (packd.v1 messages as raw bytes), and UNIMPLEMENTED for
-  // any method no service has: register it beside the service.
+  // Pack, Scatter and PackMicroBatches (packd.v1 messages as raw bytes), and
+  // UNIMPLEMENTED for any method no service has: register it beside the
+  // service.
   grpc::CallbackGenericService* inline_calls() { return &inline_calls_; }
   grpc::ServerUnaryReactor* RegisterSystemRegion(
       grpc::CallbackServerContext* context,
@@ -127,8 +130,11 @@ class PackServiceImpl final : public v1::PackService::WithGenericMethod_Pack<
                       v1::PlanResponse* response);
 
  private:
+  template <typename Request>
+  friend class BudgetedCall;
   template <typename Request, typename Response>
   friend class InlineCall;
+  friend class StepCall;
   class InlineCalls final : public grpc::CallbackGenericService {
    public:
     explicit InlineCalls(PackServiceImpl* service) : service_(service) {}

@@ -134,10 +134,10 @@ absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
 
 template <typename Request>
 absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
-    const Wire<Request>& wire,
+    const Request& request, const WireMessage& wire,
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-    absl::string_view field, bool reads_active_only, int results) const {
-  const Request& request = wire.message();
+    absl::string_view field, bool reads_active_only, int results,
+    absl::string_view prefix) const {
   PACKD_RETURN_IF_ERROR(CheckSize(
       "request",
       request.ByteSizeLong() + static_cast<size_t>(wire.PayloadBytes())));
@@ -145,13 +145,15 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   call.wire = &wire;
   PACKD_ASSIGN_OR_RETURN(call.device, ResolveDevice(request.device()));
   if (!request.has_mask()) {
-    return absl::InvalidArgumentError("mask is missing: give a [B, S] tensor");
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "mask is missing: give a [B, S] tensor"));
   }
-  PACKD_ASSIGN_OR_RETURN(call.mask,
-                         DecodeTensor(request.mask(), "mask", &call));
+  PACKD_ASSIGN_OR_RETURN(
+      call.mask,
+      DecodeTensor(request.mask(), absl::StrCat(prefix, "mask"), &call));
   if (call.mask.shape.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "mask.shape ", ShapeString(call.mask.shape),
+        prefix, "mask.shape ", ShapeString(call.mask.shape),
         " must have rank 2 ([B, S]), not ", call.mask.shape.size()));
   }
   // A mask of zero-length rows has no bytes, so every size check passes, but
@@ -160,7 +162,7 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   const int64_t rows = call.mask.shape[0];
   if (rows > max_message_bytes_ / kBytesPerMaskRow) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("mask has B = ", rows,
+        absl::StrCat(prefix, "mask has B = ", rows,
                      " rows: their cu_seqlens and last_index alone "
                      "need about ",
                      kBytesPerMaskRow,
@@ -180,15 +182,16 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   for (int i = 0; i < tensors.size(); ++i) {
     PACKD_ASSIGN_OR_RETURN(
         TensorView v,
-        DecodeTensor(tensors[i], absl::StrCat(field, "[", i, "]"), &call,
-                     extents.empty() ? nullptr : &extents));
+        DecodeTensor(tensors[i], absl::StrCat(prefix, field, "[", i, "]"),
+                     &call, extents.empty() ? nullptr : &extents));
     call.tensors.push_back(std::move(v));
   }
   const auto& outputs = request.outputs();
   if (outputs.empty()) return call;
   if (outputs.size() != results) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "outputs has ", outputs.size(), " slices but there are ", results,
+        prefix, "outputs has ", outputs.size(), " slices but there are ",
+        results,
         results == tensors.size()
             ? " tensors: give one slice per tensor"
             : " results: give one slice per input, then one per shift",
@@ -205,16 +208,22 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const Wire<v1::PackRequest>& wire) const {
-  const v1::PackRequest& request = wire.message();
+  return Decode(wire.message(), wire, "");
+}
+
+absl::StatusOr<DecodedCall> RequestDecoder::Decode(
+    const v1::PackRequest& request, const WireMessage& wire,
+    absl::string_view prefix) const {
   PACKD_ASSIGN_OR_RETURN(
       DecodedCall call,
-      DecodeCall(wire, request.inputs(), "inputs",
+      DecodeCall(request, wire, request.inputs(), "inputs",
                  /*reads_active_only=*/true,
-                 request.inputs_size() + request.shifts_size()));
+                 request.inputs_size() + request.shifts_size(), prefix));
   if (request.has_segment_ids()) {
     PACKD_ASSIGN_OR_RETURN(
         call.segment_ids,
-        DecodeTensor(request.segment_ids(), "segment_ids", &call));
+        DecodeTensor(request.segment_ids(), absl::StrCat(prefix, "segment_ids"),
+                     &call));
   }
   return call;
 }
@@ -223,8 +232,8 @@ absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const Wire<v1::ScatterRequest>& wire) const {
   PACKD_ASSIGN_OR_RETURN(
       DecodedCall call,
-      DecodeCall(wire, wire->packed(), "packed",
-                 /*reads_active_only=*/false, wire->packed_size()));
+      DecodeCall(wire.message(), wire, wire->packed(), "packed",
+                 /*reads_active_only=*/false, wire->packed_size(), ""));
   if (wire->has_segment_ids()) {
     PACKD_ASSIGN_OR_RETURN(
         call.segment_ids,

@@ -71,6 +71,12 @@ class RequestDecoder {
       const Wire<v1::PackRequest>& request) const;
   absl::StatusOr<DecodedCall> Decode(
       const Wire<v1::ScatterRequest>& request) const;
+  // A PackRequest inside another message (PackMicroBatchesRequest.batch),
+  // whose inline bytes `wire` holds; errors name its fields after `prefix`
+  // ("batch.").
+  absl::StatusOr<DecodedCall> Decode(const v1::PackRequest& request,
+                                     const WireMessage& wire,
+                                     absl::string_view prefix) const;
 
   // A view of one tensor's bytes: inline (a cpu view of its payload in
   // call->wire, or of its `data`) or a region slice, whose region is
@@ -96,9 +102,10 @@ class RequestDecoder {
  private:
   template <typename Request>
   absl::StatusOr<DecodedCall> DecodeCall(
-      const Wire<Request>& wire,
+      const Request& request, const WireMessage& wire,
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-      absl::string_view field, bool reads_active_only, int results) const;
+      absl::string_view field, bool reads_active_only, int results,
+      absl::string_view prefix) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
 
   const RegionRegistry& regions_;

@@ -10,9 +10,10 @@ through a packd server.
         r = client.pack([hidden, token_ids], mask, with_position_ids=True,
                         cu_seqlens_dtype=torch.int32)
 """
-from packd.client import Client, PackdError, PackResult, device_slice, varlen_kwargs
+from packd.client import (Client, MicroBatch, PackdError, PackResult, Plan, PlannedMicroBatch,
+                          StepPlan, device_slice, varlen_kwargs)
 from packd.layout import Layout
 from packd.ops import RemotePackOp
 
-__all__ = ["Client", "Layout", "PackdError", "PackResult", "RemotePackOp", "device_slice",
-           "varlen_kwargs"]
+__all__ = ["Client", "Layout", "MicroBatch", "PackdError", "PackResult", "Plan",
+           "PlannedMicroBatch", "RemotePackOp", "StepPlan", "device_slice", "varlen_kwargs"]

@@ -30,7 +30,8 @@ def _tag(number, wire_type):
 
 class Outgoing:
     """A request: `message` holds every field but the tensors; `tensors` lists (field number,
-    packd.v1.Tensor header, bytes-like data or None) in order."""
+    packd.v1.Tensor header, bytes-like data or None) in order, and message fields that hold
+    tensors of their own as (field number, Outgoing, None)."""
 
     def __init__(self, message):
         self.message = message
@@ -38,6 +39,10 @@ class Outgoing:
 
     def add(self, number, header, data=None):
         self.tensors.append((number, header, data))
+
+    def add_message(self, number, outgoing):
+        """Field `number` is `outgoing`, a message with tensors (PackMicroBatchesRequest.batch)."""
+        self.tensors.append((number, outgoing, None))
 
 
 def _field_bytes(number, payload):
@@ -49,6 +54,9 @@ def serialized_size(outgoing):
     """len(serialize(outgoing)), without serializing."""
     size = outgoing.message.ByteSize()
     for number, header, data in outgoing.tensors:
+        if isinstance(header, Outgoing):
+            size += _field_bytes(number, serialized_size(header))
+            continue
         head = header.ByteSize()
         if data is not None:
             head = _field_bytes(_DATA, data.nbytes) + head
@@ -56,9 +64,13 @@ def serialized_size(outgoing):
     return size
 
 
-def serialize(outgoing):
-    pieces = [outgoing.message.SerializeToString()]
+def _pieces(outgoing, pieces):
+    pieces.append(outgoing.message.SerializeToString())
     for number, header, data in outgoing.tensors:
+        if isinstance(header, Outgoing):
+            pieces += [_tag(number, _LEN), _varint(serialized_size(header))]
+            _pieces(header, pieces)
+            continue
         head = header.SerializeToString()
         if data is None:
             pieces += [_tag(number, _LEN), _varint(len(head)), head]
@@ -66,7 +78,11 @@ def serialize(outgoing):
         n = data.nbytes
         inner = head + _tag(_DATA, _LEN) + _varint(n)
         pieces += [_tag(number, _LEN), _varint(len(inner) + n), inner, data]
-    return b"".join(pieces)
+    return pieces
+
+
+def serialize(outgoing):
+    return b"".join(_pieces(outgoing, []))
 
 
 class _Reader:
@@ -138,34 +154,63 @@ def _tensor(buf, start, end, tensor_type):
     return header, flat.view(dtype).reshape(shape)
 
 
+def _holds_tensors(message_type, depth=0):
+    """Whether messages of this type hold packd.v1.Tensor fields, in themselves or below."""
+    if message_type is None or message_type.name == "Tensor" or depth > 3:
+        return False
+    return any(f.message_type is not None and (f.message_type.name == "Tensor"
+                                               or _holds_tensors(f.message_type, depth + 1))
+               for f in message_type.fields)
+
+
 def parser(message_type, tensor_type):
     """A response deserializer: bytes -> (message, {field number: [torch tensor or None]}).
-    The message has every field; its tensors carry no data (the torch tensors do)."""
-    tensor_fields = {f.number for f in message_type.DESCRIPTOR.fields
+    The message has every field; its tensors carry no data (the torch tensors do). A message
+    field that holds tensors (PackMicroBatchesResponse.packed) maps to [(message, {...})]."""
+    descriptor = message_type.DESCRIPTOR
+    tensor_fields = {f.number for f in descriptor.fields
                      if f.message_type is not None and f.message_type.name == "Tensor"}
+    nested = {f.number: parser(message_type_of(message_type, f), tensor_type)
+              for f in descriptor.fields
+              if f.number not in tensor_fields and _holds_tensors(f.message_type)}
 
-    def parse(buf):
-        reader = _Reader(buf, len(buf))
+    def parse(buf, start=0, end=None):
+        reader = _Reader(buf, len(buf) if end is None else end)
+        reader.at = start
         rest, tensors, headers = [], {}, []
         while reader.at < reader.end:
             field_start = reader.at
             tag = reader.varint()
             number, wire_type = tag >> 3, tag & 7
-            if number in tensor_fields and wire_type == _LEN:
+            if (number in tensor_fields or number in nested) and wire_type == _LEN:
                 n = reader.varint()
                 if reader.at + n > reader.end:
                     raise ValueError("packd reply: a tensor runs past the end")
-                header, tensor = _tensor(buf, reader.at, reader.at + n, tensor_type)
+                if number in nested:
+                    sub = nested[number](buf, reader.at, reader.at + n)
+                    headers.append((number, sub[0]))
+                    tensors.setdefault(number, []).append(sub)
+                else:
+                    header, tensor = _tensor(buf, reader.at, reader.at + n, tensor_type)
+                    headers.append((number, header))
+                    tensors.setdefault(number, []).append(tensor)
                 reader.at += n
-                headers.append((number, header))
-                tensors.setdefault(number, []).append(tensor)
                 continue
             reader.skip(wire_type)
             rest.append(buf[field_start:reader.at])
         message = message_type.FromString(b"".join(rest))
         for number, header in headers:
-            field = message_type.DESCRIPTOR.fields_by_number[number]
-            getattr(message, field.name).add().CopyFrom(header)
+            field = descriptor.fields_by_number[number]
+            if field.label == field.LABEL_REPEATED:
+                getattr(message, field.name).add().CopyFrom(header)
+            else:
+                getattr(message, field.name).MergeFrom(header)
         return message, tensors
 
     return parse
+
+
+def message_type_of(message_type, field):
+    """The generated class of a message field's type."""
+    value = getattr(message_type(), field.name)
+    return type(value.add() if field.label == field.LABEL_REPEATED else value)

@@ -129,6 +129,110 @@ def _joined(replies, first_rows):
     return out
 
 
+def _pack_result(reply, packed, shifted, single, cu_seqlens_dtype, docs, with_position_ids,
+                 layout, place=lambda t: t):
+    """The PackResult of a PackResponse and its packed and shifted tensors; `place` puts the
+    metadata tensors where the packed ones are."""
+    def ints(values, dtype=torch.int64):
+        return place(torch.tensor(list(values), dtype=torch.int64).to(dtype))
+
+    return PackResult(
+        doc_cu_seqlens=ints(reply.doc_cu_seqlens, cu_seqlens_dtype) if docs else None,
+        doc_max_seqlen=reply.doc_max_seqlen,
+        doc_row=ints(reply.doc_row) if docs else None,
+        doc_last_index=ints(reply.doc_last_index) if docs else None,
+        packed=packed[0] if single else packed,
+        cu_seqlens=ints(reply.cu_seqlens, cu_seqlens_dtype),
+        total_active=reply.total_active,
+        max_seqlen=reply.max_seqlen,
+        position_ids=ints(reply.position_ids) if with_position_ids else None,
+        last_index=ints(reply.last_index),
+        cu_seqlens_padded=(ints(reply.cu_seqlens_padded, cu_seqlens_dtype)
+                           if reply.cu_seqlens_padded else None),
+        max_seqlen_padded=reply.max_seqlen_padded,
+        seq_idx=ints(reply.seq_idx) if layout.with_seq_idx else None,
+        shifted=list(shifted) if layout.shifts else None)
+
+
+@dataclasses.dataclass
+class PlannedMicroBatch:
+    """One micro-batch of a plan: its rank, its samples (rows of the batch, in packing order),
+    their tokens and loss tokens, cost, and padded tokens (what the budget counts)."""
+    rank: int
+    samples: List[int]
+    tokens: int
+    loss_tokens: int
+    cost: float
+    padded_tokens: int
+
+
+@dataclasses.dataclass
+class Plan:
+    """The PlanResponse as Python values (docs/design.md §9, §11). Divide the summed per-token
+    loss of every micro-batch of every rank by global_loss_tokens."""
+    micro_batches: List[PlannedMicroBatch]  # by rank, then position in the rank
+    micro_batches_per_rank: int
+    global_loss_tokens: int
+    imbalance: float
+    cost_imbalance: float
+    global_sequences: int
+
+    @staticmethod
+    def of(response):
+        return Plan([PlannedMicroBatch(m.rank, list(m.samples), m.tokens, m.loss_tokens, m.cost,
+                                       m.padded_tokens) for m in response.micro_batches],
+                    response.micro_batches_per_rank, response.global_loss_tokens,
+                    response.imbalance, response.cost_imbalance, response.global_sequences)
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One packed micro-batch of a step: `result` is exactly Pack of the batch's rows
+    `samples`, in that order, with the step's options."""
+    rank: int
+    index: int          # its position in its rank
+    samples: List[int]  # rows of the batch
+    result: PackResult
+
+
+class StepPlan:
+    """A PackMicroBatches call in progress: `plan` (a Plan) at once, then the micro-batches
+    (MicroBatch) as they arrive, by iterating it. The server packs the next micro-batch while
+    this one is read, and no further. close() (or leaving a `with` block) cancels what is left;
+    iterating to the end releases the call's shared memory."""
+
+    def __init__(self, client, call, first, scratch, options):
+        self._client, self._call, self._scratch = client, call, scratch
+        self._options = options  # (single, cu_seqlens_dtype, docs, with_position_ids, layout)
+        self.plan = Plan.of(first.plan)
+
+    def __iter__(self):
+        try:
+            for reply, tensors in self._call:
+                packed_reply, inner = tensors.get(5, [(pb.PackResponse(), {})])[0]
+                single, cu_dtype, docs, with_position_ids, layout = self._options
+                yield MicroBatch(reply.rank, reply.index, list(reply.samples), _pack_result(
+                    packed_reply, inner.get(1, []), inner.get(14, []), single, cu_dtype, docs,
+                    with_position_ids, layout))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            self.close()
+
+    def close(self):
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        scratch, self._scratch = self._scratch, None
+        self._client._give_back(scratch)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def _is_node_local(address):
     """Whether only this node can reach `address`: unix sockets and loopback hosts (127.0.0.0/8,
     localhost, [::1]), with or without a gRPC scheme. The same rule as the server's and the C++
@@ -297,6 +401,9 @@ class Client:
             "/packd.v1.PackService/Scatter", request_serializer=_wire.serialize,
             response_deserializer=_wire.parser(pb.ScatterResponse, pb.Tensor))
             for channel in self._channels]
+        self._step = self._channel.unary_stream(
+            "/packd.v1.PackService/PackMicroBatches", request_serializer=_wire.serialize,
+            response_deserializer=_wire.parser(pb.PackMicroBatchesResponse, pb.Tensor))
         self.idle_scratch_segments = idle_scratch_segments
         # Guards what follows: the scratch segments no call holds, whether the server allows
         # shared memory, and whether the client is closed.
@@ -733,26 +840,8 @@ class Client:
                 self._give_back(scratch)
             place = lambda t: t
 
-        def ints(values, dtype=torch.int64):
-            return place(torch.tensor(list(values), dtype=torch.int64).to(dtype))
-
-        docs = segment_ids is not None
-        return PackResult(
-            doc_cu_seqlens=ints(reply.doc_cu_seqlens, cu_seqlens_dtype) if docs else None,
-            doc_max_seqlen=reply.doc_max_seqlen,
-            doc_row=ints(reply.doc_row) if docs else None,
-            doc_last_index=ints(reply.doc_last_index) if docs else None,
-            packed=packed[0] if single else packed,
-            cu_seqlens=ints(reply.cu_seqlens, cu_seqlens_dtype),
-            total_active=reply.total_active,
-            max_seqlen=reply.max_seqlen,
-            position_ids=ints(reply.position_ids) if with_position_ids else None,
-            last_index=ints(reply.last_index),
-            cu_seqlens_padded=(ints(reply.cu_seqlens_padded, cu_seqlens_dtype)
-                               if reply.cu_seqlens_padded else None),
-            max_seqlen_padded=reply.max_seqlen_padded,
-            seq_idx=ints(reply.seq_idx) if with_seq_idx else None,
-            shifted=list(shifted) if layout.shifts else None)
+        return _pack_result(reply, packed, shifted, single, cu_seqlens_dtype,
+                            segment_ids is not None, with_position_ids, layout, place)
 
     def _pack_on_gpu(self, index, tensors, mask, segment_ids, with_position_ids, layout):
         """The PackResponse, packed and shifted tensors of a Pack on GPU `index`, written by
@@ -891,6 +980,89 @@ class Client:
         if groups is not None:
             request.groups.extend(int(v) for v in groups)
         return self._call(self._stub.PlanMicroBatches, request)
+
+    def pack_micro_batches(self, x_or_tensors: TensorOrList, mask: torch.Tensor, max_tokens, *,
+                           num_ranks=1, ranks=None, micro_batch_multiple=1, loss_mask=None,
+                           segment_ids=None, cost=None, groups=None, pipeline_order=False,
+                           with_position_ids=False, cu_seqlens_dtype=torch.int64, device="",
+                           pad_multiple=0, pad_values=None, cp_size=0, cp_rank=0,
+                           with_seq_idx=False, shifts=(), fixed=None) -> StepPlan:
+        """A training step in one call (docs/design.md §12): the batch's rows planned into
+        micro-batches of at most max_tokens tokens over num_ranks data-parallel ranks, each
+        micro-batch packed with the layout, from one upload of the batch.
+
+        A row's length for the plan is its rows in the layout (its sequences padded to
+        pad_multiple; this CP rank's share); its cost is cost=(a, b)'s a * P + b * P**2 summed
+        over its sequences (documents, with segment_ids), by default P; its loss tokens are
+        the positions active in both mask and loss_mask ([B, S], default: mask). groups= gives
+        rows that must share a micro-batch. ranks= chooses the ranks whose micro-batches are
+        sent (default: all). The layout options and with_position_ids are Pack's, and `fixed`
+        applies to every micro-batch.
+
+        Returns a StepPlan: `.plan` at once (global_loss_tokens is the one denominator of the
+        summed token loss), then iterate it for MicroBatch(rank, index, samples, result), each
+        result exactly pack() of the batch's rows `samples` in that order. Tensors must be in
+        host memory. Raises PackdValueError (a ValueError) for malformed input."""
+        layout = Layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx,
+                        tuple(tuple(s) for s in shifts), tuple(fixed) if fixed else None)
+        single = isinstance(x_or_tensors, torch.Tensor)
+        tensors = [x_or_tensors] if single else list(x_or_tensors)
+        named = ([("mask", mask), ("segment_ids", segment_ids), ("loss_mask", loss_mask)]
+                 + [("inputs[%d]" % i, t) for i, t in enumerate(tensors)])
+        on_device = [name for name, t in named if t is not None and t.device.type != "cpu"]
+        if on_device:
+            raise ValueError("pack_micro_batches takes tensors in host memory; %s are on %s"
+                             % (", ".join(on_device), named[[n for n, _ in named].index(
+                                 on_device[0])][1].device))
+        plan = pb.PlanRequest(max_tokens_per_micro_batch=int(max_tokens), num_ranks=num_ranks,
+                              micro_batch_multiple=micro_batch_multiple,
+                              pipeline_order=bool(pipeline_order))
+        if cost is not None:
+            a, b = cost
+            plan.cost_per_token, plan.cost_per_token_squared = float(a), float(b)
+        if groups is not None:
+            plan.groups.extend(int(v) for v in groups)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named if t is not None)
+        scratch = self._scratch_for(nbytes)
+
+        def request():
+            if scratch is not None:
+                scratch.reset()
+            out = _wire.Outgoing(pb.PackMicroBatchesRequest(plan=plan, ranks=list(ranks or ())))
+            batch = _wire.Outgoing(pb.PackRequest(device=device,
+                                                  with_position_ids=with_position_ids))
+            layout.to_pack(batch.message)
+            self._encode(mask, 1, batch, scratch)
+            for t in tensors:
+                self._encode(t, 2, batch, scratch)
+            if segment_ids is not None:
+                self._encode(segment_ids, 6, batch, scratch)
+            out.add_message(1, batch)
+            if loss_mask is not None:
+                self._encode(loss_mask, 3, out, scratch)
+            return out
+
+        def start(message, timeout, metadata):
+            # The call, and its first message (the plan): until it comes, a call answered
+            # UNAVAILABLE or CANCELLED is made again, as unary calls are.
+            call = self._step(message, timeout=timeout, metadata=metadata)
+            try:
+                return call, next(call)
+            except grpc.RpcError as e:
+                call.cancel()
+                raise e
+            except StopIteration:
+                raise PackdError(grpc.StatusCode.INTERNAL,
+                                 "packd ended the PackMicroBatches stream without a plan")
+
+        try:
+            call, first = self._with_regions(lambda: self._call(start, request()), scratch)
+        except BaseException:
+            self._give_back(scratch)
+            raise
+        return StepPlan(self, call, first[0], scratch,
+                        (single, cu_seqlens_dtype, segment_ids is not None, with_position_ids,
+                         layout))
 
     def register_cuda_tensor(self, name, tensor, device=None):
         """Registers the CUDA memory holding `tensor` as device region `name` and returns the

@@ -457,6 +457,163 @@ TEST_F(ClientTest, PlansByCostWithGroupsAndPadding) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The micro-batches of a step, through the C++ client: the plan, then each.
+struct Step {
+  v1::PlanResponse plan;
+  std::vector<StepMicroBatch> micro_batches;
+};
+absl::StatusOr<Step> RunStep(Client& client,
+                             const std::vector<at::Tensor>& tensors,
+                             const at::Tensor& mask, int64_t budget,
+                             const StepCallOptions& options) {
+  Step step;
+  absl::Status status = client.PackMicroBatches(
+      tensors, mask, budget, options,
+      [&](const v1::PlanResponse& plan) {
+        step.plan = plan;
+        return absl::OkStatus();
+      },
+      [&](StepMicroBatch mb) {
+        step.micro_batches.push_back(std::move(mb));
+        return absl::OkStatus();
+      });
+  if (!status.ok()) return status;
+  return step;
+}
+
+at::Tensor RowsOf(const at::Tensor& t, const std::vector<int64_t>& rows) {
+  return t.index_select(0, at::tensor(rows, at::kLong));
+}
+
+// Every dtype, fresh random data: each micro-batch is torch's boolean pack of
+// its rows, every row is in exactly one micro-batch, and the plan's loss
+// tokens are the positions active in both masks.
+TEST_F(ClientTest, PackMicroBatchesAreTorchsPackOfTheirRows) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 23, S = 61;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kFloat32, B, S, 0.6, MaskPattern::kHoles);
+  const at::Tensor loss_mask =
+      testing::RandomMask(rng, DType::kUInt8, B, S, 0.5, MaskPattern::kHoles);
+  std::vector<at::Tensor> xs;
+  for (DType d : kAllDTypes)
+    xs.push_back(testing::RandomTensor(rng, d, {B, S, 2}));
+  StepCallOptions options;
+  options.plan.num_ranks = 3;
+  options.plan.cost_per_token = 10;
+  options.plan.cost_per_token_squared = 1;
+  options.loss_mask = loss_mask;
+  options.pack.with_position_ids = true;
+  absl::StatusOr<Step> step = RunStep(*client_, xs, mask, 200, options);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->plan.global_loss_tokens(),
+            (mask.ne(0) & loss_mask.ne(0)).sum().item<int64_t>());
+  ASSERT_EQ(step->micro_batches.size(),
+            static_cast<size_t>(step->plan.micro_batches_size()));
+  std::vector<int> seen(B, 0);
+  for (size_t k = 0; k < step->micro_batches.size(); ++k) {
+    const StepMicroBatch& mb = step->micro_batches[k];
+    const v1::MicroBatch& planned = step->plan.micro_batches(k);
+    EXPECT_EQ(mb.rank, planned.rank());
+    EXPECT_EQ(mb.index, k % step->plan.micro_batches_per_rank());
+    ASSERT_EQ(mb.samples, std::vector<int64_t>(planned.samples().begin(),
+                                               planned.samples().end()));
+    for (int64_t b : mb.samples) ++seen[b];
+    const at::Tensor rows_mask = RowsOf(mask, mb.samples);
+    for (size_t i = 0; i < xs.size(); ++i) {
+      EXPECT_TRUE(SameBytes(
+          testing::ReferencePack(RowsOf(xs[i], mb.samples), rows_mask),
+          mb.batch.packed[i]))
+          << "micro-batch " << k << ", input " << i;
+    }
+    const testing::ReferenceMeta meta = testing::ReferenceMetadata(rows_mask);
+    EXPECT_TRUE(at::equal(mb.batch.cu_seqlens, at::tensor(meta.cu_seqlens)));
+    EXPECT_TRUE(
+        at::equal(mb.batch.position_ids, at::tensor(meta.position_ids)));
+    EXPECT_EQ(mb.batch.total_active, planned.tokens());
+  }
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), B);
+}
+
+// With documents and a layout (padding, shifted labels, position ids): each
+// micro-batch is exactly Pack of its rows; only the ranks asked come; bad
+// requests are INVALID_ARGUMENT; a callback's error ends the call.
+TEST_F(ClientTest, PackMicroBatchesWithALayoutAreTheirRowsPacked) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 19, S = 48;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, B, S, 0.8, MaskPattern::kPrefix);
+  const at::Tensor segment_ids =
+      at::randint(0, 4, {B, S}, at::kLong).cumsum(1).to(at::kInt);
+  const at::Tensor tokens = at::randint(0, 1000, {B, S}, at::kLong);
+  const at::Tensor hidden =
+      testing::RandomTensor(rng, DType::kBFloat16, {B, S, 5});
+  StepCallOptions options;
+  options.plan.num_ranks = 4;
+  options.plan.micro_batch_multiple = 2;
+  options.plan.cost_per_token_squared = 1;
+  options.ranks = {3, 1};
+  options.pack.segment_ids = segment_ids;
+  options.pack.with_position_ids = true;
+  options.pack.layout.pad_multiple = 4;
+  options.pack.layout.shifts = {{0, -100}};
+  absl::StatusOr<Step> step =
+      RunStep(*client_, {tokens, hidden}, mask, 160, options);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->plan.micro_batches_per_rank() % 2, 0);
+  ASSERT_EQ(step->micro_batches.size(),
+            2 * static_cast<size_t>(step->plan.micro_batches_per_rank()));
+  for (const StepMicroBatch& mb : step->micro_batches) {
+    EXPECT_TRUE(mb.rank == 1 || mb.rank == 3);
+    PackCallOptions pack = options.pack;
+    pack.segment_ids = RowsOf(segment_ids, mb.samples);
+    absl::StatusOr<PackedBatch> expected =
+        client_->Pack({RowsOf(tokens, mb.samples), RowsOf(hidden, mb.samples)},
+                      RowsOf(mask, mb.samples), pack);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_TRUE(SameBytes(expected->packed[i], mb.batch.packed[i]));
+    }
+    EXPECT_TRUE(SameBytes(expected->shifted[0], mb.batch.shifted[0]));
+    EXPECT_TRUE(at::equal(expected->position_ids, mb.batch.position_ids));
+    EXPECT_TRUE(at::equal(expected->doc_cu_seqlens, mb.batch.doc_cu_seqlens));
+    EXPECT_TRUE(
+        at::equal(expected->cu_seqlens_padded, mb.batch.cu_seqlens_padded));
+    // The plan counted padded documents: the layout's rows.
+    int64_t planned = 0;
+    for (const v1::MicroBatch& p : step->plan.micro_batches()) {
+      if (std::vector<int64_t>(p.samples().begin(), p.samples().end()) ==
+          mb.samples) {
+        planned = p.padded_tokens();
+      }
+    }
+    EXPECT_EQ(mb.batch.packed[0].size(0), planned);
+  }
+  StepCallOptions bad = options;
+  bad.plan.loss_tokens = std::vector<int64_t>(B, 1);
+  absl::StatusOr<Step> refused = RunStep(*client_, {tokens}, mask, 160, bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("plan.loss_tokens"));
+  bad = options;
+  bad.ranks = {4};
+  refused = RunStep(*client_, {tokens}, mask, 160, bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("ranks[0]"));
+  int received = 0;
+  absl::Status stopped = client_->PackMicroBatches(
+      {tokens}, mask, 160, options,
+      [](const v1::PlanResponse&) { return absl::OkStatus(); },
+      [&](StepMicroBatch) {
+        ++received;
+        return absl::AbortedError("enough");
+      });
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(received, 1);
+  // The server goes on serving.
+  EXPECT_TRUE(RunStep(*client_, {tokens}, mask, 160, options).ok());
+}
+
 TEST_F(ClientTest, InfoAndHealth) {
   absl::StatusOr<v1::ServerInfo> info = client_->Info();
   ASSERT_TRUE(info.ok()) << info.status();

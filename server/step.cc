@@ -1,0 +1,324 @@
+#include "server/step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/dtype.h"
+#include "kernels/layout.h"
+#include "kernels/pack.h"
+#include "kernels/status_macros.h"
+#include "proto/tensor_codec.h"
+#include "server/pack_reply.h"
+
+namespace packd {
+namespace {
+
+// Bytes of one [B, S] position of `x` ([B, S, *tail]).
+int64_t PositionBytes(const TensorView& x) {
+  int64_t w = ItemSize(x.dtype);
+  for (size_t d = 2; d < x.shape.size(); ++d) w *= x.shape[d];
+  return w;
+}
+
+absl::Status InHostMemory(const TensorView& t, absl::string_view field) {
+  if (t.device.kind == DeviceKind::kCpu) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      field, " is in a device region on ", t.device.ToString(),
+      "; PackMicroBatches reads the batch in host memory (inline or "
+      "shared-memory handles): for a batch on the GPU, plan with "
+      "PlanMicroBatches and Pack each micro-batch"));
+}
+
+// Metadata bytes of a PackResponse besides its tensors, at most: prefix
+// arrays, last_index, position ids, seq_idx (varints of up to 10 bytes).
+int64_t MetadataBytes(const v1::PackRequest& batch, int64_t rows,
+                      int64_t samples, int64_t sequences) {
+  int64_t per_row = 0;
+  if (batch.with_position_ids()) per_row += 10;
+  if (batch.with_seq_idx()) per_row += 10;
+  return 64 + rows * per_row + 20 * (samples + 1) + 40 * (sequences + 1);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
+    const Wire<v1::PackMicroBatchesRequest>& request,
+    const RequestDecoder& decoder, int64_t max_message_bytes,
+    const Planner& plan) {
+  const v1::PackMicroBatchesRequest& message = request.message();
+  const v1::PlanRequest& asked = message.plan();
+  auto must_be_empty = [](const char* field) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan.", field,
+        " must be empty: packd measures every row of the batch itself"));
+  };
+  if (asked.lengths_size() > 0) return must_be_empty("lengths");
+  if (asked.loss_tokens_size() > 0) return must_be_empty("loss_tokens");
+  if (asked.costs_size() > 0) return must_be_empty("costs");
+  if (asked.pad_multiple() != 0) {
+    return absl::InvalidArgumentError(
+        "plan.pad_multiple must be 0: rows are measured with the batch's own "
+        "layout (batch.pad_multiple)");
+  }
+  for (const auto& [value, field] :
+       {std::pair<double, const char*>{asked.cost_per_token(),
+                                       "cost_per_token"},
+        {asked.cost_per_token_squared(), "cost_per_token_squared"}}) {
+    if (!std::isfinite(value) || value < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan.", field, " is ", value, "; it must be finite and >= 0"));
+    }
+  }
+  if (message.batch().outputs_size() > 0) {
+    return absl::InvalidArgumentError(
+        "batch.outputs must be empty: micro-batches come back in the stream");
+  }
+  auto step = std::unique_ptr<TrainingStep>(
+      new TrainingStep(message.batch(), max_message_bytes));
+  PACKD_ASSIGN_OR_RETURN(step->call_,
+                         decoder.Decode(message.batch(), request, "batch."));
+  PACKD_RETURN_IF_ERROR(InHostMemory(step->call_.mask, "batch.mask"));
+  for (size_t i = 0; i < step->call_.tensors.size(); ++i) {
+    PACKD_RETURN_IF_ERROR(InHostMemory(step->call_.tensors[i],
+                                       absl::StrCat("batch.inputs[", i, "]")));
+  }
+  if (step->call_.segment_ids.has_value()) {
+    PACKD_RETURN_IF_ERROR(
+        InHostMemory(*step->call_.segment_ids, "batch.segment_ids"));
+  }
+  v1::PlanRequest filled = asked;
+  std::vector<std::vector<int64_t>> sequences;
+  PACKD_RETURN_IF_ERROR(
+      step->Measure(message.has_loss_mask() ? &message.loss_mask() : nullptr,
+                    decoder, &filled, &sequences));
+  if (absl::Status planned = plan(filled, &step->plan_); !planned.ok()) {
+    return absl::Status(
+        planned.code(),
+        absl::StrCat("planning the batch's rows (each row one sample): ",
+                     planned.message()));
+  }
+  PACKD_RETURN_IF_ERROR(step->Choose(message, sequences));
+  return step;
+}
+
+absl::Status TrainingStep::Measure(
+    const v1::Tensor* loss_mask, const RequestDecoder& decoder,
+    v1::PlanRequest* plan, std::vector<std::vector<int64_t>>* sequences) {
+  const TensorView& mask = call_.mask;
+  std::optional<TensorView> loss;
+  if (loss_mask != nullptr) {
+    PACKD_ASSIGN_OR_RETURN(
+        loss, decoder.DecodeTensor(*loss_mask, "loss_mask", &call_));
+    PACKD_RETURN_IF_ERROR(InHostMemory(*loss, "loss_mask"));
+    if (absl::MakeConstSpan(loss->shape) != absl::MakeConstSpan(mask.shape)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "loss_mask.shape ", ShapeString(loss->shape),
+          " must equal the batch's mask shape ", ShapeString(mask.shape)));
+    }
+  }
+  // One Pack of the loss mask (or the mask) on the host: the rows' active
+  // counts, their documents, and the loss mask's active values.
+  PackOptions measure;
+  measure.device = Device::Cpu();
+  measure.segment_ids = call_.segment_ids;
+  const TensorView counted = loss.has_value() ? *loss : mask;
+  PACKD_ASSIGN_OR_RETURN(PackResult r, Pack({counted}, mask, measure));
+  const int64_t B = mask.shape[0];
+  extents_.resize(B);
+  for (int64_t b = 0; b < B; ++b) extents_[b] = r.last_index[b] + 1;
+  sequences->assign(B, {});
+  if (call_.segment_ids.has_value()) {
+    for (size_t d = 0; d < r.doc_row.size(); ++d) {
+      (*sequences)[r.doc_row[d]].push_back(r.doc_cu_seqlens[d + 1] -
+                                           r.doc_cu_seqlens[d]);
+    }
+  } else {
+    for (int64_t b = 0; b < B; ++b) {
+      (*sequences)[b].push_back(r.cu_seqlens[b + 1] - r.cu_seqlens[b]);
+    }
+  }
+  const int64_t m = std::max<int64_t>(batch_.pad_multiple(), 1);
+  const int64_t c = std::max<int32_t>(batch_.cp_size(), 1);
+  const double a = plan->cost_per_token(), q = plan->cost_per_token_squared();
+  const bool by_tokens = a == 0 && q == 0;
+  const char* loss_bytes = loss.has_value()
+                               ? static_cast<const char*>(r.packed[0].view.data)
+                               : nullptr;
+  const int64_t loss_item = ItemSize(counted.dtype);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t padded = 0;
+    double cost = 0;
+    for (int64_t L : (*sequences)[b]) {
+      const double P = static_cast<double>((L + m - 1) / m * m);
+      padded += (L + m - 1) / m * m;
+      cost += by_tokens ? P : a * P + q * P * P;
+    }
+    plan->add_lengths(padded / c);
+    plan->add_costs(cost);
+    const int64_t active = r.cu_seqlens[b + 1] - r.cu_seqlens[b];
+    plan->add_loss_tokens(
+        loss_bytes == nullptr
+            ? active
+            : CountNonzero(counted.dtype,
+                           loss_bytes + r.cu_seqlens[b] * loss_item, active));
+  }
+  // The costs packd computed stand for the model.
+  plan->clear_cost_per_token();
+  plan->clear_cost_per_token_squared();
+  return absl::OkStatus();
+}
+
+absl::Status TrainingStep::Choose(
+    const v1::PackMicroBatchesRequest& request,
+    const std::vector<std::vector<int64_t>>& sequences) {
+  const int32_t ranks = std::max<int32_t>(request.plan().num_ranks(), 1);
+  absl::flat_hash_set<int32_t> wanted;
+  for (int i = 0; i < request.ranks_size(); ++i) {
+    const int32_t rank = request.ranks(i);
+    if (rank < 0 || rank >= ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranks[", i, "] is ", rank, "; the plan has ranks 0 .. ",
+                       ranks - 1, " (plan.num_ranks)"));
+    }
+    if (!wanted.insert(rank).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranks[", i, "] repeats rank ", rank));
+    }
+  }
+  LayoutOptions layout = DecodeLayout(batch_);
+  layout.max_rows = max_message_bytes_ / 8;
+  const TensorView& mask = call_.mask;
+  int64_t position_bytes = ItemSize(mask.dtype);  // gathered per position
+  if (call_.segment_ids.has_value()) {
+    position_bytes += ItemSize(call_.segment_ids->dtype);
+  }
+  int64_t row_bytes = 0;  // results per output row
+  for (const TensorView& x : call_.tensors) {
+    position_bytes += PositionBytes(x);
+    row_bytes += PositionBytes(x);
+  }
+  for (const v1::Shift& shift : batch_.shifts()) {
+    if (shift.input() >= 0 && shift.input() < batch_.inputs_size()) {
+      row_bytes += PositionBytes(call_.tensors[shift.input()]);
+    }
+  }
+  std::vector<int> index(ranks, 0);
+  for (const v1::MicroBatch& mb : plan_.micro_batches()) {
+    const int at = index[mb.rank()]++;
+    if (!wanted.empty() && !wanted.contains(mb.rank())) continue;
+    int64_t rows = 0;
+    std::vector<int64_t> starts = {0};
+    for (int64_t b : mb.samples()) {
+      for (int64_t L : sequences[b]) starts.push_back(starts.back() + L);
+    }
+    if (layout.fixed.any()) {
+      // `fixed` applies to each micro-batch: every one must fit it.
+      absl::StatusOr<Layout> laid = MakeLayout(starts, layout, false);
+      if (!laid.ok()) {
+        return absl::Status(
+            laid.status().code(),
+            absl::StrCat("micro-batch ", at, " of rank ", mb.rank(), ": ",
+                         laid.status().message()));
+      }
+      rows = laid->rows();
+    } else {
+      const int64_t m = std::max<int64_t>(batch_.pad_multiple(), 1);
+      const int64_t c = std::max<int32_t>(batch_.cp_size(), 1);
+      for (size_t k = 1; k < starts.size(); ++k) {
+        rows += (starts[k] - starts[k - 1] + m - 1) / m * m / c;
+      }
+    }
+    const int64_t sequence_count = static_cast<int64_t>(starts.size()) - 1;
+    const int64_t reply =
+        rows * row_bytes +
+        MetadataBytes(batch_, rows, mb.samples_size(), sequence_count);
+    if (reply > max_message_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "micro-batch ", at, " of rank ", mb.rank(), " would be about ", reply,
+          " bytes, over the server's limit of ", max_message_bytes_,
+          " bytes (--max_message_bytes): lower "
+          "plan.max_tokens_per_micro_batch"));
+    }
+    const int64_t gathered = mb.samples_size() * mask.shape[1] * position_bytes;
+    max_micro_batch_bytes_ = std::max(max_micro_batch_bytes_, gathered + reply);
+    sent_.push_back(Sent{&mb, at});
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorView> TrainingStep::GatherRows(
+    const TensorView& x, absl::Span<const int64_t> rows,
+    const std::vector<int64_t>* extents, std::vector<Buffer>* held) const {
+  TensorView out = x;
+  out.shape[0] = static_cast<int64_t>(rows.size());
+  out.device = Device::Cpu();
+  const int64_t position = PositionBytes(x);
+  const int64_t row = x.shape[1] * position;
+  const int64_t bytes = out.nbytes();
+  if (bytes == 0) {
+    out.data = nullptr;
+    return out;
+  }
+  PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                         HostBufferPool::Global().Acquire(bytes));
+  char* dst = static_cast<char*>(buffer.data());
+  const char* src = static_cast<const char*>(x.data);
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const int64_t n = extents != nullptr ? (*extents)[rows[j]] * position : row;
+    std::memcpy(dst + j * row, src + rows[j] * row, n);
+  }
+  out.data = dst;
+  held->push_back(std::move(buffer));
+  return out;
+}
+
+absl::Status TrainingStep::PackMicroBatch(
+    size_t k, Wire<v1::PackMicroBatchesResponse>* response,
+    std::vector<Buffer>* buffers) const {
+  const Sent& sent = sent_[k];
+  const v1::MicroBatch& mb = *sent.micro_batch;
+  const absl::Span<const int64_t> rows(mb.samples().data(), mb.samples_size());
+  // The rows in plan order, as a batch of their own: only the positions that
+  // can reach the result when the host packs (Backend::Gather reads active
+  // positions only), whole rows when a GPU does.
+  const std::vector<int64_t>* extents =
+      call_.device.kind == DeviceKind::kCpu ? &extents_ : nullptr;
+  std::vector<Buffer> gathered;
+  PACKD_ASSIGN_OR_RETURN(TensorView mask,
+                         GatherRows(call_.mask, rows, nullptr, &gathered));
+  std::vector<TensorView> inputs;
+  for (const TensorView& x : call_.tensors) {
+    PACKD_ASSIGN_OR_RETURN(TensorView v,
+                           GatherRows(x, rows, extents, &gathered));
+    inputs.push_back(std::move(v));
+  }
+  std::optional<TensorView> segment_ids;
+  if (call_.segment_ids.has_value()) {
+    PACKD_ASSIGN_OR_RETURN(
+        segment_ids, GatherRows(*call_.segment_ids, rows, nullptr, &gathered));
+  }
+  v1::PackMicroBatchesResponse* message = &response->message();
+  message->set_rank(mb.rank());
+  message->set_index(sent.index);
+  *message->mutable_samples() = mb.samples();
+  v1::PackResponse* packed = message->mutable_packed();
+  const ResultSlot slot = PackSlots(packed, inputs.size());
+  CallOptions base;
+  base.device = call_.device;
+  base.allocate = IntoReply(response, slot, buffers, max_message_bytes_,
+                            RequestDecoder::kBytesPerMaskRow *
+                                (static_cast<int64_t>(rows.size()) + 1));
+  PACKD_ASSIGN_OR_RETURN(
+      PackResult result,
+      Pack(inputs, mask,
+           PackOptionsOf(batch_, base, segment_ids, max_message_bytes_)));
+  EncodeResults(SetPackResponse(std::move(result), packed), {}, slot);
+  return absl::OkStatus();
+}
+
+}  // namespace packd

@@ -1,0 +1,99 @@
+// TrainingStep: the work of a PackMicroBatches call (docs/design.md §12),
+// without gRPC. The batch is decoded once; each row is measured as the layout
+// lays it out (its length: the rows its sequences take, padded, on this CP
+// rank; its cost: the cost model summed over its sequences, which attention
+// runs over separately; its loss tokens: positions active in the mask and in
+// loss_mask); the rows are planned into micro-batches (planner/planner.h);
+// and each micro-batch is packed on its own, exactly as Pack packs its rows
+// gathered in plan order, with the batch's options.
+//
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(auto step, TrainingStep::Make(request, decoder, limit, plan));
+//   send(step->plan());
+//   for (size_t k = 0; k < step->size(); ++k) step->PackMicroBatch(k, &reply, &buffers);
+// clang-format on
+#ifndef PACKD_SERVER_STEP_H_
+#define PACKD_SERVER_STEP_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/buffer.h"
+#include "packd/v1/pack_service.pb.h"
+#include "proto/wire.h"
+#include "server/request_decoder.h"
+
+namespace packd {
+
+class TrainingStep {
+ public:
+  // How the server plans: PlanMicroBatches' work on a filled PlanRequest.
+  using Planner =
+      std::function<absl::Status(const v1::PlanRequest&, v1::PlanResponse*)>;
+
+  // Decodes and checks `request` (which must outlive the step), measures its
+  // rows and plans them. Errors: Pack's and Plan's; INVALID_ARGUMENT for batch
+  // outputs, for plan fields packd measures itself (lengths, loss_tokens,
+  // costs, pad_multiple), a negative cost model, a loss_mask not of the mask's
+  // shape, ranks outside the plan or repeated, and a micro-batch that `fixed`
+  // does not hold; RESOURCE_EXHAUSTED for a micro-batch whose message would
+  // pass `max_message_bytes`; UNIMPLEMENTED for batch tensors in device
+  // regions (the batch is read in host memory).
+  static absl::StatusOr<std::unique_ptr<TrainingStep>> Make(
+      const Wire<v1::PackMicroBatchesRequest>& request,
+      const RequestDecoder& decoder, int64_t max_message_bytes,
+      const Planner& plan);
+
+  const v1::PlanResponse& plan() const { return plan_; }
+  // The micro-batches sent (those of the ranks asked), in order.
+  size_t size() const { return sent_.size(); }
+  // The most bytes one micro-batch makes the server hold while it is packed
+  // and sent: its rows gathered, then its results.
+  int64_t max_micro_batch_bytes() const { return max_micro_batch_bytes_; }
+  // Packs sent micro-batch k into `response` (rank, index, samples, packed),
+  // its results in pooled buffers that `buffers` keeps, carried by the
+  // response without a copy. Safe to call from several threads at once.
+  absl::Status PackMicroBatch(size_t k,
+                              Wire<v1::PackMicroBatchesResponse>* response,
+                              std::vector<Buffer>* buffers) const;
+
+ private:
+  struct Sent {
+    const v1::MicroBatch* micro_batch;
+    int index;  // position in its rank
+  };
+
+  TrainingStep(const v1::PackRequest& batch, int64_t max_message_bytes)
+      : batch_(batch), max_message_bytes_(max_message_bytes) {}
+  // Measures the rows and fills the plan request's lengths, loss tokens and
+  // costs; `sequences` gets each row's real sequence lengths.
+  absl::Status Measure(const v1::Tensor* loss_mask,
+                       const RequestDecoder& decoder, v1::PlanRequest* plan,
+                       std::vector<std::vector<int64_t>>* sequences);
+  // Chooses the micro-batches sent and checks each against the layout and
+  // the message limit.
+  absl::Status Choose(const v1::PackMicroBatchesRequest& request,
+                      const std::vector<std::vector<int64_t>>& sequences);
+  // A view of rows `rows` of `x` ([B, S, ...]) gathered into a pooled buffer
+  // (`extents`: only positions [0, extents[b]) of row b), kept in `held`.
+  absl::StatusOr<TensorView> GatherRows(const TensorView& x,
+                                        absl::Span<const int64_t> rows,
+                                        const std::vector<int64_t>* extents,
+                                        std::vector<Buffer>* held) const;
+
+  const v1::PackRequest& batch_;
+  const int64_t max_message_bytes_;
+  DecodedCall call_;
+  // Per row: one past its last active position.
+  std::vector<int64_t> extents_;
+  v1::PlanResponse plan_;
+  std::vector<Sent> sent_;
+  int64_t max_micro_batch_bytes_ = 0;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_STEP_H_
