@@ -394,8 +394,10 @@ class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
     TakeOver(this);
     std::optional<absl::Status> finish;
     bool write = false, prepare = false;
+    std::unique_ptr<Message> written;  // let go of once unlocked
     {
       absl::MutexLock lock(&mu_);
+      written = std::move(current_);
       writing_ = false;
       if (!ok && failure_.ok()) {
         failure_ = absl::CancelledError(
@@ -479,9 +481,15 @@ class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
     }
   }
 
+  // A message to send; one of a micro-batch counts in the metrics' gauge of
+  // micro-batches held until it has been written (or dropped).
   struct Message {
+    ~Message() {
+      if (held != nullptr) held->HoldMicroBatches(-1);
+    }
     grpc::ByteBuffer buffer;
     int64_t bytes = 0;
+    Metrics* held = nullptr;
   };
 
   // Message k: the plan, or micro-batch k - 1 packed.
@@ -499,6 +507,10 @@ class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
         service_->decoder_.CheckSize("response", spliced.size()));
     out->buffer = ToByteBuffer(spliced, reply);
     out->bytes = spliced.size();
+    if (k > 0) {
+      out->held = &service_->metrics_;
+      out->held->HoldMicroBatches(1);
+    }
     return absl::OkStatus();
   }
 

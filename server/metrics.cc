@@ -103,7 +103,12 @@ std::string Metrics::Render(int64_t regions, int64_t regions_expired,
       regions_expired, "\n",
       "# HELP packd_calls_in_flight Pack and Scatter calls running.\n"
       "# TYPE packd_calls_in_flight gauge\npackd_calls_in_flight ",
-      calls_in_flight, "\n");
+      calls_in_flight, "\n",
+      "# HELP packd_step_micro_batches_held Micro-batches PackMicroBatches "
+      "calls hold packed, not yet sent (at most two per call).\n"
+      "# TYPE packd_step_micro_batches_held gauge\n"
+      "packd_step_micro_batches_held ",
+      micro_batches_held_.load(), "\n");
   return out;
 }
 

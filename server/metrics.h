@@ -38,6 +38,10 @@ class Metrics {
               absl::Duration latency, uint64_t request_bytes,
               uint64_t response_bytes);
 
+  // A PackMicroBatches call packed a micro-batch (+1) or its message left
+  // (-1): the micro-batches the server holds packed, over every call.
+  void HoldMicroBatches(int64_t delta) { micro_batches_held_ += delta; }
+
   // Prometheus text exposition (version 0.0.4) of everything recorded, plus the
   // gauges given.
   std::string Render(int64_t regions, int64_t regions_expired,
@@ -52,6 +56,7 @@ class Metrics {
   };
   mutable absl::Mutex mu_;
   std::map<std::string, PerMethod> methods_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> micro_batches_held_{0};
 };
 
 // A minimal HTTP/1.0 endpoint: GET /metrics answers with `render()`, anything

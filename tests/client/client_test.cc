@@ -614,6 +614,64 @@ TEST_F(ClientTest, PackMicroBatchesWithALayoutAreTheirRowsPacked) {
   EXPECT_TRUE(RunStep(*client_, {tokens}, mask, 160, options).ok());
 }
 
+// packd_step_micro_batches_held from a server's metrics, -1 when absent.
+int64_t MicroBatchesHeld(const std::string& metrics) {
+  const std::string text = testing::HttpGet(metrics, "/metrics");
+  const std::string name = "\npackd_step_micro_batches_held ";
+  const size_t at = text.find(name);
+  return at == std::string::npos ? -1
+                                 : std::stoll(text.substr(at + name.size()));
+}
+
+// Backpressure is the stream's: while the reader is slow, the server holds at
+// most two packed micro-batches (the one being sent and the next), not the
+// step; once it has read them all, none.
+TEST(ClientStep, ASlowReaderHoldsTheServerToTwoMicroBatches) {
+  auto server = ServerProcess::Start({"--metrics_listen=127.0.0.1:0"});
+  ASSERT_NE(server, nullptr);
+  const std::string metrics = server->MetricsAddress();
+  ASSERT_FALSE(metrics.empty()) << server->Log();
+  ClientOptions options;
+  options.address = server->address();
+  std::unique_ptr<Client> client = std::move(*Client::Connect(options));
+  const int64_t B = 96, S = 4096;
+  const at::Tensor mask = at::ones({B, S}, at::kBool);
+  const at::Tensor tokens = at::randint(0, 1000, {B, S}, at::kLong);
+  const at::Tensor x = at::randn({B, S, 16});  // 2.3 MiB per 8 rows
+  StepCallOptions step;
+  int received = 0;
+  std::vector<int64_t> held;
+  absl::Status status = client->PackMicroBatches(
+      {tokens, x}, mask, 8 * S, step,
+      [](const v1::PlanResponse& plan) {
+        EXPECT_EQ(plan.micro_batches_size(), 12);
+        return absl::OkStatus();
+      },
+      [&](StepMicroBatch mb) {
+        if (++received <= 4) {
+          absl::SleepFor(absl::Milliseconds(received == 1 ? 400 : 100));
+          held.push_back(MicroBatchesHeld(metrics));
+        }
+        EXPECT_TRUE(SameBytes(testing::ReferencePack(RowsOf(x, mb.samples),
+                                                     RowsOf(mask, mb.samples)),
+                              mb.batch.packed[1]));
+        return absl::OkStatus();
+      });
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(received, 12);
+  ASSERT_EQ(held.size(), 4u);
+  for (int64_t n : held) {
+    EXPECT_GE(n, 1);  // it packs ahead
+    EXPECT_LE(n, 2);  // and no further
+  }
+  int64_t after = MicroBatchesHeld(metrics);
+  for (int i = 0; i < 100 && after != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+    after = MicroBatchesHeld(metrics);
+  }
+  EXPECT_EQ(after, 0);
+}
+
 TEST_F(ClientTest, InfoAndHealth) {
   absl::StatusOr<v1::ServerInfo> info = client_->Info();
   ASSERT_TRUE(info.ok()) << info.status();

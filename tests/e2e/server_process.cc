@@ -252,4 +252,33 @@ std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel,
       response.status());
 }
 
+std::string ServerProcess::MetricsAddress() const {
+  const std::string log = LogOnce("metrics on http://");
+  const size_t at = log.find("metrics on http://");
+  if (at == std::string::npos) return "";
+  const size_t begin = at + 18;
+  return log.substr(begin, log.find("/metrics", begin) - begin);
+}
+
+std::string HttpGet(const std::string& address, const std::string& path) {
+  const size_t colon = address.rfind(':');
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(std::stoi(address.substr(colon + 1)));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "connect failed";
+  }
+  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\n\r\n");
+  send(fd, request.data(), request.size(), 0);
+  std::string response;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) response.append(buf, n);
+  close(fd);
+  return response;
+}
+
 }  // namespace packd::testing

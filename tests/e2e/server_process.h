@@ -60,6 +60,9 @@ class ServerProcess {
   // turns ready) or `timeout` has passed.
   std::string LogOnce(absl::string_view text,
                       absl::Duration timeout = absl::Seconds(10)) const;
+  // "HOST:PORT" of the metrics endpoint of a server started with
+  // --metrics_listen, from its log; empty when it has none.
+  std::string MetricsAddress() const;
 
  private:
   ServerProcess() = default;
@@ -84,6 +87,9 @@ class ServerProcess {
 // range: no other process is given it while a test's server restarts on it
 // (bind to port 0 and connect() take ports from that range).
 int UnusedPort();
+
+// GET `path` from the HTTP endpoint at "HOST:PORT"; the whole response.
+std::string HttpGet(const std::string& address, const std::string& path);
 
 // Runs `command` in a shell with stderr joined to stdout, which it leaves in
 // `*output`; its exit code, or -1 if it did not exit normally.

@@ -36,6 +36,7 @@ namespace packd {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::HttpGet;
 using testing::Rng;
 using testing::SameTensor;
 using testing::ServerProcess;
@@ -853,37 +854,11 @@ TEST(ServiceShutdown, SigtermDrainsACallInFlightAndExitsZero) {
   EXPECT_THAT(server->Log(), HasSubstr("draining"));
 }
 
-// GET `path` from the HTTP endpoint at "HOST:PORT"; returns the whole response.
-std::string HttpGet(const std::string& address, const std::string& path) {
-  const size_t colon = address.rfind(':');
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(std::stoi(address.substr(colon + 1)));
-  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "connect failed";
-  }
-  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\n\r\n");
-  send(fd, request.data(), request.size(), 0);
-  std::string response;
-  char buf[4096];
-  ssize_t n;
-  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) response.append(buf, n);
-  close(fd);
-  return response;
-}
-
 TEST(ServiceMetrics, PrometheusTextCountsCallsByMethodAndCode) {
   auto server = ServerProcess::Start({"--metrics_listen=127.0.0.1:0"});
   ASSERT_NE(server, nullptr);
-  const std::string log = server->LogOnce("metrics on http://");
-  const size_t at = log.find("metrics on http://");
-  ASSERT_NE(at, std::string::npos) << log;
-  const size_t begin = at + 18;
-  const std::string metrics =
-      log.substr(begin, log.find("/metrics", begin) - begin);
+  const std::string metrics = server->MetricsAddress();
+  ASSERT_FALSE(metrics.empty()) << server->Log();
 
   auto stub = v1::PackService::NewStub(server->Channel());
   v1::PackRequest good;
