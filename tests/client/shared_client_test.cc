@@ -116,9 +116,9 @@ Case RandomCase(Rng& rng, int64_t bytes, bool floating) {
 
 // 8 threads share one client and mix every path (inline, split into parts
 // over 3 connections, shared-memory scratch) with Pack, Scatter, a
-// differentiable Pack and a layout Pack; every result equals torch's, byte for
-// byte. Before each call had its own scratch segment, 95 of 117 such calls
-// returned another thread's rows or were refused.
+// differentiable Pack, a layout Pack, a plan and a streamed step; every result
+// equals torch's, byte for byte. Before each call had its own scratch segment,
+// 95 of 117 such calls returned another thread's rows or were refused.
 TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
   ClientOptions options;
   options.address = server_->address();
@@ -141,7 +141,7 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
                               : path == Path::kSplit
                                   ? 14 << 10
                                   : (40 << 10) + rng.Next() % (400 << 10);
-        const int op = rng.Next() % 5;
+        const int op = rng.Next() % 6;
         Case c = RandomCase(rng, bytes, /*floating=*/op == 2);
         const int64_t total = 2 * c.x.nbytes() + c.mask.nbytes();
         const Path taken = total >= kShmBytes     ? Path::kSharedMemory
@@ -175,6 +175,26 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
           EXPECT_TRUE(SameBytes(
               testing::ReferenceScatter(packed, c.mask, c.x.sizes().vec()),
               (*dense)[0]));
+        } else if (op == 5) {
+          // A streamed step: each micro-batch is torch's pack of its rows,
+          // and every row comes once.
+          StepCallOptions o;
+          o.plan.num_ranks = 1 + rng.Next() % 3;
+          std::vector<int> seen(c.x.size(0), 0);
+          const absl::Status step = client->PackMicroBatches(
+              {c.x}, c.mask, 8 + rng.Next() % 56, o,
+              [](const v1::PlanResponse&) { return absl::OkStatus(); },
+              [&](StepMicroBatch mb) {
+                const at::Tensor rows = at::tensor(mb.samples, at::kLong);
+                EXPECT_TRUE(SameBytes(
+                    testing::ReferencePack(c.x.index_select(0, rows),
+                                           c.mask.index_select(0, rows)),
+                    mb.batch.packed[0]));
+                for (int64_t b : mb.samples) ++seen[b];
+                return absl::OkStatus();
+              });
+          ASSERT_TRUE(step.ok()) << step;
+          EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), c.x.size(0));
         } else if (op == 4) {
           // A plan by cost with groups and padding: the library's plan of
           // the same request, micro-batch for micro-batch.

@@ -473,3 +473,78 @@ def test_tls_and_mutual_tls(tmp_path):
     with pytest.raises(packd.PackdError) as unreadable:
         packd.Client("unix:/nowhere", tls_ca_file=cert("missing.pem"))
     assert unreadable.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _step_rows(t, rows):
+    return t[torch.tensor(rows, dtype=torch.long)]
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["inline", "shared_memory"])
+def test_pack_micro_batches_are_their_rows_packed(address, shm):
+    """Every dtype, fresh data, documents, padding and shifted labels: each micro-batch is
+    exactly pack() of its rows in plan order (torch's boolean pack without the layout), every
+    row comes once, and the plan's loss tokens count both masks."""
+    with packd.Client(address, shm_threshold_bytes=1 if shm else 0) as client:
+        B, S = 21, 53
+        mask = torch.rand(B, S) < 0.7
+        segments = torch.randint(0, 3, (B, S)).cumsum(1)
+        loss_mask = torch.rand(B, S) < 0.5
+        xs = [random_tensor(dtype, (B, S, 2)) for dtype in DTYPES]
+        tokens = torch.randint(0, 1000, (B, S))
+        step = client.pack_micro_batches(
+            [tokens] + xs, mask, 96, num_ranks=3, loss_mask=loss_mask, segment_ids=segments,
+            cost=(8, 1), with_position_ids=True, shifts=[(0, -100)])
+        assert step.plan.global_loss_tokens == int((mask & loss_mask).sum())
+        seen = []
+        got = list(step)
+        assert [(m.rank, m.index) for m in got] == [
+            (mb.rank, i % step.plan.micro_batches_per_rank)
+            for i, mb in enumerate(step.plan.micro_batches)]
+        for mb, planned in zip(got, step.plan.micro_batches):
+            assert mb.samples == planned.samples
+            seen += mb.samples
+            m = _step_rows(mask, mb.samples)
+            for x, packed in zip(xs, mb.result.packed[1:]):
+                assert same(_step_rows(x, mb.samples)[m], packed)
+            expected = client.pack([_step_rows(tokens, mb.samples)], m,
+                                   segment_ids=_step_rows(segments, mb.samples),
+                                   with_position_ids=True, shifts=[(0, -100)])
+            assert torch.equal(mb.result.packed[0], expected.packed[0])
+            assert torch.equal(mb.result.shifted[0], expected.shifted[0])
+            assert torch.equal(mb.result.position_ids, expected.position_ids)
+            assert torch.equal(mb.result.doc_cu_seqlens, expected.doc_cu_seqlens)
+            assert planned.loss_tokens == int((m & _step_rows(loss_mask, mb.samples)).sum())
+        assert sorted(seen) == list(range(B))
+
+
+def test_pack_micro_batches_padding_ranks_and_errors(client):
+    B, S = 12, 40
+    mask = torch.rand(B, S) < 0.8
+    tokens = torch.randint(0, 100, (B, S))
+    step = client.pack_micro_batches(tokens, mask, 64, num_ranks=2, ranks=[1],
+                                     micro_batch_multiple=2, pad_multiple=8,
+                                     fixed=(64, 0, 0))
+    got = list(step)
+    assert got and all(mb.rank == 1 for mb in got)
+    assert len(got) == step.plan.micro_batches_per_rank
+    for mb in got:
+        # fixed applies to each micro-batch, empty ones included (all ghost).
+        assert mb.result.packed.shape == (64,)
+        planned = [p for p in step.plan.micro_batches if p.samples == mb.samples][0]
+        assert planned.padded_tokens == sum(
+            (int(n) + 7) // 8 * 8 for n in _step_rows(mask, mb.samples).sum(1))
+    for kwargs, needle in [(dict(ranks=[2], num_ranks=2), "ranks[0] is 2"),
+                           (dict(loss_mask=torch.ones(B, S + 1)), "loss_mask.shape"),
+                           (dict(fixed=(16, 0, 0)), "fixed.tokens"),
+                           (dict(cost=(-1.0, 0)), "plan.cost_per_token")]:
+        with pytest.raises(packd.PackdError) as e:
+            list(client.pack_micro_batches(tokens, mask, 64, **kwargs))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert isinstance(e.value, ValueError)
+        assert needle in e.value.details
+    with pytest.raises(ValueError, match="host memory"):
+        client.pack_micro_batches(tokens.to("meta"), mask, 64)
+    # Closing a step early cancels the rest; the server goes on serving.
+    with client.pack_micro_batches(tokens, mask, 16) as step:
+        next(iter(step))
+    assert len(list(client.pack_micro_batches(tokens, mask, 64))) >= 1

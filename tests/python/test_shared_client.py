@@ -47,7 +47,7 @@ def _case(rng, nbytes, dtypes):
 def test_threads_sharing_one_client_each_get_their_own_results(address):
     """8 threads share one client and mix every path (inline, split into parts over 3
     connections, shared-memory scratch) with pack, scatter, a differentiable pack, a layout
-    pack and a plan by cost; every result equals torch's, byte for byte. Before each call had its own scratch segment, most
+    pack, a plan by cost and a streamed step; every result equals torch's, byte for byte. Before each call had its own scratch segment, most
     such calls returned another thread's rows or were refused."""
     seed = random.randrange(1 << 30)
     print("seed", seed)
@@ -75,7 +75,7 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
             path = rng.choice(["inline", "split", "shm"])
             nbytes = {"inline": 4 << 10, "split": 14 << 10,
                       "shm": (40 << 10) + rng.randrange(400 << 10)}[path]
-            kind = rng.choice(["pack", "scatter", "grad", "layout", "plan"])
+            kind = rng.choice(["pack", "scatter", "grad", "layout", "plan", "step"])
             x, mask = _case(rng, nbytes, FLOATS if kind == "grad" else DTYPES)
             active = mask != 0
             total = 2 * x.numel() * x.element_size() + mask.numel() * mask.element_size()
@@ -96,6 +96,16 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                     rows, shifted, *_ = reference_layout(mask, None, 4, 2, rank)
                     assert same(gathered(x, rows, 0), r.packed), where
                     assert same(gathered(x, shifted, 0), r.shifted[0]), where
+                elif kind == "step":  # a streamed step: each micro-batch is its rows packed
+                    step = client.pack_micro_batches(x, mask, rng.randint(8, 64),
+                                                     num_ranks=rng.randint(1, 3))
+                    rows_seen = []
+                    for mb in step:
+                        rows = torch.tensor(mb.samples, dtype=torch.long)
+                        assert same(bits(x)[rows][active[rows]].view(x.dtype),
+                                    mb.result.packed), where
+                        rows_seen += mb.samples
+                    assert sorted(rows_seen) == list(range(x.shape[0])), where
                 elif kind == "plan":
                     lengths, kwargs, want = rng.choice(plans)
                     assert client.plan_micro_batches(lengths, 16384, **kwargs) == want, where
