@@ -14,7 +14,7 @@ TSAN_DIR ?= build-tsan
 TSAN_TESTS = server_regions_test memory_budget_test regions_test service_test soak_test \
   shared_client_test client_fake_gpu_test
 
-.PHONY: all deps configure build test run bench image check-image fuzz tsan clean format
+.PHONY: all deps configure build test run bench bench-step image check-image fuzz tsan clean format
 
 all: build
 
@@ -37,6 +37,12 @@ run: build
 
 bench: build
 	$(BUILD_DIR)/bin/bench_pack
+
+# A training step's preparation three ways (benchmarks/bench_step.py): PackMicroBatches, a plan
+# and a Pack per micro-batch, and verl's way in torch; through handles and inline.
+bench-step: build
+	cd $(BUILD_DIR) && ctest -R python_install > /dev/null && \
+	  venv/bin/python $(CURDIR)/benchmarks/bench_step.py --packd bin/packd
 
 # The server image (Dockerfile; a running Docker daemon), and its end-to-end check.
 IMAGE ?= packd:latest

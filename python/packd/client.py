@@ -8,6 +8,7 @@ import time
 from typing import List, Optional, Sequence, Union
 
 import grpc
+import numpy
 import torch
 
 from packd import _device, _memory, _tensors, _wire
@@ -382,6 +383,7 @@ class Client:
                        ("grpc.max_receive_message_length", limit),
                        ("grpc.initial_reconnect_backoff_ms", int(_INITIAL_BACKOFF * 1000)),
                        ("grpc.max_reconnect_backoff_ms", int(_MAX_BACKOFF * 1000)),
+                       ("grpc.http2.lookahead_bytes", 64 << 20),
                        ("packd.connection", i)] + extra
             if credentials is None:
                 made = grpc.insecure_channel(address, options=options)
@@ -575,7 +577,8 @@ class Client:
             got = scratch.allocate(src.numel())
             if got is not None:
                 offset, dst = got
-                dst.copy_(src)
+                # numpy's copy of bytes runs at memcpy's speed, torch's uint8 copy_ at half.
+                numpy.copyto(dst.numpy(), src.numpy())
                 header.region.CopyFrom(scratch.slice(offset, src.numel()))
                 outgoing.add(number, header)
                 return
