@@ -992,7 +992,7 @@ TEST(Tools, HelpNamesEveryCommandAndTheFlagsWithoutBuildPaths) {
   std::string out;
   Packctl("--help", &out);
   for (const char* command :
-       {"health", "info", "probe", "pack", "bench", "plan"}) {
+       {"health", "info", "probe", "pack", "bench", "plan", "step"}) {
     EXPECT_THAT(out, HasSubstr(absl::StrCat("\n  ", command, " "))) << command;
     EXPECT_THAT(out, HasSubstr(absl::StrCat("packctl ", command)))
         << "an example of " << command;
@@ -1071,6 +1071,19 @@ TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
   EXPECT_EQ(Packctl(at + "plan --distribution=zipf", &out), 2) << out;
   EXPECT_EQ(Packctl(at + "plan --cost=24576", &out), 2) << out;
   EXPECT_THAT(out, HasSubstr("--cost must be A,B"));
+  // A step: the plan, its picture, every micro-batch's token ids checked.
+  EXPECT_EQ(Packctl(at + "step --batch=32,512 --ranks=2 --max_tokens=2048 "
+                         "--cost=1024,1",
+                    &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("batch 32 x 512"));
+  EXPECT_THAT(out, HasSubstr("rank 1    |"));
+  EXPECT_THAT(out, HasSubstr("rank 1   #0 "));
+  EXPECT_THAT(out, HasSubstr("micro-batches in"));
+  EXPECT_EQ(Packctl(at + "step --batch=32", &out), 2) << out;
+  EXPECT_THAT(out, HasSubstr("is not B,S"));
+  EXPECT_EQ(Packctl(at + "step --batch=4,8 --max_tokens=0", &out), 3) << out;
 
   const std::string input = ::testing::TempDir() + "/packctl_input.bin";
   {
