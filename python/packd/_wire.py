@@ -144,10 +144,9 @@ def _tensor(buf, start, end, tensor_type):
     offset, n = data if data is not None else (0, 0)
     if n == 0:
         return header, torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # The reply's buffer is immutable bytes that only this tensor refers to.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
+    # The reply's buffer is immutable bytes that only this tensor refers to (torch's warning
+    # about that is silenced once per message, in parse).
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if flat.data_ptr() % itemsize:
         flat = flat.clone()  # the dtype's alignment, which torch's kernels expect
@@ -175,7 +174,11 @@ def parser(message_type, tensor_type):
               if f.number not in tensor_fields and _holds_tensors(f.message_type)}
 
     def parse(buf, start=0, end=None):
-        reader = _Reader(buf, len(buf) if end is None else end)
+        if end is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return parse(buf, 0, len(buf))
+        reader = _Reader(buf, end)
         reader.at = start
         rest, tensors, headers = [], {}, []
         while reader.at < reader.end:
