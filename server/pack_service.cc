@@ -15,6 +15,7 @@
 #include "planner/planner.h"
 #include "proto/tensor_codec.h"
 #include "server/pack_reply.h"
+#include "server/step.h"
 
 #ifndef PACKD_VERSION
 #define PACKD_VERSION "unknown"
@@ -187,6 +188,31 @@ absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
   absl::Status size = decoder_.CheckSize("response", response->ByteSizeLong());
   if (!size.ok()) response->Clear();
   return size;
+}
+
+absl::Status PackServiceImpl::DoPackMicroBatches(
+    const v1::PackMicroBatchesRequest& request,
+    std::vector<v1::PackMicroBatchesResponse>* responses) {
+  PACKD_RETURN_IF_ERROR(decoder_.CheckSize("request", request.ByteSizeLong()));
+  Wire<v1::PackMicroBatchesRequest> wire;
+  wire.message() = request;
+  PACKD_ASSIGN_OR_RETURN(
+      std::unique_ptr<TrainingStep> step,
+      TrainingStep::Make(
+          wire, decoder_, options_.max_message_bytes,
+          [this](const v1::PlanRequest& plan, v1::PlanResponse* response) {
+            return DoPlan(plan, response);
+          }));
+  responses->emplace_back();
+  *responses->back().mutable_plan() = step->plan();
+  for (size_t k = 0; k < step->size(); ++k) {
+    Wire<v1::PackMicroBatchesResponse> reply;
+    std::vector<Buffer> buffers;
+    PACKD_RETURN_IF_ERROR(step->PackMicroBatch(k, &reply, &buffers));
+    reply.CopyPayloadsIntoData();
+    responses->push_back(std::move(reply.message()));
+  }
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::PlanMicroBatches(

@@ -128,6 +128,11 @@ class PackServiceImpl final
                          v1::ScatterResponse* response);
   absl::Status DoPlan(const v1::PlanRequest& request,
                       v1::PlanResponse* response);
+  // A PackMicroBatches call's messages, in order (the plan, then each
+  // micro-batch), for callers without gRPC (the fuzz target, tests).
+  absl::Status DoPackMicroBatches(
+      const v1::PackMicroBatchesRequest& request,
+      std::vector<v1::PackMicroBatchesResponse>* responses);
 
  private:
   template <typename Request>

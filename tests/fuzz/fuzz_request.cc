@@ -1,7 +1,9 @@
-// libFuzzer target: a whole Pack or Scatter request, bytes in, through what
-// the server does with it: the wire parser (split into two chunks where the
-// first byte says), the request decoder, the op on the host and the reply's
+// libFuzzer target: a whole Pack, Scatter or PackMicroBatches request, bytes
+// in, through what the server does with it: the wire parser (split into two
+// chunks where the first byte says), the request decoder, the op on the host
+// (a step: measured, planned, each micro-batch packed) and the reply's
 // encoding. Any crash, leak or sanitizer report is a bug; statuses are fine.
+// The first byte: bit 0 Scatter, else bit 7 PackMicroBatches, else Pack.
 #include <google/protobuf/stubs/logging.h>
 
 #include <cstddef>
@@ -30,10 +32,9 @@ packd::PackServiceImpl& Service() {
 
 // Parses `chunks` as a `Request` and, when that works, runs it through
 // `op` as protobuf would have parsed it.
-template <typename Request, typename Response>
+template <typename Request, typename Response, typename Service>
 void Run(absl::Span<const absl::string_view> chunks,
-         absl::Status (packd::PackServiceImpl::*op)(const Request&,
-                                                    Response*)) {
+         absl::Status (Service::*op)(const Request&, Response*)) {
   packd::Wire<Request> request;
   if (!request.Parse(chunks).ok()) return;
   request.CopyPayloadsIntoData();
@@ -54,6 +55,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       bytes.substr(std::min(cut, bytes.size()))};
   if (scatter) {
     Run(chunks, &packd::PackServiceImpl::DoScatter);
+  } else if (data[0] & 0x80) {
+    Run(chunks, &packd::PackServiceImpl::DoPackMicroBatches);
   } else {
     Run(chunks, &packd::PackServiceImpl::DoPack);
   }

@@ -548,3 +548,29 @@ def test_pack_micro_batches_padding_ranks_and_errors(client):
     with client.pack_micro_batches(tokens, mask, 16) as step:
         next(iter(step))
     assert len(list(client.pack_micro_batches(tokens, mask, 64))) >= 1
+
+
+def test_pack_micro_batches_goes_through_the_call_mechanism(tmp_path):
+    """A step is a call like Pack: it needs the token, and the memory budget refuses one that can
+    never fit (RESOURCE_EXHAUSTED naming the flag) while smaller steps run; it is counted."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("step-token\n")
+    with PackdServer(os.environ["PACKD_BINARY"], "--auth_token_file=%s" % tokens,
+                     "--max_inflight_bytes=4000000") as address:
+        mask = torch.ones(64, 1024, dtype=torch.bool)
+        x = torch.randn(64, 1024, 8)  # 2 MiB, its micro-batches more than the budget
+        with packd.Client(address, token_file=None, token_env="NO_SUCH_VARIABLE",
+                          shm_threshold_bytes=0) as anonymous:
+            with pytest.raises(packd.PackdError) as refused:
+                anonymous.pack_micro_batches(x, mask, 4096)
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with packd.Client(address, token_file=str(tokens), shm_threshold_bytes=0) as client:
+            with pytest.raises(packd.PackdError) as refused:
+                client.pack_micro_batches(x, mask, 64 * 1024)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max_inflight_bytes" in refused.value.details
+            step = client.pack_micro_batches(x[:8], mask[:8], 2048)
+            got = list(step)
+            assert len(got) == 4
+            for mb in got:
+                assert torch.equal(mb.result.packed, x[mb.samples][mask[mb.samples]])
