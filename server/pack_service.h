@@ -5,8 +5,10 @@
 // from the received slices with tensor bytes in place (proto/wire.h), decoded
 // (server/request_decoder.h), run by the op library on its device
 // (kernels/pack.h), and answered with slices that wrap the result buffers, or
-// with results written into region slices. The wire format is the protobuf
-// one: plain protobuf clients cannot tell. Region RPCs go to the
+// with results written into region slices. PackMicroBatches, a training step
+// (server/step.h), is served the same way and answers with a stream: the plan,
+// then each micro-batch packed. The wire format is the protobuf one: plain
+// protobuf clients cannot tell. Region RPCs go to the
 // RegionRegistry (server/regions.h). Every RPC goes through one call
 // mechanism (server/call.h: authentication, admission under the drain, the
 // guard, metrics, and packd's worker pool, where every handler runs); the
@@ -82,8 +84,8 @@ class PackServiceImpl final
  public:
   explicit PackServiceImpl(ServiceOptions options);
 
-  // From now on, Pack, Scatter and PlanMicroBatches calls get UNAVAILABLE;
-  // calls already admitted finish.
+  // From now on, Pack, Scatter, PlanMicroBatches and PackMicroBatches calls
+  // get UNAVAILABLE; calls already admitted finish.
   void StartDraining();
   // Waits until no admitted call is running or `deadline` passes. Returns true
   // when none is.

@@ -193,6 +193,67 @@ TEST_F(ServiceTest, ThirtyTwoMebibyteRequestOverGrpcsDefaultLimit) {
   EXPECT_TRUE(SameTensor(testing::ReferencePack(x, mask), response.packed(0)));
 }
 
+// PackMicroBatches through the generated stub, as a plain protobuf client
+// sees it: the plan alone first, then each micro-batch exactly Pack of its
+// rows; a reader that stops part way (cancels) or reads slowly leaves the
+// server serving; a plan field packd measures itself is INVALID_ARGUMENT.
+TEST_F(ServiceTest, PackMicroBatchesStreamsThePlanThenEachMicroBatch) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 40, S = 256;
+  const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, 8});
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kInt8, B, S, 0.6, MaskPattern::kHoles);
+  v1::PackMicroBatchesRequest request;
+  *request.mutable_batch()->mutable_mask() = ToProto(mask);
+  *request.mutable_batch()->add_inputs() = ToProto(x);
+  request.mutable_plan()->set_max_tokens_per_micro_batch(600);
+  request.mutable_plan()->set_num_ranks(2);
+  request.mutable_plan()->set_cost_per_token_squared(1);
+  for (int pass = 0; pass < 3; ++pass) {
+    grpc::ClientContext context;
+    auto reader = stub_->PackMicroBatches(&context, request);
+    v1::PackMicroBatchesResponse message;
+    ASSERT_TRUE(reader->Read(&message));
+    ASSERT_TRUE(message.has_plan());
+    EXPECT_FALSE(message.has_packed());
+    const v1::PlanResponse plan = message.plan();
+    ASSERT_GT(plan.micro_batches_size(), 3);
+    int k = 0;
+    while (reader->Read(&message)) {
+      const v1::MicroBatch& planned = plan.micro_batches(k++);
+      EXPECT_FALSE(message.has_plan());
+      EXPECT_EQ(message.rank(), planned.rank());
+      ASSERT_EQ(message.samples_size(), planned.samples_size());
+      const at::Tensor rows =
+          at::tensor(std::vector<int64_t>(message.samples().begin(),
+                                          message.samples().end()),
+                     at::kLong);
+      EXPECT_TRUE(SameTensor(testing::ReferencePack(x.index_select(0, rows),
+                                                    mask.index_select(0, rows)),
+                             message.packed().packed(0)));
+      if (pass == 0 && k == 1) context.TryCancel();  // a reader that stops
+      if (pass == 1) absl::SleepFor(absl::Milliseconds(20));  // a slow one
+    }
+    const grpc::Status status = reader->Finish();
+    if (pass == 0) {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+    } else {
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(k, plan.micro_batches_size());
+    }
+  }
+  ExpectStillServing();
+  v1::PackMicroBatchesRequest bad = request;
+  bad.mutable_plan()->add_lengths(1);
+  grpc::ClientContext context;
+  auto reader = stub_->PackMicroBatches(&context, bad);
+  v1::PackMicroBatchesResponse message;
+  EXPECT_FALSE(reader->Read(&message));
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("plan.lengths must be empty"));
+}
+
 TEST_F(ServiceTest, MalformedPackRequestsAreInvalidArgument) {
   const at::Tensor mask =
       at::tensor({1, 0, 1, 1, 0, 0, 1, 1}, at::kByte).view({2, 4});
