@@ -230,7 +230,8 @@ class BudgetedCall : public grpc::ServerGenericBidiReactor {
   // Serves the parsed call, with its memory held, and ends it with Done. On a
   // worker.
   virtual void Serve() = 0;
-  // Sends the reply of a call that succeeded and finishes (Done's last step).
+  // Sends the reply of a call that succeeded and finishes (Done's last step):
+  // HandOff(this), then the gRPC call, and nothing after it.
   virtual void FinishOk() = 0;
 
   // Finishes the call: with the reply when `status` is OK. Nothing may touch
@@ -240,12 +241,9 @@ class BudgetedCall : public grpc::ServerGenericBidiReactor {
     if (admitted_ && !status.ok()) service_->calls_.AfterFailure();
     service_->calls_.Record(method_, status.code(), start_, request_bytes_,
                             status.ok() ? response_bytes_ : 0);
-    HandOff(this);  // OnDone runs on one of gRPC's threads
-    if (status.ok()) {
-      FinishOk();
-    } else {
-      Finish(ToGrpcStatus(status));
-    }
+    if (status.ok()) return FinishOk();  // hands the reactor to gRPC itself
+    HandOff(this);                       // OnDone runs on one of gRPC's threads
+    Finish(ToGrpcStatus(status));
   }
 
   // Lets go of the request's bytes once they are no longer needed, rather
@@ -348,6 +346,7 @@ class InlineCall final : public BudgetedCall<Request> {
   }
 
   void FinishOk() override {
+    HandOff(this);  // OnDone runs on one of gRPC's threads
     this->StartWriteAndFinish(&response_, grpc::WriteOptions(),
                               grpc::Status::OK);
   }
@@ -442,7 +441,10 @@ class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
     PrepareNext();
   }
 
-  void FinishOk() override { Finish(grpc::Status::OK); }
+  void FinishOk() override {
+    HandOff(this);  // OnDone runs on one of gRPC's threads
+    Finish(grpc::Status::OK);
+  }
 
   // Makes message next_ (0: the plan), then writes it, or leaves it pending
   // while the previous one is written; goes on to the next while nothing is
