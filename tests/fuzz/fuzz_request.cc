@@ -32,9 +32,9 @@ packd::PackServiceImpl& Service() {
 
 // Parses `chunks` as a `Request` and, when that works, runs it through
 // `op` as protobuf would have parsed it.
-template <typename Request, typename Response, typename Service>
+template <typename Request, typename Response, typename Impl>
 void Run(absl::Span<const absl::string_view> chunks,
-         absl::Status (Service::*op)(const Request&, Response*)) {
+         absl::Status (Impl::*op)(const Request&, Response*)) {
   packd::Wire<Request> request;
   if (!request.Parse(chunks).ok()) return;
   request.CopyPayloadsIntoData();
