@@ -324,7 +324,9 @@ template <typename Request, typename Response>
 class InlineCall final : public BudgetedCall<Request> {
  public:
   using Reply = PackServiceImpl::CallReply<Response>;
-  using Work = absl::Status (PackServiceImpl::*)(const Wire<Request>&, Reply*);
+  // The handler (RunPack, RunScatter), as a plain function of the service.
+  using Work = absl::Status (*)(PackServiceImpl* service, const Wire<Request>&,
+                                Reply*);
 
   InlineCall(PackServiceImpl* service,
              grpc::GenericCallbackServerContext* context, const char* method,
@@ -357,7 +359,7 @@ class InlineCall final : public BudgetedCall<Request> {
     // call's share of the budget.
     auto reply = std::make_shared<Reply>();
     reply->hold = std::move(this->hold_);
-    absl::Status done = (this->service_->*work_)(this->parsed_, reply.get());
+    absl::Status done = work_(this->service_, this->parsed_, reply.get());
     this->ReleaseRequest();
     PACKD_RETURN_IF_ERROR(done);
     const Spliced spliced = reply->response.Serialize();
@@ -538,14 +540,22 @@ grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
   if (context->method() == "/packd.v1.PackService/Pack") {
     return new InlineCall<v1::PackRequest, v1::PackResponse>(
-        service_, context, "Pack", &PackServiceImpl::RunPack);
+        service_, context, "Pack",
+        [](PackServiceImpl* service, const Wire<v1::PackRequest>& request,
+           PackServiceImpl::CallReply<v1::PackResponse>* reply) {
+          return service->RunPack(request, reply);
+        });
   }
   if (context->method() == "/packd.v1.PackService/PackMicroBatches") {
     return new StepCall(service_, context);
   }
   if (context->method() == "/packd.v1.PackService/Scatter") {
     return new InlineCall<v1::ScatterRequest, v1::ScatterResponse>(
-        service_, context, "Scatter", &PackServiceImpl::RunScatter);
+        service_, context, "Scatter",
+        [](PackServiceImpl* service, const Wire<v1::ScatterRequest>& request,
+           PackServiceImpl::CallReply<v1::ScatterResponse>* reply) {
+          return service->RunScatter(request, reply);
+        });
   }
   class Unknown final : public grpc::ServerGenericBidiReactor {
    public:
