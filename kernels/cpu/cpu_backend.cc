@@ -154,10 +154,13 @@ void CutDocumentRows(const CpuPlan& plan, const T* ids, DocumentCuts* out) {
     // Arithmetic selects rather than branches: under a fragmented mask the
     // active flag is unpredictable; a document start is rare.
     int64_t k = k0, row_last = -1;
-    int64_t prev = 0, first = 1;
+    uint64_t prev = 0;
+    int64_t first = 1;
     for (int64_t s = 0; s < S; ++s) {
       const int64_t on = act[s];
-      const int64_t v = static_cast<int64_t>(row[s]);
+      // Unsigned: the select below may wrap (ids span all of int64), which
+      // is defined for unsigned and gives the same bits.
+      const uint64_t v = static_cast<uint64_t>(static_cast<int64_t>(row[s]));
       const int64_t start = on & (first | (v != prev));
       if (__builtin_expect(start, 0)) {
         if (!out->cu.empty()) {
@@ -166,7 +169,7 @@ void CutDocumentRows(const CpuPlan& plan, const T* ids, DocumentCuts* out) {
         out->cu.push_back(k);
         out->row.push_back(b);
       }
-      prev += (v - prev) * on;
+      prev += (v - prev) * static_cast<uint64_t>(on);
       first &= on ^ 1;
       row_last += (s - row_last) * on;
       k += on;
