@@ -154,8 +154,9 @@ absl::Status TrainingStep::Measure(
     int64_t padded = 0;
     double cost = 0;
     for (int64_t L : (*sequences)[b]) {
-      const double P = static_cast<double>((L + m - 1) / m * m);
-      padded += (L + m - 1) / m * m;
+      const int64_t rows = (L + m - 1) / m * m;
+      const double P = static_cast<double>(rows);
+      padded += rows;
       cost += by_tokens ? P : a * P + q * P * P;
     }
     plan->add_lengths(padded / c);
@@ -227,11 +228,8 @@ absl::Status TrainingStep::Choose(
       }
       rows = laid->rows();
     } else {
-      const int64_t m = std::max<int64_t>(batch_.pad_multiple(), 1);
-      const int64_t c = std::max<int32_t>(batch_.cp_size(), 1);
-      for (size_t k = 1; k < starts.size(); ++k) {
-        rows += (starts[k] - starts[k - 1] + m - 1) / m * m / c;
-      }
+      // The layout's rows are what the plan counted (Measure's lengths).
+      rows = mb.padded_tokens();
     }
     const int64_t sequence_count = static_cast<int64_t>(starts.size()) - 1;
     const int64_t reply =
