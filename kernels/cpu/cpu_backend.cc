@@ -8,7 +8,10 @@
 
 #include "absl/base/call_once.h"
 #include "kernels/backend.h"
+#include "kernels/buffer.h"
+#include "kernels/cpu/mask_scan.h"
 #include "kernels/registry.h"
+#include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
 
 namespace packd {
@@ -30,9 +33,31 @@ struct Run {
   int64_t len;
 };
 
+// [B * S] flags, 1 where mask != 0, in pooled memory: a fresh allocation of
+// them would cost a page fault per 4 KiB every call, and zeroing them another
+// pass; the scan writes every one.
+class Flags {
+ public:
+  absl::Status Allocate(int64_t n) {
+    PACKD_ASSIGN_OR_RETURN(buffer_, HostBufferPool::Global().Acquire(n));
+    size_ = n;
+    return absl::OkStatus();
+  }
+  uint8_t* data() { return static_cast<uint8_t*>(buffer_.data()); }
+  const uint8_t* data() const {
+    return static_cast<const uint8_t*>(buffer_.data());
+  }
+  uint8_t operator[](int64_t i) const { return data()[i]; }
+  int64_t size() const { return size_; }
+
+ private:
+  Buffer buffer_;
+  int64_t size_ = 0;
+};
+
 class CpuPlan : public MaskPlan {
  public:
-  std::vector<uint8_t> active;  // [B * S], 1 where mask != 0
+  Flags active;  // [B * S], 1 where mask != 0
   int64_t num_runs = 0;
 
   // Built on first use: only the run-copy path needs them.
@@ -48,6 +73,9 @@ class CpuPlan : public MaskPlan {
   mutable std::vector<Run> runs_;
 };
 
+// Eight flags of 1, as one word.
+constexpr uint64_t kOnes = 0x0101010101010101ULL;
+
 uint64_t Load64(const uint8_t* p) {
   uint64_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -55,8 +83,7 @@ uint64_t Load64(const uint8_t* p) {
 }
 
 void CpuPlan::BuildRuns() const {
-  constexpr uint64_t kAllOnes = 0x0101010101010101ULL;
-  const int64_t n = static_cast<int64_t>(active.size());
+  const int64_t n = active.size();
   const uint8_t* a = active.data();
   runs_.reserve(num_runs);
   int64_t i = 0;
@@ -66,7 +93,7 @@ void CpuPlan::BuildRuns() const {
     while (i < n && a[i] == 0) ++i;
     if (i >= n) break;
     const int64_t start = i;
-    while (i + 8 <= n && Load64(a + i) == kAllOnes) i += 8;
+    while (i + 8 <= n && Load64(a + i) == kOnes) i += 8;
     while (i < n && a[i] != 0) ++i;
     runs_.push_back(Run{start, dst, i - start});
     dst += i - start;
@@ -85,34 +112,33 @@ int64_t LastNonzero(const uint8_t* a, int64_t n) {
 // counts (in cu_seqlens[b + 1], summed later) and last_index; returns how many
 // runs start in those rows. `magnitude` keeps the bits that make a value
 // nonzero: all of them for integers, all but the sign for floats (so -0.0 is
-// inactive and NaN is active). The inner loops have no branches and vectorise.
+// inactive and NaN is active). The inner loops are mask_scan.h's.
 template <typename U>
 int64_t ScanRows(const U* m, U magnitude, CpuPlan& plan, int64_t b0,
                  int64_t b1) {
   const int64_t S = plan.seq;
+  const VectorPath path = ChosenVectorPath();
   int64_t runs = 0;
   for (int64_t b = b0; b < b1; ++b) {
     const U* row = m + b * S;
     uint8_t* act = plan.active.data() + b * S;
-    int64_t count = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      const uint8_t a = (row[s] & magnitude) != 0;
-      act[s] = a;
-      count += a;
+    // A run starts at each active position whose predecessor, which for s = 0
+    // is the previous row's last position, is inactive.
+    const uint8_t before = b > 0 && S > 0 && (m[b * S - 1] & magnitude) != 0;
+    int64_t starts = 0, count = 0;
+    if constexpr (sizeof(U) == 1) {
+      count = ScanByteRow(reinterpret_cast<const uint8_t*>(row),
+                          static_cast<uint8_t>(magnitude), S, before, act,
+                          &starts, path);
+    } else {
+      // The flags (a compare and a store, vectorised), then counted in a
+      // second pass: a byte count summed into an int64 in the same loop
+      // widens every byte to 64 bits.
+      for (int64_t s = 0; s < S; ++s) act[s] = (row[s] & magnitude) != 0;
+      count = CountFlags(act, S, before, &starts, path);
     }
     plan.cu_seqlens[b + 1] = count;
     plan.last_index[b] = count == 0 ? -1 : LastNonzero(act, S);
-    if (count == 0) continue;
-    // A run starts at each active position whose predecessor, which for s = 0
-    // is the previous row's last position, is inactive.
-    const uint8_t starts_row =
-        act[0] & (b == 0 || (m[b * S - 1] & magnitude) == 0);
-    if (count == S) {
-      runs += starts_row;
-      continue;
-    }
-    int64_t starts = starts_row;
-    for (int64_t s = 1; s < S; ++s) starts += act[s] & (act[s - 1] ^ 1);
     runs += starts;
   }
   return runs;
@@ -120,7 +146,7 @@ int64_t ScanRows(const U* m, U magnitude, CpuPlan& plan, int64_t b0,
 
 // Rows of the mask per scan piece: below this many positions one thread scans
 // faster.
-constexpr int64_t kMinPositionsPerScanPiece = int64_t{1} << 17;
+constexpr int64_t kMinPositionsPerScanPiece = int64_t{1} << 20;
 
 template <typename U>
 void ScanMask(const U* m, U magnitude, CpuPlan& plan) {
@@ -355,7 +381,7 @@ class SpanBackend : public Backend {
     plan->seq = mask.shape[1];
     plan->cu_seqlens.assign(plan->batch + 1, 0);
     plan->last_index.assign(plan->batch, -1);
-    plan->active.resize(plan->batch * plan->seq);
+    PACKD_RETURN_IF_ERROR(plan->active.Allocate(plan->batch * plan->seq));
     const uint64_t bits = NonzeroBits(mask.dtype);
     switch (ItemSize(mask.dtype)) {
       case 1:

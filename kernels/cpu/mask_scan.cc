@@ -1,0 +1,203 @@
+#include "kernels/cpu/mask_scan.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PACKD_X86 1
+#endif
+
+namespace packd {
+namespace {
+
+// Eight flags of 1, as one word.
+constexpr uint64_t kOnes = 0x0101010101010101ULL;
+
+uint64_t Load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The counts of flags a[i, n), continuing from `prev` (a[i - 1], or the
+// row's `before`), added to *count and *runs; eight at a time, where one
+// multiply adds a word's bytes into its top byte (at most 8: nothing carries
+// out).
+void CountPortable(const uint8_t* a, int64_t i, int64_t n, uint8_t prev,
+                   int64_t* count, int64_t* runs) {
+  uint64_t carry = prev;
+  for (; i + 8 <= n; i += 8) {
+    const uint64_t w = Load64(a + i);
+    const uint64_t previous = (w << 8) | carry;
+    *count += (w * kOnes) >> 56;
+    *runs += ((w & ~previous & kOnes) * kOnes) >> 56;
+    carry = w >> 56;
+  }
+  prev = static_cast<uint8_t>(carry);
+  for (; i < n; ++i) {
+    *count += a[i];
+    *runs += a[i] & (prev ^ 1);
+    prev = a[i];
+  }
+}
+
+#if PACKD_X86
+// Sixteen at a time: psadbw sums a vector's bytes into its two 64-bit halves,
+// and a run starts where the flags, shifted up one byte with the previous
+// vector's last carried in, are clear. `m` null: `a` holds the flags already;
+// else they are computed from the mask bytes m and written to a.
+int64_t ScanSse2(const uint8_t* m, uint8_t magnitude, int64_t n, uint8_t before,
+                 uint8_t* a, int64_t* starts) {
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i one = _mm_set1_epi8(1);
+  const __m128i bits = _mm_set1_epi8(static_cast<char>(magnitude));
+  __m128i counts = zero, runs = zero;
+  __m128i carry = _mm_cvtsi32_si128(before);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m128i w;
+    if (m != nullptr) {
+      const __m128i v = _mm_and_si128(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i)), bits);
+      w = _mm_andnot_si128(_mm_cmpeq_epi8(v, zero), one);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a + i), w);
+    } else {
+      w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i));
+    }
+    const __m128i previous = _mm_or_si128(_mm_slli_si128(w, 1), carry);
+    counts = _mm_add_epi64(counts, _mm_sad_epu8(w, zero));
+    runs =
+        _mm_add_epi64(runs, _mm_sad_epu8(_mm_andnot_si128(previous, w), zero));
+    carry = _mm_srli_si128(w, 15);
+  }
+  int64_t count = _mm_cvtsi128_si64(counts) +
+                  _mm_cvtsi128_si64(_mm_unpackhi_epi64(counts, counts));
+  int64_t run_count = _mm_cvtsi128_si64(runs) +
+                      _mm_cvtsi128_si64(_mm_unpackhi_epi64(runs, runs));
+  if (m != nullptr) {
+    for (int64_t s = i; s < n; ++s) a[s] = (m[s] & magnitude) != 0;
+  }
+  CountPortable(a, i, n, i > 0 ? a[i - 1] : before, &count, &run_count);
+  *starts = run_count;
+  return count;
+}
+
+// Thirty-two at a time, the same way; the previous byte of each position comes
+// from across the 128-bit lanes (permute, then alignr).
+__attribute__((target("avx2"))) int64_t ScanAvx2(const uint8_t* m,
+                                                 uint8_t magnitude, int64_t n,
+                                                 uint8_t before, uint8_t* a,
+                                                 int64_t* starts) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i one = _mm256_set1_epi8(1);
+  const __m256i bits = _mm256_set1_epi8(static_cast<char>(magnitude));
+  __m256i counts = zero, runs = zero;
+  // The previous vector: only its last byte is read (as `before`).
+  __m256i last = _mm256_insert_epi8(zero, static_cast<char>(before), 31);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256i w;
+    if (m != nullptr) {
+      const __m256i v = _mm256_and_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + i)), bits);
+      w = _mm256_andnot_si256(_mm256_cmpeq_epi8(v, zero), one);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + i), w);
+    } else {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i));
+    }
+    const __m256i previous =
+        _mm256_alignr_epi8(w, _mm256_permute2x128_si256(last, w, 0x21), 15);
+    counts = _mm256_add_epi64(counts, _mm256_sad_epu8(w, zero));
+    runs = _mm256_add_epi64(
+        runs, _mm256_sad_epu8(_mm256_andnot_si256(previous, w), zero));
+    last = w;
+  }
+  alignas(32) int64_t c[4], r[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), counts);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(r), runs);
+  int64_t count = c[0] + c[1] + c[2] + c[3];
+  int64_t run_count = r[0] + r[1] + r[2] + r[3];
+  if (m != nullptr) {
+    for (int64_t s = i; s < n; ++s) a[s] = (m[s] & magnitude) != 0;
+  }
+  CountPortable(a, i, n, i > 0 ? a[i - 1] : before, &count, &run_count);
+  *starts = run_count;
+  return count;
+}
+#endif
+
+}  // namespace
+
+bool CanRun(VectorPath path) {
+  switch (path) {
+    case VectorPath::kPortable:
+      return true;
+#if PACKD_X86
+    case VectorPath::kSse2:
+      return __builtin_cpu_supports("sse2");
+    case VectorPath::kAvx2:
+      return __builtin_cpu_supports("avx2");
+#endif
+    default:
+      return false;
+  }
+}
+
+VectorPath ChosenVectorPath() {
+  static const VectorPath path = [] {
+    const char* env = std::getenv("PACKD_CPU_VECTORS");
+    if (env != nullptr && std::strcmp(env, "off") == 0) {
+      return VectorPath::kPortable;
+    }
+    for (VectorPath p : {VectorPath::kAvx2, VectorPath::kSse2}) {
+      if (CanRun(p)) return p;
+    }
+    return VectorPath::kPortable;
+  }();
+  return path;
+}
+
+absl::string_view VectorPathName(VectorPath path) {
+  switch (path) {
+    case VectorPath::kAvx2:
+      return "avx2";
+    case VectorPath::kSse2:
+      return "sse2";
+    default:
+      return "portable";
+  }
+}
+
+int64_t ScanByteRow(const uint8_t* m, uint8_t magnitude, int64_t n,
+                    uint8_t before, uint8_t* flags, int64_t* starts,
+                    VectorPath path) {
+#if PACKD_X86
+  if (path == VectorPath::kAvx2) {
+    return ScanAvx2(m, magnitude, n, before, flags, starts);
+  }
+  if (path == VectorPath::kSse2) {
+    return ScanSse2(m, magnitude, n, before, flags, starts);
+  }
+#endif
+  for (int64_t s = 0; s < n; ++s) flags[s] = (m[s] & magnitude) != 0;
+  return CountFlags(flags, n, before, starts, VectorPath::kPortable);
+}
+
+int64_t CountFlags(const uint8_t* flags, int64_t n, uint8_t before,
+                   int64_t* starts, VectorPath path) {
+#if PACKD_X86
+  // The flags are only read: a null mask says so.
+  uint8_t* a = const_cast<uint8_t*>(flags);
+  if (path == VectorPath::kAvx2)
+    return ScanAvx2(nullptr, 0, n, before, a, starts);
+  if (path == VectorPath::kSse2)
+    return ScanSse2(nullptr, 0, n, before, a, starts);
+#endif
+  int64_t count = 0, runs = 0;
+  CountPortable(flags, 0, n, before, &count, &runs);
+  *starts = runs;
+  return count;
+}
+
+}  // namespace packd

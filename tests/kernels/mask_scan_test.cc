@@ -1,0 +1,106 @@
+// The mask scan's row loops (kernels/cpu/mask_scan.h) on every path this CPU
+// can run, against the plain definition: rows of every length from 0 to
+// 1,031 (crossing every vector width), starting at every misalignment, at
+// densities from empty to full, with the predecessor set and clear.
+#include "kernels/cpu/mask_scan.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+namespace packd {
+namespace {
+
+struct Expected {
+  std::vector<uint8_t> flags;
+  int64_t count = 0, starts = 0;
+};
+
+Expected Definition(const uint8_t* m, uint8_t magnitude, int64_t n,
+                    uint8_t before) {
+  Expected e;
+  uint8_t prev = before;
+  for (int64_t s = 0; s < n; ++s) {
+    const uint8_t on = (m[s] & magnitude) != 0;
+    e.flags.push_back(on);
+    e.count += on;
+    e.starts += on && !prev;
+    prev = on;
+  }
+  return e;
+}
+
+std::vector<VectorPath> Runnable() {
+  std::vector<VectorPath> paths;
+  for (VectorPath p :
+       {VectorPath::kPortable, VectorPath::kSse2, VectorPath::kAvx2}) {
+    if (CanRun(p)) paths.push_back(p);
+  }
+  return paths;
+}
+
+TEST(MaskScan, EveryPathEqualsTheDefinition) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (VectorPath path : Runnable()) {
+    SCOPED_TRACE(std::string(VectorPathName(path)));
+    int64_t cases = 0;
+    for (int64_t n = 0; n <= 1031; ++n) {
+      const int64_t offset = n % 33;  // every misalignment, up to 32 bytes
+      std::vector<uint8_t> m(n + offset + 1), flags(n + offset + 1, 0xa5);
+      const double density = (n % 11) / 10.0;
+      for (int64_t s = 0; s < n; ++s) {
+        // Mask bytes of every kind: 0, 1, and others, some set only in bits
+        // the magnitude drops.
+        const uint64_t r = rng();
+        m[offset + s] = (r % 1000) < density * 1000
+                            ? static_cast<uint8_t>(1 + (r >> 10) % 255)
+                            : ((r >> 20) % 4 == 0 ? 0x80 : 0);
+      }
+      for (uint8_t magnitude : {uint8_t{0xff}, uint8_t{0x7f}}) {
+        for (uint8_t before : {uint8_t{0}, uint8_t{1}}) {
+          const Expected want =
+              Definition(m.data() + offset, magnitude, n, before);
+          int64_t starts = -1;
+          const int64_t count =
+              ScanByteRow(m.data() + offset, magnitude, n, before,
+                          flags.data() + offset, &starts, path);
+          ASSERT_EQ(count, want.count) << "n " << n;
+          ASSERT_EQ(starts, want.starts) << "n " << n;
+          ASSERT_EQ(std::vector<uint8_t>(flags.begin() + offset,
+                                         flags.begin() + offset + n),
+                    want.flags)
+              << "n " << n;
+          EXPECT_EQ(flags[offset + n], 0xa5) << "wrote past the row, n " << n;
+          starts = -1;
+          EXPECT_EQ(CountFlags(flags.data() + offset, n, before, &starts, path),
+                    want.count);
+          EXPECT_EQ(starts, want.starts);
+          ++cases;
+        }
+      }
+    }
+    EXPECT_EQ(cases, 4 * 1032);
+  }
+}
+
+// The path taken is the best this CPU has, unless PACKD_CPU_VECTORS=off asks
+// for the portable one (ctest runs kernels_test both ways).
+TEST(MaskScan, TheBestPathIsTakenUnlessTurnedOff) {
+  const char* env = std::getenv("PACKD_CPU_VECTORS");
+  const bool off = env != nullptr && std::string(env) == "off";
+  const VectorPath best = Runnable().back();
+  EXPECT_EQ(ChosenVectorPath(), off ? VectorPath::kPortable : best)
+      << "chosen " << VectorPathName(ChosenVectorPath()) << ", best "
+      << VectorPathName(best);
+#if defined(__x86_64__)
+  EXPECT_TRUE(CanRun(VectorPath::kSse2));  // every x86-64 has it
+  if (__builtin_cpu_supports("avx2")) EXPECT_TRUE(CanRun(VectorPath::kAvx2));
+#endif
+  std::printf("mask scan path: %s\n",
+              std::string(VectorPathName(ChosenVectorPath())).c_str());
+}
+
+}  // namespace
+}  // namespace packd
