@@ -165,44 +165,93 @@ void ScanMask(const U* m, U magnitude, CpuPlan& plan) {
   for (int64_t r : runs) plan.num_runs += r;
 }
 
-// Documents of rows [0, B) in one pass over the plan's active flags and the
-// ids: branch-free but for the rare document start, so fragmented masks cost
-// no mispredictions.
+// Calls fn(j) for each j in [1, n) where v[j] != v[j - 1], in order: the
+// compares a block at a time into bytes (a loop the compiler vectorises),
+// then the rare changes found eight bytes at a time by their set bits.
+template <typename T, typename Fn>
+void ForEachChange(const T* v, int64_t n, Fn&& fn) {
+  constexpr int64_t kBlock = 512;
+  uint8_t changed[kBlock + 8];
+  for (int64_t base = 1; base < n; base += kBlock) {
+    const int64_t m = std::min(kBlock, n - base);
+    for (int64_t j = 0; j < m; ++j) {
+      changed[j] = v[base + j] != v[base + j - 1];
+    }
+    std::memset(changed + m, 0, 8);
+    for (int64_t j = 0; j < m; j += 8) {
+      // Bytes are 0 or 1: byte i set is bit 8 * i.
+      for (uint64_t w = Load64(changed + j); w != 0; w &= w - 1) {
+        fn(base + j + __builtin_ctzll(w) / 8);
+      }
+    }
+  }
+}
+
+// Dense position of the (j + 1)-th set flag of a[0, n), searching on from
+// position `from` where `before` flags precede it (j >= before): whole words
+// of flags are counted at once, eight positions a word.
+int64_t SelectFlag(const uint8_t* a, int64_t n, int64_t from, int64_t before,
+                   int64_t j) {
+  int64_t s = from, seen = before;
+  while (s + 8 <= n) {
+    const int64_t c = static_cast<int64_t>((Load64(a + s) * kOnes) >> 56);
+    if (seen + c > j) break;
+    seen += c;
+    s += 8;
+  }
+  for (;; ++s) {
+    if (a[s] && seen++ == j) return s;
+  }
+}
+
+// Documents of rows [0, B). A row whose active tokens are one run has its ids
+// in place; any other has them compacted without a branch (each position
+// written, the cursor advanced by its flag). A document starts at the row's
+// first token and wherever the id changes from one token to the next, found
+// in vectors (ForEachChange); its dense position comes from counting the
+// flags on from the last one found, and the token before it ends the previous
+// document. No branch per position: fragmented masks cost no mispredictions.
 template <typename T>
 void CutDocumentRows(const CpuPlan& plan, const T* ids, DocumentCuts* out) {
   const int64_t S = plan.seq;
-  int64_t last_s = -1;
+  std::vector<T> packed(S);
+  int64_t previous_last = -1;  // dense s of the last token before this row
+  bool any = false;
   for (int64_t b = 0; b < plan.batch; ++b) {
     const int64_t k0 = plan.cu_seqlens[b];
-    if (plan.cu_seqlens[b + 1] == k0) continue;
+    const int64_t n = plan.cu_seqlens[b + 1] - k0;
+    if (n == 0) continue;
     const uint8_t* act = plan.active.data() + b * S;
     const T* row = ids + b * S;
-    // Arithmetic selects rather than branches: under a fragmented mask the
-    // active flag is unpredictable; a document start is rare.
-    int64_t k = k0, row_last = -1;
-    uint64_t prev = 0;
-    int64_t first = 1;
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t on = act[s];
-      // Unsigned: the select below may wrap (ids span all of int64), which
-      // is defined for unsigned and gives the same bits.
-      const uint64_t v = static_cast<uint64_t>(static_cast<int64_t>(row[s]));
-      const int64_t start = on & (first | (v != prev));
-      if (__builtin_expect(start, 0)) {
-        if (!out->cu.empty()) {
-          out->last_index.push_back(out->row.back() == b ? row_last : last_s);
-        }
-        out->cu.push_back(k);
-        out->row.push_back(b);
+    const int64_t end = plan.last_index[b] + 1;
+    const T* tokens = row + end - n;  // one run: the tokens are in place
+    if (!std::all_of(act + end - n, act + end, [](uint8_t f) { return f; })) {
+      int64_t k = 0;
+      for (int64_t s = 0; s < end; ++s) {
+        packed[k] = row[s];
+        k += act[s];
       }
-      prev += (v - prev) * static_cast<uint64_t>(on);
-      first &= on ^ 1;
-      row_last += (s - row_last) * on;
-      k += on;
+      tokens = packed.data();
     }
-    last_s = row_last;
+    int64_t cursor = 0, cursor_rank = 0;  // the last start found, and its j
+    auto start = [&](int64_t j) {
+      const int64_t s = SelectFlag(act, end, cursor, cursor_rank, j);
+      if (any) {
+        int64_t last = s - 1;  // the previous token, maybe in an earlier row
+        while (last >= 0 && act[last] == 0) --last;
+        out->last_index.push_back(last >= 0 ? last : previous_last);
+      }
+      out->cu.push_back(k0 + j);
+      out->row.push_back(b);
+      any = true;
+      cursor = s;
+      cursor_rank = j;
+    };
+    start(0);
+    ForEachChange(tokens, n, start);
+    previous_last = end - 1;
   }
-  if (!out->cu.empty()) out->last_index.push_back(last_s);
+  if (any) out->last_index.push_back(previous_last);
   out->cu.push_back(plan.total_active());
 }
 
