@@ -205,8 +205,8 @@ int64_t SelectFlag(const uint8_t* a, int64_t n, int64_t from, int64_t before,
 }
 
 // Documents of rows [0, B). A row whose active tokens are one run has its ids
-// in place; any other has them compacted without a branch (each position
-// written, the cursor advanced by its flag). A document starts at the row's
+// in place; any other has them compacted (CompactFlags: compress stores, or
+// no branch). A document starts at the row's
 // first token and wherever the id changes from one token to the next, found
 // in vectors (ForEachChange); its dense position comes from counting the
 // flags on from the last one found, and the token before it ends the previous
@@ -226,11 +226,7 @@ void CutDocumentRows(const CpuPlan& plan, const T* ids, DocumentCuts* out) {
     const int64_t end = plan.last_index[b] + 1;
     const T* tokens = row + end - n;  // one run: the tokens are in place
     if (!std::all_of(act + end - n, act + end, [](uint8_t f) { return f; })) {
-      int64_t k = 0;
-      for (int64_t s = 0; s < end; ++s) {
-        packed[k] = row[s];
-        k += act[s];
-      }
+      CompactFlags(act, row, end, sizeof(T), packed.data(), S);
       tokens = packed.data();
     }
     int64_t cursor = 0, cursor_rank = 0;  // the last start found, and its j
@@ -322,24 +318,21 @@ U128 ZeroUnless(U128 v, uint8_t a) {
   return U128{ZeroUnless(v.lo, a), ZeroUnless(v.hi, a)};
 }
 
-// Pack of dense positions [begin, end) for rows of sizeof(T) bytes, without a
-// branch per element: every position is written at the next free packed row,
-// which only an active one claims. The loop stops at the last active position,
-// so each write lands inside this piece's packed range.
+// Pack of dense positions [begin, end) for rows of sizeof(T) bytes, up to the
+// last active one (CompactFlags: compress stores, or every position written at
+// the next free packed row, which only an active one claims), so each write
+// lands inside this piece's packed range.
 template <typename T>
 void CompactPiece(const CpuPlan& plan, const char* src, char* dst,
                   int64_t begin, int64_t end) {
   const int64_t last = LastActive(plan, begin, end);
   if (last < begin) return;
-  const uint8_t* a = plan.active.data();
-  char* out = dst + ActiveBefore(plan, begin) * sizeof(T);
-  int64_t k = 0;
-  for (int64_t p = begin; p <= last; ++p) {
-    T v;
-    std::memcpy(&v, src + p * sizeof(T), sizeof(T));
-    std::memcpy(out + k * sizeof(T), &v, sizeof(T));
-    k += a[p];
-  }
+  // Other pieces write the packed rows after this one's, at once: room for
+  // this piece's own rows only.
+  const int64_t first = ActiveBefore(plan, begin);
+  CompactFlags(plan.active.data() + begin, src + begin * sizeof(T),
+               last + 1 - begin, sizeof(T), dst + first * sizeof(T),
+               ActiveBefore(plan, last + 1) - first);
 }
 
 // Scatter of dense positions [begin, end) for rows of sizeof(T) bytes,

@@ -125,9 +125,116 @@ __attribute__((target("avx2"))) int64_t ScanAvx2(const uint8_t* m,
   *starts = run_count;
   return count;
 }
+
+// The eight flags of a word (bytes 0 or 1) as the bits of a mask, bit i from
+// byte i: one multiply moves byte i's bit to bit 56 + i, with no carries (every
+// partial product is a distinct power of two).
+inline uint32_t FlagBits(uint64_t w) {
+  return static_cast<uint32_t>(((w & kOnes) * 0x0102040810204080ULL) >> 56);
+}
+
+// Compress into a register and store it whole while a whole vector fits in
+// `room` elements (a compress store to memory is several times slower), then
+// compress stores.
+__attribute__((target("avx512f,popcnt"))) int64_t CompactAvx512_64(
+    const uint8_t* flags, const uint64_t* src, int64_t n, uint64_t* out,
+    int64_t room) {
+  int64_t k = 0, s = 0;
+  for (; s + 8 <= n && k + 8 <= room; s += 8) {
+    const uint32_t bits = FlagBits(Load64(flags + s));
+    _mm512_storeu_si512(
+        out + k, _mm512_maskz_compress_epi64(static_cast<__mmask8>(bits),
+                                             _mm512_loadu_si512(src + s)));
+    k += __builtin_popcount(bits);
+  }
+  for (; s + 8 <= n; s += 8) {
+    const uint32_t bits = FlagBits(Load64(flags + s));
+    _mm512_mask_compressstoreu_epi64(out + k, static_cast<__mmask8>(bits),
+                                     _mm512_loadu_si512(src + s));
+    k += __builtin_popcount(bits);
+  }
+  for (; s < n; ++s) {
+    if (flags[s]) out[k++] = src[s];
+  }
+  return k;
+}
+
+__attribute__((target("avx512f,popcnt"))) int64_t CompactAvx512_32(
+    const uint8_t* flags, const uint32_t* src, int64_t n, uint32_t* out,
+    int64_t room) {
+  int64_t k = 0, s = 0;
+  for (; s + 16 <= n && k + 16 <= room; s += 16) {
+    const uint32_t bits =
+        FlagBits(Load64(flags + s)) | FlagBits(Load64(flags + s + 8)) << 8;
+    _mm512_storeu_si512(
+        out + k, _mm512_maskz_compress_epi32(static_cast<__mmask16>(bits),
+                                             _mm512_loadu_si512(src + s)));
+    k += __builtin_popcount(bits);
+  }
+  for (; s + 16 <= n; s += 16) {
+    const uint32_t bits =
+        FlagBits(Load64(flags + s)) | FlagBits(Load64(flags + s + 8)) << 8;
+    _mm512_mask_compressstoreu_epi32(out + k, static_cast<__mmask16>(bits),
+                                     _mm512_loadu_si512(src + s));
+    k += __builtin_popcount(bits);
+  }
+  for (; s < n; ++s) {
+    if (flags[s]) out[k++] = src[s];
+  }
+  return k;
+}
 #endif
 
+// Every element written at the cursor, which only a flagged one advances.
+// The last write lands at the final count, one past the result, unless the
+// last element is flagged: so the loop stops at the last flagged element.
+template <typename T>
+int64_t CompactPortable(const uint8_t* flags, const T* src, int64_t n, T* out) {
+  while (n > 0 && flags[n - 1] == 0) --n;
+  int64_t k = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    std::memcpy(out + k, src + s, sizeof(T));
+    k += flags[s];
+  }
+  return k;
+}
+
+struct Bytes16 {
+  unsigned char b[16];
+};
+
 }  // namespace
+
+int64_t CompactFlags(const uint8_t* flags, const void* src, int64_t n,
+                     int width, void* out, int64_t room, VectorPath path) {
+#if PACKD_X86
+  if (path == VectorPath::kAvx512 && width == 8) {
+    return CompactAvx512_64(flags, static_cast<const uint64_t*>(src), n,
+                            static_cast<uint64_t*>(out), room);
+  }
+  if (path == VectorPath::kAvx512 && width == 4) {
+    return CompactAvx512_32(flags, static_cast<const uint32_t*>(src), n,
+                            static_cast<uint32_t*>(out), room);
+  }
+#endif
+  switch (width) {
+    case 1:
+      return CompactPortable(flags, static_cast<const uint8_t*>(src), n,
+                             static_cast<uint8_t*>(out));
+    case 2:
+      return CompactPortable(flags, static_cast<const uint16_t*>(src), n,
+                             static_cast<uint16_t*>(out));
+    case 4:
+      return CompactPortable(flags, static_cast<const uint32_t*>(src), n,
+                             static_cast<uint32_t*>(out));
+    case 8:
+      return CompactPortable(flags, static_cast<const uint64_t*>(src), n,
+                             static_cast<uint64_t*>(out));
+    default:
+      return CompactPortable(flags, static_cast<const Bytes16*>(src), n,
+                             static_cast<Bytes16*>(out));
+  }
+}
 
 bool CanRun(VectorPath path) {
   switch (path) {
@@ -138,6 +245,10 @@ bool CanRun(VectorPath path) {
       return __builtin_cpu_supports("sse2");
     case VectorPath::kAvx2:
       return __builtin_cpu_supports("avx2");
+    case VectorPath::kAvx512:
+      return __builtin_cpu_supports("avx2") &&
+             __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("popcnt");
 #endif
     default:
       return false;
@@ -150,7 +261,8 @@ VectorPath ChosenVectorPath() {
     if (env != nullptr && std::strcmp(env, "off") == 0) {
       return VectorPath::kPortable;
     }
-    for (VectorPath p : {VectorPath::kAvx2, VectorPath::kSse2}) {
+    for (VectorPath p :
+         {VectorPath::kAvx512, VectorPath::kAvx2, VectorPath::kSse2}) {
       if (CanRun(p)) return p;
     }
     return VectorPath::kPortable;
@@ -160,6 +272,8 @@ VectorPath ChosenVectorPath() {
 
 absl::string_view VectorPathName(VectorPath path) {
   switch (path) {
+    case VectorPath::kAvx512:
+      return "avx512";
     case VectorPath::kAvx2:
       return "avx2";
     case VectorPath::kSse2:
@@ -173,7 +287,7 @@ int64_t ScanByteRow(const uint8_t* m, uint8_t magnitude, int64_t n,
                     uint8_t before, uint8_t* flags, int64_t* starts,
                     VectorPath path) {
 #if PACKD_X86
-  if (path == VectorPath::kAvx2) {
+  if (path >= VectorPath::kAvx2) {
     return ScanAvx2(m, magnitude, n, before, flags, starts);
   }
   if (path == VectorPath::kSse2) {
@@ -189,7 +303,7 @@ int64_t CountFlags(const uint8_t* flags, int64_t n, uint8_t before,
 #if PACKD_X86
   // The flags are only read: a null mask says so.
   uint8_t* a = const_cast<uint8_t*>(flags);
-  if (path == VectorPath::kAvx2)
+  if (path >= VectorPath::kAvx2)
     return ScanAvx2(nullptr, 0, n, before, a, starts);
   if (path == VectorPath::kSse2)
     return ScanSse2(nullptr, 0, n, before, a, starts);

@@ -1,6 +1,7 @@
-// The mask scan's inner loops, one row at a time, with the vector
-// instructions the CPU has: AVX2 where it has them, else SSE2 (every x86-64),
-// else portable code that works eight positions at a time. The path is chosen
+// The mask scan's inner loops, one row at a time, and the compaction of
+// active elements, with the vector instructions the CPU has: AVX-512 (its
+// compress stores) and AVX2 where it has them, else SSE2 (every x86-64), else
+// portable code that works eight positions at a time. The path is chosen
 // once from the CPU; PACKD_CPU_VECTORS=off in the environment forces the
 // portable one (tests run both).
 //
@@ -17,7 +18,8 @@
 
 namespace packd {
 
-enum class VectorPath { kPortable, kSse2, kAvx2 };
+// In order: each path includes the ones before it.
+enum class VectorPath { kPortable, kSse2, kAvx2, kAvx512 };
 
 // The path this process uses: the best the CPU has, or kPortable when
 // PACKD_CPU_VECTORS=off.
@@ -38,6 +40,17 @@ int64_t ScanByteRow(const uint8_t* m, uint8_t magnitude, int64_t n,
 // The same counts of flags already written (each 0 or 1).
 int64_t CountFlags(const uint8_t* flags, int64_t n, uint8_t before,
                    int64_t* starts, VectorPath path = ChosenVectorPath());
+
+// Compacts the elements of `src` (n of `width` bytes: 1, 2, 4, 8 or 16) whose
+// flag is set into `out`, in order; returns how many. `room`: the elements
+// `out` may be written at, at least the count (it is written nowhere past
+// them). AVX-512 compresses 4- and 8-byte elements sixteen or eight at a
+// time, storing whole vectors while they fit in `room`; other widths, and
+// other paths, copy every element up to the last flagged one to the cursor
+// and advance it by its flag (no branch).
+int64_t CompactFlags(const uint8_t* flags, const void* src, int64_t n,
+                     int width, void* out, int64_t room,
+                     VectorPath path = ChosenVectorPath());
 
 }  // namespace packd
 

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <random>
 #include <vector>
@@ -34,8 +35,8 @@ Expected Definition(const uint8_t* m, uint8_t magnitude, int64_t n,
 
 std::vector<VectorPath> Runnable() {
   std::vector<VectorPath> paths;
-  for (VectorPath p :
-       {VectorPath::kPortable, VectorPath::kSse2, VectorPath::kAvx2}) {
+  for (VectorPath p : {VectorPath::kPortable, VectorPath::kSse2,
+                       VectorPath::kAvx2, VectorPath::kAvx512}) {
     if (CanRun(p)) paths.push_back(p);
   }
   return paths;
@@ -85,6 +86,52 @@ TEST(MaskScan, EveryPathEqualsTheDefinition) {
   }
 }
 
+// Compaction of flagged elements of every width, on every path: exactly the
+// flagged ones in order, nothing written past `room` (the count, or more),
+// whatever the alignment.
+TEST(MaskScan, CompactionTakesTheFlaggedElementsInOrder) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (VectorPath path : Runnable()) {
+    SCOPED_TRACE(std::string(VectorPathName(path)));
+    for (int width : {1, 2, 4, 8, 16}) {
+      for (int64_t n = 0; n <= 300; ++n) {
+        const int64_t offset = n % 7;
+        std::vector<uint8_t> flags(n + offset);
+        std::vector<unsigned char> src((n + offset) * width);
+        for (auto& c : src) c = static_cast<unsigned char>(rng());
+        const double density = (n % 5) / 4.0;
+        std::vector<unsigned char> want;
+        for (int64_t s = 0; s < n; ++s) {
+          flags[offset + s] = (rng() % 100) < density * 100;
+          if (flags[offset + s]) {
+            want.insert(want.end(), src.begin() + (offset + s) * width,
+                        src.begin() + (offset + s + 1) * width);
+          }
+        }
+        const int64_t count = static_cast<int64_t>(want.size()) / width;
+        for (int64_t room : {count, count + 40}) {
+          std::vector<unsigned char> out((room + 1) * width, 0xa5);
+          ASSERT_EQ(
+              CompactFlags(flags.data() + offset, src.data() + offset * width,
+                           n, width, out.data(), room, path),
+              count)
+              << "width " << width << " n " << n;
+          ASSERT_TRUE(std::equal(want.begin(), want.end(), out.begin()))
+              << "width " << width << " n " << n;
+          for (int64_t i = room * width; i < (room + 1) * width; ++i) {
+            ASSERT_EQ(out[i], 0xa5) << "wrote past room, width " << width;
+          }
+          if (room == count) {
+            for (int64_t i = count * width; i < (room + 1) * width; ++i) {
+              ASSERT_EQ(out[i], 0xa5) << "wrote past the count";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The path taken is the best this CPU has, unless PACKD_CPU_VECTORS=off asks
 // for the portable one (ctest runs kernels_test both ways).
 TEST(MaskScan, TheBestPathIsTakenUnlessTurnedOff) {
@@ -97,6 +144,9 @@ TEST(MaskScan, TheBestPathIsTakenUnlessTurnedOff) {
 #if defined(__x86_64__)
   EXPECT_TRUE(CanRun(VectorPath::kSse2));  // every x86-64 has it
   if (__builtin_cpu_supports("avx2")) EXPECT_TRUE(CanRun(VectorPath::kAvx2));
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt")) {
+    EXPECT_TRUE(CanRun(VectorPath::kAvx512));
+  }
 #endif
   std::printf("mask scan path: %s\n",
               std::string(VectorPathName(ChosenVectorPath())).c_str());
