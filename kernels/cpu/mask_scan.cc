@@ -153,8 +153,10 @@ __attribute__((target("avx512f,popcnt"))) int64_t CompactAvx512_64(
                                      _mm512_loadu_si512(src + s));
     k += __builtin_popcount(bits);
   }
+  // Rows may be unaligned for the element's type (an element is a row of
+  // bytes, not necessarily one value): byte copies.
   for (; s < n; ++s) {
-    if (flags[s]) out[k++] = src[s];
+    if (flags[s]) std::memcpy(out + k++, src + s, sizeof(*src));
   }
   return k;
 }
@@ -178,8 +180,10 @@ __attribute__((target("avx512f,popcnt"))) int64_t CompactAvx512_32(
                                      _mm512_loadu_si512(src + s));
     k += __builtin_popcount(bits);
   }
+  // Rows may be unaligned for the element's type (an element is a row of
+  // bytes, not necessarily one value): byte copies.
   for (; s < n; ++s) {
-    if (flags[s]) out[k++] = src[s];
+    if (flags[s]) std::memcpy(out + k++, src + s, sizeof(*src));
   }
   return k;
 }
