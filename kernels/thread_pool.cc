@@ -1,6 +1,7 @@
 #include "kernels/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace packd {
 namespace {
@@ -11,6 +12,29 @@ int DefaultThreads() {
 
 std::atomic<int> g_requested_threads{0};
 
+// The low half of a ticket whose generation has no pieces to claim.
+constexpr uint64_t kNoPieces = 0xffffffffu;
+
+// How long a worker waits for the next job before it sleeps, and the caller
+// for the last piece before it sleeps.
+constexpr std::chrono::microseconds kWorkerSpin{200};
+constexpr std::chrono::microseconds kCallerSpin{50};
+
+// Polls done() until it holds (true) or `budget` has passed (false).
+template <typename Done>
+bool SpinUntil(Done&& done, std::chrono::microseconds budget) {
+  const auto deadline = std::chrono::steady_clock::now() + budget;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return done();
+  }
+}
+
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads)
@@ -20,9 +44,9 @@ ThreadPool::ThreadPool(int num_threads)
 }
 
 ThreadPool::~ThreadPool() {
+  stop_.store(true);
   {
     absl::MutexLock lock(&mu_);
-    stop_ = true;
     wake_.SignalAll();
   }
   for (std::thread& t : workers_) t.join();
@@ -42,9 +66,29 @@ void ThreadPool::SetGlobalThreads(int num_threads) {
   g_requested_threads.store(num_threads);
 }
 
-void ThreadPool::RunPieces() {
-  for (int i = next_.fetch_add(1); i < job_size_; i = next_.fetch_add(1))
-    (*job_)(i);
+void ThreadPool::RunPieces(uint64_t generation) {
+  for (;;) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    // A stale or closed generation, or every piece claimed. A later job's
+    // size may be read here, but then the ticket has moved on and the claim
+    // below fails.
+    if ((t >> 32) != generation || (t & kNoPieces) == kNoPieces ||
+        static_cast<int64_t>(t & kNoPieces) >=
+            job_size_.load(std::memory_order_relaxed)) {
+      return;
+    }
+    if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
+      continue;
+    }
+    // The job cannot end while this piece is unfinished, so job_ and
+    // job_size_ are this generation's.
+    const int n = job_size_.load(std::memory_order_relaxed);
+    (*job_.load(std::memory_order_relaxed))(static_cast<int>(t & kNoPieces));
+    if (done_pieces_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      absl::MutexLock lock(&mu_);
+      done_.SignalAll();
+    }
+  }
 }
 
 void ThreadPool::ParallelFor(int n, absl::FunctionRef<void(int)> fn) {
@@ -53,36 +97,51 @@ void ThreadPool::ParallelFor(int n, absl::FunctionRef<void(int)> fn) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
-  job_ = &fn;
-  job_size_ = n;
-  next_.store(0);
-  {
+  // First a generation with no pieces, so that no late claim on the last job
+  // can succeed while this one's fields are written; then this job's.
+  const uint64_t closed = (ticket_.load() >> 32) + 1;
+  ticket_.store(closed << 32 | kNoPieces);
+  job_.store(&fn, std::memory_order_relaxed);
+  job_size_.store(n, std::memory_order_relaxed);
+  done_pieces_.store(0, std::memory_order_relaxed);
+  const uint64_t generation = closed + 1;
+  ticket_.store(generation << 32);  // publishes the job (seq_cst)
+  if (sleepers_.load() > 0) {       // seq_cst: see WorkerLoop
     absl::MutexLock lock(&mu_);
-    pending_workers_ = static_cast<int>(workers_.size());
-    ++generation_;
     wake_.SignalAll();
   }
-  RunPieces();
-  {
+  RunPieces(generation);
+  auto finished = [&] {
+    return done_pieces_.load(std::memory_order_acquire) == n;
+  };
+  if (!SpinUntil(finished, kCallerSpin)) {
     absl::MutexLock lock(&mu_);
-    while (pending_workers_ > 0) done_.Wait(&mu_);
+    while (!finished()) done_.Wait(&mu_);
   }
-  job_ = nullptr;
+  job_.store(nullptr, std::memory_order_relaxed);
   busy_.Unlock();
 }
 
 void ThreadPool::WorkerLoop() {
   uint64_t seen = 0;
   for (;;) {
-    {
+    uint64_t generation = seen;
+    auto news = [&] {
+      generation = ticket_.load(std::memory_order_acquire) >> 32;
+      return generation != seen || stop_.load(std::memory_order_relaxed);
+    };
+    if (!SpinUntil(news, kWorkerSpin)) {
       absl::MutexLock lock(&mu_);
-      while (!stop_ && generation_ == seen) wake_.Wait(&mu_);
-      if (stop_) return;
-      seen = generation_;
+      // A caller stores the generation, then reads sleepers_; this thread
+      // counts itself, then reads the generation (all seq_cst): one of the
+      // two sees the other, so no wake-up is lost.
+      sleepers_.fetch_add(1);
+      while (!news()) wake_.Wait(&mu_);
+      sleepers_.fetch_sub(1);
     }
-    RunPieces();
-    absl::MutexLock lock(&mu_);
-    if (--pending_workers_ == 0) done_.SignalAll();
+    if (stop_.load()) return;
+    seen = generation;
+    RunPieces(generation);  // nothing, for a closed one: the next is news
   }
 }
 

@@ -1,6 +1,7 @@
 // The support pieces of the op library: DType, the host buffer pool and the
 // thread pool.
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -130,6 +131,23 @@ TEST(ThreadPool, RunsEveryPieceOnceAlsoUnderConcurrentCallers) {
   for (auto& t : callers) t.join();
   EXPECT_EQ(failures.load(), 0);
   pool.ParallelFor(0, [&](int) { ADD_FAILURE() << "no piece should run"; });
+}
+
+// Workers asleep (a pause longer than they spin) and workers still spinning
+// (back to back) both take the next job; each piece runs once either way.
+TEST(ThreadPool, RunsEveryPieceOnceWhetherWorkersSleepOrSpin) {
+  ThreadPool pool(3);
+  for (int round = 0; round < 40; ++round) {
+    if (round % 2 == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    const int n = 2 + round % 7;
+    std::vector<std::atomic<int>> hits(n);
+    pool.ParallelFor(n, [&](int i) { hits[i].fetch_add(1); });
+    for (int i = 0; i < n; ++i) {
+      EXPECT_EQ(hits[i].load(), 1) << "round " << round << " piece " << i;
+    }
+  }
 }
 
 }  // namespace
