@@ -59,6 +59,9 @@ class CpuPlan : public MaskPlan {
  public:
   Flags active;  // [B * S], 1 where mask != 0
   int64_t num_runs = 0;
+  // Runs of active positions within each row (a run that continues from the
+  // row before counts here too): a row of one run needs no search for it.
+  std::vector<int64_t> row_runs;
 
   // Built on first use: only the run-copy path needs them.
   const std::vector<Run>& runs() const {
@@ -83,20 +86,34 @@ uint64_t Load64(const uint8_t* p) {
 }
 
 void CpuPlan::BuildRuns() const {
-  const int64_t n = active.size();
   const uint8_t* a = active.data();
   runs_.reserve(num_runs);
-  int64_t i = 0;
-  int64_t dst = 0;
-  while (i < n) {
-    while (i + 8 <= n && Load64(a + i) == 0) i += 8;
-    while (i < n && a[i] == 0) ++i;
-    if (i >= n) break;
-    const int64_t start = i;
-    while (i + 8 <= n && Load64(a + i) == kOnes) i += 8;
-    while (i < n && a[i] != 0) ++i;
-    runs_.push_back(Run{start, dst, i - start});
-    dst += i - start;
+  // A run that ends a row and one that starts the next are one run.
+  auto add = [&](int64_t src, int64_t dst, int64_t len) {
+    if (!runs_.empty() && runs_.back().src + runs_.back().len == src) {
+      runs_.back().len += len;
+    } else {
+      runs_.push_back(Run{src, dst, len});
+    }
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t count = cu_seqlens[b + 1] - cu_seqlens[b];
+    if (count == 0) continue;
+    const int64_t end = b * seq + last_index[b] + 1;
+    if (row_runs[b] == 1) {  // the row's tokens end at last_index
+      add(end - count, cu_seqlens[b], count);
+      continue;
+    }
+    int64_t i = b * seq, dst = cu_seqlens[b];
+    while (i < end) {
+      while (i + 8 <= end && Load64(a + i) == 0) i += 8;
+      while (a[i] == 0) ++i;  // a flag is set before end
+      const int64_t start = i;
+      while (i + 8 <= end && Load64(a + i) == kOnes) i += 8;
+      while (i < end && a[i] != 0) ++i;
+      add(start, dst, i - start);
+      dst += i - start;
+    }
   }
 }
 
@@ -139,6 +156,7 @@ int64_t ScanRows(const U* m, U magnitude, CpuPlan& plan, int64_t b0,
     }
     plan.cu_seqlens[b + 1] = count;
     plan.last_index[b] = count == 0 ? -1 : LastNonzero(act, S);
+    plan.row_runs[b] = starts + (before & (S > 0 ? act[0] : 0));
     runs += starts;
   }
   return runs;
@@ -423,6 +441,7 @@ class SpanBackend : public Backend {
     plan->seq = mask.shape[1];
     plan->cu_seqlens.assign(plan->batch + 1, 0);
     plan->last_index.assign(plan->batch, -1);
+    plan->row_runs.assign(plan->batch, 0);
     PACKD_RETURN_IF_ERROR(plan->active.Allocate(plan->batch * plan->seq));
     const uint64_t bits = NonzeroBits(mask.dtype);
     switch (ItemSize(mask.dtype)) {
