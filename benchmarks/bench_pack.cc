@@ -23,6 +23,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -288,10 +289,10 @@ class Bench {
           "\"S\": %d, \"tail_bytes\": %d, \"density\": %g, \"active_rows\": "
           "%d, "
           "\"bytes_moved\": %d, \"median_ms\": %.4f, \"gbps\": %.3f, "
-          "\"memory\": \"%s\"}%s\n",
+          "\"vs_limit\": %.4f, \"memory\": \"%s\"}%s\n",
           r.op, r.impl, r.mask, r.dtype, r.B, r.S, r.tail_bytes, r.density,
-          r.active_rows, r.bytes_moved, r.median_ms, r.gbps, r.memory,
-          i + 1 < rows_.size() ? "," : "");
+          r.active_rows, r.bytes_moved, r.median_ms, r.gbps, r.vs_limit,
+          r.memory, i + 1 < rows_.size() ? "," : "");
     }
     f << "]\n";
   }
@@ -369,6 +370,13 @@ class Bench {
   }
 
   int failures() const { return failures_; }
+
+  // Times fn as a row of the JSON (not of the tables printed above), against
+  // a limit or peer of limit_ms (0: none). Returns the median ms.
+  double Time(Row row, const std::string& impl, const std::string& memory,
+              const std::function<void()>& fn, double limit_ms) {
+    return Add(std::move(row), impl, memory, fn, limit_ms);
+  }
 
  private:
   double Add(Row row, const std::string& impl, const std::string& memory,
@@ -550,8 +558,10 @@ at::Tensor DocumentIds(std::mt19937_64& rng, int64_t B, int64_t S) {
 
 // The mask scan against a memcpy of the mask's bytes, and what documents
 // (segment ids) add to a pack: token ids [64, 4096] int64 and hidden states
-// [16, 1024, 4096] bf16 at density 0.3.
-void RunScanAndDocuments(const Config& c, std::mt19937_64& rng) {
+// [16, 1024, 4096] bf16 at density 0.3. The rows go to the JSON too: op
+// "scan" (impl "memcpy (limit)" and "packd") and op "pack" (impl "packd" and
+// "packd segment ids", the latter against the former).
+void RunScanAndDocuments(const Config& c, std::mt19937_64& rng, Bench& bench) {
   const int64_t tb = c.token_rows, ts = c.token_len;
   const int64_t hb = c.prompts * c.g_sizes[0], hs = c.lens[0];
   std::printf(
@@ -565,12 +575,26 @@ void RunScanAndDocuments(const Config& c, std::mt19937_64& rng) {
   for (double density : {0.1, 0.5, 1.0}) {
     const at::Tensor mask = MakeMask(rng, tb, ts, density, MaskPattern::kHoles);
     at::Tensor copy = at::zeros_like(mask);
-    const double limit = MedianMs(c.repeats, [&] {
-      std::memcpy(copy.data_ptr(), mask.data_ptr(), mask.nbytes());
-    });
-    const double scan = MedianMs(c.repeats, [&] {
-      if (!span->Plan(AsView(mask), no_stream).ok()) std::exit(1);
-    });
+    Row row;
+    row.op = "scan";
+    row.mask = "holes";
+    row.dtype = "bool";
+    row.B = tb;
+    row.S = ts;
+    row.tail_bytes = 1;
+    row.density = density;
+    row.active_rows = mask.sum().item<int64_t>();
+    row.bytes_moved = mask.nbytes();
+    const double limit = bench.Time(
+        row, "memcpy (limit)", "in cache",
+        [&] { std::memcpy(copy.data_ptr(), mask.data_ptr(), mask.nbytes()); },
+        0);
+    const double scan = bench.Time(
+        row, "packd", "in cache",
+        [&] {
+          if (!span->Plan(AsView(mask), no_stream).ok()) std::exit(1);
+        },
+        limit);
     const std::string shape = absl::StrFormat("[%d, %d] bool", tb, ts);
     std::printf("%-44s %-22s %8.2f %10.4f %8.2f\n",
                 "memcpy of the mask bytes (limit)", shape.c_str(), density,
@@ -583,12 +607,28 @@ void RunScanAndDocuments(const Config& c, std::mt19937_64& rng) {
     const std::vector<TensorView> inputs = {AsView(x)};
     PackOptions plain, docs;
     docs.segment_ids = AsView(ids);
-    const double a = MedianMs(c.repeats, [&] {
-      if (!Pack(inputs, AsView(mask), plain).ok()) std::exit(1);
-    });
-    const double b = MedianMs(c.repeats, [&] {
-      if (!Pack(inputs, AsView(mask), docs).ok()) std::exit(1);
-    });
+    Row row;
+    row.op = "pack";
+    row.mask = absl::StrCat("documents, ", name);
+    row.dtype = DTypeName(FromScalarType(x.scalar_type()));
+    row.B = x.size(0);
+    row.S = x.size(1);
+    row.tail_bytes = x.nbytes() / (row.B * row.S);
+    row.density = density;
+    row.active_rows = mask.sum().item<int64_t>();
+    row.bytes_moved = row.active_rows * row.tail_bytes;
+    const double a = bench.Time(
+        row, "packd", "packd-allocated",
+        [&] {
+          if (!Pack(inputs, AsView(mask), plain).ok()) std::exit(1);
+        },
+        0);
+    const double b = bench.Time(
+        row, "packd segment ids", "packd-allocated",
+        [&] {
+          if (!Pack(inputs, AsView(mask), docs).ok()) std::exit(1);
+        },
+        a);
     const std::string shape =
         absl::StrFormat("[%s] %s", absl::StrJoin(x.sizes(), ", "),
                         DTypeName(FromScalarType(x.scalar_type())));
@@ -715,7 +755,7 @@ int Main(int argc, char** argv) {
   bench.Print();
   bench.PrintRatios();
   PrintMemory(memory_lines);
-  RunScanAndDocuments(*config, rng);
+  RunScanAndDocuments(*config, rng, bench);
   RunLayouts(*config, rng, bench);
   if (!absl::GetFlag(FLAGS_json).empty()) {
     bench.WriteJson(absl::GetFlag(FLAGS_json));  // the layout rows included
