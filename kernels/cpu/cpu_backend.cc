@@ -184,88 +184,136 @@ void ScanMask(const U* m, U magnitude, CpuPlan& plan) {
 }
 
 // Calls fn(j) for each j in [1, n) where v[j] != v[j - 1], in order: the
-// compares a block at a time into bytes (a loop the compiler vectorises),
-// then the rare changes found eight bytes at a time by their set bits.
+// compares a block at a time into bits, in vectors (NeighbourChanges), then
+// the rare changes found a word at a time by their set bits.
 template <typename T, typename Fn>
 void ForEachChange(const T* v, int64_t n, Fn&& fn) {
-  constexpr int64_t kBlock = 512;
-  uint8_t changed[kBlock + 8];
-  for (int64_t base = 1; base < n; base += kBlock) {
-    const int64_t m = std::min(kBlock, n - base);
-    for (int64_t j = 0; j < m; ++j) {
-      changed[j] = v[base + j] != v[base + j - 1];
-    }
-    std::memset(changed + m, 0, 8);
-    for (int64_t j = 0; j < m; j += 8) {
-      // Bytes are 0 or 1: byte i set is bit 8 * i.
-      for (uint64_t w = Load64(changed + j); w != 0; w &= w - 1) {
-        fn(base + j + __builtin_ctzll(w) / 8);
+  constexpr int64_t kBlock = 1024;  // pairs a block
+  uint64_t bits[kBlock / 64];
+  for (int64_t base = 0; base + 1 < n; base += kBlock) {
+    const int64_t m = std::min(kBlock + 1, n - base);  // elements
+    NeighbourChanges(v + base, m, sizeof(T), bits);
+    for (int64_t w = 0; 64 * w < m - 1; ++w) {
+      for (uint64_t word = bits[w]; word != 0; word &= word - 1) {
+        fn(base + 64 * w + __builtin_ctzll(word) + 1);
       }
     }
   }
 }
 
-// Dense position of the (j + 1)-th set flag of a[0, n), searching on from
-// position `from` where `before` flags precede it (j >= before): whole words
-// of flags are counted at once, eight positions a word.
-int64_t SelectFlag(const uint8_t* a, int64_t n, int64_t from, int64_t before,
-                   int64_t j) {
-  int64_t s = from, seen = before;
-  while (s + 8 <= n) {
-    const int64_t c = static_cast<int64_t>((Load64(a + s) * kOnes) >> 56);
-    if (seen + c > j) break;
-    seen += c;
-    s += 8;
-  }
-  for (;; ++s) {
-    if (a[s] && seen++ == j) return s;
-  }
+// The first set flag of a[i, n), or n; and the last set flag of a[0, i), or
+// -1: eight flags a word over runs of zeros.
+int64_t NextFlag(const uint8_t* a, int64_t i, int64_t n) {
+  while (i + 8 <= n && Load64(a + i) == 0) i += 8;
+  while (i < n && a[i] == 0) ++i;
+  return i;
+}
+int64_t PreviousFlag(const uint8_t* a, int64_t i) {
+  while (i >= 8 && Load64(a + i - 8) == 0) i -= 8;
+  while (i > 0 && a[i - 1] == 0) --i;
+  return i - 1;
 }
 
-// Documents of rows [0, B). A row whose active tokens are one run has its ids
-// in place; any other has them compacted (CompactFlags: compress stores, or
-// no branch). A document starts at the row's
-// first token and wherever the id changes from one token to the next, found
-// in vectors (ForEachChange); its dense position comes from counting the
-// flags on from the last one found, and the token before it ends the previous
-// document. No branch per position: fragmented masks cost no mispredictions.
+// Flags set in a[from, to), eight a word.
+int64_t FlagsIn(const uint8_t* a, int64_t from, int64_t to) {
+  int64_t c = 0;
+  for (; from + 8 <= to; from += 8) {
+    c += static_cast<int64_t>((Load64(a + from) * kOnes) >> 56);
+  }
+  for (; from < to; ++from) c += a[from];
+  return c;
+}
+
+// The document starts of rows [b0, b1): for each, its dense position, its
+// row, and the last token before it (a column, maybe of an earlier row).
+struct DocumentStarts {
+  std::vector<int64_t> cu, row, previous_last;
+};
+
+// A document starts at a row's first token and at each token whose id differs
+// from the token before it in the row. Ids are compared across the whole row
+// in vectors (ForEachChange): between two consecutive tokens the id changes
+// only if some raw position between them changes, so only those changes, rare
+// (one per document boundary), are looked at: the tokens either side of the
+// change (a search of the flags, eight at a time), and, where their ids
+// differ, the later one's dense position (the flags counted on from the last
+// start). The ids are never gathered and no position has a branch.
 template <typename T>
-void CutDocumentRows(const CpuPlan& plan, const T* ids, DocumentCuts* out) {
+void CutDocumentRows(const CpuPlan& plan, const T* ids, int64_t b0, int64_t b1,
+                     DocumentStarts* out) {
   const int64_t S = plan.seq;
-  std::vector<T> packed(S);
-  int64_t previous_last = -1;  // dense s of the last token before this row
-  bool any = false;
-  for (int64_t b = 0; b < plan.batch; ++b) {
+  int64_t previous_last = -1;  // the last token before row b
+  for (int64_t b = b0 - 1; b >= 0 && previous_last < 0; --b) {
+    previous_last = plan.last_index[b];
+  }
+  for (int64_t b = b0; b < b1; ++b) {
     const int64_t k0 = plan.cu_seqlens[b];
     const int64_t n = plan.cu_seqlens[b + 1] - k0;
     if (n == 0) continue;
     const uint8_t* act = plan.active.data() + b * S;
     const T* row = ids + b * S;
     const int64_t end = plan.last_index[b] + 1;
-    const T* tokens = row + end - n;  // one run: the tokens are in place
-    if (!std::all_of(act + end - n, act + end, [](uint8_t f) { return f; })) {
-      CompactFlags(act, row, end, sizeof(T), packed.data(), S);
-      tokens = packed.data();
-    }
-    int64_t cursor = 0, cursor_rank = 0;  // the last start found, and its j
-    auto start = [&](int64_t j) {
-      const int64_t s = SelectFlag(act, end, cursor, cursor_rank, j);
-      if (any) {
-        int64_t last = s - 1;  // the previous token, maybe in an earlier row
-        while (last >= 0 && act[last] == 0) --last;
-        out->last_index.push_back(last >= 0 ? last : previous_last);
-      }
+    const bool one_run = plan.row_runs[b] == 1;
+    const int64_t first = one_run ? end - n : NextFlag(act, 0, end);
+    auto start = [&](int64_t s, int64_t j, int64_t last) {
       out->cu.push_back(k0 + j);
       out->row.push_back(b);
-      any = true;
-      cursor = s;
-      cursor_rank = j;
+      out->previous_last.push_back(last);
     };
-    start(0);
-    ForEachChange(tokens, n, start);
+    start(first, 0, previous_last);
+    if (one_run) {  // every position from first to end is a token
+      ForEachChange(row + first, n,
+                    [&](int64_t j) { start(first + j, j, first + j - 1); });
+    } else {
+      int64_t decided = first;  // changes at or before it are looked at
+      int64_t counted_to = first, rank = 0;  // rank: flags before counted_to
+      ForEachChange(row + first, end - first, [&](int64_t c) {
+        c += first;
+        if (c <= decided) return;  // in the gap before a token looked at
+        const int64_t q = NextFlag(act, c, end);  // end - 1 is a token
+        decided = q;
+        const int64_t p = PreviousFlag(act, c);  // first is a token
+        if (row[q] == row[p]) return;
+        rank += FlagsIn(act, counted_to, q);
+        counted_to = q;
+        start(q, rank, p);
+      });
+    }
     previous_last = end - 1;
   }
-  if (any) out->last_index.push_back(previous_last);
+}
+
+// Rows of the mask per document-cut piece: below this many positions one
+// thread cuts faster.
+constexpr int64_t kMinPositionsPerCutPiece = int64_t{1} << 17;
+
+// Documents of the whole mask, cut in pieces of rows across the pool and
+// joined: a document's last token is the one before the next start.
+template <typename T>
+void CutDocuments(const CpuPlan& plan, const T* ids, DocumentCuts* out) {
+  const int64_t positions = plan.batch * plan.seq;
+  const int n = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>({ThreadPool::Global().num_threads(), plan.batch,
+                            positions / kMinPositionsPerCutPiece})));
+  std::vector<DocumentStarts> pieces(n);
+  ThreadPool::Global().ParallelFor(n, [&](int i) {
+    CutDocumentRows(plan, ids, plan.batch * i / n, plan.batch * (i + 1) / n,
+                    &pieces[i]);
+  });
+  out->cu.clear();
+  out->row.clear();
+  out->last_index.clear();
+  for (const DocumentStarts& piece : pieces) {
+    out->cu.insert(out->cu.end(), piece.cu.begin(), piece.cu.end());
+    out->row.insert(out->row.end(), piece.row.begin(), piece.row.end());
+    out->last_index.insert(out->last_index.end(), piece.previous_last.begin(),
+                           piece.previous_last.end());
+  }
+  if (!out->last_index.empty()) {
+    // previous_last[d + 1] is document d's last token; the last ends its row.
+    out->last_index.erase(out->last_index.begin());
+    out->last_index.push_back(plan.last_index[out->row.back()]);
+  }
   out->cu.push_back(plan.total_active());
 }
 
@@ -471,24 +519,19 @@ class SpanBackend : public Backend {
     const auto& plan = static_cast<const CpuPlan&>(base);
     switch (segment_ids.dtype) {
       case DType::kUInt8:
-        CutDocumentRows(plan, static_cast<const uint8_t*>(segment_ids.data),
-                        out);
+        CutDocuments(plan, static_cast<const uint8_t*>(segment_ids.data), out);
         break;
       case DType::kInt8:
-        CutDocumentRows(plan, static_cast<const int8_t*>(segment_ids.data),
-                        out);
+        CutDocuments(plan, static_cast<const int8_t*>(segment_ids.data), out);
         break;
       case DType::kInt16:
-        CutDocumentRows(plan, static_cast<const int16_t*>(segment_ids.data),
-                        out);
+        CutDocuments(plan, static_cast<const int16_t*>(segment_ids.data), out);
         break;
       case DType::kInt32:
-        CutDocumentRows(plan, static_cast<const int32_t*>(segment_ids.data),
-                        out);
+        CutDocuments(plan, static_cast<const int32_t*>(segment_ids.data), out);
         break;
       default:
-        CutDocumentRows(plan, static_cast<const int64_t*>(segment_ids.data),
-                        out);
+        CutDocuments(plan, static_cast<const int64_t*>(segment_ids.data), out);
         break;
     }
     return absl::OkStatus();

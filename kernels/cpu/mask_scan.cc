@@ -1,5 +1,6 @@
 #include "kernels/cpu/mask_scan.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -207,7 +208,163 @@ struct Bytes16 {
   unsigned char b[16];
 };
 
+// Neighbour changes one element at a time, for word w (elements 64 w to 64 w
+// + 63 against their next, those with one).
+template <typename T>
+uint64_t ChangeWordPortable(const unsigned char* v, int64_t n, int64_t w) {
+  uint64_t word = 0;
+  const int64_t j0 = 64 * w, j1 = std::min<int64_t>(j0 + 64, n - 1);
+  T a;
+  std::memcpy(&a, v + j0 * sizeof(T), sizeof(T));
+  for (int64_t j = j0; j < j1; ++j) {
+    T b;
+    std::memcpy(&b, v + (j + 1) * sizeof(T), sizeof(T));
+    word |= static_cast<uint64_t>(a != b) << (j - j0);
+    a = b;
+  }
+  return word;
+}
+
+template <typename T>
+void NeighbourChangesPortable(const void* v, int64_t n, uint64_t* bits) {
+  const auto* p = static_cast<const unsigned char*>(v);
+  for (int64_t w = 0; 64 * w < n - 1; ++w) {
+    bits[w] = ChangeWordPortable<T>(p, n, w);
+  }
+}
+
+#if PACKD_X86
+// Whole words (every element with a next one) by Word, a vector function of
+// the word's first element; the last word, if partial, one at a time.
+template <typename T, uint64_t (*Word)(const unsigned char*)>
+void NeighbourChangesWith(const void* v, int64_t n, uint64_t* bits) {
+  const auto* p = static_cast<const unsigned char*>(v);
+  int64_t w = 0;
+  for (; 64 * w + 65 <= n; ++w) bits[w] = Word(p + 64 * w * sizeof(T));
+  for (; 64 * w < n - 1; ++w) bits[w] = ChangeWordPortable<T>(p, n, w);
+}
+
+__attribute__((target("avx512f"))) uint64_t ChangeWordAvx512_32(
+    const unsigned char* p) {
+  uint64_t word = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned char* q = p + 64 * i;
+    const __mmask16 m = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(q),
+                                                 _mm512_loadu_si512(q + 4));
+    word |= static_cast<uint64_t>(m) << (16 * i);
+  }
+  return word;
+}
+
+__attribute__((target("avx512f"))) uint64_t ChangeWordAvx512_64(
+    const unsigned char* p) {
+  uint64_t word = 0;
+  for (int i = 0; i < 8; ++i) {
+    const unsigned char* q = p + 64 * i;
+    const __mmask8 m = _mm512_cmpneq_epi64_mask(_mm512_loadu_si512(q),
+                                                _mm512_loadu_si512(q + 8));
+    word |= static_cast<uint64_t>(m) << (8 * i);
+  }
+  return word;
+}
+
+// AVX2: equal lanes compared, their sign bits gathered, inverted.
+#define PACKD_LOAD256(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+
+__attribute__((target("avx2"))) uint64_t ChangeWordAvx2_8(
+    const unsigned char* p) {
+  uint64_t word = 0;
+  for (int i = 0; i < 2; ++i) {
+    const unsigned char* q = p + 32 * i;
+    const uint32_t eq = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(PACKD_LOAD256(q), PACKD_LOAD256(q + 1))));
+    word |= static_cast<uint64_t>(~eq) << (32 * i);
+  }
+  return word;
+}
+
+__attribute__((target("avx2"))) uint64_t ChangeWordAvx2_16(
+    const unsigned char* p) {
+  uint64_t word = 0;
+  for (int i = 0; i < 2; ++i) {
+    const unsigned char* q = p + 64 * i;
+    const __m256i lo =
+        _mm256_cmpeq_epi16(PACKD_LOAD256(q), PACKD_LOAD256(q + 2));
+    const __m256i hi =
+        _mm256_cmpeq_epi16(PACKD_LOAD256(q + 32), PACKD_LOAD256(q + 34));
+    // packs works within 128-bit lanes: put the four quarters in order.
+    const __m256i bytes =
+        _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xd8);
+    const uint32_t eq = static_cast<uint32_t>(_mm256_movemask_epi8(bytes));
+    word |= static_cast<uint64_t>(~eq) << (32 * i);
+  }
+  return word;
+}
+
+__attribute__((target("avx2"))) uint64_t ChangeWordAvx2_32(
+    const unsigned char* p) {
+  uint64_t word = 0;
+  for (int i = 0; i < 8; ++i) {
+    const unsigned char* q = p + 32 * i;
+    const uint32_t eq =
+        static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(
+            _mm256_cmpeq_epi32(PACKD_LOAD256(q), PACKD_LOAD256(q + 4)))));
+    word |= static_cast<uint64_t>(~eq & 0xffu) << (8 * i);
+  }
+  return word;
+}
+
+__attribute__((target("avx2"))) uint64_t ChangeWordAvx2_64(
+    const unsigned char* p) {
+  uint64_t word = 0;
+  for (int i = 0; i < 16; ++i) {
+    const unsigned char* q = p + 32 * i;
+    const uint32_t eq =
+        static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(
+            _mm256_cmpeq_epi64(PACKD_LOAD256(q), PACKD_LOAD256(q + 8)))));
+    word |= static_cast<uint64_t>(~eq & 0xfu) << (4 * i);
+  }
+  return word;
+}
+#undef PACKD_LOAD256
+#endif
+
 }  // namespace
+
+void NeighbourChanges(const void* v, int64_t n, int width, uint64_t* bits,
+                      VectorPath path) {
+  if (n < 2) return;
+#if PACKD_X86
+  if (path == VectorPath::kAvx512 && width == 4) {
+    return NeighbourChangesWith<uint32_t, ChangeWordAvx512_32>(v, n, bits);
+  }
+  if (path == VectorPath::kAvx512 && width == 8) {
+    return NeighbourChangesWith<uint64_t, ChangeWordAvx512_64>(v, n, bits);
+  }
+  if (path >= VectorPath::kAvx2) {
+    switch (width) {
+      case 1:
+        return NeighbourChangesWith<uint8_t, ChangeWordAvx2_8>(v, n, bits);
+      case 2:
+        return NeighbourChangesWith<uint16_t, ChangeWordAvx2_16>(v, n, bits);
+      case 4:
+        return NeighbourChangesWith<uint32_t, ChangeWordAvx2_32>(v, n, bits);
+      default:
+        return NeighbourChangesWith<uint64_t, ChangeWordAvx2_64>(v, n, bits);
+    }
+  }
+#endif
+  switch (width) {
+    case 1:
+      return NeighbourChangesPortable<uint8_t>(v, n, bits);
+    case 2:
+      return NeighbourChangesPortable<uint16_t>(v, n, bits);
+    case 4:
+      return NeighbourChangesPortable<uint32_t>(v, n, bits);
+    default:
+      return NeighbourChangesPortable<uint64_t>(v, n, bits);
+  }
+}
 
 int64_t CompactFlags(const uint8_t* flags, const void* src, int64_t n,
                      int width, void* out, int64_t room, VectorPath path) {

@@ -52,6 +52,14 @@ int64_t CompactFlags(const uint8_t* flags, const void* src, int64_t n,
                      int width, void* out, int64_t room,
                      VectorPath path = ChosenVectorPath());
 
+// Where neighbours differ: bit j of `bits` (64 a word, (n + 62) / 64 words)
+// is set where element j of `v` (n of `width` bytes: 1, 2, 4 or 8) differs
+// from element j + 1, for j in [0, n - 1). AVX-512 compares sixteen 4-byte or
+// eight 8-byte elements into a mask at once, AVX2 eight to thirty-two into a
+// movemask; other paths one at a time.
+void NeighbourChanges(const void* v, int64_t n, int width, uint64_t* bits,
+                      VectorPath path = ChosenVectorPath());
+
 }  // namespace packd
 
 #endif  // PACKD_KERNELS_CPU_MASK_SCAN_H_

@@ -152,6 +152,27 @@ TEST(Documents, RandomMasksAndIdsOfEveryIntegerDtype) {
   }
 }
 
+// A batch large enough that the cut runs in pieces of rows on several
+// threads: the documents join across the pieces, also where the rows around
+// a piece's first are empty (its first document's predecessor is further
+// back).
+TEST(Documents, ABatchCutInPiecesJoinsAcrossThem) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 64, S = 4096;
+  int i = 0;
+  for (DType dtype : {DType::kInt16, DType::kInt32, DType::kInt64}) {
+    for (MaskPattern pattern : {MaskPattern::kHoles, MaskPattern::kPrefix}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " pattern "
+                                        << static_cast<int>(pattern));
+      at::Tensor mask =
+          testing::RandomMask(rng, kAllDTypes[i++ % 10], B, S, 0.5, pattern);
+      for (int64_t b = B / 2 - 3; b < B / 2 + 2; ++b) mask[b].zero_();
+      const at::Tensor x = testing::RandomTensor(rng, DType::kInt32, {B, S});
+      ExpectDocuments(x, mask, RandomIds(rng, dtype, mask, Ids::kRuns));
+    }
+  }
+}
+
 TEST(Documents, TheSeedsLengthsAndTheEdgeRules) {
   // One row holding documents of 1024, 32 and 32 tokens.
   at::Tensor ids =

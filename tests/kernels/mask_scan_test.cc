@@ -130,6 +130,53 @@ TEST(MaskScan, CompactionTakesTheFlaggedElementsInOrder) {
   }
 }
 
+// Neighbour changes of every element width, lengths crossing every vector
+// width, misaligned starts, ids that change rarely (documents) or often; the
+// word after the last is left alone.
+TEST(MaskScan, NeighbourChangesMarkEveryElementThatDiffersFromTheNext) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (VectorPath path : Runnable()) {
+    SCOPED_TRACE(std::string(VectorPathName(path)));
+    for (int width : {1, 2, 4, 8}) {
+      for (int64_t n = 0; n <= 1031; ++n) {
+        const int64_t offset = n % 9;
+        std::vector<unsigned char> v((n + offset) * width + 1);
+        // Runs of equal elements, some one long; an element may differ from
+        // its neighbour in one byte only.
+        for (int64_t j = 0; j < n; ++j) {
+          unsigned char* e = v.data() + 1 + (offset + j) * width;
+          if (j > 0 && rng() % 8 != 0) {
+            std::copy(e - width, e, e);
+          } else if (j > 0 && rng() % 2 == 0) {
+            std::copy(e - width, e, e);
+            e[rng() % width] ^= static_cast<unsigned char>(1 + rng() % 255);
+          } else {
+            for (int i = 0; i < width; ++i)
+              e[i] = static_cast<unsigned char>(rng());
+          }
+        }
+        const unsigned char* at = v.data() + 1 + offset * width;
+        const int64_t words = (n + 62) / 64;
+        std::vector<uint64_t> bits(words + 1, 0xa5a5a5a5a5a5a5a5ULL),
+            want(words, 0);
+        for (int64_t j = 0; j + 1 < n; ++j) {
+          if (!std::equal(at + j * width, at + (j + 1) * width,
+                          at + (j + 1) * width)) {
+            want[j / 64] |= uint64_t{1} << (j % 64);
+          }
+        }
+        NeighbourChanges(at, n, width, bits.data(), path);
+        for (int64_t w = 0; w < words; ++w) {
+          ASSERT_EQ(bits[w], want[w])
+              << "width " << width << " n " << n << " word " << w;
+        }
+        ASSERT_EQ(bits[words], 0xa5a5a5a5a5a5a5a5ULL)
+            << "wrote past the words, n " << n;
+      }
+    }
+  }
+}
+
 // The path taken is the best this CPU has, unless PACKD_CPU_VECTORS=off asks
 // for the portable one (ctest runs kernels_test both ways).
 TEST(MaskScan, TheBestPathIsTakenUnlessTurnedOff) {
