@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "kernels/spin_wait.h"
+
 namespace packd {
 namespace {
 
@@ -19,21 +21,6 @@ constexpr uint64_t kNoPieces = 0xffffffffu;
 // for the last piece before it sleeps.
 constexpr std::chrono::microseconds kWorkerSpin{200};
 constexpr std::chrono::microseconds kCallerSpin{50};
-
-// Polls done() until it holds (true) or `budget` has passed (false).
-template <typename Done>
-bool SpinUntil(Done&& done, std::chrono::microseconds budget) {
-  const auto deadline = std::chrono::steady_clock::now() + budget;
-  for (;;) {
-    for (int i = 0; i < 64; ++i) {
-      if (done()) return true;
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-    }
-    if (std::chrono::steady_clock::now() >= deadline) return done();
-  }
-}
 
 }  // namespace
 

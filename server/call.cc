@@ -4,9 +4,18 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
+#include "kernels/spin_wait.h"
+
 namespace packd {
+namespace {
+
+// How long a worker polls for the next call before it sleeps.
+constexpr std::chrono::microseconds kPollForWork{100};
+
+}  // namespace
 
 WorkerPool::WorkerPool(int threads) {
   for (int i = 0; i < std::max(threads, 1); ++i) {
@@ -18,6 +27,7 @@ WorkerPool::~WorkerPool() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    work_.SignalAll();
   }
   for (std::thread& t : threads_) t.join();
 }
@@ -25,6 +35,12 @@ WorkerPool::~WorkerPool() {
 void WorkerPool::Submit(std::function<void()> work) {
   absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(work));
+  const int64_t queued = queued_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  // The polling thread, if one is, takes one call without a wake-up; a
+  // thread that stops polling looks at the queue under mu_ before it sleeps.
+  if (queued > (spinning_.load(std::memory_order_acquire) ? 1 : 0)) {
+    work_.Signal();
+  }
 }
 
 void WorkerPool::Loop() {
@@ -34,16 +50,21 @@ void WorkerPool::Loop() {
   sigfillset(&all);
   pthread_sigmask(SIG_BLOCK, &all, nullptr);
   for (;;) {
+    // One thread polls for the next call, the others sleep at once: on a
+    // machine of few cores, more would take the CPU from gRPC's threads.
+    if (!spinning_.exchange(true, std::memory_order_acq_rel)) {
+      SpinUntil([this] { return queued_.load(std::memory_order_acquire) > 0; },
+                kPollForWork);
+      spinning_.store(false, std::memory_order_release);
+    }
     std::function<void()> work;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stop_ || !queue_.empty();
-      };
-      mu_.Await(absl::Condition(&ready));
+      while (!stop_ && queue_.empty()) work_.Wait(&mu_);
       if (queue_.empty()) return;  // stopping, and nothing left to run
       work = std::move(queue_.front());
       queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_relaxed);
     }
     work();
   }
