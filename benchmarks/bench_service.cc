@@ -74,6 +74,8 @@ ABSL_FLAG(int, rss_calls, 16,
           "Peak memory: inline calls at once against a packd process (0 "
           "skips)");
 ABSL_FLAG(bool, rss_only, false, "Only the peak-memory rows");
+ABSL_FLAG(bool, small_only, false,
+          "Only the small-call rows (to profile them: perf record)");
 ABSL_FLAG(std::string, packd, PACKD_BINARY,
           "Peak memory: the packd binary to measure");
 ABSL_FLAG(std::string, packd_flags,
@@ -634,15 +636,22 @@ void MeasureSmallCalls(const Servers& servers, bool smoke) {
       "\nsmall calls over TCP loopback: x [4, 128, 64] bf16, random mask 0.5 "
       "(%zu request bytes, about %zu response bytes), %d calls per level\n",
       wrapped.Length(), response_bytes, calls);
-  std::printf("%12s %12s %12s %14s %14s %10s %10s\n", "concurrency", "Pack p50",
-              "Pack p99", "nothing p50", "nothing p99", "p50 x", "p99 x");
+  std::printf("%12s %12s %12s %14s %14s %10s %10s %12s %12s %8s\n",
+              "concurrency", "Pack p50", "Pack p99", "nothing p50",
+              "nothing p99", "p50 x", "p99 x", "Pack /s", "nothing /s",
+              "/s ratio");
   for (absl::string_view level : absl::StrSplit(
            absl::GetFlag(FLAGS_concurrencies), ',', absl::SkipEmpty())) {
     int c = 1;
     if (!absl::SimpleAtoi(level, &c) || c < 1) continue;
     const int total = smoke ? 2 * c : calls;
+    // {p50 ms, p99 ms, calls a second over the level's wall time}.
+    struct Latencies {
+      double p50, p99, per_second;
+    };
     auto latencies = [&](const std::function<void()>& call) {
       std::vector<double> ms;
+      const auto start = std::chrono::steady_clock::now();
       std::mutex mu;
       std::vector<std::thread> threads;
       for (int t = 0; t < c; ++t) {
@@ -660,17 +669,24 @@ void MeasureSmallCalls(const Servers& servers, bool smoke) {
         });
       }
       for (auto& t : threads) t.join();
+      const double seconds = std::chrono::duration<double>(
+                                 std::chrono::steady_clock::now() - start)
+                                 .count();
       std::sort(ms.begin(), ms.end());
-      return std::make_pair(ms[ms.size() / 2],
-                            ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]);
+      return Latencies{ms[ms.size() / 2],
+                       ms[std::min(ms.size() - 1, ms.size() * 99 / 100)],
+                       static_cast<double>(ms.size()) / seconds};
     };
     const auto pack = latencies([&] {
       Check(client->Pack({small_x}, small_mask).status(), "Pack (small)");
     });
     const auto nothing = latencies([&] { null.Call(wrapped); });
-    std::printf("%12d %10.3fms %10.3fms %12.3fms %12.3fms %10.2f %10.2f\n", c,
-                pack.first, pack.second, nothing.first, nothing.second,
-                pack.first / nothing.first, pack.second / nothing.second);
+    std::printf(
+        "%12d %10.3fms %10.3fms %12.3fms %12.3fms %10.2f %10.2f %12.0f %12.0f "
+        "%8.2f\n",
+        c, pack.p50, pack.p99, nothing.p50, nothing.p99, pack.p50 / nothing.p50,
+        pack.p99 / nothing.p99, pack.per_second, nothing.per_second,
+        pack.per_second / nothing.per_second);
   }
   null.server->Shutdown();
 }
@@ -774,6 +790,10 @@ int Main(int argc, char** argv) {
     return 0;
   }
   Servers servers = StartServers();
+  if (absl::GetFlag(FLAGS_small_only)) {
+    MeasureSmallCalls(servers, smoke);
+    return 0;
+  }
   const std::vector<Row> rows =
       MeasureLargeCalls(*batch, servers, density, repeats);
   MeasureSmallCalls(servers, smoke);
