@@ -24,8 +24,10 @@ deps:
 configure: deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
 
+# BUILD_TARGETS narrows the build to what a narrowed test run needs (default: everything).
+BUILD_TARGETS ?=
 build: configure
-	cmake --build $(BUILD_DIR) -j $(JOBS)
+	cmake --build $(BUILD_DIR) -j $(JOBS) $(if $(BUILD_TARGETS),--target $(BUILD_TARGETS))
 
 # CTEST_ARGS narrows the run (e.g. CTEST_ARGS="-R gpu_").
 CTEST_ARGS ?=
