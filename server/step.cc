@@ -96,6 +96,19 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   PACKD_RETURN_IF_ERROR(
       step->Measure(message.has_loss_mask() ? &message.loss_mask() : nullptr,
                     decoder, &filled, &sequences));
+  // The mask is valid now (Measure packed it); the inputs' rows are gathered
+  // per micro-batch before any Pack sees them, so their shapes are checked
+  // here.
+  const TensorView& mask = step->call_.mask;
+  for (size_t i = 0; i < step->call_.tensors.size(); ++i) {
+    const TensorView& x = step->call_.tensors[i];
+    if (x.shape.size() < 2 || x.shape[0] != mask.shape[0] ||
+        x.shape[1] != mask.shape[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch.inputs[", i, "].shape ", ShapeString(x.shape),
+          " does not start with batch.mask shape ", ShapeString(mask.shape)));
+    }
+  }
   if (absl::Status planned = plan(filled, &step->plan_); !planned.ok()) {
     return absl::Status(
         planned.code(),
