@@ -67,14 +67,8 @@ absl::Status ValidatePackArgs(absl::Span<const TensorView> inputs,
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     const std::string field = absl::StrCat("inputs[", i, "]");
-    const TensorView& x = inputs[i];
-    if (x.shape.size() < 2 || x.shape[0] != mask.shape[0] ||
-        x.shape[1] != mask.shape[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".shape ", ShapeString(x.shape),
-          " does not start with mask shape ", ShapeString(mask.shape)));
-    }
-    PACKD_RETURN_IF_ERROR(ValidateTensor(x, field, call).status());
+    PACKD_RETURN_IF_ERROR(CheckStartsWithMask(inputs[i], mask, field));
+    PACKD_RETURN_IF_ERROR(ValidateTensor(inputs[i], field, call).status());
   }
   return absl::OkStatus();
 }
@@ -466,6 +460,18 @@ absl::Status ValidateScatterLayout(const LayoutOptions& layout, size_t packed) {
 }
 
 }  // namespace
+
+absl::Status CheckStartsWithMask(const TensorView& x, const TensorView& mask,
+                                 absl::string_view field,
+                                 absl::string_view mask_field) {
+  if (x.shape.size() >= 2 && x.shape[0] == mask.shape[0] &&
+      x.shape[1] == mask.shape[1]) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".shape ", ShapeString(x.shape), " does not start with ",
+      mask_field, " shape ", ShapeString(mask.shape)));
+}
 
 absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
                                 const TensorView& mask,

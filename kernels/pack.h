@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/buffer.h"
 #include "kernels/layout.h"
@@ -151,6 +152,13 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
 absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
                                       const TensorView& mask,
                                       const ScatterOptions& options = {});
+
+// Pack's check of an input's shape, for callers that gather an input's rows
+// before Pack sees it: INVALID_ARGUMENT unless `x` has rank >= 2 and its shape
+// starts with the mask's [B, S]; the message names `field` and `mask_field`.
+absl::Status CheckStartsWithMask(const TensorView& x, const TensorView& mask,
+                                 absl::string_view field,
+                                 absl::string_view mask_field = "mask");
 
 }  // namespace packd
 

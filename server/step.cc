@@ -99,15 +99,10 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   // The mask is valid now (Measure packed it); the inputs' rows are gathered
   // per micro-batch before any Pack sees them, so their shapes are checked
   // here.
-  const TensorView& mask = step->call_.mask;
   for (size_t i = 0; i < step->call_.tensors.size(); ++i) {
-    const TensorView& x = step->call_.tensors[i];
-    if (x.shape.size() < 2 || x.shape[0] != mask.shape[0] ||
-        x.shape[1] != mask.shape[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batch.inputs[", i, "].shape ", ShapeString(x.shape),
-          " does not start with batch.mask shape ", ShapeString(mask.shape)));
-    }
+    PACKD_RETURN_IF_ERROR(CheckStartsWithMask(
+        step->call_.tensors[i], step->call_.mask,
+        absl::StrCat("batch.inputs[", i, "]"), "batch.mask"));
   }
   if (absl::Status planned = plan(filled, &step->plan_); !planned.ok()) {
     return absl::Status(
