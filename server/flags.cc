@@ -13,6 +13,7 @@
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
 #include "proto/address.h"
+#include "server/log.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "Address to serve on: HOST:PORT (port 0 picks a free port) or "
@@ -54,6 +55,9 @@ ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
           "PEM CA certificates: with TLS, require client certificates they "
           "signed (mutual TLS)");
+ABSL_FLAG(std::string, log_format, "text",
+          "Log lines as text, or as json for log collectors (one object a "
+          "line: time, level, message, fields)");
 ABSL_FLAG(std::string, health_listen, "",
           "A second, plaintext address that serves only grpc.health.v1 (for "
           "kubelet probes when --listen speaks TLS); empty: none");
@@ -104,6 +108,12 @@ absl::StatusOr<TlsOptions> TlsFromFlags() {
 
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ServerOptions options;
+  // First, so that every later line, an error in the flags below included,
+  // is in the format asked for.
+  LogFormat log_format = LogFormat::kText;
+  PACKD_RETURN_IF_ERROR(
+      ParseLogFormat(absl::GetFlag(FLAGS_log_format), &log_format));
+  SetLogFormat(log_format);
   options.listen = absl::GetFlag(FLAGS_listen);
   PACKD_ASSIGN_OR_RETURN(options.tls, TlsFromFlags());
   options.health_listen = absl::GetFlag(FLAGS_health_listen);

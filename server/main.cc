@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<packd::ServerOptions> options = packd::OptionsFromFlags();
   if (!options.ok()) {
-    packd::Log(options.status().ToString());
+    packd::Log(packd::LogLevel::kError, options.status().ToString());
     return 2;
   }
   return packd::ServeUntilSignalled(*options);

@@ -169,7 +169,8 @@ PackdServer::PackdServer(const ServerOptions& options)
       }()) {}
 
 void PackdServer::OnDeviceLost(const absl::Status& reason) {
-  Log(absl::StrCat("readiness NOT_SERVING: ", reason.message()));
+  Log(LogLevel::kWarning,
+      absl::StrCat("readiness NOT_SERVING: ", reason.message()));
   if (server_ != nullptr) {
     SetReady(false);
   }
@@ -247,7 +248,10 @@ void PackdServer::Drain() {
       "waiting up to ",
       absl::FormatDuration(options_.drain), " for calls in flight"));
   const bool idle = service_.WaitForIdle(absl::Now() + options_.drain);
-  if (!idle) Log("drain time is up: cancelling the calls still running");
+  if (!idle) {
+    Log(LogLevel::kWarning,
+        "drain time is up: cancelling the calls still running");
+  }
   server_->Shutdown(
       absl::ToChronoTime(absl::Now() + absl::Milliseconds(idle ? 1000 : 100)));
   if (health_server_ != nullptr) health_server_->Shutdown();
@@ -271,7 +275,8 @@ int ServeUntilSignalled(const ServerOptions& options) {
   absl::StatusOr<std::unique_ptr<PackdServer>> server =
       PackdServer::Start(options);
   if (!server.ok()) {
-    Log(absl::StrCat("cannot start: ", server.status().ToString()));
+    Log(LogLevel::kError,
+        absl::StrCat("cannot start: ", server.status().ToString()));
     return 1;
   }
   const ServiceOptions& service = options.service;
@@ -309,7 +314,8 @@ int ServeUntilSignalled(const ServerOptions& options) {
         continue;
       }
       const absl::Status reloaded = service.auth->Reload();
-      Log(reloaded.ok() ? absl::StrCat("received Hangup: tokens reloaded from ",
+      Log(reloaded.ok() ? LogLevel::kInfo : LogLevel::kWarning,
+          reloaded.ok() ? absl::StrCat("received Hangup: tokens reloaded from ",
                                        service.auth->path())
                         : absl::StrCat("received Hangup: ", reloaded.message(),
                                        "; the previous tokens stay"));

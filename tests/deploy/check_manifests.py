@@ -1,10 +1,11 @@
-"""Renders every kustomize overlay under deploy/k8s (kubectl kustomize) and checks the result:
+"""Renders every kustomize overlay under deploy/k8s (kubectl kustomize, else kustomize build) and
+checks the result:
 the image and its tag, probes aimed at ports the flags open, requests and limits set and
 --max_message_bytes within them, the security context, and labels and selectors that match.
 
     /usr/bin/python3 tests/deploy/check_manifests.py [deploy/k8s]
 
-Exit 0 when every overlay passes, 1 with the failures listed, 77 (skipped) without kubectl."""
+Exit 0 when every overlay passes, 1 with the failures listed, 77 (skipped) without either."""
 import os
 import re
 import shutil
@@ -94,6 +95,8 @@ def check_container(where, c, image, problems):
         # The default budget is half the limit; the largest call is admitted for 3x its size.
         if 6 * message > memory_bytes(limit):
             fail(f"--max_message_bytes={message} is over a sixth of the memory limit {limit}")
+    if f.get("log_format") != "json":
+        fail("--log_format is not json (log collectors read one JSON object a line)")
     sc = c.get("securityContext", {})
     if sc.get("readOnlyRootFilesystem") is not True:
         fail("securityContext.readOnlyRootFilesystem is not true")
@@ -101,11 +104,13 @@ def check_container(where, c, image, problems):
         fail("securityContext.allowPrivilegeEscalation is not false")
 
 
-def check_overlay(kubectl, root, overlay, image, quiet=False):
-    rendered = subprocess.run([kubectl, "kustomize", os.path.join(root, "overlays", overlay)],
+def check_overlay(render, root, overlay, image, quiet=False):
+    """render: the command that renders a kustomization folder (kubectl kustomize, or
+    kustomize build)."""
+    rendered = subprocess.run([*render, os.path.join(root, "overlays", overlay)],
                               capture_output=True, text=True)
     if rendered.returncode != 0:
-        return [f"{overlay}: kubectl kustomize failed: {rendered.stderr.strip()}"]
+        return [f"{overlay}: {' '.join(render)} failed: {rendered.stderr.strip()}"]
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
     problems = []
     workloads = [d for d in docs if d["kind"] in WORKLOADS]
@@ -180,10 +185,12 @@ MUTATIONS = [
      "matches no pod"),
     ("node-local", "overlays/node-local/daemonset.yaml", "readOnlyRootFilesystem: true",
      "readOnlyRootFilesystem: false", "readOnlyRootFilesystem"),
+    ("gpu", "overlays/gpu/gpu.yaml", "\"--log_format=json\"", "\"--log_format=text\"",
+     "--log_format is not json"),
 ]
 
 
-def self_test(kubectl, root):
+def self_test(render, root):
     """Each mutation of a copy of deploy/k8s must be reported."""
     problems = []
     for overlay, path, old, new, words in MUTATIONS:
@@ -197,7 +204,7 @@ def self_test(kubectl, root):
                 continue
             with open(os.path.join(copy, path), "w") as f:
                 f.write(text.replace(old, new, 1))
-            found = check_overlay(kubectl, copy, overlay, OVERLAYS[overlay], quiet=True)
+            found = check_overlay(render, copy, overlay, OVERLAYS[overlay], quiet=True)
             if not any(words in p for p in found):
                 problems.append(f"self-test: {path} with {new!r} was not caught ({found})")
     print(f"self-test: {len(MUTATIONS)} broken manifests, "
@@ -208,17 +215,21 @@ def self_test(kubectl, root):
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy", "k8s")
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        print("SKIPPED: kubectl is not installed (Debian: kubernetes-client)")
+    if shutil.which("kubectl"):
+        render = ["kubectl", "kustomize"]
+    elif shutil.which("kustomize"):
+        render = ["kustomize", "build"]
+    else:
+        print("SKIPPED: neither kubectl nor kustomize is installed (deploy/install-deps.sh "
+              "installs kustomize)")
         return 77
     present = sorted(os.listdir(os.path.join(root, "overlays")))
     problems = []
     if present != sorted(OVERLAYS):
         problems.append(f"overlays {present}, expected {sorted(OVERLAYS)}")
     for overlay, image in OVERLAYS.items():
-        problems += check_overlay(kubectl, root, overlay, image)
-    problems += self_test(kubectl, root)
+        problems += check_overlay(render, root, overlay, image)
+    problems += self_test(render, root)
     for p in problems:
         print("FAIL", p)
     return 1 if problems else 0
