@@ -11,10 +11,10 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS = fuzz_request fuzz_regions fuzz_plan
 
 TSAN_DIR ?= build-tsan
-TSAN_TESTS = server_regions_test memory_budget_test regions_test service_test soak_test \
+TSAN_TESTS = server_regions_test memory_budget_test metrics_test regions_test service_test soak_test \
   shared_client_test client_fake_gpu_test
 
-.PHONY: all deps configure build test run bench bench-step image check-image fuzz tsan clean format
+.PHONY: all deps configure build test run bench bench-step plots image check-image fuzz tsan clean format
 
 all: build
 

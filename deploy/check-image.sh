@@ -80,7 +80,7 @@ metrics() {
   python3 -c "import urllib.request
 print(urllib.request.urlopen('http://127.0.0.1:$metrics_port/metrics', timeout=5).read().decode())"
 }
-packs_ok() { metrics | awk '$1 == "packd_requests_total{method=\"Pack\",code=\"ok\"}" {print $2}'; }
+packs_ok() { metrics | awk '$1 == "packd_requests_total{code=\"ok\",method=\"Pack\"}" {print $2}'; }
 text=$(metrics) || fail "no metrics on 127.0.0.1:$metrics_port"
 [[ "$(packs_ok)" -ge 1 ]] ||
   fail "the metrics do not count the Pack: $(grep packd_requests_total <<<"$text")"

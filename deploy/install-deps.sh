@@ -16,6 +16,7 @@ packages=(
   libabsl-dev
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
+  prometheus-cpp-dev
 )
 case "${PACKD_DEPS:-all}" in
   build)

@@ -503,8 +503,9 @@ class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
     if (k == 0) {
       *reply->response->mutable_plan() = step_->plan();
     } else {
-      PACKD_RETURN_IF_ERROR(
-          step_->PackMicroBatch(k - 1, &reply->response, &reply->buffers));
+      PACKD_RETURN_IF_ERROR(service_->OnDevice(
+          step_->device(),
+          step_->PackMicroBatch(k - 1, &reply->response, &reply->buffers)));
     }
     const Spliced spliced = reply->response.Serialize();
     PACKD_RETURN_IF_ERROR(

@@ -55,6 +55,11 @@ int64_t MemoryBudget::in_use() const {
   return in_use_;
 }
 
+int64_t MemoryBudget::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(waiters_.size());
+}
+
 MemoryBudget::Hold MemoryBudget::MakeHold(int64_t bytes) {
   return Hold(new Reservation(this, bytes));
 }

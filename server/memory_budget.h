@@ -60,6 +60,8 @@ class MemoryBudget {
 
   int64_t limit() const { return limit_; }
   int64_t in_use() const;
+  // Reservations waiting for bytes to be released.
+  int64_t waiting() const;
 
   // The default --max_inflight_bytes: half the memory this process may use,
   // the smaller of physical memory and the cgroup's memory limit (v2 or v1).

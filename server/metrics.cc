@@ -2,17 +2,22 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cerrno>
+#include <atomic>
+#include <cctype>
+#include <chrono>
 #include <cstring>
+#include <exception>
+#include <thread>
 
-#include "absl/strings/match.h"
+#include "CivetServer.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "prometheus/exposer.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
 
 namespace packd {
 namespace {
@@ -25,171 +30,285 @@ std::string CodeLabel(absl::StatusCode code) {
   return name;
 }
 
-}  // namespace
-
-void Metrics::Record(const std::string& method, absl::StatusCode code,
-                     absl::Duration latency, uint64_t request_bytes,
-                     uint64_t response_bytes) {
-  const double seconds = absl::ToDoubleSeconds(latency);
-  absl::MutexLock lock(&mu_);
-  PerMethod& m = methods_[method];
-  ++m.calls[code];
-  size_t bucket = 0;
-  while (bucket < kBuckets.size() && seconds > kBuckets[bucket]) ++bucket;
-  ++m.buckets[bucket];
-  m.seconds += seconds;
-  m.request_bytes += request_bytes;
-  m.response_bytes += response_bytes;
+bool IsDeviceError(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kUnknown:
+      return true;
+    default:
+      return false;
+  }
 }
 
-std::string Metrics::Render(int64_t regions, int64_t regions_expired,
-                            int64_t calls_in_flight) const {
-  std::string out;
-  absl::StrAppend(
-      &out,
-      "# HELP packd_requests_total Calls finished, by method and status code.\n"
-      "# TYPE packd_requests_total counter\n");
+int64_t Read(const std::function<int64_t()>& gauge) {
+  return gauge ? gauge() : 0;
+}
+
+// One family of values read now; `labels` name each value's series.
+prometheus::MetricFamily Sampled(
+    std::string name, std::string help, prometheus::MetricType type,
+    const std::vector<std::pair<prometheus::ClientMetric::Label, int64_t>>&
+        values) {
+  prometheus::MetricFamily family{std::move(name), std::move(help), type, {}};
+  for (const auto& [label, value] : values) {
+    prometheus::ClientMetric metric;
+    if (!label.name.empty()) metric.label.push_back(label);
+    const double v = static_cast<double>(value);
+    if (type == prometheus::MetricType::Counter) {
+      metric.counter.value = v;
+    } else {
+      metric.gauge.value = v;
+    }
+    family.metric.push_back(std::move(metric));
+  }
+  return family;
+}
+
+// civetweb's begin_request: the Exposer answers /metrics; anything else is
+// 404 (civetweb alone would close the connection without a reply).
+int NotFoundButMetrics(mg_connection* connection) {
+  const mg_request_info* request = mg_get_request_info(connection);
+  if (request != nullptr && request->local_uri != nullptr &&
+      std::strcmp(request->local_uri, "/metrics") == 0) {
+    return 0;
+  }
+  mg_printf(connection,
+            "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\n"
+            "Content-Length: 32\r\nConnection: close\r\n\r\n"
+            "not found: packd serves /metrics");
+  return 404;
+}
+
+}  // namespace
+
+// The registry's families, then the gauges read now.
+class Metrics::Collector final : public prometheus::Collectable {
+ public:
+  Collector(std::shared_ptr<prometheus::Registry> registry, Gauges gauges)
+      : registry_(std::move(registry)), gauges_(std::move(gauges)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> families = registry_->Collect();
+    using prometheus::MetricType;
+    const auto one = [](const std::function<int64_t()>& gauge) {
+      return std::vector<std::pair<prometheus::ClientMetric::Label, int64_t>>{
+          {{}, Read(gauge)}};
+    };
+    families.push_back(
+        Sampled("packd_calls_in_flight", "Calls admitted and not yet answered.",
+                MetricType::Gauge, one(gauges_.calls_in_flight)));
+    families.push_back(
+        Sampled("packd_budget_bytes_in_use",
+                "Bytes of inline calls reserved in --max_inflight_bytes.",
+                MetricType::Gauge, one(gauges_.budget_bytes_in_use)));
+    families.push_back(Sampled(
+        "packd_budget_bytes_limit", "--max_inflight_bytes (0: no limit).",
+        MetricType::Gauge, one(gauges_.budget_bytes_limit)));
+    families.push_back(Sampled(
+        "packd_budget_waiting",
+        "Calls waiting for bytes of --max_inflight_bytes to be released.",
+        MetricType::Gauge, one(gauges_.budget_waiting)));
+    std::vector<std::pair<prometheus::ClientMetric::Label, int64_t>> regions;
+    for (const char* kind : {"device", "system"}) {
+      regions.push_back(
+          {{"kind", kind}, gauges_.regions ? gauges_.regions(kind) : 0});
+    }
+    families.push_back(Sampled("packd_regions",
+                               "Registered tensor-handle regions, by kind.",
+                               MetricType::Gauge, regions));
+    families.push_back(
+        Sampled("packd_regions_expired_total",
+                "Regions unregistered because no call named them for their "
+                "lease.",
+                MetricType::Counter, one(gauges_.regions_expired)));
+    return families;
+  }
+
+ private:
+  const std::shared_ptr<prometheus::Registry> registry_;
+  const Gauges gauges_;
+};
+
+Metrics::Metrics(Gauges gauges)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("packd_requests_total")
+                    .Help("Calls finished, by method and status code.")
+                    .Register(*registry_)),
+      latency_(prometheus::BuildHistogram()
+                   .Name("packd_request_duration_seconds")
+                   .Help("Time from a call's arrival in the service to its "
+                         "answer.")
+                   .Register(*registry_)),
+      request_bytes_(prometheus::BuildCounter()
+                         .Name("packd_request_bytes_total")
+                         .Help("Bytes of request messages.")
+                         .Register(*registry_)),
+      response_bytes_(prometheus::BuildCounter()
+                          .Name("packd_response_bytes_total")
+                          .Help("Bytes of response messages.")
+                          .Register(*registry_)),
+      device_calls_(prometheus::BuildCounter()
+                        .Name("packd_device_calls_total")
+                        .Help("Packs, scatters and step micro-batches run on "
+                              "each device.")
+                        .Register(*registry_)),
+      device_errors_(
+          prometheus::BuildCounter()
+              .Name("packd_device_errors_total")
+              .Help("Work on each device that failed in the device or its "
+                    "runtime (INTERNAL, UNAVAILABLE, DATA_LOSS, UNKNOWN).")
+              .Register(*registry_)),
+      micro_batches_held_(prometheus::BuildGauge()
+                              .Name("packd_step_micro_batches_held")
+                              .Help("Micro-batches PackMicroBatches calls hold "
+                                    "packed, not yet sent (at most two per "
+                                    "call).")
+                              .Register(*registry_)
+                              .Add({})),
+      collector_(std::make_shared<Collector>(registry_, std::move(gauges))) {}
+
+Metrics::~Metrics() = default;
+
+Metrics::PerMethod& Metrics::MethodLocked(absl::string_view method) {
+  auto it = methods_.find(method);
+  if (it != methods_.end()) return it->second;
+  PerMethod& m = methods_[method];
+  const std::string name(method);
+  m.latency =
+      &latency_.Add({{"method", name}}, prometheus::Histogram::BucketBoundaries(
+                                            kBuckets.begin(), kBuckets.end()));
+  m.request_bytes = &request_bytes_.Add({{"method", name}});
+  m.response_bytes = &response_bytes_.Add({{"method", name}});
+  return m;
+}
+
+void Metrics::Record(absl::string_view method, absl::StatusCode code,
+                     absl::Duration latency, uint64_t request_bytes,
+                     uint64_t response_bytes) {
+  const size_t index = static_cast<size_t>(code);
+  // Copied under the lock: the map moves its values when it grows, the
+  // metrics they point to stay.
+  PerMethod m;
+  prometheus::Counter* calls;
+  {
+    absl::MutexLock lock(&mu_);
+    PerMethod& slot = MethodLocked(method);
+    // absl::StatusCode has 17 values; anything else counts as UNKNOWN.
+    const size_t at = index < slot.calls.size()
+                          ? index
+                          : static_cast<size_t>(absl::StatusCode::kUnknown);
+    if (slot.calls[at] == nullptr) {
+      slot.calls[at] = &requests_.Add(
+          {{"method", std::string(method)},
+           {"code", CodeLabel(static_cast<absl::StatusCode>(at))}});
+    }
+    calls = slot.calls[at];
+    m.latency = slot.latency;
+    m.request_bytes = slot.request_bytes;
+    m.response_bytes = slot.response_bytes;
+  }
+  // prometheus-cpp's metrics are safe to update concurrently, and live as
+  // long as their family.
+  calls->Increment();
+  m.latency->Observe(absl::ToDoubleSeconds(latency));
+  m.request_bytes->Increment(static_cast<double>(request_bytes));
+  m.response_bytes->Increment(static_cast<double>(response_bytes));
+}
+
+Metrics::PerDevice Metrics::DeviceOf(const Device& device) {
+  const std::string name = device.ToString();
   absl::MutexLock lock(&mu_);
-  for (const auto& [method, m] : methods_) {
-    for (const auto& [code, n] : m.calls) {
-      absl::StrAppend(&out, "packd_requests_total{method=\"", method,
-                      "\",code=\"", CodeLabel(code), "\"} ", n, "\n");
-    }
+  PerDevice& slot = devices_[name];
+  if (slot.calls == nullptr) {
+    slot.calls = &device_calls_.Add({{"device", name}});
+    slot.errors = &device_errors_.Add({{"device", name}});
   }
-  absl::StrAppend(
-      &out,
-      "# HELP packd_request_duration_seconds Time from a call's arrival in the "
-      "service to its answer.\n"
-      "# TYPE packd_request_duration_seconds histogram\n");
-  for (const auto& [method, m] : methods_) {
-    uint64_t cumulative = 0;
-    for (size_t i = 0; i <= kBuckets.size(); ++i) {
-      cumulative += m.buckets[i];
-      const std::string le =
-          i < kBuckets.size() ? absl::StrFormat("%g", kBuckets[i]) : "+Inf";
-      absl::StrAppend(&out, "packd_request_duration_seconds_bucket{method=\"",
-                      method, "\",le=\"", le, "\"} ", cumulative, "\n");
-    }
-    absl::StrAppend(&out, "packd_request_duration_seconds_sum{method=\"",
-                    method, "\"} ", absl::StrFormat("%.6f", m.seconds), "\n",
-                    "packd_request_duration_seconds_count{method=\"", method,
-                    "\"} ", cumulative, "\n");
-  }
-  absl::StrAppend(
-      &out,
-      "# HELP packd_request_bytes_total Bytes of request messages.\n"
-      "# TYPE packd_request_bytes_total counter\n");
-  for (const auto& [method, m] : methods_) {
-    absl::StrAppend(&out, "packd_request_bytes_total{method=\"", method, "\"} ",
-                    m.request_bytes, "\n");
-  }
-  absl::StrAppend(
-      &out,
-      "# HELP packd_response_bytes_total Bytes of response messages.\n"
-      "# TYPE packd_response_bytes_total counter\n");
-  for (const auto& [method, m] : methods_) {
-    absl::StrAppend(&out, "packd_response_bytes_total{method=\"", method,
-                    "\"} ", m.response_bytes, "\n");
-  }
-  absl::StrAppend(
-      &out,
-      "# HELP packd_regions Registered tensor-handle regions.\n"
-      "# TYPE packd_regions gauge\npackd_regions ",
-      regions, "\n",
-      "# HELP packd_regions_expired_total Regions unregistered because no call "
-      "named them for their lease.\n"
-      "# TYPE packd_regions_expired_total "
-      "counter\npackd_regions_expired_total ",
-      regions_expired, "\n",
-      "# HELP packd_calls_in_flight Pack and Scatter calls running.\n"
-      "# TYPE packd_calls_in_flight gauge\npackd_calls_in_flight ",
-      calls_in_flight, "\n",
-      "# HELP packd_step_micro_batches_held Micro-batches PackMicroBatches "
-      "calls hold packed, not yet sent (at most two per call).\n"
-      "# TYPE packd_step_micro_batches_held gauge\n"
-      "packd_step_micro_batches_held ",
-      micro_batches_held_.load(), "\n");
-  return out;
+  return slot;
+}
+
+void Metrics::AddDevice(const Device& device) { DeviceOf(device); }
+
+void Metrics::RecordDevice(const Device& device, absl::StatusCode code) {
+  const PerDevice d = DeviceOf(device);
+  d.calls->Increment();
+  if (IsDeviceError(code)) d.errors->Increment();
+}
+
+void Metrics::HoldMicroBatches(int64_t delta) {
+  micro_batches_held_.Increment(static_cast<double>(delta));
+}
+
+std::string Metrics::Render() const {
+  return prometheus::TextSerializer().Serialize(collector_->Collect());
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
-    const std::string& listen, std::function<std::string()> render) {
+    const std::string& listen,
+    std::shared_ptr<prometheus::Collectable> metrics) {
   const size_t colon = listen.rfind(':');
   int port = -1;
   in_addr host{};
   const std::string host_text =
       colon == std::string::npos ? "" : listen.substr(0, colon);
+  const std::string numeric =
+      host_text == "localhost" ? "127.0.0.1" : host_text;
   if (colon == std::string::npos ||
       !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
-      port > 65535 ||
-      inet_pton(AF_INET,
-                host_text == "localhost" ? "127.0.0.1" : host_text.c_str(),
-                &host) != 1) {
+      port > 65535 || inet_pton(AF_INET, numeric.c_str(), &host) != 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_listen=", listen,
                      " is not IPV4_ADDRESS:PORT (e.g. 0.0.0.0:9090)"));
   }
   std::unique_ptr<MetricsServer> server(new MetricsServer);
-  server->fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int one = 1;
-  setsockopt(server->fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr = host;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (bind(server->fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) !=
-          0 ||
-      ::listen(server->fd_, 16) != 0) {
-    const int err = errno;
-    close(server->fd_);
-    server->fd_ = -1;
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", listen,
-                     " (--metrics_listen): ", std::strerror(err)));
+  CivetCallbacks callbacks;
+  callbacks.begin_request = NotFoundButMetrics;
+  try {
+    server->exposer_ = std::make_unique<prometheus::Exposer>(
+        std::vector<std::string>{"listening_ports",
+                                 absl::StrCat(numeric, ":", port),
+                                 "num_threads", "2"},
+        &callbacks);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", listen,
+        " (--metrics_listen): the port is in use, or the address is not "
+        "this machine's (",
+        e.what(), ")"));
   }
-  socklen_t len = sizeof(addr);
-  getsockname(server->fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  server->address_ = absl::StrCat(host_text, ":", ntohs(addr.sin_port));
-  server->render_ = std::move(render);
-  server->thread_ = std::thread([s = server.get()] { s->Serve(); });
+  const std::vector<int> ports = server->exposer_->GetListeningPorts();
+  server->port_ = ports.empty() ? port : ports.front();
+  server->host_ = host;
+  server->address_ = absl::StrCat(host_text, ":", server->port_);
+  server->exposer_->RegisterCollectable(metrics);
   return server;
 }
 
 MetricsServer::~MetricsServer() {
-  stop_ = true;
-  if (thread_.joinable()) thread_.join();
-  if (fd_ >= 0) close(fd_);
-}
-
-void MetricsServer::Serve() {
-  while (!stop_) {
-    pollfd p{fd_, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    const int client = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (client < 0) continue;
-    // One short request per connection; give a slow client 1 s.
-    timeval timeout{1, 0};
-    setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-    char buf[2048];
-    const ssize_t n = recv(client, buf, sizeof(buf) - 1, 0);
-    std::string response;
-    if (n > 0 && absl::StartsWith(absl::string_view(buf, n), "GET /metrics")) {
-      const std::string body = render_();
-      response = absl::StrCat(
-          "HTTP/1.0 200 OK\r\nContent-Type: text/plain; "
-          "version=0.0.4\r\nContent-Length: ",
-          body.size(), "\r\n\r\n", body);
-    } else {
-      response = "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+  // civetweb's listener polls for 2 s before it sees that it is stopped; a
+  // connection wakes it, so stopping takes milliseconds, not seconds.
+  if (exposer_ == nullptr) return;
+  std::atomic<bool> stopped{false};
+  std::thread waker([&] {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr =
+        host_.s_addr == INADDR_ANY ? in_addr{htonl(INADDR_LOOPBACK)} : host_;
+    addr.sin_port = htons(static_cast<uint16_t>(port_));
+    while (!stopped.load()) {
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd >= 0) {
+        connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+        close(fd);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    for (size_t sent = 0; sent < response.size();) {
-      const ssize_t k = send(client, response.data() + sent,
-                             response.size() - sent, MSG_NOSIGNAL);
-      if (k <= 0) break;
-      sent += k;
-    }
-    close(client);
-  }
+  });
+  exposer_.reset();
+  stopped = true;
+  waker.join();
 }
 
 }  // namespace packd

@@ -1,31 +1,48 @@
-// Metrics: what packd counts about its calls, and MetricsServer, which serves
-// them as Prometheus text on --metrics_listen.
+// Metrics: what packd counts about its calls, kept in a prometheus-cpp
+// registry, and MetricsServer, which serves it at /metrics on --metrics_listen
+// (prometheus-cpp's Exposer). docs/service.md lists the metrics.
 //
 // clang-format off
+//   Metrics metrics(gauges);  // the values read at each scrape
 //   metrics.Record("Pack", absl::StatusCode::kOk, absl::Milliseconds(3), 1 << 20, 4 << 10);
-//   auto server = MetricsServer::Start("127.0.0.1:9090", [&] { return metrics.Render(...); });
+//   metrics.RecordDevice(Device::Cpu(), absl::StatusCode::kOk);
+//   auto server = MetricsServer::Start("127.0.0.1:9090", metrics.collectable());
 // clang-format on
 #ifndef PACKD_SERVER_METRICS_H_
 #define PACKD_SERVER_METRICS_H_
 
+#include <netinet/in.h>
+
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/tensor_view.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace prometheus {
+class Exposer;
+}  // namespace prometheus
 
 namespace packd {
 
+// Safe to share across threads.
 class Metrics {
  public:
   // Upper bounds of the latency histogram, in seconds.
@@ -33,40 +50,89 @@ class Metrics {
       0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
       0.025,  0.05,    0.1,    0.25,  0.5,    1.0,   5.0};
 
+  // What the service's parts own, read at each scrape. Any may be empty
+  // (then it reads 0).
+  struct Gauges {
+    std::function<int64_t()> calls_in_flight;
+    // --max_inflight_bytes: reserved now, the limit (0: none), and the calls
+    // waiting for bytes.
+    std::function<int64_t()> budget_bytes_in_use, budget_bytes_limit,
+        budget_waiting;
+    // Regions registered now, by kind ("system", "device").
+    std::function<int64_t(absl::string_view kind)> regions;
+    // Regions unregistered because their lease ran out, since start.
+    std::function<int64_t()> regions_expired;
+  };
+
+  explicit Metrics(Gauges gauges = {});
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
   // Counts one finished call of `method`.
-  void Record(const std::string& method, absl::StatusCode code,
+  void Record(absl::string_view method, absl::StatusCode code,
               absl::Duration latency, uint64_t request_bytes,
               uint64_t response_bytes);
 
+  // Counts work run on `device` (a Pack, a Scatter, a micro-batch of a step)
+  // that ended with `code`; INTERNAL, UNAVAILABLE, DATA_LOSS and UNKNOWN count
+  // as the device's errors (a runtime failure or a lost device), not the
+  // caller's.
+  void RecordDevice(const Device& device, absl::StatusCode code);
+  // Starts `device`'s series at 0 (so that rates over them begin at once).
+  void AddDevice(const Device& device);
+
   // A PackMicroBatches call packed a micro-batch (+1) or its message left
   // (-1): the micro-batches the server holds packed, over every call.
-  void HoldMicroBatches(int64_t delta) { micro_batches_held_ += delta; }
+  void HoldMicroBatches(int64_t delta);
 
-  // Prometheus text exposition (version 0.0.4) of everything recorded, plus the
-  // gauges given.
-  std::string Render(int64_t regions, int64_t regions_expired,
-                     int64_t calls_in_flight) const;
+  // What /metrics serves: the registry and the gauges, read when collected.
+  std::shared_ptr<prometheus::Collectable> collectable() const {
+    return collector_;
+  }
+  // Prometheus text exposition (version 0.0.4) of collectable().
+  std::string Render() const;
 
  private:
+  class Collector;
   struct PerMethod {
-    std::map<absl::StatusCode, uint64_t> calls;
-    std::array<uint64_t, kBuckets.size() + 1> buckets{};  // last: +Inf
-    double seconds = 0;
-    uint64_t request_bytes = 0, response_bytes = 0;
+    std::array<prometheus::Counter*, 17> calls{};  // by absl::StatusCode
+    prometheus::Histogram* latency = nullptr;
+    prometheus::Counter* request_bytes = nullptr;
+    prometheus::Counter* response_bytes = nullptr;
   };
+  struct PerDevice {
+    prometheus::Counter* calls = nullptr;
+    prometheus::Counter* errors = nullptr;
+  };
+  PerMethod& MethodLocked(absl::string_view method)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PerDevice DeviceOf(const Device& device) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& latency_;
+  prometheus::Family<prometheus::Counter>& request_bytes_;
+  prometheus::Family<prometheus::Counter>& response_bytes_;
+  prometheus::Family<prometheus::Counter>& device_calls_;
+  prometheus::Family<prometheus::Counter>& device_errors_;
+  prometheus::Gauge& micro_batches_held_;
+  std::shared_ptr<prometheus::Collectable> collector_;  // a Collector
+
   mutable absl::Mutex mu_;
-  std::map<std::string, PerMethod> methods_ ABSL_GUARDED_BY(mu_);
-  std::atomic<int64_t> micro_batches_held_{0};
+  absl::flat_hash_map<std::string, PerMethod> methods_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, PerDevice> devices_ ABSL_GUARDED_BY(mu_);
 };
 
-// A minimal HTTP/1.0 endpoint: GET /metrics answers with `render()`, anything
-// else 404.
+// Serves a collectable at /metrics (anything else: 404) over HTTP.
 class MetricsServer {
  public:
-  // Listens on "HOST:PORT" (port 0 picks one). INVALID_ARGUMENT for a malformed
-  // address, UNAVAILABLE when it cannot be bound.
+  // Listens on "IPV4_ADDRESS:PORT" (port 0 picks one). INVALID_ARGUMENT for a
+  // malformed address, UNAVAILABLE when it cannot be bound. `metrics` must
+  // outlive the server.
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
-      const std::string& listen, std::function<std::string()> render);
+      const std::string& listen,
+      std::shared_ptr<prometheus::Collectable> metrics);
   ~MetricsServer();
 
   // "HOST:PORT" actually bound.
@@ -74,13 +140,11 @@ class MetricsServer {
 
  private:
   MetricsServer() = default;
-  void Serve();
 
-  int fd_ = -1;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  in_addr host_{};
+  int port_ = 0;
   std::string address_;
-  std::function<std::string()> render_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
 };
 
 }  // namespace packd

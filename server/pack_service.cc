@@ -26,6 +26,13 @@ PackServiceImpl::PackServiceImpl(ServiceOptions options)
     : options_(std::move(options)),
       regions_(options_.regions),
       decoder_(regions_, options_.default_device, options_.max_message_bytes),
+      metrics_(Metrics::Gauges{
+          [this] { return calls_.in_flight(); },
+          [this] { return budget_.in_use(); },
+          [this] { return budget_.limit() > 0 ? budget_.limit() : 0; },
+          [this] { return budget_.waiting(); },
+          [this](absl::string_view kind) { return regions_.size(kind); },
+          [this] { return regions_.expired(); }}),
       calls_(
           CallMechanism::Options{
               options_.auth,
@@ -34,17 +41,14 @@ PackServiceImpl::PackServiceImpl(ServiceOptions options)
                   : static_cast<int>(std::thread::hardware_concurrency()),
               [this] { CheckDefaultDevice(); }},
           &metrics_),
-      budget_(options_.max_inflight_bytes) {}
+      budget_(options_.max_inflight_bytes) {
+  metrics_.AddDevice(options_.default_device);
+}
 
 void PackServiceImpl::StartDraining() { calls_.StartDraining(); }
 
 bool PackServiceImpl::WaitForIdle(absl::Time deadline) {
   return calls_.WaitForIdle(deadline);
-}
-
-std::string PackServiceImpl::RenderMetrics() const {
-  return metrics_.Render(regions_.size(), regions_.expired(),
-                         calls_.in_flight());
 }
 
 template <typename Request, typename Response, typename Op>
@@ -64,8 +68,9 @@ absl::Status PackServiceImpl::RunCall(const char* method,
                                      options_.max_message_bytes, reserved)
                          : IntoSlices(&call.outputs);
   if (options_.testing_call_hook) options_.testing_call_hook(method);
-  PACKD_ASSIGN_OR_RETURN(std::vector<ResultTensor> out, op(call, options));
-  EncodeResults(out, request->outputs(), results);
+  absl::StatusOr<std::vector<ResultTensor>> out = op(call, options);
+  PACKD_RETURN_IF_ERROR(OnDevice(call.device, out.status()));
+  EncodeResults(*out, request->outputs(), results);
   return absl::OkStatus();
 }
 
@@ -208,7 +213,8 @@ absl::Status PackServiceImpl::DoPackMicroBatches(
   for (size_t k = 0; k < step->size(); ++k) {
     Wire<v1::PackMicroBatchesResponse> reply;
     std::vector<Buffer> buffers;
-    PACKD_RETURN_IF_ERROR(step->PackMicroBatch(k, &reply, &buffers));
+    PACKD_RETURN_IF_ERROR(
+        OnDevice(step->device(), step->PackMicroBatch(k, &reply, &buffers)));
     reply.CopyPayloadsIntoData();
     responses->push_back(std::move(reply.message()));
   }

@@ -119,8 +119,10 @@ class PackServiceImpl final
       grpc::CallbackServerContext* context, const v1::PlanRequest* request,
       v1::PlanResponse* response) override;
 
-  // Prometheus text of the calls served so far.
-  std::string RenderMetrics() const;
+  // What /metrics serves: the calls served so far and the state now.
+  std::shared_ptr<prometheus::Collectable> metrics() const {
+    return metrics_.collectable();
+  }
 
   // The work behind the RPCs, callable without gRPC (the start-up self-check
   // uses DoPack), with inline results copied into the response.
@@ -192,6 +194,11 @@ class PackServiceImpl final
   // After a failed call: whether the default device is lost, and if so, tells
   // on_device_lost (once).
   void CheckDefaultDevice();
+  // Counts work on `device` that ended with `status`; returns it.
+  absl::Status OnDevice(const Device& device, absl::Status status) {
+    metrics_.RecordDevice(device, status.code());
+    return status;
+  }
   // Opens the request's IPC handle and registers the mapping as a region.
   absl::Status DoRegisterDeviceRegion(
       const v1::RegisterDeviceRegionRequest& request);

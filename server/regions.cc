@@ -168,6 +168,13 @@ int64_t RegionRegistry::size() const {
   return static_cast<int64_t>(regions_.size());
 }
 
+int64_t RegionRegistry::size(absl::string_view kind) const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& [name, region] : regions_) n += region->kind() == kind;
+  return n;
+}
+
 absl::Status RegionRegistry::CheckEnabled() const {
   if (options_.enabled) return absl::OkStatus();
   return absl::FailedPreconditionError(

@@ -150,8 +150,9 @@ class RegionRegistry {
   absl::Status Unregister(const std::string& name);
 
   std::vector<v1::RegionInfo> List() const;
-  // Regions registered now.
+  // Regions registered now; of one kind ("system", "device").
   int64_t size() const;
+  int64_t size(absl::string_view kind) const;
 
   // Unregisters every region whose lease ran out at `now_ns` and that no call
   // holds; returns how many. The lease thread calls it; so may tests.

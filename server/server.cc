@@ -227,9 +227,8 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
     return check;
   }
   if (!options.metrics_listen.empty()) {
-    PackServiceImpl* service = &server->service_;
-    auto metrics = MetricsServer::Start(
-        options.metrics_listen, [service] { return service->RenderMetrics(); });
+    auto metrics = MetricsServer::Start(options.metrics_listen,
+                                        server->service_.metrics());
     if (!metrics.ok()) {
       server->server_->Shutdown();
       return metrics.status();

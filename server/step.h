@@ -48,6 +48,8 @@ class TrainingStep {
       const Planner& plan);
 
   const v1::PlanResponse& plan() const { return plan_; }
+  // Where the micro-batches are packed.
+  const Device& device() const { return call_.device; }
   // The micro-batches sent (those of the ranks asked), in order.
   size_t size() const { return sent_.size(); }
   // The most bytes one micro-batch makes the server hold while it is packed

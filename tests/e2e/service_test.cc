@@ -578,12 +578,14 @@ TEST(ServiceLimits, AnExceptionInAHandlerIsInternalAndReleasesTheCall) {
 // --max_inflight_bytes: a call that would pass the budget waits for room
 // until (just before) its deadline; one larger than the whole budget is
 // refused at once. Each call here holds about 3.2 MB (request, inline input,
-// result) for two seconds.
+// result) for two seconds. The metrics show the waiting call.
 TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
   auto server = ServerProcess::Start(
-      {"--call_delay_ms=2000", "--max_inflight_bytes=4000000"},
+      {"--call_delay_ms=2000", "--max_inflight_bytes=4000000",
+       "--metrics_listen=127.0.0.1:0"},
       ServerProcess::Binary::kTesting);
   ASSERT_NE(server, nullptr);
+  const std::string metrics = server->MetricsAddress();
   auto stub = v1::PackService::NewStub(server->Channel());
   Rng rng = Rng::Fresh();
   const at::Tensor mask = at::ones({4, 64}, at::kBool);
@@ -613,10 +615,21 @@ TEST(ServiceLimits, InflightBudgetMakesCallsWaitAndRefusesTheTooLarge) {
   std::thread first(
       [&] { EXPECT_TRUE(call(absl::Seconds(20), &first_response).ok()); });
   absl::SleepFor(absl::Milliseconds(300));  // the first call holds its bytes
+  std::string while_waiting;
+  std::thread scrape([&] {
+    absl::SleepFor(absl::Milliseconds(400));  // the next call waits
+    while_waiting = HttpGet(metrics, "/metrics");
+  });
   v1::PackResponse waited;
   status = call(absl::Seconds(1), &waited);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << status.error_message();
+  scrape.join();
+  EXPECT_THAT(while_waiting, HasSubstr("packd_budget_waiting 1\n"));
+  EXPECT_THAT(while_waiting, HasSubstr("packd_budget_bytes_limit 4000000\n"));
+  EXPECT_THAT(while_waiting, HasSubstr("packd_calls_in_flight 2\n"));
+  EXPECT_THAT(while_waiting, HasSubstr("packd_budget_bytes_in_use "));
+  EXPECT_THAT(while_waiting, Not(HasSubstr("packd_budget_bytes_in_use 0\n")));
   EXPECT_THAT(status.error_message(), HasSubstr("deadline"));
   start = absl::Now();
   v1::PackResponse second_response;
@@ -959,19 +972,25 @@ TEST(ServiceMetrics, PrometheusTextCountsCallsByMethodAndCode) {
     absl::SleepFor(absl::Milliseconds(20));
     text = HttpGet(metrics, "/metrics");
   }
-  EXPECT_THAT(text, HasSubstr("HTTP/1.0 200 OK"));
+  EXPECT_THAT(text, HasSubstr(" 200 OK\r\n"));
   EXPECT_THAT(
-      text, HasSubstr("packd_requests_total{method=\"Pack\",code=\"ok\"} 3\n"));
-  EXPECT_THAT(text, HasSubstr("packd_requests_total{method=\"Pack\",code="
-                              "\"invalid_argument\"} 1\n"));
+      text, HasSubstr("packd_requests_total{code=\"ok\",method=\"Pack\"} 3\n"));
+  EXPECT_THAT(text, HasSubstr("packd_requests_total{code=\"invalid_argument\","
+                              "method=\"Pack\"} 1\n"));
   EXPECT_THAT(
       text,
       HasSubstr("packd_request_duration_seconds_count{method=\"Pack\"} 4\n"));
   EXPECT_THAT(text, HasSubstr("packd_request_duration_seconds_bucket{method="
                               "\"Pack\",le=\"+Inf\"} 4\n"));
-  EXPECT_THAT(text, HasSubstr("packd_regions 0\n"));
+  EXPECT_THAT(text, HasSubstr("packd_regions{kind=\"system\"} 0\n"));
   EXPECT_THAT(text, HasSubstr("packd_calls_in_flight 0\n"));
-  EXPECT_THAT(HttpGet(metrics, "/other"), HasSubstr("404"));
+  // The three Packs ran on the CPU, and so did the start-up self-check; the
+  // malformed one never reached it.
+  EXPECT_THAT(text, HasSubstr("packd_device_calls_total{device=\"cpu\"} 4\n"));
+  EXPECT_THAT(text, HasSubstr("packd_device_errors_total{device=\"cpu\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("packd_budget_bytes_in_use 0\n"));
+  EXPECT_THAT(text, HasSubstr("packd_budget_waiting 0\n"));
+  EXPECT_THAT(HttpGet(metrics, "/other"), HasSubstr(" 404 Not Found\r\n"));
 }
 
 TEST(ServiceStartup, AbsentDefaultDeviceFailsClearly) {

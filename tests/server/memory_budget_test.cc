@@ -76,12 +76,15 @@ TEST(MemoryBudgetTest, FirstInLineGoesAheadOfEveryWaiter) {
   ASSERT_TRUE(small.done.HasBeenNotified());
   budget.Reserve(60, absl::InfiniteFuture(), first.Callback(), /*first=*/true);
   EXPECT_FALSE(first.done.HasBeenNotified());
+  EXPECT_EQ(budget.waiting(), 2);
   holder.result.reset();  // 20 in use: the first-in-line 60 goes, not the 40
   ASSERT_TRUE(first.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_FALSE(waiting.done.HasBeenNotified());
+  EXPECT_EQ(budget.waiting(), 1);
   first.result.reset();
   ASSERT_TRUE(waiting.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_TRUE(waiting.result->ok());
+  EXPECT_EQ(budget.waiting(), 0);
 }
 
 TEST(MemoryBudgetTest, WaitersGetTheirHoldInOrderWhenBytesAreReleased) {

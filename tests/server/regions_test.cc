@@ -167,6 +167,8 @@ TEST(RegionRegistry, LeasesEndIdleRegionsButNeverOneInUse) {
   ASSERT_TRUE(regions.RegisterSystem("busy", seg->key(), 0, 4096, 1).ok());
   ASSERT_TRUE(regions.RegisterSystem("kept", seg->key(), 0, 4096, 0).ok());
   EXPECT_EQ(Mappings(seg->key()), before + 3);
+  EXPECT_EQ(regions.size("system"), 3);
+  EXPECT_EQ(regions.size("device"), 0);
   std::vector<v1::RegionInfo> list = regions.List();
   ASSERT_EQ(list.size(), 3u);
   EXPECT_EQ(list[0].name(), "busy");
@@ -189,6 +191,7 @@ TEST(RegionRegistry, LeasesEndIdleRegionsButNeverOneInUse) {
   held = absl::CancelledError();  // the call ends
   EXPECT_EQ(regions.ExpireLeases(now + 100 * second), 1);
   EXPECT_EQ(regions.size(), 1);
+  EXPECT_EQ(regions.size("system"), 1);
   EXPECT_EQ(regions.expired(), 2);
   EXPECT_EQ(Mappings(seg->key()), before + 1);
 }
