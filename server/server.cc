@@ -261,6 +261,26 @@ void PackdServer::Wait() {
   if (health_server_ != nullptr) health_server_->Wait();
 }
 
+namespace {
+
+// The start-up line's values for collectors, one field each (those set).
+LogFields StartedFields(const PackdServer& server,
+                        const ServiceOptions& service) {
+  LogFields fields = {
+      {"address", server.address()},
+      {"device", service.default_device.ToString()},
+      {"threads", absl::StrCat(ThreadPool::Global().num_threads())}};
+  if (!server.health_address().empty()) {
+    fields.emplace_back("health_address", server.health_address());
+  }
+  if (!server.metrics_address().empty()) {
+    fields.emplace_back("metrics_address", server.metrics_address());
+  }
+  return fields;
+}
+
+}  // namespace
+
 int ServeUntilSignalled(const ServerOptions& options) {
   // Block the shutdown signals in every thread (gRPC's included, so this comes
   // first); one thread waits for them.
@@ -275,35 +295,38 @@ int ServeUntilSignalled(const ServerOptions& options) {
       PackdServer::Start(options);
   if (!server.ok()) {
     Log(LogLevel::kError,
-        absl::StrCat("cannot start: ", server.status().ToString()));
+        absl::StrCat("cannot start: ", server.status().ToString()),
+        {{"code", absl::StatusCodeToString(server.status().code())}});
     return 1;
   }
   const ServiceOptions& service = options.service;
-  Log(absl::StrCat(
-      "listening on ", (*server)->address(),
-      options.tls.cert_chain.empty()
-          ? " (plaintext)"
-          : (options.tls.client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
-      (*server)->health_address().empty()
-          ? ""
-          : absl::StrCat(", health alone on ", (*server)->health_address()),
-      ", device ", service.default_device.ToString(), ", ",
-      ThreadPool::Global().num_threads(), " threads, messages up to ",
-      service.max_message_bytes, " bytes, inline calls in flight up to ",
-      service.max_inflight_bytes > 0
-          ? absl::StrCat(service.max_inflight_bytes, " bytes")
-          : std::string("any size"),
-      ", shared memory ",
-      service.regions.enabled
-          ? absl::StrCat("on (keys under ", service.regions.key_prefix, ")")
-          : "off",
-      (*server)->metrics_address().empty()
-          ? ""
-          : absl::StrCat(", metrics on http://", (*server)->metrics_address(),
-                         "/metrics"),
-      service.auth != nullptr
-          ? absl::StrCat(", bearer tokens from ", service.auth->path())
-          : ""));
+  Log(LogLevel::kInfo,
+      absl::StrCat(
+          "listening on ", (*server)->address(),
+          options.tls.cert_chain.empty()
+              ? " (plaintext)"
+              : (options.tls.client_ca.empty() ? " (TLS)" : " (mutual TLS)"),
+          (*server)->health_address().empty()
+              ? ""
+              : absl::StrCat(", health alone on ", (*server)->health_address()),
+          ", device ", service.default_device.ToString(), ", ",
+          ThreadPool::Global().num_threads(), " threads, messages up to ",
+          service.max_message_bytes, " bytes, inline calls in flight up to ",
+          service.max_inflight_bytes > 0
+              ? absl::StrCat(service.max_inflight_bytes, " bytes")
+              : std::string("any size"),
+          ", shared memory ",
+          service.regions.enabled
+              ? absl::StrCat("on (keys under ", service.regions.key_prefix, ")")
+              : "off",
+          (*server)->metrics_address().empty()
+              ? ""
+              : absl::StrCat(", metrics on http://",
+                             (*server)->metrics_address(), "/metrics"),
+          service.auth != nullptr
+              ? absl::StrCat(", bearer tokens from ", service.auth->path())
+              : ""),
+      StartedFields(**server, service));
 
   std::thread signal_thread([&] {
     int signal = 0;
