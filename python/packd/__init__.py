@@ -10,10 +10,13 @@ through a packd server.
         r = client.pack([hidden, token_ids], mask, with_position_ids=True,
                         cu_seqlens_dtype=torch.int32)
 """
+# The server's version too (CMake's project version): tests/python/test_cli.py checks both.
+__version__ = "0.1.0"
+
 from packd.client import (Client, MicroBatch, PackdError, PackResult, Plan, PlannedMicroBatch,
                           StepPlan, device_slice, varlen_kwargs)
 from packd.layout import Layout
 from packd.ops import RemotePackOp
 
-__all__ = ["Client", "Layout", "MicroBatch", "PackdError", "PackResult", "Plan",
+__all__ = ["__version__", "Client", "Layout", "MicroBatch", "PackdError", "PackResult", "Plan",
            "PlannedMicroBatch", "RemotePackOp", "StepPlan", "device_slice", "varlen_kwargs"]

@@ -6,7 +6,7 @@ import itertools
 import os
 import threading
 import time
-from typing import List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy
@@ -19,13 +19,20 @@ from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+Number = Union[int, float]
+# shifts=[(input, fill)]: a next-token view of inputs[input], `fill` where a sequence ends.
+Shifts = Sequence[Tuple[int, Number]]
+# fixed=(tokens, sequences, max_seqlen): the shapes every call of a compiled graph sees.
+Fixed = Optional[Sequence[int]]
+Interceptor = Union[grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor]
 
 
 class PackdError(Exception):
     """A call packd refused or could not complete. `code` is the grpc.StatusCode, `details` the
     server's message. Malformed requests (INVALID_ARGUMENT) also derive from ValueError."""
 
-    def __init__(self, code, details):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
@@ -63,7 +70,7 @@ class PackResult:
     shifted: Optional[list] = None                 # shifted[j] answers shifts[j]
 
 
-def varlen_kwargs(result: PackResult, style="flash_attn"):
+def varlen_kwargs(result: PackResult, style: str = "flash_attn") -> Dict[str, Any]:
     """The keyword arguments varlen attention takes for a pack result, int32, per document
     when the pack had segment ids, per row otherwise.
 
@@ -206,7 +213,7 @@ class Plan:
     global_sequences: int
 
     @staticmethod
-    def of(response):
+    def of(response: pb.PlanResponse) -> "Plan":
         return Plan([PlannedMicroBatch(m.rank, list(m.samples), m.tokens, m.loss_tokens, m.cost,
                                        m.padded_tokens) for m in response.micro_batches],
                     response.micro_batches_per_rank, response.global_loss_tokens,
@@ -229,12 +236,13 @@ class StepPlan:
     this one is read, and no further. close() (or leaving a `with` block) cancels what is left;
     iterating to the end releases the call's shared memory."""
 
-    def __init__(self, client, call, first, scratch, options):
+    def __init__(self, client: "Client", call: Any, first: Any, scratch: Any,
+                 options: Tuple[Any, ...]) -> None:
         self._client, self._call, self._scratch = client, call, scratch
         self._options = options  # (single, cu_seqlens_dtype, docs, with_position_ids, layout)
         self.plan = Plan.of(first.plan)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[MicroBatch]:
         try:
             for reply, tensors in self._call:
                 packed_reply, inner = tensors.get(5, [(pb.PackResponse(), {})])[0]
@@ -247,17 +255,17 @@ class StepPlan:
         finally:
             self.close()
 
-    def close(self):
+    def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
             self._call = None
         scratch, self._scratch = self._scratch, None
         self._client._give_back(scratch)
 
-    def __enter__(self):
+    def __enter__(self) -> "StepPlan":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
@@ -275,7 +283,8 @@ def _is_node_local(address):
     return host.startswith("127.") or host in ("localhost", "[::1]")
 
 
-def device_slice(storage_offset, storage_bytes, tensor_offset, tensor_bytes):
+def device_slice(storage_offset: int, storage_bytes: int, tensor_offset: int,
+                 tensor_bytes: int) -> Tuple[int, int]:
     """The (offset, byte_size) of a tensor in a device region registered from its IPC handle.
 
     The handle maps the allocation from its start; the tensor's storage begins
@@ -365,13 +374,18 @@ class Client:
     CUDA tensors.
     """
 
-    def __init__(self, address="127.0.0.1:50051", *, timeout=60.0, retries=7,
-                 max_message_bytes=1 << 30, shm_threshold_bytes=4 << 20,
-                 shm_key_prefix="/packd", split_threshold_bytes=16 << 20,
-                 keep_freed_memory=True, token_file=None, token_env="PACKD_TOKEN",
-                 lease_seconds=30, tls_ca_file=None, tls_cert_file=None, tls_key_file=None,
-                 tls_server_name=None, load_balancing_policy=None, connections=2,
-                 idle_scratch_segments=4, interceptors=(), device_memory=None):
+    def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float = 60.0,
+                 retries: int = 7, max_message_bytes: int = 1 << 30,
+                 shm_threshold_bytes: int = 4 << 20, shm_key_prefix: str = "/packd",
+                 split_threshold_bytes: int = 16 << 20, keep_freed_memory: bool = True,
+                 token_file: Optional[str] = None, token_env: Optional[str] = "PACKD_TOKEN",
+                 lease_seconds: int = 30, tls_ca_file: Optional[str] = None,
+                 tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
+                 tls_server_name: Optional[str] = None,
+                 load_balancing_policy: Optional[str] = None, connections: int = 2,
+                 idle_scratch_segments: int = 4,
+                 interceptors: Sequence[Interceptor] = (),
+                 device_memory: Optional[_device.DeviceMemory] = None) -> None:
         self.address = address
         self.lease_seconds = lease_seconds
         # Device regions this client registered, by name: their requests, to register again.
@@ -784,7 +798,7 @@ class Client:
             raise ValueError("device=%r names where host tensors run; these tensors are on %s, "
                              "where the call runs" % (device, self.device_memory.name(index)))
 
-    def to_device_of(self, t, like):
+    def to_device_of(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """`t` on the GPU that holds `like`, when `t` is not there (a gradient autograd left in
         host memory); `t` itself otherwise."""
         memory = self.device_memory
@@ -833,10 +847,12 @@ class Client:
         packed = [torch.cat([r[1][1][i] for r in replies]) for i in range(len(tensors))]
         return _joined(replies, bounds[:-1]), packed, []
 
-    def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor, with_position_ids=False,
-             cu_seqlens_dtype=torch.int64, device="", segment_ids=None, *, pad_multiple=0,
-             pad_values=None, cp_size=0, cp_rank=0, with_seq_idx=False, shifts=(),
-             fixed=None) -> PackResult:
+    def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor,
+             with_position_ids: bool = False, cu_seqlens_dtype: torch.dtype = torch.int64,
+             device: str = "", segment_ids: Optional[torch.Tensor] = None, *,
+             pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
+             cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
+             shifts: Shifts = (), fixed: Fixed = None) -> PackResult:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
         packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
         active tokens of each row are also cut into documents where the id changes: the doc_*
@@ -894,8 +910,9 @@ class Client:
                 self._gpu_results(reply.shifted, inline.get(14, []), [], index))
 
     def scatter(self, packed_or_tensors: TensorOrList, mask: torch.Tensor,
-                tail_shape: Optional[Sequence[int]] = None, device="", segment_ids=None, *,
-                pad_multiple=0, cp_size=0, cp_rank=0, fixed=None) -> TensorOrList:
+                tail_shape: Optional[Sequence[int]] = None, device: str = "",
+                segment_ids: Optional[torch.Tensor] = None, *, pad_multiple: int = 0,
+                cp_size: int = 0, cp_rank: int = 0, fixed: Fixed = None) -> TensorOrList:
         """The inverse of pack: each [total_active, *tail] back to [B, S, *tail], zeros at
         inactive positions. tail_shape, when given, must equal every packed[i].shape[1:].
         With the layout of a Pack (segment_ids, pad_multiple, cp_size / cp_rank, fixed), the
@@ -976,9 +993,13 @@ class Client:
         reply, inline = self._on_gpu(index, self._scatter[0], message, inputs, outputs)
         return self._gpu_results(reply.dense, inline.get(1, []), outputs, index)
 
-    def plan_micro_batches(self, lengths, max_tokens, *, num_ranks=1, micro_batch_multiple=1,
-                           loss_tokens=None, cost=None, costs=None, groups=None, pad_multiple=0,
-                           pipeline_order=False):
+    def plan_micro_batches(self, lengths: Sequence[int], max_tokens: int, *, num_ranks: int = 1,
+                           micro_batch_multiple: int = 1,
+                           loss_tokens: Optional[Sequence[int]] = None,
+                           cost: Optional[Tuple[Number, Number]] = None,
+                           costs: Optional[Sequence[Number]] = None,
+                           groups: Optional[Sequence[int]] = None, pad_multiple: int = 0,
+                           pipeline_order: bool = False) -> pb.PlanResponse:
         """Plans micro-batches over data-parallel ranks (docs/design.md §9, §11).
 
         cost=(a, b) balances ranks by a * P + b * P**2 for each sample (P: its length padded to
@@ -1010,12 +1031,18 @@ class Client:
             request.groups.extend(int(v) for v in groups)
         return self._call(self._stub.PlanMicroBatches, request)
 
-    def pack_micro_batches(self, x_or_tensors: TensorOrList, mask: torch.Tensor, max_tokens, *,
-                           num_ranks=1, ranks=None, micro_batch_multiple=1, loss_mask=None,
-                           segment_ids=None, cost=None, groups=None, pipeline_order=False,
-                           with_position_ids=False, cu_seqlens_dtype=torch.int64, device="",
-                           pad_multiple=0, pad_values=None, cp_size=0, cp_rank=0,
-                           with_seq_idx=False, shifts=(), fixed=None) -> StepPlan:
+    def pack_micro_batches(self, x_or_tensors: TensorOrList, mask: torch.Tensor,
+                           max_tokens: int, *, num_ranks: int = 1,
+                           ranks: Optional[Sequence[int]] = None, micro_batch_multiple: int = 1,
+                           loss_mask: Optional[torch.Tensor] = None,
+                           segment_ids: Optional[torch.Tensor] = None,
+                           cost: Optional[Tuple[Number, Number]] = None,
+                           groups: Optional[Sequence[int]] = None, pipeline_order: bool = False,
+                           with_position_ids: bool = False,
+                           cu_seqlens_dtype: torch.dtype = torch.int64, device: str = "",
+                           pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
+                           cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
+                           shifts: Shifts = (), fixed: Fixed = None) -> StepPlan:
         """A training step in one call (docs/design.md §12): the batch's rows planned into
         micro-batches of at most max_tokens tokens over num_ranks data-parallel ranks, each
         micro-batch packed with the layout, from one upload of the batch.
@@ -1093,7 +1120,8 @@ class Client:
                         (single, cu_seqlens_dtype, segment_ids is not None, with_position_ids,
                          layout))
 
-    def register_cuda_tensor(self, name, tensor, device=None):
+    def register_cuda_tensor(self, name: str, tensor: torch.Tensor,
+                             device: Optional[str] = None) -> pb.RegionSlice:
         """Registers the CUDA memory holding `tensor` as device region `name` and returns the
         slice (packd.v1.RegionSlice) that addresses the tensor in it, for requests' inputs or
         outputs on the server's GPU.
@@ -1120,10 +1148,10 @@ class Client:
             self._device_regions[name] = request
         return pb.RegionSlice(region=name, offset=offset, byte_size=byte_size)
 
-    def info(self):
+    def info(self) -> pb.ServerInfo:
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())
 
-    def close(self):
+    def close(self) -> None:
         """Unregisters the client's idle scratch segments (those of calls still running go when
         they end) and its device regions, and closes every connection."""
         with self._lock:
@@ -1135,8 +1163,8 @@ class Client:
         for channel in self._channels:
             channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()

@@ -7,7 +7,7 @@ fields Scatter needs to invert it.
     kw = packd.varlen_kwargs(r, style="te")                   # TransformerEngine THD + CP
 """
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from packd.v1 import pack_service_pb2 as pb
 
@@ -28,25 +28,25 @@ class Layout:
     shifts: Sequence[Tuple[int, float]] = ()
     fixed: Optional[Tuple[int, int, int]] = None
 
-    def any(self):
+    def any(self) -> bool:
         return bool(self.pad_multiple or self.pad_values or self.cp_size or self.cp_rank
                     or self.with_seq_idx or self.shifts or (self.fixed and any(self.fixed)))
 
-    def pack_kwargs(self):
+    def pack_kwargs(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def scatter_kwargs(self):
+    def scatter_kwargs(self) -> Dict[str, Any]:
         """What Scatter takes to invert this layout's Pack."""
         return {"pad_multiple": self.pad_multiple, "cp_size": self.cp_size,
                 "cp_rank": self.cp_rank, "fixed": self.fixed}
 
-    def _fixed(self, message):
+    def _fixed(self, message: Any) -> None:
         if self.fixed:
             tokens, sequences, max_seqlen = (list(self.fixed) + [0, 0, 0])[:3]
             message.fixed.CopyFrom(pb.FixedLayout(tokens=int(tokens), sequences=int(sequences),
                                                   max_seqlen=int(max_seqlen)))
 
-    def to_pack(self, message):
+    def to_pack(self, message: pb.PackRequest) -> None:
         """Sets a PackRequest's layout fields."""
         message.pad_multiple = int(self.pad_multiple)
         if self.pad_values is not None:
@@ -59,7 +59,7 @@ class Layout:
             message.shifts.add(input=int(source), fill=float(fill))
         self._fixed(message)
 
-    def to_scatter(self, message):
+    def to_scatter(self, message: pb.ScatterRequest) -> None:
         """Sets a ScatterRequest's layout fields (pad_values, shifts and seq_idx are Pack's)."""
         if self.pad_values or self.shifts or self.with_seq_idx:
             raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank and fixed; "

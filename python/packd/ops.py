@@ -1,6 +1,6 @@
 """RemotePackOp: the seeds' pack op (`packed, cu_seqlens = pack(x, mask)`), run by packd and
 differentiable: backward scatters the gradient through packd, with the same layout."""
-from typing import Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -46,13 +46,14 @@ class RemotePackOp:
     packd.PackdError carrying the gRPC code."""
 
     def __init__(self, address_or_client: Union[str, Client] = "127.0.0.1:50051", *,
-                 layout: Union[Layout, dict, None] = None, **kwargs):
+                 layout: Union[Layout, Dict[str, Any], None] = None, **kwargs: Any) -> None:
         self.client = (address_or_client if isinstance(address_or_client, Client)
                        else Client(address_or_client, **kwargs))
         self.layout = layout if isinstance(layout, Layout) else Layout(**(layout or {}))
 
-    def pack(self, x: torch.Tensor, mask: torch.Tensor, segment_ids=None,
-             with_position_ids=False) -> PackResult:
+    def pack(self, x: torch.Tensor, mask: torch.Tensor,
+             segment_ids: Optional[torch.Tensor] = None,
+             with_position_ids: bool = False) -> PackResult:
         results = []
         packed, _ = _PackFunction.apply(x, mask, segment_ids, self.client, self.layout,
                                         with_position_ids, results)
@@ -60,14 +61,16 @@ class RemotePackOp:
         result.packed = packed
         return result
 
-    def __call__(self, x: torch.Tensor, mask: torch.Tensor, segment_ids=None):
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor,
+                 segment_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         result = self.pack(x, mask, segment_ids)
         return result.packed, result.cu_seqlens
 
     def unpack(self, packed: torch.Tensor, mask: torch.Tensor,
-               tail_shape: Optional[Sequence[int]] = None, segment_ids=None) -> torch.Tensor:
+               tail_shape: Optional[Sequence[int]] = None,
+               segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.client.scatter(packed, mask, tail_shape=tail_shape, segment_ids=segment_ids,
                                    **self.layout.scatter_kwargs())
 
-    def close(self):
+    def close(self) -> None:
         self.client.close()

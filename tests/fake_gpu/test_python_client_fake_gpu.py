@@ -252,3 +252,28 @@ def test_threads_sharing_one_client_on_the_gpu_path(client, gpu):
     client.pack(shared, gpu.put(random_mask((4, 24)), 0))  # a duplicate goes with the next call
     size = shared.numel() * shared.element_size()
     assert sum(r.byte_size == size for r in regions(client).values()) == 1
+
+
+def test_flash_attn_drop_in_on_the_gpu(client, gpu):
+    """packd.flash_attn with device tensors: results in device memory, equal to the host run;
+    the gradient of unpad then pad comes back in device memory."""
+    from packd import flash_attn
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 17, 3, dtype=torch.float64, generator=gen)
+    mask = random_mask((4, 17), gen)
+    mask[:, 0] = True
+    dx = gpu.put(x, 0).requires_grad_()
+    unpadded, indices, cu, longest, seqused = flash_attn.unpad_input(
+        dx, gpu.put(mask, 0), client=client)
+    assert gpu.device_of(unpadded) == 0 and gpu.device_of(indices) == 0
+    assert same(unpadded.detach(), x[mask])
+    assert indices.tolist() == torch.nonzero(mask.flatten()).flatten().tolist()
+    assert cu.dtype == torch.int32 and cu.tolist() == [0] + mask.sum(1).cumsum(0).tolist()
+    assert longest == int(mask.sum(1).max()) and seqused.tolist() == mask.sum(1).tolist()
+    # (torch's own arithmetic on these tensors lands in host memory: none between the two.)
+    padded = flash_attn.pad_input(unpadded, indices, 4, 17, client=client)
+    assert gpu.device_of(padded) == 0
+    assert same(padded.detach(), reference_scatter(x[mask], mask, x))
+    upstream = torch.randn(4, 17, 3, dtype=torch.float64, generator=gen)
+    (padded * upstream).sum().backward()
+    assert same(dx.grad, reference_scatter(upstream[mask], mask, x))

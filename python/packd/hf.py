@@ -1,0 +1,99 @@
+"""Hugging Face drop-ins run by packd.
+
+    from packd.hf import DataCollatorWithFlattening   # instead of transformers'
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [9, 8]}])
+
+`DataCollatorWithFlattening` behaves as transformers' collator of that name: the features are
+concatenated into one row, `input_ids`, `labels` and `position_ids` int64 `[1, N]`, `seq_idx`
+int32 `[1, N]`, `cu_seq_lens_q` / `cu_seq_lens_k` int32 `[features + 1]` and `max_length_q` /
+`max_length_k` Python ints. The features are packed by packd: one Pack of the padded batch,
+whose rows are the features.
+
+Extensions (docs/design.md §10): `pad_multiple=` pads each feature to a multiple of it (pad
+tokens carry `pad_token_id` in input_ids, `separator_id` in labels, and positions that go on
+counting through the padding), `cp_size=` / `cp_rank=` keep the context-parallel rank's slices;
+`cu_seq_lens_q/k` are then the padded whole sequences' (with CP too, as Transformer Engine's
+context-parallel attention takes them) and `max_length_q/k` the longest padded one."""
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from packd import flash_attn
+from packd.client import Client
+
+__all__ = ["DataCollatorWithFlattening"]
+
+
+class DataCollatorWithFlattening:
+    """Features (mappings with `input_ids`, optionally `labels`: sequences of ints) to one
+    flattened batch. labels: per feature `[separator_id] + labels[1:]`, or `[separator_id] +
+    input_ids[1:]` without labels."""
+
+    def __init__(self, return_position_ids: bool = True, separator_id: int = -100,
+                 return_flash_attn_kwargs: bool = False, return_seq_idx: bool = False,
+                 client: Optional[Client] = None, *, pad_multiple: int = 0, cp_size: int = 0,
+                 cp_rank: int = 0, pad_token_id: int = 0,
+                 return_tensors: str = "pt") -> None:
+        if return_tensors != "pt":
+            raise ValueError(f"return_tensors must be 'pt' (torch): got {return_tensors!r}")
+        self.return_position_ids = return_position_ids
+        self.separator_id = separator_id
+        self.return_flash_attn_kwargs = return_flash_attn_kwargs
+        self.return_seq_idx = return_seq_idx
+        self.client = client
+        self.pad_multiple = pad_multiple
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: Sequence[Dict[str, Any]], return_tensors: Optional[str] = None,
+                 separator_id: Optional[int] = None) -> Dict[str, Any]:
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"return_tensors must be 'pt' (torch): got {return_tensors!r}")
+        if not features:
+            raise ValueError("no features to collate")
+        separator = self.separator_id if separator_id is None else separator_id
+        with_labels = "labels" in features[0]
+        lengths = [len(f["input_ids"]) for f in features]
+        for i, f in enumerate(features):
+            if lengths[i] == 0:  # transformers would add a label without a token
+                raise ValueError(f"feature {i} has no input_ids")
+            if with_labels and len(f["labels"]) != lengths[i]:
+                raise ValueError(f"feature {i}: {len(f['labels'])} labels for "
+                                 f"{lengths[i]} input_ids")
+        F, S = len(features), max(max(lengths), 1)
+        input_ids = torch.full((F, S), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((F, S), separator, dtype=torch.int64)
+        mask = torch.zeros(F, S, dtype=torch.bool)
+        for i, f in enumerate(features):
+            n = lengths[i]
+            input_ids[i, :n] = torch.as_tensor(f["input_ids"], dtype=torch.int64)
+            source = f["labels"] if with_labels else f["input_ids"]
+            labels[i, 1:n] = torch.as_tensor(source[1:n], dtype=torch.int64)
+            mask[i, :n] = True
+        # seq_idx is the layout's: each output row's feature, padding included, so that it
+        # never decreases along the batch (Mamba's kernels need that).
+        padded = bool(self.pad_multiple or self.cp_size)
+        layout: Dict[str, Any] = {"with_seq_idx": self.return_seq_idx}
+        if padded:
+            layout.update(pad_multiple=self.pad_multiple,
+                          pad_values=[float(self.pad_token_id), float(separator)],
+                          cp_size=self.cp_size, cp_rank=self.cp_rank)
+        result = flash_attn._client(self.client).pack(
+            [input_ids, labels], mask, with_position_ids=self.return_position_ids,
+            cu_seqlens_dtype=torch.int32, **layout)
+        batch: Dict[str, Any] = {"input_ids": result.packed[0].view(1, -1),
+                                 "labels": result.packed[1].view(1, -1)}
+        if self.return_position_ids:
+            batch["position_ids"] = result.position_ids.to(torch.int64).view(1, -1)
+        if self.return_seq_idx:
+            batch["seq_idx"] = result.seq_idx.to(torch.int32).view(1, -1)
+        if self.return_flash_attn_kwargs:
+            cu = result.cu_seqlens_padded if padded else result.cu_seqlens
+            longest = result.max_seqlen_padded if padded else result.max_seqlen
+            cu = cu.to(torch.int32)
+            batch["cu_seq_lens_q"] = cu
+            batch["cu_seq_lens_k"] = cu.clone()
+            batch["max_length_q"] = batch["max_length_k"] = int(longest)
+        return batch
