@@ -40,6 +40,10 @@ run: build
 bench: build
 	$(BUILD_DIR)/bin/bench_pack
 
+# The charts in docs/performance.md (benchmarks/plot.py): the benchmarks run in full, then drawn.
+plots: build
+	benchmarks/plots.sh $(BUILD_DIR)/bin docs/plots
+
 # A training step's preparation three ways (benchmarks/bench_step.py): PackMicroBatches, a plan
 # and a Pack per micro-batch, and verl's way in torch; through handles and inline.
 bench-step: build

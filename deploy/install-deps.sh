@@ -30,6 +30,7 @@ case "${PACKD_DEPS:-all}" in
       libtorch-dev
       libgtest-dev libgmock-dev libbenchmark-dev
       python3-torch python3-grpcio python3-pytest python3-venv python3-setuptools python3-wheel
+      python3-matplotlib
       openssl patch xz-utils
     )
     ;;
