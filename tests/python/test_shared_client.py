@@ -139,6 +139,71 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
     assert _linked() == []
 
 
+def test_the_drop_ins_share_their_default_client_across_threads(address, monkeypatch):
+    """8 threads call packd.flash_attn and packd.hf with no client given, from a fresh start:
+    they make one default client between them (of $PACKD_ADDRESS), and each gets its own
+    results, equal to torch's, gradients included."""
+    from packd import flash_attn
+    from packd.hf import DataCollatorWithFlattening
+    flash_attn.set_client(None)
+    monkeypatch.setenv("PACKD_ADDRESS", address)
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    failures, clients = [], []
+    lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def work(t):
+        rng = random.Random(seed + t)
+        gen = torch.Generator().manual_seed(seed + t)
+        start.wait()  # all at once, so that the first calls race to make the client
+        for i in range(6):
+            where = "thread %d call %d" % (t, i)
+            try:
+                B, S = rng.randint(1, 6), rng.randint(1, 40)
+                mask = torch.rand(B, S, generator=gen) < 0.6
+                mask[0, 0] = True
+                x = torch.randn(B, S, 3, dtype=torch.float64, generator=gen,
+                                requires_grad=True)
+                packed, indices, cu, longest, used = flash_attn.unpad_input(x, mask)
+                assert torch.equal(packed.detach(), x.detach()[mask]), where
+                assert torch.equal(indices, torch.nonzero(mask.flatten()).flatten()), where
+                lengths = mask.sum(1, dtype=torch.int32)
+                assert cu.tolist() == [0] + lengths.cumsum(0).tolist(), where
+                assert longest == int(lengths.max()) and torch.equal(used, lengths), where
+                dense = flash_attn.pad_input(packed * 2, indices, B, S)
+                assert torch.equal(dense.detach(), torch.where(
+                    mask[..., None], x.detach() * 2, torch.zeros(()))), where
+                dense.sum().backward()
+                assert torch.equal(x.grad, (mask[..., None] * 2.0).to(x.dtype).expand_as(x)), \
+                    where
+                features = [{"input_ids": [rng.randrange(1000) for _ in range(rng.randint(1, 9))]}
+                            for _ in range(rng.randint(1, 5))]
+                batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+                ids = [v for f in features for v in f["input_ids"]]
+                assert batch["input_ids"].tolist() == [ids], where
+                assert batch["labels"].tolist() == [[v for f in features for v in
+                                                     [-100] + f["input_ids"][1:]]], where
+                assert batch["position_ids"].tolist() == [[p for f in features for p in
+                                                           range(len(f["input_ids"]))]], where
+                with lock:
+                    clients.append(flash_attn._client(None))
+            except Exception as e:  # collected: an assert in a thread fails nothing by itself
+                with lock:
+                    failures.append("%s: %r" % (where, e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    default = flash_attn._client(None)
+    flash_attn.set_client(None)
+    default.close()
+    assert not failures, "\n".join(failures[:10])
+    assert len(clients) == 48 and all(c is default for c in clients)
+
+
 class _LostReply(grpc.RpcError):
     def code(self):
         return grpc.StatusCode.UNAVAILABLE
