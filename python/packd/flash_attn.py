@@ -19,37 +19,15 @@ only masks flash-attn documents, the results are identical.
 
 The calls go to the client given as `client=`, else to the one set with `set_client()`, else to
 a client of the address in $PACKD_ADDRESS (default 127.0.0.1:50051), made on first use."""
-import os
-import threading
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
+from packd import _default
+from packd._default import set_client
 from packd.client import Client
 
 __all__ = ["pad_input", "set_client", "unpad_input", "unpad_input_for_concatenated_sequences"]
-
-_lock = threading.Lock()
-_default: Optional[Client] = None
-
-
-def set_client(client_or_address: Union[Client, str, None]) -> None:
-    """The client these functions use when none is passed (an address makes one; None forgets
-    it, so the next call connects to $PACKD_ADDRESS again)."""
-    global _default
-    with _lock:
-        _default = (Client(client_or_address) if isinstance(client_or_address, str)
-                    else client_or_address)
-
-
-def _client(client: Optional[Client]) -> Client:
-    global _default
-    if client is not None:
-        return client
-    with _lock:
-        if _default is None:
-            _default = Client(os.environ.get("PACKD_ADDRESS", "127.0.0.1:50051"))
-        return _default
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -114,7 +92,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
     positions, cu_seqlens int32 [B + 1], max_seqlen_in_batch int, seqused int32 [B]: the tokens
     of attention_mask alone in each row)."""
     _check_mask("attention_mask", attention_mask, hidden_states)
-    client = _client(client)
+    client = _default.resolve(client)
     used = attention_mask != 0
     every = used if unused_mask is None else used | (unused_mask != 0)
     results = []
@@ -144,7 +122,7 @@ def unpad_input_for_concatenated_sequences(
     mask = positions < ends[:, -1:]
     # A position's sequence: how many ends lie at or before it.
     segment_ids = torch.searchsorted(ends.contiguous(), positions.contiguous(), right=True)
-    client = _client(client)
+    client = _default.resolve(client)
     results = []
     packed, indices = _Unpad.apply(
         hidden_states, client.to_device_of(mask, hidden_states),
@@ -166,7 +144,7 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
         out[indices] = hidden_states
         return out.view(batch, seqlen, *hidden_states.shape[1:])
-    client = _client(client)
+    client = _default.resolve(client)
     mask = torch.zeros(batch * seqlen, dtype=torch.bool, device=hidden_states.device)
     mask[indices] = True
     return _Pad.apply(hidden_states, client.to_device_of(mask.view(batch, seqlen), hidden_states),

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from packd import flash_attn
+from packd import _default
 from packd.client import Client
 
 __all__ = ["DataCollatorWithFlattening"]
@@ -80,7 +80,7 @@ class DataCollatorWithFlattening:
             layout.update(pad_multiple=self.pad_multiple,
                           pad_values=[float(self.pad_token_id), float(separator)],
                           cp_size=self.cp_size, cp_rank=self.cp_rank)
-        result = flash_attn._client(self.client).pack(
+        result = _default.resolve(self.client).pack(
             [input_ids, labels], mask, with_position_ids=self.return_position_ids,
             cu_seqlens_dtype=torch.int32, **layout)
         batch: Dict[str, Any] = {"input_ids": result.packed[0].view(1, -1),

@@ -31,6 +31,15 @@ def _linked():
     return glob.glob("/dev/shm/*_py_%d_*" % os.getpid())
 
 
+def _in_threads(work, count):
+    """Runs work(0) .. work(count - 1) on threads of their own, at once, and waits for them."""
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def _case(rng, nbytes, dtypes):
     dtype = rng.choice(dtypes)
     b, s = rng.randint(3, 8), rng.randint(8, 31)
@@ -126,11 +135,7 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                 with lock:
                     failures.append("%s: %r" % (where, e))
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _in_threads(work, 8)
     assert not failures, "\n".join(failures[:10])
     assert all(n > 0 for n in taken.values()), taken
     assert len([r for r in _regions(address) if r.startswith("py-")]) <= 2  # idle ones
@@ -143,7 +148,7 @@ def test_the_drop_ins_share_their_default_client_across_threads(address, monkeyp
     """8 threads call packd.flash_attn and packd.hf with no client given, from a fresh start:
     they make one default client between them (of $PACKD_ADDRESS), and each gets its own
     results, equal to torch's, gradients included."""
-    from packd import flash_attn
+    from packd import _default, flash_attn
     from packd.hf import DataCollatorWithFlattening
     flash_attn.set_client(None)
     monkeypatch.setenv("PACKD_ADDRESS", address)
@@ -187,17 +192,13 @@ def test_the_drop_ins_share_their_default_client_across_threads(address, monkeyp
                 assert batch["position_ids"].tolist() == [[p for f in features for p in
                                                            range(len(f["input_ids"]))]], where
                 with lock:
-                    clients.append(flash_attn._client(None))
+                    clients.append(_default.resolve(None))
             except Exception as e:  # collected: an assert in a thread fails nothing by itself
                 with lock:
                     failures.append("%s: %r" % (where, e))
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    default = flash_attn._client(None)
+    _in_threads(work, 8)
+    default = _default.resolve(None)
     flash_attn.set_client(None)
     default.close()
     assert not failures, "\n".join(failures[:10])
