@@ -5,6 +5,7 @@
 //   bench_plan            # the quality table and the 65,536-sample timing
 //   bench_plan --smoke    # small, for ctest
 //   bench_plan --seed=11  # other random batches
+//   bench_plan --json=plan.json  # also the rows as JSON (benchmarks/plot.py)
 //
 // For each plan: micro-batches per rank, cost imbalance (max rank cost / mean
 // rank cost) and milliseconds in process. "floor" is what the largest unit
@@ -13,12 +14,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
 #include "planner/planner.h"
 #include "workloads/lengths.h"
 #include "workloads/peer_planners.h"
@@ -26,6 +29,7 @@
 
 ABSL_FLAG(bool, smoke, false, "Small workloads, one repeat");
 ABSL_FLAG(int, seed, 7, "Random seed of the workloads");
+ABSL_FLAG(std::string, json, "", "Also write the rows as JSON to this file");
 
 namespace packd {
 namespace {
@@ -94,7 +98,25 @@ double Fill(const std::vector<int64_t>& lengths, const PlanOptions& o,
 
 struct Verdict {
   int rows = 0, peers_met = 0, level_met = 0;
+  std::vector<std::string> json;  // a JSON object a row
 };
+
+// One planner's columns of a row, as a JSON object.
+std::string PlannerJson(const Plan& plan, double ms) {
+  return absl::StrFormat(
+      "{\"micro_batches_per_rank\": %d, \"cost_imbalance\": %.6f, "
+      "\"ms\": %.3f}",
+      plan.micro_batches_per_rank, plan.cost_imbalance, ms);
+}
+
+void WriteJson(const std::string& path, const std::vector<std::string>& rows) {
+  std::ofstream f(path);
+  f << "[\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    f << "  " << rows[i] << (i + 1 < rows.size() ? ",\n" : "\n");
+  }
+  f << "]\n";
+}
 
 void Row(const PlanWorkload& w, const CostModel& model, int repeats,
          Verdict* verdict) {
@@ -134,6 +156,14 @@ void Row(const PlanWorkload& w, const CostModel& model, int repeats,
       static_cast<long long>(slime.plan.micro_batches_per_rank),
       slime.plan.cost_imbalance, slime.ms, Fill(w.lengths, o, m),
       peers ? "met" : "MISSED", level ? "met" : "not met");
+  // Workload names are plain text (no quotes or backslashes).
+  verdict->json.push_back(absl::StrFormat(
+      "{\"workload\": \"%s\", \"cost\": \"%s\", \"samples\": %d, "
+      "\"ranks\": %d, \"floor\": %.6f, \"packd\": %s, \"verl\": %s, "
+      "\"slime\": %s}",
+      w.name, model.name, w.lengths.size(), o.num_ranks, floor,
+      PlannerJson(ours.plan, ours.ms), PlannerJson(verl.plan, verl.ms),
+      PlannerJson(slime.plan, slime.ms)));
 }
 
 int Main(int argc, char** argv) {
@@ -168,6 +198,9 @@ int Main(int argc, char** argv) {
       "<= both peers'. level: cost imbalance <= 1.01 x floor.\n"
       "peers met on %d of %d rows; level met on %d of %d rows\n",
       verdict.peers_met, verdict.rows, verdict.level_met, verdict.rows);
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    WriteJson(absl::GetFlag(FLAGS_json), verdict.json);
+  }
   return 0;
 }
 

@@ -2,9 +2,9 @@
 """Charts of packd's benchmarks (PNG, matplotlib), as docs/performance.md shows them.
 
     build/bin/bench_pack --json=pack.json
-    build/bin/bench_plan > plan.txt
+    build/bin/bench_plan --json=plan.json
     build/bin/bench_service --json=service.json
-    /usr/bin/python3 benchmarks/plot.py --pack=pack.json --plan=plan.txt \\
+    /usr/bin/python3 benchmarks/plot.py --pack=pack.json --plan=plan.json \\
         --service=service.json --out=docs/plots
 
 Writes pack_throughput.png (pack GB/s by mask density: the memcpy limit, packd end to end and
@@ -15,7 +15,6 @@ chart is written for each one given. `make plots` runs the benchmarks and this."
 import argparse
 import json
 import os
-import re
 import sys
 
 import matplotlib
@@ -67,35 +66,17 @@ def finish_bars(fig, ax, title, path):
     plt.close(fig)
 
 
-def parse_plan(text):
-    """bench_plan's table: (workload, cost, {planner: cost imbalance})."""
-    rows = []
-    for line in text.splitlines():
-        parts = line.split("|")
-        if len(parts) != 5:
-            continue
-        left = parts[0].split()
-        if len(left) < 9 or not re.fullmatch(r"[\d.]+", left[-1]):
-            continue  # the header
-        workload, cost = " ".join(left[:-7]), left[-7]
-        planners = {}
-        for name, part in zip(("packd", "verl", "slime"), parts[1:4]):
-            fields = part.split()
-            planners[name] = float(fields[1])
-        rows.append((workload, cost, planners))
-    if not rows:
-        raise SystemExit("plot: no rows in the bench_plan output")
-    return rows
-
-
 def plot_plan(rows, path):
+    """Each row's cost imbalance - 1 for packd and its peers (bench_plan --json)."""
+    if not rows:
+        raise SystemExit("plot: no rows in the bench_plan JSON")
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.6))
     height = 0.27
     for i, name in enumerate(("packd", "verl", "slime")):
         ax.barh([y + (i - 1) * height for y in range(len(rows))],
-                [r[2][name] - 1 for r in rows], height, label=name)
+                [r[name]["cost_imbalance"] - 1 for r in rows], height, label=name)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"{w} ({c})" for w, c, _ in rows], fontsize=7)
+    ax.set_yticklabels([f"{r['workload']} ({r['cost']})" for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("symlog", linthresh=1e-3)
     ax.set_xlabel("cost imbalance - 1 (max rank cost / mean - 1; lower is better)")
@@ -125,7 +106,7 @@ def plot_service(rows, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pack", help="bench_pack --json output")
-    parser.add_argument("--plan", help="bench_plan's printed table")
+    parser.add_argument("--plan", help="bench_plan --json output")
     parser.add_argument("--service", help="bench_service --json output")
     parser.add_argument("--out", required=True, help="folder for the PNG files")
     args = parser.parse_args(argv)
@@ -139,7 +120,7 @@ def main(argv=None):
         written.append("pack_throughput.png")
     if args.plan:
         with open(args.plan) as f:
-            plot_plan(parse_plan(f.read()), os.path.join(args.out, "plan_imbalance.png"))
+            plot_plan(json.load(f), os.path.join(args.out, "plan_imbalance.png"))
         written.append("plan_imbalance.png")
     if args.service:
         with open(args.service) as f:
