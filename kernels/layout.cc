@@ -101,6 +101,28 @@ absl::Status ValidateLayout(const LayoutOptions& o, size_t inputs) {
         absl::StrCat("cp_rank ", o.cp_rank, " needs cp_size > 1 (cp_size is ",
                      o.cp_size, ")"));
   }
+  PACKD_RETURN_IF_ERROR(NotNegative(o.sp_size, "sp_size"));
+  if (o.sp_size > 1) {
+    if (o.sp_rank < 0 || o.sp_rank >= o.sp_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sp_rank ", o.sp_rank, " is not in [0, sp_size = ", o.sp_size, ")"));
+    }
+    if (o.cp_size > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sp_size ", o.sp_size, " and cp_size ", o.cp_size,
+          " are both set: Ulysses sequence parallelism and context "
+          "parallelism split the rows two different ways; give one"));
+    }
+    if (o.fixed.tokens % o.sp_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fixed.tokens ", o.fixed.tokens, " is not a multiple of sp_size ",
+          o.sp_size, ": every SP rank holds fixed.tokens / sp_size rows"));
+    }
+  } else if (o.sp_rank != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sp_rank ", o.sp_rank, " needs sp_size > 1 (sp_size is ",
+                     o.sp_size, ")"));
+  }
   if (!o.pad_values.empty() && o.pad_values.size() != inputs) {
     return absl::InvalidArgumentError(absl::StrCat(
         "pad_values has ", o.pad_values.size(), " values but there are ",
@@ -171,6 +193,26 @@ absl::StatusOr<ElementBytes> ValueBytes(DType dtype, double v,
   return absl::InvalidArgumentError(absl::StrCat(field, ": invalid dtype"));
 }
 
+absl::StatusOr<LayoutValues> CheckLayout(const LayoutOptions& options,
+                                         absl::Span<const DType> dtypes) {
+  PACKD_RETURN_IF_ERROR(ValidateLayout(options, dtypes.size()));
+  LayoutValues values;
+  values.pads.resize(dtypes.size());
+  for (size_t i = 0; i < options.pad_values.size(); ++i) {
+    PACKD_ASSIGN_OR_RETURN(values.pads[i],
+                           ValueBytes(dtypes[i], options.pad_values[i],
+                                      absl::StrCat("pad_values[", i, "]")));
+  }
+  for (size_t j = 0; j < options.shifts.size(); ++j) {
+    const Shift& shift = options.shifts[j];
+    PACKD_ASSIGN_OR_RETURN(ElementBytes fill,
+                           ValueBytes(dtypes[shift.input], shift.fill,
+                                      absl::StrCat("shifts[", j, "].fill")));
+    values.fills.push_back(fill);
+  }
+  return values;
+}
+
 absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
                                   const LayoutOptions& options,
                                   bool with_position_ids) {
@@ -227,6 +269,19 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
       total = fixed.tokens;
     }
   }
+  // Ulysses: the rows padded to a multiple of sp_size by the same trailing
+  // ghost (a fixed.tokens is a multiple already: ValidateLayout).
+  const int64_t u = options.sp_size > 1 ? options.sp_size : 1;
+  if (total % u != 0) {
+    ghost = true;
+    Span g;
+    g.start = total;
+    g.padded = u - total % u;
+    g.first_token = starts.back();
+    spans.push_back(g);
+    longest_padded = std::max(longest_padded, g.padded);
+    if (!CheckedAdd(total, g.padded, &total)) return overflow();
+  }
   const int64_t sequences = K + (ghost ? 1 : 0);
   if (fixed.sequences > 0 && fixed.sequences < sequences) {
     return absl::InvalidArgumentError(
@@ -282,13 +337,15 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
     }
   }
 
-  // The rows, sequence by sequence: all of them, or with CP this rank's two
-  // chunks of each (TransformerEngine's get_batch_on_this_cp_rank), each
-  // array filled by tight loops over runs of real rows and of padding.
+  // The rows, sequence by sequence: all of them; or with CP this rank's two
+  // chunks of each (TransformerEngine's get_batch_on_this_cp_rank); or with
+  // SP this rank's contiguous 1 / u of the rows (verl's
+  // ulysses_pad_and_slice_inputs). Each array is filled by tight loops over
+  // runs of real rows and of padding.
   const int64_t c = options.cp_size > 1 ? options.cp_size : 1;
   const int64_t r = c > 1 ? options.cp_rank : 0;
   const bool shifts = !options.shifts.empty();
-  const int64_t rows = total / c;
+  const int64_t rows = total / c / u;
   if (options.max_rows > 0 && rows > options.max_rows) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the layout has ", rows, " rows (pad_multiple ", options.pad_multiple,
@@ -322,15 +379,20 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
     }
     j += to - from;
   };
+  // This SP rank's rows of the un-split layout (all of them without SP).
+  const int64_t window_begin = u > 1 ? options.sp_rank * rows : 0;
+  const int64_t window_end = window_begin + (u > 1 ? rows : total);
   for (size_t k = 0; k < spans.size(); ++k) {
     const Span& s = spans[k];
-    if (c == 1) {
-      add(k, s, 0, s.padded);
+    if (c > 1) {
+      const int64_t h = s.padded / (2 * c);
+      add(k, s, r * h, (r + 1) * h);
+      add(k, s, (2 * c - 1 - r) * h, (2 * c - r) * h);
       continue;
     }
-    const int64_t h = s.padded / (2 * c);
-    add(k, s, r * h, (r + 1) * h);
-    add(k, s, (2 * c - 1 - r) * h, (2 * c - r) * h);
+    const int64_t from = std::max<int64_t>(window_begin - s.start, 0);
+    const int64_t to = std::min<int64_t>(window_end - s.start, s.padded);
+    if (from < to) add(k, s, from, to);
   }
   return out;
 }

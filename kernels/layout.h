@@ -1,10 +1,11 @@
 // Layouts for parallel attention (docs/design.md §10): padding every sequence
-// to a multiple, context-parallel (CP) slices, fixed shapes with a ghost
-// sequence, next-token shifts and seq_idx. A layout is a gather plan: for each
-// output row, the packed token it holds or padding. It is built once per call,
-// on the host, from the mask scan (and the document cut), and every tensor of
-// the call uses it: inputs, shifted inputs (the same plan, one token further
-// within the sequence), and position ids and seq_idx derived from it.
+// to a multiple, context-parallel (CP) slices, Ulysses sequence-parallel (SP)
+// slices, fixed shapes with a ghost sequence, next-token shifts and seq_idx. A
+// layout is a gather plan: for each output row, the packed token it holds or
+// padding. It is built once per call, on the host, from the mask scan (and the
+// document cut), and every tensor of the call uses it: inputs, shifted inputs
+// (the same plan, one token further within the sequence), and position ids and
+// seq_idx derived from it.
 //
 // clang-format off
 //   PACKD_RETURN_IF_ERROR(ValidateLayout(options.layout, inputs.size()));
@@ -21,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/dtype.h"
 
 namespace packd {
@@ -47,6 +49,11 @@ struct LayoutOptions {
   std::vector<double> pad_values;  // empty: zero pad rows; else one per input
   int32_t cp_size = 0;             // 0 or 1: no context parallelism
   int32_t cp_rank = 0;
+  // Ulysses sequence parallelism (0 or 1: none): the rows padded to a
+  // multiple of sp_size by a trailing ghost, and sp_rank's contiguous
+  // 1 / sp_size of them. Not with cp_size > 1.
+  int32_t sp_size = 0;
+  int32_t sp_rank = 0;
   bool with_seq_idx = false;
   std::vector<Shift> shifts;
   FixedLayout fixed;
@@ -55,23 +62,26 @@ struct LayoutOptions {
   // server sets it from its message limit (each row costs at least 8 bytes).
   int64_t max_rows = 0;
 
-  // Whether the call's rows differ from x[mask]'s (padding, CP or fixed):
-  // then cu_seqlens_padded and max_seqlen_padded are returned.
+  // Whether the call's rows differ from x[mask]'s (padding, CP, SP or
+  // fixed): then cu_seqlens_padded and max_seqlen_padded are returned.
   bool reshapes() const {
-    return pad_multiple > 1 || cp_size > 1 || fixed.any();
+    return pad_multiple > 1 || cp_size > 1 || sp_size > 1 || fixed.any();
   }
   // Whether any layout field is set, even to a value that changes no row
   // (pad_multiple 1) or that ValidateLayout refuses (a negative one).
   bool any() const {
-    return pad_multiple != 0 || cp_size != 0 || cp_rank != 0 || fixed.any() ||
-           !pad_values.empty() || with_seq_idx || !shifts.empty();
+    return pad_multiple != 0 || cp_size != 0 || cp_rank != 0 || sp_size != 0 ||
+           sp_rank != 0 || fixed.any() || !pad_values.empty() || with_seq_idx ||
+           !shifts.empty();
   }
 };
 
 // INVALID_ARGUMENT naming the field for what is wrong whatever the batch: a
-// negative pad_multiple, cp_size or fixed field; a cp_rank outside
-// [0, cp_size); a pad_multiple that is not a multiple of 2 * cp_size; a count
-// of pad_values other than `inputs`; a shift naming no input.
+// negative pad_multiple, cp_size, sp_size or fixed field; a cp_rank outside
+// [0, cp_size) or an sp_rank outside [0, sp_size); a pad_multiple that is not
+// a multiple of 2 * cp_size; cp_size and sp_size both above 1; a fixed.tokens
+// that is not a multiple of sp_size; a count of pad_values other than
+// `inputs`; a shift naming no input.
 absl::Status ValidateLayout(const LayoutOptions& options, size_t inputs);
 
 // One element's bytes, little-endian (the first ItemSize of them).
@@ -85,19 +95,33 @@ using ElementBytes = std::array<unsigned char, 8>;
 absl::StatusOr<ElementBytes> ValueBytes(DType dtype, double value,
                                         absl::string_view field);
 
+// A layout's values in its inputs' dtypes: pads[i] is input i's pad value
+// (zero bytes without pad_values), fills[j] shift j's fill.
+struct LayoutValues {
+  std::vector<ElementBytes> pads;
+  std::vector<ElementBytes> fills;
+};
+
+// Everything Pack checks of a layout before it scans a mask: ValidateLayout
+// for inputs of `dtypes`, and every pad value and fill a value of its input's
+// dtype (ValueBytes). INVALID_ARGUMENT naming the field; otherwise the values.
+absl::StatusOr<LayoutValues> CheckLayout(const LayoutOptions& options,
+                                         absl::Span<const DType> dtypes);
+
 struct Layout {
   // The sequences' real prefix array, extended for `fixed` (the ghost's and
   // zero-length ghosts' entries repeat the last value); its maximum length
   // (M when fixed.max_seqlen is set).
   std::vector<int64_t> cu_seqlens;
   int64_t max_seqlen = 0;
-  // [K + 1] (more with `fixed`), and the largest padded length, ghost
-  // included (M when fixed); empty and 0 unless the options reshape.
+  // [K + 1] (more with `fixed`, or with an SP ghost), and the largest padded
+  // length, ghost included (M when fixed); empty and 0 unless the options
+  // reshape.
   std::vector<int64_t> cu_seqlens_padded;
   int64_t max_seqlen_padded = 0;
-  // Per output row, in output order (this CP rank's rows): the packed token it
-  // holds (-1: padding); the packed token its shifted rows hold (-1: fill);
-  // its position id; its sequence.
+  // Per output row, in output order (this CP or SP rank's rows): the packed
+  // token it holds (-1: padding); the packed token its shifted rows hold
+  // (-1: fill); its position id; its sequence.
   std::vector<int64_t> source;
   std::vector<int64_t> shifted_source;
   std::vector<int64_t> position_ids;

@@ -332,8 +332,10 @@ struct LaidOut {
   std::vector<int64_t> rows;          // of layout.source
   std::vector<int64_t> shifted_rows;  // of layout.shifted_source
   bool placed = false;                // rows computed
-  // The packed rows of each narrow source (by its data), as [1, N, *tail].
-  std::vector<std::pair<const void*, TensorView>> packed;
+  // The packed rows of each narrow source, by its index among the call's
+  // sources (never by its address: two empty inputs, or one memory viewed
+  // as two dtypes, share one), as [1, N, *tail].
+  std::vector<std::pair<size_t, TensorView>> packed;
   std::vector<Buffer> held;
 
   static int64_t Width(const TensorView& x) {
@@ -367,29 +369,30 @@ struct LaidOut {
     return view;
   }
 
-  // `x`'s packed rows, gathered once per source (a shift reuses its input's).
+  // The packed rows of `x`, source `source` of the call, gathered once per
+  // source (a shift reuses its input's).
   absl::StatusOr<TensorView> Packed(Backend& backend, DeviceRuntime& runtime,
-                                    const MaskPlan& plan, const TensorView& x,
-                                    const Stream& stream) {
-    for (const auto& [data, view] : packed) {
-      if (data == x.data) return view;
+                                    const MaskPlan& plan, size_t source,
+                                    const TensorView& x, const Stream& stream) {
+    for (const auto& [index, view] : packed) {
+      if (index == source) return view;
     }
     PACKD_ASSIGN_OR_RETURN(TensorView view,
                            PackedRows(runtime, plan, x, stream));
     PACKD_RETURN_IF_ERROR(backend.Gather(plan, x, Flat(view), stream));
-    packed.push_back({x.data, view});
+    packed.push_back({source, view});
     return view;
   }
 
-  // Result rows of x by the layout (`shift`: its shifted rows), `pad` where
-  // there is no token.
+  // Result rows of x, source `source` of the call, by the layout (`shift`: its
+  // shifted rows), `pad` where there is no token.
   absl::Status Gather(Backend& backend, DeviceRuntime& runtime,
-                      const MaskPlan& plan, const TensorView& x, bool shift,
-                      const unsigned char* pad, const TensorView& out,
-                      const Stream& stream) {
+                      const MaskPlan& plan, size_t source, const TensorView& x,
+                      bool shift, const unsigned char* pad,
+                      const TensorView& out, const Stream& stream) {
     if (Width(x) < kNarrowRow) {
       PACKD_ASSIGN_OR_RETURN(TensorView rows_view,
-                             Packed(backend, runtime, plan, x, stream));
+                             Packed(backend, runtime, plan, source, x, stream));
       return backend.GatherRows(rows_view,
                                 shift ? layout.shifted_source : layout.source,
                                 pad, out, stream);
@@ -453,8 +456,8 @@ absl::Status ValidateScatterLayout(const LayoutOptions& layout, size_t packed) {
   if (!layout.pad_values.empty() || !layout.shifts.empty() ||
       layout.with_seq_idx) {
     return absl::InvalidArgumentError(
-        "Scatter takes the layout's pad_multiple, cp_size, cp_rank and fixed; "
-        "pad_values, shifts and with_seq_idx are Pack's");
+        "Scatter takes the layout's pad_multiple, cp_size, cp_rank, sp_size, "
+        "sp_rank and fixed; pad_values, shifts and with_seq_idx are Pack's");
   }
   return ValidateLayout(layout, packed);
 }
@@ -484,22 +487,14 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   const LayoutOptions& lo = options.layout;
   const bool laid_out = lo.any();
   // The pad value of each input and the fill of each shift, as their bytes.
-  std::vector<ElementBytes> pads(inputs.size()), fills;
+  LayoutValues values;
   CallSources sources{inputs, {}};
   if (laid_out) {
-    PACKD_RETURN_IF_ERROR(ValidateLayout(lo, inputs.size()));
-    for (size_t i = 0; i < lo.pad_values.size(); ++i) {
-      PACKD_ASSIGN_OR_RETURN(pads[i],
-                             ValueBytes(inputs[i].dtype, lo.pad_values[i],
-                                        absl::StrCat("pad_values[", i, "]")));
-    }
+    std::vector<DType> dtypes;
+    for (const TensorView& x : inputs) dtypes.push_back(x.dtype);
+    PACKD_ASSIGN_OR_RETURN(values, CheckLayout(lo, dtypes));
     for (size_t i = 0; i < inputs.size(); ++i) sources.of_result.push_back(i);
-    for (size_t j = 0; j < lo.shifts.size(); ++j) {
-      const Shift& shift = lo.shifts[j];
-      PACKD_ASSIGN_OR_RETURN(ElementBytes fill,
-                             ValueBytes(inputs[shift.input].dtype, shift.fill,
-                                        absl::StrCat("shifts[", j, "].fill")));
-      fills.push_back(fill);
+    for (const Shift& shift : lo.shifts) {
       sources.of_result.push_back(shift.input);
     }
   }
@@ -536,9 +531,11 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
                     const Stream& stream) -> absl::Status {
     if (!laid_out) return backend.Gather(plan, x, out, stream);
     const bool shift = i >= inputs.size();
-    return laid.Gather(backend, runtime, plan, x, shift,
-                       shift ? fills[i - inputs.size()].data() : pads[i].data(),
-                       out, stream);
+    const size_t source = shift ? lo.shifts[i - inputs.size()].input : i;
+    return laid.Gather(
+        backend, runtime, plan, source, x, shift,
+        shift ? values.fills[i - inputs.size()].data() : values.pads[i].data(),
+        out, stream);
   };
   std::unique_ptr<MaskPlan> plan;
   PackResult result;
@@ -627,11 +624,12 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
               options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
               options.layout, /*with_position_ids=*/false));
       rows = laid.layout.rows();
-      what = absl::StrCat(
-          "the layout has ", rows, " rows",
-          options.layout.cp_size > 1
-              ? absl::StrCat(" on cp_rank ", options.layout.cp_rank)
-              : "");
+      what = absl::StrCat("the layout has ", rows, " rows");
+      if (options.layout.cp_size > 1) {
+        absl::StrAppend(&what, " on cp_rank ", options.layout.cp_rank);
+      } else if (options.layout.sp_size > 1) {
+        absl::StrAppend(&what, " on sp_rank ", options.layout.sp_rank);
+      }
     }
     std::vector<Shape> out;
     for (size_t i = 0; i < packed.size(); ++i) {

@@ -114,9 +114,9 @@ struct ScatterOptions : CallOptions {
   // When set, must equal every packed[i].shape[1:].
   std::optional<Shape> tail_shape;
   // The layout of the Pack this is the gradient of (docs/design.md §10):
-  // pad_multiple, cp_size / cp_rank and fixed; packed[i] holds its rows, and
-  // pad rows, ghost rows and other ranks' positions are dropped. Documents
-  // are sequences when segment_ids is set.
+  // pad_multiple, cp_size / cp_rank, sp_size / sp_rank and fixed; packed[i]
+  // holds its rows, and pad rows, ghost rows and other ranks' positions are
+  // dropped. Documents are sequences when segment_ids is set.
   std::optional<TensorView> segment_ids;
   LayoutOptions layout;
 };

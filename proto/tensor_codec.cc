@@ -55,6 +55,8 @@ void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
                                         layout.pad_values.end());
   request->set_cp_size(layout.cp_size);
   request->set_cp_rank(layout.cp_rank);
+  request->set_sp_size(layout.sp_size);
+  request->set_sp_rank(layout.sp_rank);
   request->set_with_seq_idx(layout.with_seq_idx);
   request->clear_shifts();
   for (const Shift& shift : layout.shifts) {
@@ -70,12 +72,14 @@ absl::Status EncodeLayout(const LayoutOptions& layout,
   if (!layout.pad_values.empty() || !layout.shifts.empty() ||
       layout.with_seq_idx) {
     return absl::InvalidArgumentError(
-        "Scatter takes the layout's pad_multiple, cp_size, cp_rank and fixed; "
-        "pad_values, shifts and with_seq_idx are Pack's");
+        "Scatter takes the layout's pad_multiple, cp_size, cp_rank, sp_size, "
+        "sp_rank and fixed; pad_values, shifts and with_seq_idx are Pack's");
   }
   request->set_pad_multiple(layout.pad_multiple);
   request->set_cp_size(layout.cp_size);
   request->set_cp_rank(layout.cp_rank);
+  request->set_sp_size(layout.sp_size);
+  request->set_sp_rank(layout.sp_rank);
   if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
   return absl::OkStatus();
 }
@@ -87,6 +91,8 @@ LayoutOptions DecodeLayout(const v1::PackRequest& request) {
                            request.pad_values().end());
   layout.cp_size = request.cp_size();
   layout.cp_rank = request.cp_rank();
+  layout.sp_size = request.sp_size();
+  layout.sp_rank = request.sp_rank();
   layout.with_seq_idx = request.with_seq_idx();
   for (const v1::Shift& shift : request.shifts()) {
     layout.shifts.push_back({shift.input(), shift.fill()});
@@ -100,6 +106,8 @@ LayoutOptions DecodeLayout(const v1::ScatterRequest& request) {
   layout.pad_multiple = request.pad_multiple();
   layout.cp_size = request.cp_size();
   layout.cp_rank = request.cp_rank();
+  layout.sp_size = request.sp_size();
+  layout.sp_rank = request.sp_rank();
   layout.fixed = DecodeFixed(request.fixed());
   return layout;
 }

@@ -83,13 +83,18 @@ Ref ReferenceLayout(const at::Tensor& mask, const at::Tensor& ids,
     ref.max_real = std::max(ref.max_real, L);
     ref.max_padded = std::max(ref.max_padded, P);
   }
-  const int64_t ghost =
+  // The trailing ghost: to fixed.tokens, or (SP) to a multiple of sp_size.
+  const int64_t u = o.sp_size > 1 ? o.sp_size : 1;
+  int64_t ghost =
       o.fixed.tokens > 0 ? o.fixed.tokens - ref.cu_padded.back() : 0;
+  if (ghost == 0 && ref.cu_padded.back() % u != 0) {
+    ghost = u - ref.cu_padded.back() % u;
+  }
   if (ghost > 0) {
     padded.push_back(at::full({ghost}, -1, at::kLong));
     shifted.push_back(at::full({ghost}, -1, at::kLong));
     ref.cu_real.push_back(ref.cu_real.back());
-    ref.cu_padded.push_back(o.fixed.tokens);
+    ref.cu_padded.push_back(ref.cu_padded.back() + ghost);
     ref.max_padded = std::max(ref.max_padded, ghost);
   }
   if (o.fixed.sequences > 0) {
@@ -112,6 +117,15 @@ Ref ReferenceLayout(const at::Tensor& mask, const at::Tensor& ids,
     for (int64_t v : Vec(take(shifted[k]))) ref.shifted.push_back(v);
     for (int64_t v : Vec(take(positions))) ref.position_ids.push_back(v);
     for (int64_t i = 0; i < P / c; ++i) ref.seq_idx.push_back(k);
+  }
+  // SP: rank r's contiguous 1 / u of every per-row array.
+  if (u > 1) {
+    const int64_t n = static_cast<int64_t>(ref.rows.size()) / u;
+    for (std::vector<int64_t>* v :
+         {&ref.rows, &ref.shifted, &ref.position_ids, &ref.seq_idx}) {
+      *v = std::vector<int64_t>(v->begin() + o.sp_rank * n,
+                                v->begin() + (o.sp_rank + 1) * n);
+    }
   }
   return ref;
 }
@@ -215,22 +229,42 @@ TEST_F(LayoutTest, PackMatchesTheReferenceForEveryLayout) {
     const at::Tensor x = testing::RandomTensor(rng_, dtype, {B, S, 3});
     const at::Tensor tok = testing::RandomTensor(rng_, DType::kInt64, {B, S});
     LayoutOptions o;
+    // CP on trials 1, 2, 3 (mod 4), SP on every seventh: they never combine.
     const int32_t c = 1 + trial % 4;
-    o.cp_size = c;
-    o.cp_rank = static_cast<int32_t>(rng_.Next() % c);
-    o.pad_multiple = 2 * c * (1 + rng_.Next() % 3);
-    if (c == 1) o.pad_multiple = 1 + rng_.Next() % 16;
+    const int32_t u = trial % 7 == 0 ? 2 + trial / 7 % 3 : 1;
+    if (u > 1) {
+      o.sp_size = u;
+      o.sp_rank = static_cast<int32_t>(rng_.Next() % u);
+      o.pad_multiple = rng_.Next() % 5;
+    } else {
+      o.cp_size = c;
+      o.cp_rank = static_cast<int32_t>(rng_.Next() % c);
+      o.pad_multiple = 2 * c * (1 + rng_.Next() % 3);
+      if (c == 1) o.pad_multiple = 1 + rng_.Next() % 16;
+    }
     o.with_seq_idx = true;
     o.shifts = {{1, -100}, {0, 1}};
     o.pad_values = {dtype == DType::kBool ? 1.0 : 3.0, -7};
     SCOPED_TRACE(::testing::Message()
                  << "trial " << trial << " B " << B << " S " << S << " m "
-                 << o.pad_multiple << " cp " << c << "/" << o.cp_rank << " "
+                 << o.pad_multiple << " cp " << o.cp_size << "/" << o.cp_rank
+                 << " sp " << o.sp_size << "/" << o.sp_rank << " "
                  << DTypeName(dtype) << (docs ? " docs" : ""));
-    Ref un_fixed = ReferenceLayout(mask, ids, o);
-    if (trial % 3 == 0) {  // a fixed shape, with a ghost when there is room
-      o.fixed.tokens = un_fixed.cu_padded.back() +
-                       std::max<int64_t>(o.pad_multiple, 1) * (trial % 2);
+    LayoutOptions unfixed_options = o;
+    unfixed_options.sp_size = 0;
+    unfixed_options.sp_rank = 0;
+    const Ref un_fixed = ReferenceLayout(mask, ids, unfixed_options);
+    if (trial % 3 == 0) {
+      // A fixed shape, with a ghost when there is room: T - n a multiple of
+      // the pad multiple m and (SP) T a multiple of u.
+      const int64_t m = std::max<int64_t>(o.pad_multiple, 1);
+      const int64_t n = un_fixed.cu_padded.back();
+      for (int64_t k = trial % 2; k < trial % 2 + 8 * u; ++k) {
+        if ((n + m * k) % u == 0) {
+          o.fixed.tokens = n + m * k;
+          break;
+        }
+      }
       o.fixed.sequences = static_cast<int64_t>(un_fixed.cu_real.size()) + 2;
       o.fixed.max_seqlen = o.fixed.tokens;
     }
@@ -297,6 +331,70 @@ TEST_F(LayoutTest, AllCpRanksTogetherHoldEveryRowOnce) {
   }
 }
 
+// Ulysses: the SP ranks' rows in rank order are the un-split layout padded to
+// a multiple of sp_size by a trailing ghost (pad rows, positions from 0, the
+// next seq_idx), which the prefix arrays and maxima count.
+TEST_F(LayoutTest, SpRanksInRankOrderAreTheLayoutWithItsGhost) {
+  const std::vector<int64_t> starts = {0, 5, 5, 12};
+  for (int32_t u = 2; u <= 5; ++u) {
+    for (int64_t m : {0, 1, 4}) {
+      LayoutOptions whole;
+      whole.pad_multiple = m;
+      whole.with_seq_idx = true;
+      whole.shifts = {{0, 0}};
+      absl::StatusOr<Layout> all = MakeLayout(starts, whole);
+      ASSERT_TRUE(all.ok());
+      const int64_t n = m > 1 ? all->cu_seqlens_padded.back() : 12;
+      const int64_t padded = (n + u - 1) / u * u;
+      std::vector<int64_t> source, shifted, positions, seq_idx;
+      for (int32_t r = 0; r < u; ++r) {
+        LayoutOptions o = whole;
+        o.sp_size = u;
+        o.sp_rank = r;
+        absl::StatusOr<Layout> rank = MakeLayout(starts, o);
+        ASSERT_TRUE(rank.ok()) << rank.status();
+        EXPECT_EQ(rank->rows(), padded / u);
+        source.insert(source.end(), rank->source.begin(), rank->source.end());
+        shifted.insert(shifted.end(), rank->shifted_source.begin(),
+                       rank->shifted_source.end());
+        positions.insert(positions.end(), rank->position_ids.begin(),
+                         rank->position_ids.end());
+        seq_idx.insert(seq_idx.end(), rank->seq_idx.begin(),
+                       rank->seq_idx.end());
+        // Prefix arrays and maxima stay global, the ghost counted.
+        std::vector<int64_t> cu_padded =
+            m > 1 ? all->cu_seqlens_padded : std::vector<int64_t>{0, 5, 5, 12};
+        std::vector<int64_t> cu_real = {0, 5, 5, 12};
+        int64_t longest = m > 1 ? all->max_seqlen_padded : 7;
+        if (padded > n) {
+          cu_padded.push_back(padded);
+          cu_real.push_back(12);
+          longest = std::max(longest, padded - n);
+        }
+        EXPECT_EQ(rank->cu_seqlens_padded, cu_padded) << "u " << u;
+        EXPECT_EQ(rank->cu_seqlens, cu_real) << "u " << u;
+        EXPECT_EQ(rank->max_seqlen_padded, longest);
+        EXPECT_EQ(rank->max_seqlen, 7);
+      }
+      std::vector<int64_t> want_source = all->source;
+      std::vector<int64_t> want_shifted = all->shifted_source;
+      std::vector<int64_t> want_positions = all->position_ids;
+      std::vector<int64_t> want_seq_idx = all->seq_idx;
+      for (int64_t i = 0; i < padded - n; ++i) {
+        want_source.push_back(-1);
+        want_shifted.push_back(-1);
+        want_positions.push_back(i);
+        want_seq_idx.push_back(3);
+      }
+      SCOPED_TRACE(::testing::Message() << "u " << u << " m " << m);
+      EXPECT_EQ(source, want_source);
+      EXPECT_EQ(shifted, want_shifted);
+      EXPECT_EQ(positions, want_positions);
+      EXPECT_EQ(seq_idx, want_seq_idx);
+    }
+  }
+}
+
 TEST_F(LayoutTest, ScatterIsTheGradientOfTheLayoutPack) {
   for (int trial = 0; trial < 20; ++trial) {
     const int64_t B = 1 + trial % 4, S = 3 + trial;
@@ -306,12 +404,23 @@ TEST_F(LayoutTest, ScatterIsTheGradientOfTheLayoutPack) {
     const at::Tensor ids =
         docs ? at::randint(0, 2, {B, S}, at::kInt) : at::Tensor();
     LayoutOptions o;
-    o.cp_size = 1 + trial % 3;
-    o.cp_rank = trial % o.cp_size;
-    o.pad_multiple = 2 * o.cp_size * (1 + trial % 2);
-    const Ref ref = ReferenceLayout(mask, ids, o);
+    if (trial % 5 == 4) {  // Ulysses
+      o.sp_size = 2 + trial % 3;
+      o.sp_rank = trial % o.sp_size;
+      o.pad_multiple = trial % 3;
+    } else {
+      o.cp_size = 1 + trial % 3;
+      o.cp_rank = trial % o.cp_size;
+      o.pad_multiple = 2 * o.cp_size * (1 + trial % 2);
+    }
+    LayoutOptions unfixed = o;
+    unfixed.sp_size = unfixed.sp_rank = 0;
+    const Ref ref = ReferenceLayout(mask, ids, unfixed);
     if (trial % 4 == 1) {
-      o.fixed.tokens = ref.cu_padded.back() + o.pad_multiple;
+      const int64_t m = std::max<int64_t>(o.pad_multiple, 1);
+      const int64_t u = std::max<int32_t>(o.sp_size, 1);
+      o.fixed.tokens = ref.cu_padded.back() + m;
+      while (o.fixed.tokens % u != 0) o.fixed.tokens += m;
     }
     const Ref laid = ReferenceLayout(mask, ids, o);
     // torch autograd through the reference pack.
@@ -396,6 +505,36 @@ TEST_F(LayoutTest, EveryViolationIsInvalidArgumentNamingTheField) {
   o.fixed.sequences = 0;
   o.fixed.max_seqlen = 6;
   EXPECT_THAT(error(o), HasSubstr("fixed.max_seqlen 6 is less than 8"));
+  o = {};
+  o.sp_size = -1;
+  EXPECT_THAT(error(o), HasSubstr("sp_size -1 is negative"));
+  o.sp_size = 3;
+  o.sp_rank = 3;
+  EXPECT_THAT(error(o), HasSubstr("sp_rank 3 is not in [0, sp_size = 3)"));
+  o = {};
+  o.sp_rank = 1;
+  EXPECT_THAT(error(o), HasSubstr("sp_rank 1 needs sp_size > 1"));
+  o = {};
+  o.sp_size = 2;
+  o.cp_size = 2;
+  o.pad_multiple = 4;
+  EXPECT_THAT(error(o), HasSubstr("sp_size 2 and cp_size 2 are both set"));
+  o = {};
+  o.sp_size = 4;
+  o.fixed.tokens = 14;
+  EXPECT_THAT(error(o),
+              HasSubstr("fixed.tokens 14 is not a multiple of sp_size 4"));
+  o.fixed.tokens = 16;
+  o.fixed.sequences = 2;
+  EXPECT_THAT(error(o), HasSubstr("fixed.sequences 2 is less than the 3 "
+                                  "sequences of this batch (its trailing "
+                                  "ghost included)"));
+  o = {};
+  o.sp_size = 5;  // 12 rows, padded to 15 by a ghost of 3
+  o.fixed.sequences = 2;
+  EXPECT_THAT(error(o), HasSubstr("fixed.sequences 2 is less than the 3 "
+                                  "sequences of this batch (its trailing "
+                                  "ghost included)"));
   // Scatter takes only what places rows; its packed rows must be the layout's.
   ScatterOptions scatter;
   scatter.layout.pad_multiple = 4;
@@ -407,6 +546,44 @@ TEST_F(LayoutTest, EveryViolationIsInvalidArgumentNamingTheField) {
   s = Scatter({View(at::zeros({16, 4}, at::kFloat))}, View(mask), scatter);
   EXPECT_THAT(std::string(s.status().message()),
               HasSubstr("shifts and with_seq_idx are Pack's"));
+}
+
+// Each input is gathered as itself even where two share an address: two
+// empty inputs (an empty micro-batch of a step, all ghost) and one memory
+// viewed as two dtypes. Each result holds its own input's rows and pad value.
+TEST_F(LayoutTest, InputsSharingAnAddressKeepTheirOwnRows) {
+  PackOptions options;
+  options.layout.fixed.tokens = 16;
+  options.layout.pad_values = {-1.5, 7};
+  const at::Tensor mask = at::zeros({0, 24}, at::kBool);
+  const at::Tensor a = at::zeros({0, 24}, at::kBFloat16);
+  const at::Tensor b = at::zeros({0, 24}, at::kByte);
+  absl::StatusOr<PackResult> r = Pack({View(a), View(b)}, View(mask), options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(testing::SameBytes(at::full({16}, -1.5, at::kBFloat16),
+                                 r->packed[0].view));
+  EXPECT_TRUE(
+      testing::SameBytes(at::full({16}, 7, at::kByte), r->packed[1].view));
+  // One memory as int32 and as float32, with a shift of each.
+  const at::Tensor m = at::ones({2, 5}, at::kBool);
+  const at::Tensor ints = at::randint(0, 1 << 20, {2, 5}, at::kInt);
+  const at::Tensor floats = ints.view(at::kFloat);
+  options = {};
+  options.layout.pad_multiple = 4;
+  options.layout.pad_values = {-1, 0.5};
+  options.layout.shifts = {{0, -100}, {1, 2.5}};
+  r = Pack({View(ints), View(floats)}, View(m), options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  LayoutOptions o = options.layout;
+  const Ref ref = ReferenceLayout(m, at::Tensor(), o);
+  EXPECT_TRUE(
+      testing::SameBytes(Gathered(ints, ref.rows, -1), r->packed[0].view));
+  EXPECT_TRUE(
+      testing::SameBytes(Gathered(floats, ref.rows, 0.5), r->packed[1].view));
+  EXPECT_TRUE(testing::SameBytes(Gathered(ints, ref.shifted, -100),
+                                 r->shifted[0].view));
+  EXPECT_TRUE(testing::SameBytes(Gathered(floats, ref.shifted, 2.5),
+                                 r->shifted[1].view));
 }
 
 // Outputs a caller gives a layout Pack are the layout's results (one per
