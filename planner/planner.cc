@@ -130,18 +130,30 @@ absl::StatusOr<Checked> Validate(absl::Span<const int64_t> lengths,
       options.cost_per_token == 0 && options.cost_per_token_squared == 0;
   c.padded.resize(lengths.size());
   c.cost.resize(lengths.size());
-  int64_t padded_total = 0;
+  int64_t padded_total = 0, loss_total = 0;
   double cost_total = 0;
   for (size_t i = 0; i < lengths.size(); ++i) {
     if (lengths[i] < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("lengths[", i, "] is ", lengths[i], ", below 0"));
     }
-    if (!loss_tokens.empty() &&
-        (loss_tokens[i] < 0 || loss_tokens[i] > lengths[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "loss_tokens[", i, "] is ", loss_tokens[i],
-          "; it must be in [0, lengths[", i, "] = ", lengths[i], "]"));
+    if (!loss_tokens.empty()) {
+      if (loss_tokens[i] < 0 ||
+          (options.loss_tokens_within_lengths && loss_tokens[i] > lengths[i])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("loss_tokens[", i, "] is ", loss_tokens[i],
+                         options.loss_tokens_within_lengths
+                             ? absl::StrCat("; it must be in [0, lengths[", i,
+                                            "] = ", lengths[i], "]")
+                             : "; it must not be negative"));
+      }
+      if (__builtin_add_overflow(loss_total, loss_tokens[i], &loss_total) ||
+          loss_total > kMaxTotalTokens) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the sum of loss_tokens passes 2^53 (", kMaxTotalTokens,
+            ") tokens at loss_tokens[", i,
+            "]: global_loss_tokens would not be exact as a double"));
+      }
     }
     if (__builtin_add_overflow(c.total, lengths[i], &c.total) ||
         c.total > kMaxTotalTokens) {

@@ -53,6 +53,11 @@ struct PlanOptions {
   // The most micro-batches (over all ranks) a plan may hold; a request whose
   // lower bound passes it is RESOURCE_EXHAUSTED before any planning. 0: none.
   int64_t max_micro_batches = 0;
+  // Whether every loss_tokens value must be at most its sample's length. A
+  // training step's samples are measured as one CP or SP rank's share of
+  // their rows while their loss tokens are the whole row's (docs/design.md
+  // §12), so the step turns it off.
+  bool loss_tokens_within_lengths = true;
 };
 
 struct MicroBatch {
@@ -79,7 +84,8 @@ struct Plan {
 };
 
 // Plans `lengths` (tokens per sample; what the budget counts). `loss_tokens`
-// is empty (equal to lengths) or one per sample, each at most its length.
+// is empty (equal to lengths) or one per sample, each at most its length
+// (unless options.loss_tokens_within_lengths is off).
 //
 // Every sample is in exactly one micro-batch, a group's samples all in one; a
 // micro-batch's padded tokens are at most the budget unless it is one unit (a
@@ -92,7 +98,8 @@ struct Plan {
 //
 // Errors: INVALID_ARGUMENT for a negative length, a non-positive budget,
 // loss_tokens, costs or groups of another length, a loss_tokens value outside
-// [0, its length], a negative num_ranks, micro_batch_multiple or
+// [0, its length] (or below 0), loss_tokens summing past 2^53, a negative
+// num_ranks, micro_batch_multiple or
 // pad_multiple, a negative or non-finite cost or coefficient (or a cost the
 // model makes infinite), or lengths summing past 2^53 (the loss divisor would
 // not be exact as a double). RESOURCE_EXHAUSTED when the plan would pass

@@ -422,12 +422,8 @@ class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
  private:
   absl::StatusOr<int64_t> Prepare() override {
     PACKD_ASSIGN_OR_RETURN(
-        step_,
-        TrainingStep::Make(
-            parsed_, service_->decoder_, service_->options_.max_message_bytes,
-            [this](const v1::PlanRequest& request, v1::PlanResponse* response) {
-              return service_->DoPlan(request, response);
-            }));
+        step_, TrainingStep::Make(parsed_, service_->decoder_,
+                                  service_->options_.max_message_bytes));
     messages_ = step_->size() + 1;
     return SaturatingMul(2, step_->max_micro_batch_bytes());
   }

@@ -13,6 +13,7 @@
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "planner/planner.h"
+#include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 #include "server/pack_reply.h"
 #include "server/step.h"
@@ -148,48 +149,11 @@ absl::Status PackServiceImpl::RunScatter(
 absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
                                      v1::PlanResponse* response) {
   PACKD_RETURN_IF_ERROR(decoder_.CheckSize("request", request.ByteSizeLong()));
-  PlanOptions options;
-  options.max_tokens_per_micro_batch = request.max_tokens_per_micro_batch();
-  options.num_ranks = request.num_ranks();
-  options.micro_batch_multiple = request.micro_batch_multiple();
-  options.cost_per_token = request.cost_per_token();
-  options.cost_per_token_squared = request.cost_per_token_squared();
-  options.costs =
-      absl::MakeConstSpan(request.costs().data(), request.costs_size());
-  options.groups =
-      absl::MakeConstSpan(request.groups().data(), request.groups_size());
-  options.pad_multiple = request.pad_multiple();
-  options.pipeline_order = request.pipeline_order();
-  const absl::Span<const int64_t> lengths(request.lengths().data(),
-                                          request.lengths_size());
-  const absl::Span<const int64_t> loss(request.loss_tokens().data(),
-                                       request.loss_tokens_size());
-  // Every micro-batch slot costs at least 8 bytes of the response: the
-  // planner refuses plans whose slots alone would pass the message limit.
-  options.max_micro_batches =
-      static_cast<int64_t>(options_.max_message_bytes / 8);
-  absl::StatusOr<Plan> planned =
-      ::packd::PlanMicroBatches(lengths, loss, options);
-  if (planned.status().code() == absl::StatusCode::kResourceExhausted) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(planned.status().message(),
-                     " (one response holds no more: --max_message_bytes)"));
-  }
-  PACKD_ASSIGN_OR_RETURN(Plan plan, std::move(planned));
-  for (MicroBatch& mb : plan.micro_batches) {
-    v1::MicroBatch* out = response->add_micro_batches();
-    out->set_rank(mb.rank);
-    out->mutable_samples()->Assign(mb.samples.begin(), mb.samples.end());
-    out->set_tokens(mb.tokens);
-    out->set_loss_tokens(mb.loss_tokens);
-    out->set_cost(mb.cost);
-    out->set_padded_tokens(mb.padded_tokens);
-  }
-  response->set_micro_batches_per_rank(plan.micro_batches_per_rank);
-  response->set_global_loss_tokens(plan.global_loss_tokens);
-  response->set_imbalance(plan.imbalance);
-  response->set_cost_imbalance(plan.cost_imbalance);
-  response->set_global_sequences(plan.global_sequences);
+  PACKD_ASSIGN_OR_RETURN(
+      Plan plan,
+      PlanWithinMessage(LengthsOf(request), LossTokensOf(request),
+                        PlanOptionsOf(request), options_.max_message_bytes));
+  EncodePlan(plan, response);
   absl::Status size = decoder_.CheckSize("response", response->ByteSizeLong());
   if (!size.ok()) response->Clear();
   return size;
@@ -203,11 +167,7 @@ absl::Status PackServiceImpl::DoPackMicroBatches(
   wire.message() = request;
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<TrainingStep> step,
-      TrainingStep::Make(
-          wire, decoder_, options_.max_message_bytes,
-          [this](const v1::PlanRequest& plan, v1::PlanResponse* response) {
-            return DoPlan(plan, response);
-          }));
+      TrainingStep::Make(wire, decoder_, options_.max_message_bytes));
   responses->emplace_back();
   *responses->back().mutable_plan() = step->plan();
   for (size_t k = 0; k < step->size(); ++k) {

@@ -12,6 +12,7 @@
 #include "kernels/layout.h"
 #include "kernels/pack.h"
 #include "kernels/status_macros.h"
+#include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 #include "server/pack_reply.h"
 
@@ -46,10 +47,23 @@ int64_t MetadataBytes(const v1::PackRequest& batch, int64_t rows,
 
 }  // namespace
 
+absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
+                                       absl::Span<const int64_t> loss_tokens,
+                                       PlanOptions options,
+                                       int64_t max_message_bytes) {
+  options.max_micro_batches = max_message_bytes / 8;
+  absl::StatusOr<Plan> plan = PlanMicroBatches(lengths, loss_tokens, options);
+  if (plan.status().code() == absl::StatusCode::kResourceExhausted) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(plan.status().message(),
+                     " (one response holds no more: --max_message_bytes)"));
+  }
+  return plan;
+}
+
 absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     const Wire<v1::PackMicroBatchesRequest>& request,
-    const RequestDecoder& decoder, int64_t max_message_bytes,
-    const Planner& plan) {
+    const RequestDecoder& decoder, int64_t max_message_bytes) {
   const v1::PackMicroBatchesRequest& message = request.message();
   const v1::PlanRequest& asked = message.plan();
   auto must_be_empty = [](const char* field) {
@@ -91,6 +105,16 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     PACKD_RETURN_IF_ERROR(
         InHostMemory(*step->call_.segment_ids, "batch.segment_ids"));
   }
+  // Every micro-batch is packed with the batch's layout: a layout Pack would
+  // refuse is refused before the plan is sent.
+  std::vector<DType> dtypes;
+  for (const TensorView& x : step->call_.tensors) dtypes.push_back(x.dtype);
+  if (absl::Status layout =
+          CheckLayout(DecodeLayout(message.batch()), dtypes).status();
+      !layout.ok()) {
+    return absl::Status(layout.code(),
+                        absl::StrCat("batch.", layout.message()));
+  }
   v1::PlanRequest filled = asked;
   std::vector<std::vector<int64_t>> sequences;
   PACKD_RETURN_IF_ERROR(
@@ -104,12 +128,21 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
         step->call_.tensors[i], step->call_.mask,
         absl::StrCat("batch.inputs[", i, "]"), "batch.mask"));
   }
-  if (absl::Status planned = plan(filled, &step->plan_); !planned.ok()) {
+  // A sample's length is one CP or SP rank's share of its rows, its loss
+  // tokens the whole row's: the planner's bound between them does not hold.
+  PlanOptions options = PlanOptionsOf(filled);
+  options.loss_tokens_within_lengths = false;
+  absl::StatusOr<Plan> planned = PlanWithinMessage(
+      LengthsOf(filled), LossTokensOf(filled), options, max_message_bytes);
+  if (!planned.ok()) {
     return absl::Status(
-        planned.code(),
+        planned.status().code(),
         absl::StrCat("planning the batch's rows (each row one sample): ",
-                     planned.message()));
+                     planned.status().message()));
   }
+  EncodePlan(*planned, &step->plan_);
+  PACKD_RETURN_IF_ERROR(
+      decoder.CheckSize("plan message", step->plan_.ByteSizeLong()));
   PACKD_RETURN_IF_ERROR(step->Choose(message, sequences));
   return step;
 }
@@ -151,7 +184,9 @@ absl::Status TrainingStep::Measure(
     }
   }
   const int64_t m = std::max<int64_t>(batch_.pad_multiple(), 1);
+  // One CP or SP rank's share of a row's rows is what one GPU holds of it.
   const int64_t c = std::max<int32_t>(batch_.cp_size(), 1);
+  const int64_t u = std::max<int32_t>(batch_.sp_size(), 1);
   const double a = plan->cost_per_token(), q = plan->cost_per_token_squared();
   const bool by_tokens = a == 0 && q == 0;
   const char* loss_bytes = loss.has_value()
@@ -167,7 +202,7 @@ absl::Status TrainingStep::Measure(
       padded += rows;
       cost += by_tokens ? P : a * P + q * P * P;
     }
-    plan->add_lengths(padded / c);
+    plan->add_lengths((padded / c + u - 1) / u);
     plan->add_costs(cost);
     const int64_t active = r.cu_seqlens[b + 1] - r.cu_seqlens[b];
     plan->add_loss_tokens(
@@ -236,7 +271,8 @@ absl::Status TrainingStep::Choose(
       }
       rows = laid->rows();
     } else {
-      // The layout's rows are what the plan counted (Measure's lengths).
+      // The plan counted each sample's share of the rows (Measure's lengths),
+      // with SP rounded up for each: at least the micro-batch's rows.
       rows = mb.padded_tokens();
     }
     const int64_t sequence_count = static_cast<int64_t>(starts.size()) - 1;

@@ -1,14 +1,15 @@
 // TrainingStep: the work of a PackMicroBatches call (docs/design.md §12),
 // without gRPC. The batch is decoded once; each row is measured as the layout
-// lays it out (its length: the rows its sequences take, padded, on this CP
-// rank; its cost: the cost model summed over its sequences, which attention
-// runs over separately; its loss tokens: positions active in the mask and in
-// loss_mask); the rows are planned into micro-batches (planner/planner.h);
-// and each micro-batch is packed on its own, exactly as Pack packs its rows
-// gathered in plan order, with the batch's options.
+// lays it out (its length: the rows its sequences take, padded, on one CP or
+// SP rank; its cost: the cost model summed over its sequences, which
+// attention runs over separately; its loss tokens: positions active in the
+// mask and in loss_mask, on every rank); the rows are planned into
+// micro-batches (planner/planner.h); and each micro-batch is packed on its
+// own, exactly as Pack packs its rows gathered in plan order, with the
+// batch's options.
 //
 // clang-format off
-//   PACKD_ASSIGN_OR_RETURN(auto step, TrainingStep::Make(request, decoder, limit, plan));
+//   PACKD_ASSIGN_OR_RETURN(auto step, TrainingStep::Make(request, decoder, limit));
 //   send(step->plan());
 //   for (size_t k = 0; k < step->size(); ++k) step->PackMicroBatch(k, &reply, &buffers);
 // clang-format on
@@ -16,24 +17,32 @@
 #define PACKD_SERVER_STEP_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/buffer.h"
 #include "packd/v1/pack_service.pb.h"
+#include "planner/planner.h"
 #include "proto/wire.h"
 #include "server/request_decoder.h"
 
 namespace packd {
 
+// PlanMicroBatches within a server's message limit: plans that could not fit
+// one response of `max_message_bytes` (each micro-batch slot costs at least 8
+// bytes) are RESOURCE_EXHAUSTED saying so; the planner's other errors as they
+// are.
+absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
+                                       absl::Span<const int64_t> loss_tokens,
+                                       PlanOptions options,
+                                       int64_t max_message_bytes);
+
+// Not safe to share while Make runs; once made, PackMicroBatch may be called
+// from several threads at once.
 class TrainingStep {
  public:
-  // How the server plans: PlanMicroBatches' work on a filled PlanRequest.
-  using Planner =
-      std::function<absl::Status(const v1::PlanRequest&, v1::PlanResponse*)>;
-
   // Decodes and checks `request` (which must outlive the step), measures its
   // rows and plans them. Errors: Pack's and Plan's; INVALID_ARGUMENT for batch
   // outputs, for plan fields packd measures itself (lengths, loss_tokens,
@@ -44,8 +53,7 @@ class TrainingStep {
   // regions (the batch is read in host memory).
   static absl::StatusOr<std::unique_ptr<TrainingStep>> Make(
       const Wire<v1::PackMicroBatchesRequest>& request,
-      const RequestDecoder& decoder, int64_t max_message_bytes,
-      const Planner& plan);
+      const RequestDecoder& decoder, int64_t max_message_bytes);
 
   const v1::PlanResponse& plan() const { return plan_; }
   // Where the micro-batches are packed.

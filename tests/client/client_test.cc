@@ -614,6 +614,81 @@ TEST_F(ClientTest, PackMicroBatchesWithALayoutAreTheirRowsPacked) {
   EXPECT_TRUE(RunStep(*client_, {tokens}, mask, 160, options).ok());
 }
 
+// Context parallelism and Ulysses in a step (docs/design.md §12): a row's plan
+// length is its rows on one GPU (divided by cp_size; by sp_size, rounded up),
+// its loss tokens the whole row's (more than its length: the planner's bound
+// does not apply), every rank gets the same plan, and each micro-batch is
+// exactly Pack of its rows with the rank's layout.
+TEST_F(ClientTest, ContextParallelAndUlyssesStepsPlanPerGpu) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 11, S = 24;
+  const at::Tensor mask = at::ones({B, S}, at::kBool);
+  const at::Tensor segment_ids =
+      at::randint(0, 2, {B, S}, at::kLong).cumsum(1).to(at::kInt);
+  const at::Tensor tokens = at::randint(0, 1000, {B, S}, at::kLong);
+  const at::Tensor loss_mask = at::rand({B, S}).lt(0.9);
+  for (const bool ulysses : {false, true}) {
+    const int32_t size = ulysses ? 3 : 2;
+    std::optional<v1::PlanResponse> first_plan;
+    for (int32_t rank = 0; rank < size; ++rank) {
+      StepCallOptions options;
+      options.plan.num_ranks = 3;
+      options.loss_mask = loss_mask;
+      options.pack.segment_ids = segment_ids;
+      options.pack.layout.shifts = {{0, -100}};
+      if (ulysses) {
+        options.pack.layout.sp_size = size;
+        options.pack.layout.sp_rank = rank;
+      } else {
+        options.pack.layout.pad_multiple = 4;
+        options.pack.layout.cp_size = size;
+        options.pack.layout.cp_rank = rank;
+      }
+      absl::StatusOr<Step> step =
+          RunStep(*client_, {tokens}, mask, 48, options);
+      ASSERT_TRUE(step.ok()) << step.status();
+      if (first_plan.has_value()) {
+        EXPECT_EQ(step->plan.SerializeAsString(),
+                  first_plan->SerializeAsString());
+      } else {
+        first_plan = step->plan;
+      }
+      EXPECT_EQ(step->plan.global_loss_tokens(),
+                (mask.ne(0) & loss_mask.ne(0)).sum().item<int64_t>());
+      for (const StepMicroBatch& mb : step->micro_batches) {
+        PackCallOptions pack = options.pack;
+        pack.segment_ids = RowsOf(segment_ids, mb.samples);
+        absl::StatusOr<PackedBatch> expected = client_->Pack(
+            {RowsOf(tokens, mb.samples)}, RowsOf(mask, mb.samples), pack);
+        ASSERT_TRUE(expected.ok()) << expected.status();
+        EXPECT_TRUE(SameBytes(expected->packed[0], mb.batch.packed[0]));
+        EXPECT_TRUE(SameBytes(expected->shifted[0], mb.batch.shifted[0]));
+        // Its rows on this GPU are within what the plan counted for them.
+        const v1::MicroBatch& planned = step->plan.micro_batches(
+            mb.rank * step->plan.micro_batches_per_rank() + mb.index);
+        EXPECT_LE(mb.batch.packed[0].size(0), planned.tokens());
+        if (!ulysses) EXPECT_EQ(mb.batch.packed[0].size(0), planned.tokens());
+      }
+    }
+  }
+  // A layout the micro-batches would refuse is refused before the plan.
+  StepCallOptions bad;
+  bad.pack.layout.cp_size = 2;
+  bool planned = false;
+  absl::Status refused = client_->PackMicroBatches(
+      {tokens}, mask, 48, bad,
+      [&](const v1::PlanResponse&) {
+        planned = true;
+        return absl::OkStatus();
+      },
+      [](StepMicroBatch) { return absl::OkStatus(); });
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.message()),
+              HasSubstr("batch.pad_multiple 0 is not a multiple of 2 * "
+                        "cp_size = 4"));
+  EXPECT_FALSE(planned);
+}
+
 // packd_step_micro_batches_held from a server's metrics, -1 when absent.
 int64_t MicroBatchesHeld(const std::string& metrics) {
   const std::string text = testing::HttpGet(metrics, "/metrics");
