@@ -377,6 +377,38 @@ TEST(Planner, BadInputsAreInvalidArgument) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A step's samples (one CP or SP rank's share of their rows) may carry more
+// loss tokens than plan length: with the bound off the plan counts them whole;
+// a negative count, or a sum past 2^53, is still refused.
+TEST(Planner, LossTokensMayPassLengthsWhenTheBoundIsOff) {
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = 10;
+  options.num_ranks = 2;
+  options.loss_tokens_within_lengths = false;
+  absl::StatusOr<Plan> plan = PlanMicroBatches({6, 4, 5}, {12, 8, 0}, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->global_loss_tokens, 20);
+  EXPECT_EQ(plan->global_sequences, 2);
+  int64_t loss = 0;
+  for (const MicroBatch& mb : plan->micro_batches) {
+    loss += mb.loss_tokens;
+    EXPECT_LE(mb.padded_tokens, 10);
+  }
+  EXPECT_EQ(loss, 20);
+  EXPECT_TRUE(CheckPlan(*plan, {6, 4, 5}, {12, 8, 0}, options).ok());
+  absl::Status s = PlanMicroBatches({6, 4}, {12, -1}, options).status();
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("loss_tokens[1] is -1; it must not be negative"));
+  s = PlanMicroBatches({6, 4}, {int64_t{1} << 53, 1}, options).status();
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("the sum of loss_tokens passes 2^53"));
+  options.loss_tokens_within_lengths = true;
+  s = PlanMicroBatches({6, 4}, {12, 1}, options).status();
+  EXPECT_THAT(
+      std::string(s.message()),
+      HasSubstr("loss_tokens[0] is 12; it must be in [0, lengths[0] = 6]"));
+}
+
 TEST(Planner, HugeBudgetsAndTotalsAreSafe) {
   // A budget near int64's limit over many ranks (fuzz_plan found the
   // capacity product overflowing) plans like a budget of the total.
