@@ -78,19 +78,28 @@ def varlen_kwargs(result: PackResult, style: str = "flash_attn") -> Dict[str, An
     max_seqlen_q/k; a padded layout has pad rows inside the packed tensor, which flash
     attention cannot skip, so it is a ValueError there. style "te" (TransformerEngine's THD
     format, context parallelism included): cu_seqlens_q/kv, cu_seqlens_q/kv_padded (the real
-    ones when the layout pads nothing) and max_seqlen_q/kv (the padded maximum)."""
+    ones when the layout pads nothing) and max_seqlen_q/kv (the padded maximum). style
+    "megatron": exactly the fields of Megatron-Core's PackedSeqParams, so that
+    `PackedSeqParams(**kw)` works: "te"'s, qkv_format "thd" and total_tokens (the layout's
+    rows over every CP or SP rank, cu_seqlens_q_padded[-1]); with `fixed` sequences the cu
+    arrays have N + 1 entries, zero-length ghosts repeating the last value (Megatron RL's
+    thd_max_num_seqs)."""
     docs = result.doc_cu_seqlens is not None
     cu = (result.doc_cu_seqlens if docs else result.cu_seqlens).to(torch.int32)
     longest = result.doc_max_seqlen if docs else result.max_seqlen
     padded = result.cu_seqlens_padded
-    if style == "te":
+    if style in ("te", "megatron"):
         padded = cu if padded is None else padded.to(torch.int32)
         longest = max(longest, result.max_seqlen_padded)
-        return {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "cu_seqlens_q_padded": padded,
-                "cu_seqlens_kv_padded": padded, "max_seqlen_q": longest,
-                "max_seqlen_kv": longest}
+        kwargs = {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "cu_seqlens_q_padded": padded,
+                  "cu_seqlens_kv_padded": padded, "max_seqlen_q": longest,
+                  "max_seqlen_kv": longest}
+        if style == "megatron":
+            kwargs["qkv_format"] = "thd"
+            kwargs["total_tokens"] = int(padded[-1]) if padded.numel() else 0
+        return kwargs
     if style != "flash_attn":
-        raise ValueError("style is \"flash_attn\" or \"te\", not %r" % (style,))
+        raise ValueError("style is \"flash_attn\", \"te\" or \"megatron\", not %r" % (style,))
     if padded is not None and not torch.equal(padded.to(cu.device, torch.int64),
                                               cu.to(torch.int64)):
         raise ValueError("this layout puts pad rows between sequences, which flash attention "
@@ -98,6 +107,15 @@ def varlen_kwargs(result: PackResult, style: str = "flash_attn") -> Dict[str, An
                          "pad_multiple 0")
     return {"cu_seqlens_q": cu, "cu_seqlens_k": cu,
             "max_seqlen_q": longest, "max_seqlen_k": longest}
+
+
+def _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed, sp_size,
+            sp_rank):
+    """The Layout of a call's keyword arguments."""
+    return Layout(pad_multiple=pad_multiple, pad_values=pad_values, cp_size=cp_size,
+                  cp_rank=cp_rank, with_seq_idx=with_seq_idx,
+                  shifts=tuple(tuple(s) for s in shifts),
+                  fixed=tuple(fixed) if fixed else None, sp_size=sp_size, sp_rank=sp_rank)
 
 
 def _token_metadata(token_file, token_env):
@@ -852,18 +870,20 @@ class Client:
              device: str = "", segment_ids: Optional[torch.Tensor] = None, *,
              pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
              cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
-             shifts: Shifts = (), fixed: Fixed = None) -> PackResult:
+             shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
+             sp_rank: int = 0) -> PackResult:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
         packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
         active tokens of each row are also cut into documents where the id changes: the doc_*
         fields describe them and position_ids restart at each (docs/design.md §8).
 
         Layouts for parallel attention (packd.Layout, docs/operation.md): pad_multiple,
-        pad_values, cp_size / cp_rank, with_seq_idx, shifts ([(input, fill)]: next-token views
-        in `shifted`) and fixed ((tokens, sequences, max_seqlen)). Raises PackdValueError (a
-        ValueError) for malformed input, PackdError for the rest."""
-        layout = Layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx,
-                        tuple(tuple(s) for s in shifts), tuple(fixed) if fixed else None)
+        pad_values, cp_size / cp_rank, sp_size / sp_rank (Ulysses), with_seq_idx, shifts
+        ([(input, fill)]: next-token views in `shifted`) and fixed ((tokens, sequences,
+        max_seqlen)). Raises PackdValueError (a ValueError) for malformed input, PackdError for
+        the rest."""
+        layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
+                         sp_size, sp_rank)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         gpu = self._gpu_of([("mask", mask), ("segment_ids", segment_ids)]
@@ -912,14 +932,15 @@ class Client:
     def scatter(self, packed_or_tensors: TensorOrList, mask: torch.Tensor,
                 tail_shape: Optional[Sequence[int]] = None, device: str = "",
                 segment_ids: Optional[torch.Tensor] = None, *, pad_multiple: int = 0,
-                cp_size: int = 0, cp_rank: int = 0, fixed: Fixed = None) -> TensorOrList:
+                cp_size: int = 0, cp_rank: int = 0, fixed: Fixed = None, sp_size: int = 0,
+                sp_rank: int = 0) -> TensorOrList:
         """The inverse of pack: each [total_active, *tail] back to [B, S, *tail], zeros at
         inactive positions. tail_shape, when given, must equal every packed[i].shape[1:].
-        With the layout of a Pack (segment_ids, pad_multiple, cp_size / cp_rank, fixed), the
-        packed rows are that layout's: pad rows, ghost rows and other CP ranks' positions are
-        dropped (the gradient of that Pack)."""
-        layout = Layout(pad_multiple=pad_multiple, cp_size=cp_size, cp_rank=cp_rank,
-                        fixed=tuple(fixed) if fixed else None)
+        With the layout of a Pack (segment_ids, pad_multiple, cp_size / cp_rank, sp_size /
+        sp_rank, fixed), the packed rows are that layout's: pad rows, ghost rows and other CP
+        or SP ranks' positions are dropped (the gradient of that Pack)."""
+        layout = _layout(pad_multiple, None, cp_size, cp_rank, False, (), fixed, sp_size,
+                         sp_rank)
         single = isinstance(packed_or_tensors, torch.Tensor)
         tensors = [packed_or_tensors] if single else list(packed_or_tensors)
         gpu = self._gpu_of([("mask", mask), ("segment_ids", segment_ids)]
@@ -1042,15 +1063,18 @@ class Client:
                            cu_seqlens_dtype: torch.dtype = torch.int64, device: str = "",
                            pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
                            cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
-                           shifts: Shifts = (), fixed: Fixed = None) -> StepPlan:
+                           shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
+                           sp_rank: int = 0) -> StepPlan:
         """A training step in one call (docs/design.md §12): the batch's rows planned into
         micro-batches of at most max_tokens tokens over num_ranks data-parallel ranks, each
         micro-batch packed with the layout, from one upload of the batch.
 
         A row's length for the plan is its rows in the layout (its sequences padded to
-        pad_multiple; this CP rank's share); its cost is cost=(a, b)'s a * P + b * P**2 summed
-        over its sequences (documents, with segment_ids), by default P; its loss tokens are
-        the positions active in both mask and loss_mask ([B, S], default: mask). groups= gives
+        pad_multiple) on one GPU: divided by cp_size, or by sp_size rounded up, so max_tokens
+        is a per-GPU budget; its cost is cost=(a, b)'s a * P + b * P**2 summed over its
+        sequences (documents, with segment_ids), by default P; its loss tokens are the
+        positions active in both mask and loss_mask ([B, S], default: mask), counted whole
+        (every CP or SP rank gets the same plan and global_loss_tokens). groups= gives
         rows that must share a micro-batch. ranks= chooses the ranks whose micro-batches are
         sent (default: all). The layout options and with_position_ids are Pack's, and `fixed`
         applies to every micro-batch.
@@ -1059,8 +1083,8 @@ class Client:
         summed token loss), then iterate it for MicroBatch(rank, index, samples, result), each
         result exactly pack() of the batch's rows `samples` in that order. Tensors must be in
         host memory. Raises PackdValueError (a ValueError) for malformed input."""
-        layout = Layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx,
-                        tuple(tuple(s) for s in shifts), tuple(fixed) if fixed else None)
+        layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
+                         sp_size, sp_rank)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         named = ([("mask", mask), ("segment_ids", segment_ids), ("loss_mask", loss_mask)]

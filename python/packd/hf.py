@@ -7,8 +7,9 @@
 `DataCollatorWithFlattening` behaves as transformers' collator of that name: the features are
 concatenated into one row, `input_ids`, `labels` and `position_ids` int64 `[1, N]`, `seq_idx`
 int32 `[1, N]`, `cu_seq_lens_q` / `cu_seq_lens_k` int32 `[features + 1]` and `max_length_q` /
-`max_length_k` Python ints. The features are packed by packd: one Pack of the padded batch,
-whose rows are the features.
+`max_length_k` Python ints; with `return_tensors="np"` (in the constructor or the call) the
+same as numpy arrays. The features are packed by packd: one Pack of the padded batch, whose rows
+are the features.
 
 Extensions (docs/design.md §10): `pad_multiple=` pads each feature to a multiple of it (pad
 tokens carry `pad_token_id` in input_ids, `separator_id` in labels, and positions that go on
@@ -35,8 +36,8 @@ class DataCollatorWithFlattening:
                  client: Optional[Client] = None, *, pad_multiple: int = 0, cp_size: int = 0,
                  cp_rank: int = 0, pad_token_id: int = 0,
                  return_tensors: str = "pt") -> None:
-        if return_tensors != "pt":
-            raise ValueError(f"return_tensors must be 'pt' (torch): got {return_tensors!r}")
+        _check_return_tensors(return_tensors)
+        self.return_tensors = return_tensors
         self.return_position_ids = return_position_ids
         self.separator_id = separator_id
         self.return_flash_attn_kwargs = return_flash_attn_kwargs
@@ -49,8 +50,8 @@ class DataCollatorWithFlattening:
 
     def __call__(self, features: Sequence[Dict[str, Any]], return_tensors: Optional[str] = None,
                  separator_id: Optional[int] = None) -> Dict[str, Any]:
-        if return_tensors not in (None, "pt"):
-            raise ValueError(f"return_tensors must be 'pt' (torch): got {return_tensors!r}")
+        return_tensors = self.return_tensors if return_tensors is None else return_tensors
+        _check_return_tensors(return_tensors)
         if not features:
             raise ValueError("no features to collate")
         separator = self.separator_id if separator_id is None else separator_id
@@ -96,4 +97,15 @@ class DataCollatorWithFlattening:
             batch["cu_seq_lens_q"] = cu
             batch["cu_seq_lens_k"] = cu.clone()
             batch["max_length_q"] = batch["max_length_k"] = int(longest)
+        if return_tensors == "np":
+            # numpy arrays of the same dtypes; the maxima stay Python ints.
+            batch = {k: v.numpy() if isinstance(v, torch.Tensor) else v
+                     for k, v in batch.items()}
         return batch
+
+
+def _check_return_tensors(return_tensors: str) -> None:
+    """transformers' rule and message: "pt" (torch) or "np" (numpy)."""
+    if return_tensors not in ("pt", "np"):
+        raise ValueError(f'return_tensors must be one of ("pt", "np"), {return_tensors=} '
+                         f'not supported')

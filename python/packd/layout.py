@@ -2,6 +2,7 @@
 fields Scatter needs to invert it.
 
     layout = packd.Layout(pad_multiple=8, cp_size=2, cp_rank=rank, shifts=[(1, -100)])
+    ulysses = packd.Layout(sp_size=4, sp_rank=rank, shifts=[(1, -100)])   # verl's SP slices
     r = client.pack([hidden, token_ids], mask, segment_ids=doc_ids, **layout.pack_kwargs())
     labels = r.shifted[0]                                     # next tokens, -100 at ends
     kw = packd.varlen_kwargs(r, style="te")                   # TransformerEngine THD + CP
@@ -19,7 +20,9 @@ class Layout:
     context parallelism, this rank's two chunks of every sequence (pad_multiple must be a
     multiple of 2 * cp_size); with_seq_idx: each output row's sequence; shifts: (input, fill)
     pairs, next-token views that stop at every sequence's end; fixed: (tokens, sequences,
-    max_seqlen) for CUDA graphs, each 0 = not fixed."""
+    max_seqlen) for CUDA graphs, each 0 = not fixed; sp_size / sp_rank: Ulysses sequence
+    parallelism, the rows padded to a multiple of sp_size by a trailing ghost and this rank's
+    contiguous 1 / sp_size of them (not with cp_size)."""
     pad_multiple: int = 0
     pad_values: Optional[Sequence[float]] = None
     cp_size: int = 0
@@ -27,10 +30,13 @@ class Layout:
     with_seq_idx: bool = False
     shifts: Sequence[Tuple[int, float]] = ()
     fixed: Optional[Tuple[int, int, int]] = None
+    sp_size: int = 0
+    sp_rank: int = 0
 
     def any(self) -> bool:
         return bool(self.pad_multiple or self.pad_values or self.cp_size or self.cp_rank
-                    or self.with_seq_idx or self.shifts or (self.fixed and any(self.fixed)))
+                    or self.sp_size or self.sp_rank or self.with_seq_idx or self.shifts
+                    or (self.fixed and any(self.fixed)))
 
     def pack_kwargs(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -38,7 +44,8 @@ class Layout:
     def scatter_kwargs(self) -> Dict[str, Any]:
         """What Scatter takes to invert this layout's Pack."""
         return {"pad_multiple": self.pad_multiple, "cp_size": self.cp_size,
-                "cp_rank": self.cp_rank, "fixed": self.fixed}
+                "cp_rank": self.cp_rank, "sp_size": self.sp_size, "sp_rank": self.sp_rank,
+                "fixed": self.fixed}
 
     def _fixed(self, message: Any) -> None:
         if self.fixed:
@@ -53,6 +60,8 @@ class Layout:
             message.pad_values.extend(float(v) for v in self.pad_values)
         message.cp_size = int(self.cp_size)
         message.cp_rank = int(self.cp_rank)
+        message.sp_size = int(self.sp_size)
+        message.sp_rank = int(self.sp_rank)
         message.with_seq_idx = bool(self.with_seq_idx)
         for shift in self.shifts:
             source, fill = shift
@@ -62,9 +71,11 @@ class Layout:
     def to_scatter(self, message: pb.ScatterRequest) -> None:
         """Sets a ScatterRequest's layout fields (pad_values, shifts and seq_idx are Pack's)."""
         if self.pad_values or self.shifts or self.with_seq_idx:
-            raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank and fixed; "
-                             "pad_values, shifts and with_seq_idx are Pack's")
+            raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank, sp_size, sp_rank "
+                             "and fixed; pad_values, shifts and with_seq_idx are Pack's")
         message.pad_multiple = int(self.pad_multiple)
         message.cp_size = int(self.cp_size)
         message.cp_rank = int(self.cp_rank)
+        message.sp_size = int(self.sp_size)
+        message.sp_rank = int(self.sp_rank)
         self._fixed(message)

@@ -1,9 +1,11 @@
 """packd.hf.DataCollatorWithFlattening against a reference written from transformers' published
 DataCollatorWithFlattening: every key, value and dtype, with and without labels, position ids,
-flash-attention kwargs and seq_idx, on random features; the pad_multiple and cp_size
-extensions against packd's own layout of the same batch; bad features a ValueError."""
+flash-attention kwargs and seq_idx, as torch tensors and as numpy arrays, on random features;
+the pad_multiple and cp_size extensions against packd's own layout of the same batch; bad
+features a ValueError."""
 import random
 
+import numpy
 import pytest
 import torch
 
@@ -12,8 +14,9 @@ from packd.hf import DataCollatorWithFlattening
 
 
 def reference(features, return_position_ids=True, separator_id=-100,
-              return_flash_attn_kwargs=False, return_seq_idx=False):
-    """transformers' __call__ with return_tensors="pt"."""
+              return_flash_attn_kwargs=False, return_seq_idx=False, return_tensors="pt"):
+    """transformers' __call__: torch tensors ("pt") or numpy arrays ("np") of the same
+    dtypes."""
     is_labels_provided = "labels" in features[0]
     batch = {"input_ids": [], "labels": []}
     if return_position_ids:
@@ -41,11 +44,13 @@ def reference(features, return_position_ids=True, separator_id=-100,
     for k, v in batch.items():
         if k in {"labels", "position_ids", "input_ids", "seq_idx"}:
             v = [v]
+        wide = k in {"labels", "position_ids", "input_ids"}
         if k in {"max_length_q", "max_length_k"}:
             out[k] = v
+        elif return_tensors == "np":
+            out[k] = numpy.array(v, dtype=numpy.int64 if wide else numpy.int32)
         else:
-            out[k] = torch.tensor(v, dtype=torch.int64 if k in {"labels", "position_ids",
-                                                                 "input_ids"} else torch.int32)
+            out[k] = torch.tensor(v, dtype=torch.int64 if wide else torch.int32)
     return out
 
 
@@ -71,18 +76,45 @@ def same_batch(got, want):
     for k in want:
         if isinstance(want[k], torch.Tensor):
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        elif isinstance(want[k], numpy.ndarray):
+            assert isinstance(got[k], numpy.ndarray), k
+            assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+            assert numpy.array_equal(got[k], want[k]), k
         else:
             assert type(got[k]) is int and got[k] == want[k], k
 
 
 @pytest.mark.parametrize("trial", range(16))
-def test_equals_transformers(client, trial):
+@pytest.mark.parametrize("return_tensors", ["pt", "np"])
+def test_equals_transformers(client, trial, return_tensors):
     rng = random.Random()
     kwargs = {"return_position_ids": trial % 2 == 0, "separator_id": rng.choice([-100, 0, 7]),
               "return_flash_attn_kwargs": trial % 4 < 2, "return_seq_idx": trial % 8 < 4}
     features = random_features(rng, with_labels=trial % 3 == 0)
-    got = DataCollatorWithFlattening(client=client, **kwargs)(features)
-    same_batch(got, reference(features, **kwargs))
+    if trial % 2:  # in the constructor, else in the call
+        got = DataCollatorWithFlattening(client=client, return_tensors=return_tensors,
+                                         **kwargs)(features)
+    else:
+        got = DataCollatorWithFlattening(client=client, **kwargs)(
+            features, return_tensors=return_tensors)
+    same_batch(got, reference(features, return_tensors=return_tensors, **kwargs))
+
+
+def test_transformers_own_numpy_case(client):
+    """transformers' test_data_collator_with_flattening, in its numpy form."""
+    features = [{"input_ids": [10, 11, 12]}, {"input_ids": [20, 21, 22, 23, 24, 25]},
+                {"input_ids": [30, 31, 32, 33, 34, 35, 36]}]
+    batch = DataCollatorWithFlattening(client=client, return_tensors="np")(features)
+    for unexpected in ["attention_mask", "cu_seq_lens_k", "cu_seq_lens_q", "max_length_k",
+                       "max_length_q", "seq_idx"]:
+        assert unexpected not in batch
+    assert batch["input_ids"].shape == (1, 16)
+    assert batch["input_ids"][0].tolist() == [10, 11, 12, 20, 21, 22, 23, 24, 25, 30, 31, 32,
+                                              33, 34, 35, 36]
+    assert batch["position_ids"].shape == (1, 16)
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6]
+    assert batch["labels"][0].tolist() == [-100, 11, 12, -100, 21, 22, 23, 24, 25, -100, 31, 32,
+                                           33, 34, 35, 36]
 
 
 def test_a_separator_given_to_the_call_wins(client):
@@ -138,5 +170,7 @@ def test_bad_features_are_value_errors(client):
         collate([{"input_ids": [1]}, {"input_ids": []}])
     with pytest.raises(ValueError, match="labels"):
         collate([{"input_ids": [1, 2], "labels": [1]}])
-    with pytest.raises(ValueError, match="return_tensors"):
-        DataCollatorWithFlattening(return_tensors="np")
+    with pytest.raises(ValueError, match="return_tensors must be one of"):
+        DataCollatorWithFlattening(return_tensors="tf")
+    with pytest.raises(ValueError, match="return_tensors must be one of"):
+        collate([{"input_ids": [1]}], return_tensors="jax")

@@ -1,8 +1,10 @@
 """Layouts for parallel attention through the Python client (docs/design.md §10), against a
 reference written from the rules with torch: padding, cu_seqlens_padded, position ids through the
 padding, seq_idx, shifts that stop at every sequence's end, fixed shapes with a ghost, CP
-slices; RemotePackOp's backward through the layout equal to torch autograd; varlen_kwargs;
+slices, Ulysses (SP) slices and their Scatter; RemotePackOp's backward through the layout equal
+to torch autograd; varlen_kwargs, Megatron's PackedSeqParams among them;
 every error INVALID_ARGUMENT, the server serving after each."""
+import dataclasses
 import random
 
 import pytest
@@ -90,6 +92,73 @@ def test_remote_pack_op_backward_through_the_layout_is_torch_autograd(address):
     op.close()
 
 
+@pytest.mark.parametrize("trial", range(8))
+def test_ulysses_slices_match_the_reference(client, trial):
+    """Each SP rank's contiguous slice of the layout, padded to a multiple of sp_size by a
+    trailing ghost; Scatter puts a rank's rows back and drops the rest."""
+    rng = random.Random(trial)
+    gen = torch.Generator().manual_seed(100 + trial)
+    B, S = rng.randint(1, 5), rng.randint(1, 20)
+    mask = torch.rand(B, S, generator=gen) < 0.6
+    ids = torch.randint(0, 3, (B, S), generator=gen) if trial % 2 else None
+    tok = torch.randint(0, 1000, (B, S, 1), generator=gen)
+    u, m = 2 + trial % 3, [0, 1, 4][trial % 3]
+    for r in range(u):
+        rows, shifted, pos, seq_idx, cu = reference_layout(mask, ids, m, sp=u, sp_rank=r)
+        got = client.pack(tok, mask, segment_ids=ids, pad_multiple=m, sp_size=u, sp_rank=r,
+                          with_position_ids=True, with_seq_idx=True, shifts=[(0, -100)])
+        assert same(got.packed, gathered(tok, rows, 0))
+        assert same(got.shifted[0], gathered(tok, shifted, -100))
+        assert got.position_ids.tolist() == pos and got.seq_idx.tolist() == seq_idx
+        assert got.cu_seqlens_padded.tolist() == cu and cu[-1] % u == 0
+        dense = client.scatter(got.packed, mask, segment_ids=ids, pad_multiple=m, sp_size=u,
+                               sp_rank=r)
+        flat = torch.zeros(B * S, 1, dtype=tok.dtype)
+        keep = [p for p in rows if p >= 0]
+        flat[keep] = tok.reshape(B * S, 1)[keep]
+        assert same(dense, flat.view(B, S, 1))
+
+
+def test_megatron_kwargs_are_packed_seq_params_fields(client):
+    """style="megatron" builds Megatron-Core's PackedSeqParams (its fields, from
+    megatron/core/packed_seq_params.py: the package is not installable here)."""
+
+    @dataclasses.dataclass
+    class PackedSeqParams:
+        qkv_format: str = None
+        cu_seqlens_q: torch.Tensor = None
+        cu_seqlens_kv: torch.Tensor = None
+        cu_seqlens_q_padded: torch.Tensor = None
+        cu_seqlens_kv_padded: torch.Tensor = None
+        max_seqlen_q: int = None
+        max_seqlen_kv: int = None
+        local_cp_size: int = None
+        cp_group: object = None
+        total_tokens: int = None
+
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 0], [5, 5, 0, 0, 0, 0]])
+    x = torch.randn(2, 6, 3)
+    plain = PackedSeqParams(**packd.varlen_kwargs(client.pack(x, mask), style="megatron"))
+    assert plain.qkv_format == "thd" and plain.total_tokens == 7
+    assert plain.cu_seqlens_q.dtype == torch.int32
+    assert plain.cu_seqlens_q.tolist() == plain.cu_seqlens_q_padded.tolist() == [0, 5, 7]
+    assert plain.max_seqlen_q == plain.max_seqlen_kv == 5
+    # Documents, CP padding and Megatron RL's CUDA-graph shapes: 3 documents padded to 4 in
+    # 16 rows (a ghost of 4), the cu arrays N + 1 = 7 entries, zero-length ghosts repeating.
+    r = client.pack(x, mask, segment_ids=ids, pad_multiple=4, cp_size=2, cp_rank=0,
+                    fixed=(16, 6, 16))
+    kw = packd.varlen_kwargs(r, style="megatron")
+    p = PackedSeqParams(**kw)
+    assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 3, 5, 7, 7, 7, 7]
+    assert p.cu_seqlens_q_padded.tolist() == [0, 4, 8, 12, 16, 16, 16]
+    assert p.cu_seqlens_kv_padded.dtype == torch.int32
+    assert p.max_seqlen_q == p.max_seqlen_kv == 16
+    assert p.total_tokens == 16 and r.packed.shape[0] == 8  # this CP rank's half
+    assert set(kw) == {f.name for f in dataclasses.fields(PackedSeqParams)} - {
+        "local_cp_size", "cp_group"}
+
+
 def test_varlen_kwargs_for_transformer_engine_and_flash_attention(client):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     x = torch.randn(2, 4, 3)
@@ -113,6 +182,11 @@ def test_varlen_kwargs_for_transformer_engine_and_flash_attention(client):
     (dict(shifts=[(2, 0)]), "shifts[0].input 2 names no input"),
     (dict(pad_multiple=4, fixed=(6, 0, 0)), "fixed.tokens 6 is less than the 8 padded tokens"),
     (dict(pad_multiple=4, fixed=(8, 0, 2)), "fixed.max_seqlen 2 is less than 4"),
+    (dict(sp_size=-2), "sp_size -2 is negative"),
+    (dict(sp_size=2, sp_rank=2), "sp_rank 2 is not in [0, sp_size = 2)"),
+    (dict(sp_rank=1), "sp_rank 1 needs sp_size > 1"),
+    (dict(sp_size=2, cp_size=2, pad_multiple=4), "sp_size 2 and cp_size 2 are both set"),
+    (dict(sp_size=4, fixed=(6, 0, 0)), "fixed.tokens 6 is not a multiple of sp_size 4"),
 ])
 def test_every_error_is_invalid_argument_and_the_server_keeps_serving(client, kwargs, message):
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)

@@ -67,9 +67,10 @@ def sequences(mask, ids):
     return out
 
 
-def reference_layout(mask, ids, m=1, cp=1, rank=0, tokens=0):
+def reference_layout(mask, ids, m=1, cp=1, rank=0, tokens=0, sp=1, sp_rank=0):
     """(rows, shifted rows, position ids, seq_idx, cu_padded) of a layout (docs/design.md §10),
-    written from its rules: each output row's dense position (b * S + s), -1 for padding."""
+    written from its rules: each output row's dense position (b * S + s), -1 for padding. CP
+    (cp, rank) or Ulysses (sp, sp_rank)."""
     seqs = sequences(mask, ids)
     m = max(m, 1)
     spans, cu = [], [0]
@@ -77,10 +78,10 @@ def reference_layout(mask, ids, m=1, cp=1, rank=0, tokens=0):
         P = -(-len(seq) // m) * m
         spans.append((seq + [-1] * (P - len(seq)), seq[1:] + [-1] * (P - len(seq) + 1)))
         cu.append(cu[-1] + P)
-    if tokens > cu[-1]:
-        ghost = tokens - cu[-1]
+    ghost = tokens - cu[-1] if tokens > cu[-1] else -cu[-1] % sp
+    if ghost:
         spans.append(([-1] * ghost, [-1] * ghost))
-        cu.append(tokens)
+        cu.append(cu[-1] + ghost)
     rows, shifted, pos, seq_idx = [], [], [], []
     for k, (r, sh) in enumerate(spans):
         P = len(r)
@@ -92,7 +93,9 @@ def reference_layout(mask, ids, m=1, cp=1, rank=0, tokens=0):
         shifted += [sh[i] for i in take]
         pos += take
         seq_idx += [k] * len(take)
-    return rows, shifted, pos, seq_idx, cu
+    n = len(rows) // sp
+    window = slice(sp_rank * n, (sp_rank + 1) * n)
+    return rows[window], shifted[window], pos[window], seq_idx[window], cu
 
 
 def gathered(x, rows, pad):
