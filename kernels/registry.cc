@@ -1,5 +1,6 @@
 #include "kernels/registry.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -52,6 +53,23 @@ absl::Status Registry::Add(DeviceKind kind, std::unique_ptr<Backend> backend,
     entries_.push_back(std::move(entry));
   }
   return absl::OkStatus();
+}
+
+absl::Status Registry::MakeDefault(DeviceKind kind, absl::string_view name) {
+  absl::MutexLock lock(&mu_);
+  auto first_of_kind = entries_.end();
+  for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+    if (it->kind != kind) continue;
+    if (first_of_kind == entries_.end()) first_of_kind = it;
+    if (it->backend->name() == name) {
+      // Backends live behind unique_ptrs: moving entries keeps every Backend*
+      // handed out valid.
+      std::rotate(first_of_kind, it, it + 1);
+      return absl::OkStatus();
+    }
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no backend named ", name, " to make the default"));
 }
 
 void Registry::SetRuntime(std::unique_ptr<DeviceRuntime> runtime) {

@@ -47,6 +47,10 @@ class Registry {
   absl::Status Add(DeviceKind kind, std::unique_ptr<Backend> backend,
                    bool make_default = false);
 
+  // Makes backend `name` of `kind` the default from now on (calls already
+  // running keep theirs). NOT_FOUND when `kind` has no backend of that name.
+  absl::Status MakeDefault(DeviceKind kind, absl::string_view name);
+
   // Makes `runtime` the runtime of its kind from now on. One it replaces stays
   // alive (pointers to it remain valid) but is no longer found.
   void SetRuntime(std::unique_ptr<DeviceRuntime> runtime);

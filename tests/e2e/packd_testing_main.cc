@@ -8,6 +8,8 @@
 //   packd_testing --fake_gpu_devices=2 --fake_gpu_physical=1,0 ...
 //       # cuda is the fake GPU of tests/fake_gpu (memfd device memory that
 //       # other processes export to it), index 0 being physical device 1
+//   packd_testing --cpu_impl=torch ...      # cpu calls run on the libtorch
+//                                           # backend instead of "span"
 #include <atomic>
 #include <memory>
 #include <stdexcept>
@@ -39,6 +41,9 @@ ABSL_FLAG(std::string, fake_gpu_physical, "",
           "(default: index i is physical device i), as CUDA_VISIBLE_DEVICES "
           "reorders them");
 ABSL_FLAG(int, fake_gpu_memory_mb, 1024, "Memory of each fake GPU");
+ABSL_FLAG(std::string, cpu_impl, "",
+          "The backend cpu calls run on (\"span\", \"torch\"); empty: the "
+          "default");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -58,6 +63,14 @@ int main(int argc, char** argv) {
     }
     fakegpu::testing::Configure(config);
     packd::fake_gpu::RegisterGpuBackends(packd::Registry::Global());
+  }
+  if (const std::string impl = absl::GetFlag(FLAGS_cpu_impl); !impl.empty()) {
+    if (absl::Status made = packd::Registry::Global().MakeDefault(
+            packd::DeviceKind::kCpu, impl);
+        !made.ok()) {
+      packd::Log(absl::StrCat("--cpu_impl: ", made.message()));
+      return 2;
+    }
   }
   absl::StatusOr<packd::ServerOptions> options = packd::OptionsFromFlags();
   if (!options.ok()) {

@@ -355,5 +355,23 @@ TEST(Registry, BothImplementationsAreReachableAndAgree) {
   }
 }
 
+// A test server runs every cpu call on torch (packd_testing --cpu_impl).
+TEST(Registry, AnyBackendCanBeMadeTheDefault) {
+  Registry& registry = Registry::Global();
+  absl::StatusOr<Backend*> span = Registry::Get(Device::Cpu());
+  ASSERT_TRUE(registry.MakeDefault(DeviceKind::kCpu, "torch").ok());
+  EXPECT_EQ(registry.Names(DeviceKind::kCpu),
+            (std::vector<std::string>{"torch", "span"}));
+  absl::StatusOr<Backend*> def = Registry::Get(Device::Cpu());
+  ASSERT_TRUE(def.ok());
+  EXPECT_EQ((*def)->name(), "torch");
+  EXPECT_EQ(*Registry::Get(Device::Cpu(), "span"), *span);  // still the same
+  EXPECT_EQ(registry.MakeDefault(DeviceKind::kCpu, "nope").code(),
+            absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry.MakeDefault(DeviceKind::kCpu, "span").ok());
+  EXPECT_EQ(registry.Names(DeviceKind::kCpu),
+            (std::vector<std::string>{"span", "torch"}));
+}
+
 }  // namespace
 }  // namespace packd
