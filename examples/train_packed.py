@@ -96,11 +96,12 @@ class TinyLM(torch.nn.Module):
             h = h + layer["down"](F.gelu(layer["up"](layer["ln2"](h))))
         return self.head(self.ln(h))
 
-    def dense(self, tokens, mask, segments):
+    def dense(self, tokens, mask, segments, h=None):
         """Logits [B, S, V] of padded rows: a per-document causal attention mask, positions
-        counted from each document's start (the unpacked reference)."""
+        counted from each document's start (the unpacked reference). h: the hidden states
+        [B, S, D] to start from (default: the tokens' embeddings)."""
         B, S = tokens.shape
-        h = self.embed(tokens)
+        h = self.embed(tokens) if h is None else h
         same = segments[:, :, None] == segments[:, None, :]
         allowed = same & mask[:, :, None] & mask[:, None, :]
         allowed &= torch.ones(S, S, dtype=torch.bool).tril()
