@@ -7,6 +7,7 @@ on the GPU:
   - Pack and Scatter of CUDA tensors of every dtype, results in the client's own GPU memory;
   - RemotePackOp forward and backward on the GPU;
   - documents (segment ids) and a layout (padding, CP, a shift) on the GPU;
+  - Ulysses sequence parallelism (every SP rank's slice, and its Scatter) on the GPU;
   - the server's devices by UUID, as torch names them.
 
 Prints one row per check (and packd's and torch's times where both exist); exits 1 on any
@@ -184,6 +185,23 @@ def main():
             and g.cu_seqlens_padded.tolist() == h.cu_seqlens_padded.tolist()
             and g.seq_idx.tolist() == h.seq_idx.tolist(),
             detail="%d rows" % g.packed.shape[0])
+        # Ulysses (sp 4, every rank) on the GPU against the host: each rank's contiguous
+        # slice, the ghost that pads the rows to a multiple of 4, and Scatter of a rank's rows.
+        sp_ok, rows = True, 0
+        for rank in range(4):
+            kw = dict(segment_ids=ids, with_position_ids=True, sp_size=4, sp_rank=rank,
+                      with_seq_idx=True, shifts=[(0, 0)])
+            g = client.pack(x, mask, **kw)
+            h = client.pack(x.cpu(), mask.cpu(), **dict(kw, segment_ids=ids.cpu()))
+            back = client.scatter(g.packed, mask, segment_ids=ids, sp_size=4, sp_rank=rank)
+            back_h = client.scatter(h.packed, mask.cpu(), segment_ids=ids.cpu(), sp_size=4,
+                                    sp_rank=rank)
+            sp_ok &= (same(g.packed.cpu(), h.packed) and same(g.shifted[0].cpu(), h.shifted[0])
+                      and g.position_ids.tolist() == h.position_ids.tolist()
+                      and g.cu_seqlens_padded.tolist() == h.cu_seqlens_padded.tolist()
+                      and same(back.cpu(), back_h))
+            rows += g.packed.shape[0]
+        row("ulysses (sp 4, every rank)", sp_ok, detail="%d rows" % rows)
         ours = [n for n in client._device_regions if n.startswith("py-gpu-")]
         row("device regions registered", len(ours) > 0, detail="%d regions" % len(ours))
     print("gpu client checks: %d failed" % failures)
