@@ -98,11 +98,15 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                     assert r.cu_seqlens.tolist() == [0] + counts.cumsum(0).tolist(), where
                     assert r.position_ids.tolist() == (
                         active.long().cumsum(1) - 1)[active].tolist(), where
-                elif kind == "layout":  # padding, a CP rank, a shift: whole, results inline
+                elif kind == "layout":  # padding, a CP or SP rank, a shift: whole, inline
                     rank = rng.randrange(2)
-                    r = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=rank,
-                                    shifts=[(0, 0)])
-                    rows, shifted, *_ = reference_layout(mask, None, 4, 2, rank)
+                    if rng.random() < 0.5:
+                        r = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=rank,
+                                        shifts=[(0, 0)])
+                        rows, shifted, *_ = reference_layout(mask, None, 4, 2, rank)
+                    else:
+                        r = client.pack(x, mask, sp_size=2, sp_rank=rank, shifts=[(0, 0)])
+                        rows, shifted, *_ = reference_layout(mask, None, sp=2, sp_rank=rank)
                     assert same(gathered(x, rows, 0), r.packed), where
                     assert same(gathered(x, shifted, 0), r.shifted[0]), where
                 elif kind == "step":  # a streamed step: each micro-batch is its rows packed
