@@ -1,24 +1,9 @@
 """examples/train_packed.py as a test: three optimizer steps on packd's micro-batches equal the
 unpacked model's, losses and gradients, in float64 to 1e-9 relative; a per-micro-batch mean
 does not."""
-import os
-import sys
-
 import pytest
 
-from packd_server import PackdServer
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_packed  # noqa: E402
-
-import packd  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def client():
-    with PackdServer(os.environ["PACKD_BINARY"]) as address:
-        with packd.Client(address) as c:
-            yield c
+import train_packed
 
 
 def test_packed_training_equals_unpacked_training(client):

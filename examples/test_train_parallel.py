@@ -2,24 +2,9 @@
 slices) training on packd's step, with documents, padding and shifted labels, with and without
 fixed shapes, equals the unpacked model in float64 to 1e-9 relative: losses, the hidden-state
 gradient (through RemotePackOp's Scatter) and every parameter's gradient."""
-import os
-import sys
-
 import pytest
 
-from packd_server import PackdServer
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_parallel  # noqa: E402
-
-import packd  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def client():
-    with PackdServer(os.environ["PACKD_BINARY"]) as address:
-        with packd.Client(address) as c:
-            yield c
+import train_parallel
 
 
 @pytest.mark.parametrize("mode, size", [("cp", 2), ("cp", 3), ("sp", 2), ("sp", 3)])

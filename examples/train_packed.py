@@ -160,10 +160,11 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
     return total
 
 
-def dense_step(model, batch):
-    """The reference: the whole batch unpacked, one global denominator."""
+def dense_step(model, batch, hidden=None):
+    """The reference: the whole batch unpacked, one global denominator (from `hidden`, the
+    batch's hidden states, when given)."""
     tokens, mask, segments, loss_mask = batch
-    logits = model.dense(tokens, mask, segments)
+    logits = model.dense(tokens, mask, segments, h=hidden)
     labels = torch.roll(tokens, -1, dims=1)
     weights = (loss_mask & mask).to(logits.dtype)
     token_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")

@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_packed  # noqa: E402
-from train_packed import DIM, TinyLM, corpus, relative_difference  # noqa: E402
+from train_packed import DIM, TinyLM, corpus, dense_step, relative_difference  # noqa: E402
 
 import packd  # noqa: E402
 
@@ -110,17 +109,6 @@ def parallel_step(model, client, batch, hidden, *, mode, size, num_ranks, max_to
             loss.backward(retain_graph=r + 1 < size)
             total += float(loss)
     return total
-
-
-def dense_step(model, batch, hidden):
-    tokens, mask, segments, loss_mask = batch
-    logits = model.dense(tokens, mask, segments, h=hidden)
-    labels = torch.roll(tokens, -1, dims=1)
-    weights = (loss_mask & mask).to(logits.dtype)
-    token_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-    loss = (token_loss * weights.flatten()).sum() / weights.sum()
-    loss.backward()
-    return float(loss)
 
 
 def train(client, *, mode="cp", size=2, fixed=False, steps=2, num_ranks=2, max_tokens=64,

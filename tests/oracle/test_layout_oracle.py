@@ -270,12 +270,25 @@ def run(client, device, op, case, o, what, rng, gen):
         run_step(client, device, case, o, what, rng)
 
 
+def expect_refused(client, device, op, case, o, what, rng, gen, message):
+    """packd refuses the call with INVALID_ARGUMENT saying `message`."""
+    with pytest.raises(packd.PackdError) as e:
+        run(client, device, op, case, o, what, rng, gen)
+    assert isinstance(e.value, ValueError), what
+    assert message in e.value.details, "%s: %s" % (what, e.value.details)
+
+
+def seeded(*names):
+    """A random.Random and a torch.Generator for one test, from the run's seed."""
+    rng = random.Random(" ".join(str(n) for n in (SEED,) + names))
+    return rng, torch.Generator().manual_seed(rng.randrange(1 << 62))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", list(OPS))
 def test_every_layout_combination(servers, op, backend):
     address, device = servers[backend]
-    rng = random.Random("%d %s %s" % (SEED, op, backend))
-    gen = torch.Generator().manual_seed(rng.randrange(1 << 62))
+    rng, gen = seeded(op, backend)
     coverage = COVERAGE[(op, backend)]
     ran, widths = set(), set()
     width_cycle = sorted(ROWS)
@@ -298,10 +311,7 @@ def test_every_layout_combination(servers, op, backend):
                 widths.add(width)
             else:
                 # The design refuses it (CP without a multiple of 2 * cp_size): by name.
-                with pytest.raises(packd.PackdError) as e:
-                    run(client, device, op, case, o, what, rng, gen)
-                assert isinstance(e.value, ValueError), what
-                assert refused in e.value.details, "%s: %s" % (what, e.value.details)
+                expect_refused(client, device, op, case, o, what, rng, gen, refused)
                 coverage["refused " + key_of(cell)] += 1
                 ran.add(key_of(cell))
         # Every combination ran, and every row width.
@@ -316,8 +326,7 @@ def test_every_layout_combination(servers, op, backend):
 @pytest.mark.parametrize("op", list(OPS))
 def test_refused_combinations_name_their_field(servers, op, backend):
     address, device = servers[backend]
-    rng = random.Random("%d refused %s %s" % (SEED, op, backend))
-    gen = torch.Generator().manual_seed(rng.randrange(1 << 62))
+    rng, gen = seeded("refused", op, backend)
     coverage = COVERAGE[(op, backend)]
     plain = dict(docs=False, pad=False, parallel="none", fixed=False, shifts=False,
                  seq_idx=False)
@@ -329,8 +338,5 @@ def test_refused_combinations_name_their_field(servers, op, backend):
             with pytest.raises(Refused, match=None) as model:
                 layout(case.mask_lists, case.ids_lists, o, len(case.inputs))
             assert message in str(model.value), name
-            with pytest.raises(packd.PackdError) as e:
-                run(client, device, op, case, o, name, rng, gen)
-            assert isinstance(e.value, ValueError) and message in e.value.details, (
-                name, e.value.details)
+            expect_refused(client, device, op, case, o, name, rng, gen, message)
             coverage["refused " + name] += 1
