@@ -1,8 +1,6 @@
 """examples/train_packed.py as a test: three optimizer steps on packd's micro-batches equal the
 unpacked model's, losses and gradients, in float64 to 1e-9 relative; a per-micro-batch mean
 does not."""
-import pytest
-
 import train_packed
 
 
