@@ -23,6 +23,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "planner/planner.h"
+#include "planner/testing/check_plan.h"
 #include "workloads/lengths.h"
 #include "workloads/peer_planners.h"
 #include "workloads/plan_workloads.h"

@@ -14,6 +14,7 @@
 #include "kernels/status_macros.h"
 #include "kernels/torch/torch_interop.h"
 #include "proto/address.h"
+#include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -259,35 +260,27 @@ absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
   return PlanMicroBatches(lengths, max_tokens_per_micro_batch, options);
 }
 
-namespace {
-
-// The PlanRequest of `options` and a budget, its lengths left empty.
-v1::PlanRequest PlanRequestOf(const PlanCallOptions& options,
-                              int64_t max_tokens_per_micro_batch) {
-  v1::PlanRequest request;
-  request.mutable_loss_tokens()->Assign(options.loss_tokens.begin(),
-                                        options.loss_tokens.end());
-  request.set_max_tokens_per_micro_batch(max_tokens_per_micro_batch);
-  request.set_num_ranks(options.num_ranks);
-  request.set_micro_batch_multiple(options.micro_batch_multiple);
-  request.set_cost_per_token(options.cost_per_token);
-  request.set_cost_per_token_squared(options.cost_per_token_squared);
-  request.mutable_costs()->Assign(options.costs.begin(), options.costs.end());
-  request.mutable_groups()->Assign(options.groups.begin(),
-                                   options.groups.end());
-  request.set_pad_multiple(options.pad_multiple);
-  request.set_pipeline_order(options.pipeline_order);
-  return request;
+PlanOptions PlanCallOptions::ForPlanner(
+    int64_t max_tokens_per_micro_batch) const {
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = max_tokens_per_micro_batch;
+  options.num_ranks = num_ranks;
+  options.micro_batch_multiple = micro_batch_multiple;
+  options.cost_per_token = cost_per_token;
+  options.cost_per_token_squared = cost_per_token_squared;
+  options.costs = costs;
+  options.groups = groups;
+  options.pad_multiple = pad_multiple;
+  options.pipeline_order = pipeline_order;
+  return options;
 }
-
-}  // namespace
 
 absl::StatusOr<v1::PlanResponse> Client::PlanMicroBatches(
     const std::vector<int64_t>& lengths, int64_t max_tokens_per_micro_batch,
     const PlanCallOptions& options) {
-  v1::PlanRequest request = PlanRequestOf(options, max_tokens_per_micro_batch);
-  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
-  return connection_->Plan(request);
+  return connection_->Plan(
+      PlanRequestOf(options.ForPlanner(max_tokens_per_micro_batch), lengths,
+                    options.loss_tokens));
 }
 
 absl::StatusOr<std::unique_ptr<SharedMemory>> Client::CreateSharedMemory(
@@ -776,7 +769,8 @@ absl::Status Client::PackMicroBatches(
   Wire<v1::PackMicroBatchesRequest> request;
   Outgoing outgoing(&request);
   *request->mutable_plan() =
-      PlanRequestOf(options.plan, max_tokens_per_micro_batch);
+      PlanRequestOf(options.plan.ForPlanner(max_tokens_per_micro_batch), {},
+                    options.plan.loss_tokens);
   request->mutable_ranks()->Assign(options.ranks.begin(), options.ranks.end());
   v1::PackRequest* batch = request->mutable_batch();
   batch->set_device(pack.device);

@@ -29,6 +29,7 @@
 #include "client/shared_memory.h"
 #include "kernels/layout.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "planner/planner.h"
 #include "proto/wire.h"
 
 namespace packd {
@@ -80,6 +81,10 @@ struct PlanCallOptions {
   std::vector<int64_t> groups;  // empty, or a group id per sample
   int64_t pad_multiple = 0;
   bool pipeline_order = false;
+
+  // These options as the planner's, for the plan codec (proto/plan_codec.h):
+  // its costs and groups view these, which must outlive it.
+  PlanOptions ForPlanner(int64_t max_tokens_per_micro_batch) const;
 };
 
 // A training step in one call (docs/design.md §12): how the batch's rows are

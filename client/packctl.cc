@@ -44,6 +44,7 @@
 #include "kernels/layout.h"
 #include "kernels/status_macros.h"
 #include "planner/planner.h"
+#include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 #include "workloads/lengths.h"
 #include "workloads/mask_patterns.h"
@@ -721,16 +722,8 @@ int PlanCommand(Connection& connection) {
   options.pipeline_order = absl::GetFlag(FLAGS_pipeline_order);
   absl::Status cost = ParseCost(absl::GetFlag(FLAGS_cost), &options);
   if (!cost.ok()) return Fail(kUsage, std::string(cost.message()));
-  v1::PlanRequest request;
-  request.mutable_lengths()->Assign(lengths->begin(), lengths->end());
-  request.set_max_tokens_per_micro_batch(options.max_tokens_per_micro_batch);
-  request.set_num_ranks(options.num_ranks);
-  request.set_micro_batch_multiple(options.micro_batch_multiple);
-  request.set_cost_per_token(options.cost_per_token);
-  request.set_cost_per_token_squared(options.cost_per_token_squared);
-  request.set_pad_multiple(options.pad_multiple);
-  request.set_pipeline_order(options.pipeline_order);
-  absl::StatusOr<v1::PlanResponse> plan = connection.Plan(request);
+  absl::StatusOr<v1::PlanResponse> plan =
+      connection.Plan(PlanRequestOf(options, *lengths, {}));
   if (!plan.ok()) return Fail(kRpcError, plan.status().ToString());
   int64_t total = 0;
   for (int64_t v : *lengths) total += v;

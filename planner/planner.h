@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
@@ -116,11 +115,11 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
 int64_t MicroBatchLowerBound(absl::Span<const int64_t> lengths,
                              const PlanOptions& options);
 
-// OK when `plan` keeps every rule above for these inputs; INTERNAL saying which
-// rule it breaks otherwise. For tests, and for the planner's own output.
-absl::Status CheckPlan(const Plan& plan, absl::Span<const int64_t> lengths,
-                       absl::Span<const int64_t> loss_tokens,
-                       const PlanOptions& options);
+// The cost of a sequence of `padded` tokens under options' model:
+// cost_per_token * P + cost_per_token_squared * P^2, or P when both are 0.
+// What the planner costs each sample by (without explicit costs), and what a
+// step sums over a row's sequences.
+double SequenceCost(const PlanOptions& options, int64_t padded);
 
 }  // namespace packd
 

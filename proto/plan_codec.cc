@@ -1,5 +1,7 @@
 #include "proto/plan_codec.h"
 
+#include <utility>
+
 namespace packd {
 
 PlanOptions PlanOptionsOf(const v1::PlanRequest& request) {
@@ -62,6 +64,26 @@ void EncodePlan(const Plan& plan, v1::PlanResponse* response) {
   response->set_imbalance(plan.imbalance);
   response->set_cost_imbalance(plan.cost_imbalance);
   response->set_global_sequences(plan.global_sequences);
+}
+
+Plan PlanOf(const v1::PlanResponse& response) {
+  Plan plan;
+  for (const v1::MicroBatch& mb : response.micro_batches()) {
+    MicroBatch out;
+    out.rank = mb.rank();
+    out.samples.assign(mb.samples().begin(), mb.samples().end());
+    out.tokens = mb.tokens();
+    out.loss_tokens = mb.loss_tokens();
+    out.cost = mb.cost();
+    out.padded_tokens = mb.padded_tokens();
+    plan.micro_batches.push_back(std::move(out));
+  }
+  plan.micro_batches_per_rank = response.micro_batches_per_rank();
+  plan.global_loss_tokens = response.global_loss_tokens();
+  plan.imbalance = response.imbalance();
+  plan.cost_imbalance = response.cost_imbalance();
+  plan.global_sequences = response.global_sequences();
+  return plan;
 }
 
 }  // namespace packd

@@ -33,8 +33,10 @@ v1::PlanRequest PlanRequestOf(const PlanOptions& options,
                               absl::Span<const int64_t> lengths,
                               absl::Span<const int64_t> loss_tokens);
 
-// Sets every field of `response` from `plan` (after clearing it).
+// Sets every field of `response` from `plan` (after clearing it); PlanOf is
+// its inverse.
 void EncodePlan(const Plan& plan, v1::PlanResponse* response);
+Plan PlanOf(const v1::PlanResponse& response);
 
 }  // namespace packd
 

@@ -187,8 +187,7 @@ absl::Status TrainingStep::Measure(
   // One CP or SP rank's share of a row's rows is what one GPU holds of it.
   const int64_t c = std::max<int32_t>(batch_.cp_size(), 1);
   const int64_t u = std::max<int32_t>(batch_.sp_size(), 1);
-  const double a = plan->cost_per_token(), q = plan->cost_per_token_squared();
-  const bool by_tokens = a == 0 && q == 0;
+  const PlanOptions model = PlanOptionsOf(*plan);
   const char* loss_bytes = loss.has_value()
                                ? static_cast<const char*>(r.packed[0].view.data)
                                : nullptr;
@@ -198,9 +197,8 @@ absl::Status TrainingStep::Measure(
     double cost = 0;
     for (int64_t L : (*sequences)[b]) {
       const int64_t rows = (L + m - 1) / m * m;
-      const double P = static_cast<double>(rows);
       padded += rows;
-      cost += by_tokens ? P : a * P + q * P * P;
+      cost += SequenceCost(model, rows);
     }
     plan->add_lengths((padded / c + u - 1) / u);
     plan->add_costs(cost);

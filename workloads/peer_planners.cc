@@ -4,7 +4,8 @@
 #include <utility>
 #include <vector>
 
-#include "planner/internal/planner_internal.h"
+#include "planner/internal/partition.h"
+#include "planner/internal/units.h"
 
 namespace packd {
 

@@ -28,6 +28,8 @@
 #include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "planner/planner.h"
+#include "planner/testing/check_plan.h"
+#include "proto/plan_codec.h"
 #include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
@@ -388,40 +390,18 @@ TEST_F(ServiceTest, ServerInfoAnswers) {
   ExpectStillServing();
 }
 
-// The library's Plan of a wire plan, for CheckPlan.
-Plan PlanOf(const v1::PlanResponse& response) {
-  Plan plan;
-  plan.micro_batches_per_rank = response.micro_batches_per_rank();
-  plan.global_loss_tokens = response.global_loss_tokens();
-  plan.imbalance = response.imbalance();
-  plan.cost_imbalance = response.cost_imbalance();
-  plan.global_sequences = response.global_sequences();
-  for (const v1::MicroBatch& mb : response.micro_batches()) {
-    MicroBatch m;
-    m.rank = mb.rank();
-    m.samples.assign(mb.samples().begin(), mb.samples().end());
-    m.tokens = mb.tokens();
-    m.loss_tokens = mb.loss_tokens();
-    m.cost = mb.cost();
-    m.padded_tokens = mb.padded_tokens();
-    plan.micro_batches.push_back(std::move(m));
-  }
-  return plan;
-}
-
 TEST_F(ServiceTest, PlanMicroBatchesKeepsTheRulesAndRefusesBadInput) {
   Rng rng = Rng::Fresh();
-  v1::PlanRequest request;
   std::vector<int64_t> lengths, loss;
   for (int i = 0; i < 500; ++i) {
     lengths.push_back(1 + rng.Next() % 3000);
     loss.push_back(rng.Next() % (lengths.back() + 1));
   }
-  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
-  request.mutable_loss_tokens()->Assign(loss.begin(), loss.end());
-  request.set_max_tokens_per_micro_batch(4096);
-  request.set_num_ranks(4);
-  request.set_micro_batch_multiple(2);
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = 4096;
+  options.num_ranks = 4;
+  options.micro_batch_multiple = 2;
+  v1::PlanRequest request = PlanRequestOf(options, lengths, loss);
   v1::PlanResponse response;
   {
     grpc::ClientContext context;
@@ -429,10 +409,6 @@ TEST_F(ServiceTest, PlanMicroBatchesKeepsTheRulesAndRefusesBadInput) {
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   // The wire plan is the library's plan, and keeps every rule.
-  PlanOptions options;
-  options.max_tokens_per_micro_batch = 4096;
-  options.num_ranks = 4;
-  options.micro_batch_multiple = 2;
   const Plan plan = PlanOf(response);
   EXPECT_TRUE(CheckPlan(plan, lengths, loss, options).ok())
       << CheckPlan(plan, lengths, loss, options);
@@ -455,20 +431,20 @@ TEST_F(ServiceTest, PlanMicroBatchesKeepsTheRulesAndRefusesBadInput) {
 // when asked again (every rank may plan alone); a bad cost is refused.
 TEST_F(ServiceTest, PlanMicroBatchesByCostIsDeterministic) {
   Rng rng = Rng::Fresh();
-  v1::PlanRequest request;
   std::vector<int64_t> lengths, groups;
   for (int i = 0; i < 400; ++i) {
     lengths.push_back(1 + rng.Next() % 6000);
     groups.push_back(i % 3 == 0 ? i / 3 : 1000 + i);  // some pairs and triples
   }
-  request.mutable_lengths()->Assign(lengths.begin(), lengths.end());
-  request.mutable_groups()->Assign(groups.begin(), groups.end());
-  request.set_max_tokens_per_micro_batch(16384);
-  request.set_num_ranks(4);
-  request.set_cost_per_token(24576);
-  request.set_cost_per_token_squared(1);
-  request.set_pad_multiple(16);
-  request.set_pipeline_order(true);
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = 16384;
+  options.num_ranks = 4;
+  options.cost_per_token = 24576;
+  options.cost_per_token_squared = 1;
+  options.pad_multiple = 16;
+  options.pipeline_order = true;
+  options.groups = groups;
+  v1::PlanRequest request = PlanRequestOf(options, lengths, {});
   std::string first;
   for (int attempt = 0; attempt < 2; ++attempt) {
     v1::PlanResponse response;
@@ -477,14 +453,6 @@ TEST_F(ServiceTest, PlanMicroBatchesByCostIsDeterministic) {
     ASSERT_TRUE(status.ok()) << status.error_message();
     if (attempt == 0) {
       first = response.SerializeAsString();
-      PlanOptions options;
-      options.max_tokens_per_micro_batch = 16384;
-      options.num_ranks = 4;
-      options.cost_per_token = 24576;
-      options.cost_per_token_squared = 1;
-      options.pad_multiple = 16;
-      options.pipeline_order = true;
-      options.groups = groups;
       const Plan plan = PlanOf(response);
       EXPECT_TRUE(CheckPlan(plan, lengths, {}, options).ok())
           << CheckPlan(plan, lengths, {}, options);

@@ -4,6 +4,7 @@
 // errors, and its quality against the peers (verl's and slime's planners)
 // and the lower bound.
 #include "planner/planner.h"
+#include "planner/testing/check_plan.h"
 
 #include <chrono>
 #include <cmath>
