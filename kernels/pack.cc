@@ -9,6 +9,7 @@
 #include "kernels/backend.h"
 #include "kernels/device_runtime.h"
 #include "kernels/device_staging.h"
+#include "kernels/pack_sizes.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 
@@ -338,12 +339,6 @@ struct LaidOut {
   std::vector<std::pair<size_t, TensorView>> packed;
   std::vector<Buffer> held;
 
-  static int64_t Width(const TensorView& x) {
-    int64_t w = ItemSize(x.dtype);
-    for (size_t d = 2; d < x.shape.size(); ++d) w *= x.shape[d];
-    return w;
-  }
-
   // Memory for the N packed rows of a tensor like `like` ([B, S, *tail]),
   // held until the call ends, viewed as [1, N, *tail]: the shape GatherRows
   // and ScatterRows take, whose rows are packed token indices.
@@ -352,8 +347,9 @@ struct LaidOut {
                                         const TensorView& like,
                                         const Stream& stream) {
     const int64_t n = plan.total_active();
-    PACKD_ASSIGN_OR_RETURN(Buffer buffer,
-                           runtime.Allocate(n * Width(like), stream.device()));
+    PACKD_ASSIGN_OR_RETURN(
+        Buffer buffer,
+        runtime.Allocate(n * PositionBytes(like), stream.device()));
     TensorView view = like;
     view.data = buffer.data();
     view.device = stream.device();
@@ -390,7 +386,7 @@ struct LaidOut {
                       const MaskPlan& plan, size_t source, const TensorView& x,
                       bool shift, const unsigned char* pad,
                       const TensorView& out, const Stream& stream) {
-    if (Width(x) < kNarrowRow) {
+    if (PositionBytes(x) < kNarrowRow) {
       PACKD_ASSIGN_OR_RETURN(TensorView rows_view,
                              Packed(backend, runtime, plan, source, x, stream));
       return backend.GatherRows(rows_view,
@@ -405,7 +401,7 @@ struct LaidOut {
   absl::Status Scatter(Backend& backend, DeviceRuntime& runtime,
                        const MaskPlan& plan, const TensorView& p,
                        const TensorView& dense, const Stream& stream) {
-    if (Width(dense) < kNarrowRow) {
+    if (PositionBytes(dense) < kNarrowRow) {
       // The packed rows of every real token (zero for other CP ranks'), then
       // the plain Scatter.
       PACKD_ASSIGN_OR_RETURN(TensorView view,

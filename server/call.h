@@ -111,14 +111,15 @@ class CallMechanism {
   void Release();
   // Runs `work` on the worker pool.
   void Submit(std::function<void()> work) { pool_.Submit(std::move(work)); }
-  // After a failed admitted call, before its reply leaves.
-  void AfterFailure() {
-    if (options_.after_failure) options_.after_failure();
-  }
-  // Counts a finished call in the metrics.
-  void Record(const char* method, absl::StatusCode code, absl::Time start,
-              size_t request_bytes, size_t response_bytes) {
-    metrics_->Record(method, code, absl::Now() - start, request_bytes,
+  // How every call ends, before its reply leaves: an admitted call that
+  // failed runs the failure hook (Options::after_failure), and the call is
+  // counted in the metrics.
+  void End(const char* method, absl::Time start, const absl::Status& status,
+           bool admitted, size_t request_bytes, size_t response_bytes) {
+    if (admitted && !status.ok() && options_.after_failure) {
+      options_.after_failure();
+    }
+    metrics_->Record(method, status.code(), absl::Now() - start, request_bytes,
                      response_bytes);
   }
 
@@ -152,10 +153,12 @@ class CallMechanism::UnaryReactor final : public grpc::ServerUnaryReactor {
     if (admitted_) calls_->Release();
     delete this;
   }
-  // Records the call and finishes it; nothing may touch it afterwards.
+  // Ends the call (CallMechanism::End) and finishes it; nothing may touch it
+  // afterwards.
   void Done(const char* method, absl::Time start, const absl::Status& status,
             size_t request_bytes, size_t response_bytes) {
-    calls_->Record(method, status.code(), start, request_bytes, response_bytes);
+    calls_->End(method, start, status, admitted_, request_bytes,
+                response_bytes);
     HandOff(this);  // OnDone runs on one of gRPC's threads
     Finish(ToGrpcStatus(status));
   }
@@ -179,10 +182,7 @@ grpc::ServerUnaryReactor* CallMechanism::Unary(
   Submit([this, reactor, method, start, &request, response,
           handler = std::move(handler)]() mutable {
     const absl::Status status = Guarded(method, handler);
-    if (!status.ok()) {
-      response->Clear();
-      AfterFailure();
-    }
+    if (!status.ok()) response->Clear();
     reactor->Done(method, start, status, request.ByteSizeLong(),
                   status.ok() ? response->ByteSizeLong() : 0);
   });

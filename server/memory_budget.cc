@@ -65,10 +65,7 @@ MemoryBudget::Hold MemoryBudget::MakeHold(int64_t bytes) {
 }
 
 void MemoryBudget::ShrinkTo(const Hold& hold, int64_t bytes) {
-  if (hold == nullptr || hold->bytes_ <= bytes) return;
-  const int64_t returned = hold->bytes_ - std::max<int64_t>(bytes, 0);
-  hold->bytes_ -= returned;
-  hold->budget_->Release(returned);
+  if (hold != nullptr) hold->ShrinkTo(bytes);
 }
 
 void MemoryBudget::Release(int64_t bytes) {

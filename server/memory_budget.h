@@ -12,6 +12,7 @@
 #ifndef PACKD_SERVER_MEMORY_BUDGET_H_
 #define PACKD_SERVER_MEMORY_BUDGET_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -85,17 +86,27 @@ class MemoryBudget {
   std::thread thread_;  // started with the first waiter
 };
 
+// Bytes of a budget in use, returned when the reservation goes. Made only by
+// MemoryBudget (Reserve), for bytes it has counted; not safe to shrink from
+// two threads at once.
 class MemoryBudget::Reservation {
  public:
+  Reservation(MemoryBudget* budget, int64_t bytes)
+      : budget_(budget), bytes_(bytes) {}
   ~Reservation() { budget_->Release(bytes_); }
   Reservation(const Reservation&) = delete;
   Reservation& operator=(const Reservation&) = delete;
   int64_t bytes() const { return bytes_; }
+  // Returns all but `bytes` to the budget at once (nothing when it holds no
+  // more).
+  void ShrinkTo(int64_t bytes) {
+    if (bytes_ <= bytes) return;
+    const int64_t returned = bytes_ - std::max<int64_t>(bytes, 0);
+    bytes_ -= returned;
+    budget_->Release(returned);
+  }
 
  private:
-  friend class MemoryBudget;
-  Reservation(MemoryBudget* budget, int64_t bytes)
-      : budget_(budget), bytes_(bytes) {}
   MemoryBudget* const budget_;
   int64_t bytes_;
 };

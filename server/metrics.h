@@ -79,6 +79,11 @@ class Metrics {
   // as the device's errors (a runtime failure or a lost device), not the
   // caller's.
   void RecordDevice(const Device& device, absl::StatusCode code);
+  // RecordDevice of work that ended with `status`; returns it.
+  absl::Status OnDevice(const Device& device, absl::Status status) {
+    RecordDevice(device, status.code());
+    return status;
+  }
   // Starts `device`'s series at 0 (so that rates over them begin at once).
   void AddDevice(const Device& device);
 

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/pack_sizes.h"
 #include "kernels/status_macros.h"
 #include "proto/tensor_codec.h"
 
@@ -114,7 +115,7 @@ PackOptions PackOptionsOf(const v1::PackRequest& request,
   options.with_position_ids = request.with_position_ids();
   options.segment_ids = segment_ids;
   options.layout = DecodeLayout(request);
-  options.layout.max_rows = max_message_bytes / 8;
+  options.layout.max_rows = MaxEntriesPerMessage(max_message_bytes);
   return options;
 }
 

@@ -1,4 +1,5 @@
-// The pieces a Pack's reply is made of, shared by Pack and PackMicroBatches:
+// The pieces a call's reply is made of, shared by Pack, Scatter and
+// PackMicroBatches: the reply itself (CallReply),
 // results written into pooled buffers that the reply wraps without a copy (or
 // into the request's output slices), the response tensors' headers, and the
 // PackResponse fields of a PackResult.
@@ -20,9 +21,20 @@
 #include "kernels/pack.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/wire.h"
+#include "server/memory_budget.h"
 #include "server/regions.h"
 
 namespace packd {
+
+// The reply of a Pack, Scatter or step message: the response, carrying its
+// inline results in the buffers they were written to, which it holds until
+// gRPC has sent them, with the call's share of --max_inflight_bytes.
+template <typename Response>
+struct CallReply {
+  Wire<Response> response;
+  std::vector<Buffer> buffers;
+  MemoryBudget::Hold hold;
+};
 
 // The response tensor that result `index` of a call is, added when it is not
 // there yet: packed[i] (then shifted[j]) of a Pack, dense[i] of a Scatter.

@@ -10,13 +10,16 @@
 #include "kernels/buffer.h"
 #include "kernels/device_runtime.h"
 #include "kernels/pack.h"
+#include "kernels/pack_sizes.h"
 #include "kernels/registry.h"
 #include "kernels/status_macros.h"
 #include "planner/planner.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
+#include "server/inline_call.h"
 #include "server/pack_reply.h"
 #include "server/step.h"
+#include "server/step_call.h"
 
 #ifndef PACKD_VERSION
 #define PACKD_VERSION "unknown"
@@ -42,8 +45,47 @@ PackServiceImpl::PackServiceImpl(ServiceOptions options)
                   : static_cast<int>(std::thread::hardware_concurrency()),
               [this] { CheckDefaultDevice(); }},
           &metrics_),
-      budget_(options_.max_inflight_bytes) {
+      budget_(options_.max_inflight_bytes),
+      env_{&calls_,
+           &budget_,
+           &decoder_,
+           &metrics_,
+           options_.max_message_bytes,
+           options_.TEST_call_hook} {
   metrics_.AddDevice(options_.default_device);
+}
+
+grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
+    grpc::GenericCallbackServerContext* context) {
+  PackServiceImpl* const service = service_;
+  if (context->method() == "/packd.v1.PackService/Pack") {
+    return new InlineCall<v1::PackRequest, v1::PackResponse>(
+        &service->env_, context, "Pack",
+        [service](const Wire<v1::PackRequest>& request,
+                  CallReply<v1::PackResponse>* reply) {
+          return service->RunPack(request, reply);
+        });
+  }
+  if (context->method() == "/packd.v1.PackService/PackMicroBatches") {
+    return new StepCall(&service->env_, context);
+  }
+  if (context->method() == "/packd.v1.PackService/Scatter") {
+    return new InlineCall<v1::ScatterRequest, v1::ScatterResponse>(
+        &service->env_, context, "Scatter",
+        [service](const Wire<v1::ScatterRequest>& request,
+                  CallReply<v1::ScatterResponse>* reply) {
+          return service->RunScatter(request, reply);
+        });
+  }
+  class Unknown final : public grpc::ServerGenericBidiReactor {
+   public:
+    explicit Unknown(const std::string& method) {
+      Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                          absl::StrCat("packd has no method ", method)));
+    }
+    void OnDone() override { delete this; }
+  };
+  return new Unknown(context->method());
 }
 
 void PackServiceImpl::StartDraining() { calls_.StartDraining(); }
@@ -68,9 +110,9 @@ absl::Status PackServiceImpl::RunCall(const char* method,
                          ? IntoReply(&reply->response, results, &reply->buffers,
                                      options_.max_message_bytes, reserved)
                          : IntoSlices(&call.outputs);
-  if (options_.testing_call_hook) options_.testing_call_hook(method);
+  if (options_.TEST_call_hook) options_.TEST_call_hook(method);
   absl::StatusOr<std::vector<ResultTensor>> out = op(call, options);
-  PACKD_RETURN_IF_ERROR(OnDevice(call.device, out.status()));
+  PACKD_RETURN_IF_ERROR(metrics_.OnDevice(call.device, out.status()));
   EncodeResults(*out, request->outputs(), results);
   return absl::OkStatus();
 }
@@ -134,7 +176,7 @@ absl::Status PackServiceImpl::RunScatter(
     }
     options.segment_ids = call.segment_ids;
     options.layout = DecodeLayout(request);
-    options.layout.max_rows = options_.max_message_bytes / 8;
+    options.layout.max_rows = MaxEntriesPerMessage(options_.max_message_bytes);
     PACKD_ASSIGN_OR_RETURN(ScatterResult result,
                            ::packd::Scatter(call.tensors, call.mask, options));
     return std::move(result.dense);
@@ -159,7 +201,7 @@ absl::Status PackServiceImpl::DoPlan(const v1::PlanRequest& request,
   return size;
 }
 
-absl::Status PackServiceImpl::DoPackMicroBatches(
+absl::Status PackServiceImpl::TEST_PackMicroBatches(
     const v1::PackMicroBatchesRequest& request,
     std::vector<v1::PackMicroBatchesResponse>* responses) {
   PACKD_RETURN_IF_ERROR(decoder_.CheckSize("request", request.ByteSizeLong()));
@@ -173,8 +215,8 @@ absl::Status PackServiceImpl::DoPackMicroBatches(
   for (size_t k = 0; k < step->size(); ++k) {
     Wire<v1::PackMicroBatchesResponse> reply;
     std::vector<Buffer> buffers;
-    PACKD_RETURN_IF_ERROR(
-        OnDevice(step->device(), step->PackMicroBatch(k, &reply, &buffers)));
+    PACKD_RETURN_IF_ERROR(metrics_.OnDevice(
+        step->device(), step->PackMicroBatch(k, &reply, &buffers)));
     reply.CopyPayloadsIntoData();
     responses->push_back(std::move(reply.message()));
   }

@@ -1,7 +1,8 @@
 // PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API.
-// Pack and Scatter are served by a generic handler (inline_calls(),
-// server/inline_call.cc) that reads a request only once the memory budget
-// admits the call; the request is read
+// Pack and Scatter are served by a generic handler (inline_calls(): its
+// reactors, server/inline_call.h, are handed what they use, a CallEnvironment)
+// that reads a request only once the memory budget admits the call; the
+// request is read
 // from the received slices with tensor bytes in place (proto/wire.h), decoded
 // (server/request_decoder.h), run by the op library on its device
 // (kernels/pack.h), and answered with slices that wrap the result buffers, or
@@ -36,6 +37,7 @@
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
 #include "server/auth.h"
+#include "server/budgeted_call.h"
 #include "server/call.h"
 #include "server/memory_budget.h"
 #include "server/metrics.h"
@@ -51,10 +53,6 @@ struct ServiceOptions {
   int64_t max_message_bytes = int64_t{1} << 30;
   // Tensor handles: whether they are enabled, and the shared-memory key prefix.
   RegionOptions regions;
-  // For tests: called with the method name ("Pack", "Scatter") once a call's
-  // tensors are decoded (its regions held), before the op runs. Tests inject
-  // it to hold a call in flight; packd itself never sets it.
-  std::function<void(absl::string_view method)> testing_call_hook;
   // Bearer tokens every PackService call must carry (--auth_token_file);
   // nullptr: none.
   std::shared_ptr<TokenAuth> auth;
@@ -68,13 +66,14 @@ struct ServiceOptions {
   // Worker threads every call's handler runs on (--threads); 0: the hardware
   // threads.
   int worker_threads = 0;
-};
 
-template <typename Request>
-class BudgetedCall;
-template <typename Request, typename Response>
-class InlineCall;
-class StepCall;
+  // Extra options (for testing) that packd itself never sets.
+  //
+  // Called with the method name ("Pack", "Scatter", "PackMicroBatches") once
+  // a call's tensors are decoded (its regions held), before the op runs:
+  // tests hold a call in flight with it (packd_testing --call_delay_ms).
+  std::function<void(absl::string_view method)> TEST_call_hook;
+};
 
 class PackServiceImpl final
     : public v1::PackService::WithGenericMethod_Pack<
@@ -132,18 +131,18 @@ class PackServiceImpl final
                          v1::ScatterResponse* response);
   absl::Status DoPlan(const v1::PlanRequest& request,
                       v1::PlanResponse* response);
+
+  // Extra methods (for testing) that are not part of the service.
+  //
   // A PackMicroBatches call's messages, in order (the plan, then each
-  // micro-batch), for callers without gRPC (the fuzz target, tests).
-  absl::Status DoPackMicroBatches(
+  // micro-batch), without gRPC: the fuzz target's way in.
+  absl::Status TEST_PackMicroBatches(
       const v1::PackMicroBatchesRequest& request,
       std::vector<v1::PackMicroBatchesResponse>* responses);
 
  private:
-  template <typename Request>
-  friend class BudgetedCall;
-  template <typename Request, typename Response>
-  friend class InlineCall;
-  friend class StepCall;
+  // Makes the reactor of each Pack, Scatter and PackMicroBatches call, handing
+  // it the service's CallEnvironment and, for Pack and Scatter, the handler.
   class InlineCalls final : public grpc::CallbackGenericService {
    public:
     explicit InlineCalls(PackServiceImpl* service) : service_(service) {}
@@ -154,23 +153,6 @@ class PackServiceImpl final
     PackServiceImpl* const service_;
   };
 
-  // The reply of a Pack or Scatter call: the response, carrying its inline
-  // results in the buffers they were written to, which it holds until gRPC
-  // has sent them, with the call's share of --max_inflight_bytes.
-  template <typename Response>
-  struct CallReply {
-    Wire<Response> response;
-    std::vector<Buffer> buffers;
-    MemoryBudget::Hold hold;
-  };
-
-  // When a call waiting in the memory budget gives up: a little before the
-  // caller's deadline, so that it hears RESOURCE_EXHAUSTED from packd.
-  static absl::Time BudgetDeadline(const grpc::CallbackServerContext* context);
-  // What an inline call reserves before its request is read: the most a
-  // request of `declared` bytes (0: the largest) can make it hold, or the
-  // whole budget.
-  int64_t AdmissionBytes(int64_t declared) const;
   // The steps every Pack and Scatter call takes: decode, place results
   // (pooled buffers that `reply` carries for the response tensors `results`
   // names, or the request's output slices), run `op` with the call's options,
@@ -194,11 +176,6 @@ class PackServiceImpl final
   // After a failed call: whether the default device is lost, and if so, tells
   // on_device_lost (once).
   void CheckDefaultDevice();
-  // Counts work on `device` that ended with `status`; returns it.
-  absl::Status OnDevice(const Device& device, absl::Status status) {
-    metrics_.RecordDevice(device, status.code());
-    return status;
-  }
   // Opens the request's IPC handle and registers the mapping as a region.
   absl::Status DoRegisterDeviceRegion(
       const v1::RegisterDeviceRegionRequest& request);
@@ -214,6 +191,8 @@ class PackServiceImpl final
   bool device_lost_ ABSL_GUARDED_BY(mu_) = false;
   // Last: destroyed first, its waiting calls finish while the rest is alive.
   MemoryBudget budget_;
+  // What the raw methods' reactors use of all the above.
+  const CallEnvironment env_;
   InlineCalls inline_calls_{this};
 };
 

@@ -11,6 +11,7 @@
 #include "kernels/dtype.h"
 #include "kernels/layout.h"
 #include "kernels/pack.h"
+#include "kernels/pack_sizes.h"
 #include "kernels/status_macros.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
@@ -18,13 +19,6 @@
 
 namespace packd {
 namespace {
-
-// Bytes of one [B, S] position of `x` ([B, S, *tail]).
-int64_t PositionBytes(const TensorView& x) {
-  int64_t w = ItemSize(x.dtype);
-  for (size_t d = 2; d < x.shape.size(); ++d) w *= x.shape[d];
-  return w;
-}
 
 absl::Status InHostMemory(const TensorView& t, absl::string_view field) {
   if (t.device.kind == DeviceKind::kCpu) return absl::OkStatus();
@@ -35,23 +29,13 @@ absl::Status InHostMemory(const TensorView& t, absl::string_view field) {
       "PlanMicroBatches and Pack each micro-batch"));
 }
 
-// Metadata bytes of a PackResponse besides its tensors, at most: prefix
-// arrays, last_index, position ids, seq_idx (varints of up to 10 bytes).
-int64_t MetadataBytes(const v1::PackRequest& batch, int64_t rows,
-                      int64_t samples, int64_t sequences) {
-  int64_t per_row = 0;
-  if (batch.with_position_ids()) per_row += 10;
-  if (batch.with_seq_idx()) per_row += 10;
-  return 64 + rows * per_row + 20 * (samples + 1) + 40 * (sequences + 1);
-}
-
 }  // namespace
 
 absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
                                        absl::Span<const int64_t> loss_tokens,
                                        PlanOptions options,
                                        int64_t max_message_bytes) {
-  options.max_micro_batches = max_message_bytes / 8;
+  options.max_micro_batches = MaxEntriesPerMessage(max_message_bytes);
   absl::StatusOr<Plan> plan = PlanMicroBatches(lengths, loss_tokens, options);
   if (plan.status().code() == absl::StatusCode::kResourceExhausted) {
     return absl::ResourceExhaustedError(
@@ -233,22 +217,15 @@ absl::Status TrainingStep::Choose(
     }
   }
   LayoutOptions layout = DecodeLayout(batch_);
-  layout.max_rows = max_message_bytes_ / 8;
+  layout.max_rows = MaxEntriesPerMessage(max_message_bytes_);
+  const PackSizes sizes =
+      PackSizes::Of(call_.tensors, layout, batch_.with_position_ids());
   const TensorView& mask = call_.mask;
   int64_t position_bytes = ItemSize(mask.dtype);  // gathered per position
   if (call_.segment_ids.has_value()) {
     position_bytes += ItemSize(call_.segment_ids->dtype);
   }
-  int64_t row_bytes = 0;  // results per output row
-  for (const TensorView& x : call_.tensors) {
-    position_bytes += PositionBytes(x);
-    row_bytes += PositionBytes(x);
-  }
-  for (const v1::Shift& shift : batch_.shifts()) {
-    if (shift.input() >= 0 && shift.input() < batch_.inputs_size()) {
-      row_bytes += PositionBytes(call_.tensors[shift.input()]);
-    }
-  }
+  for (const TensorView& x : call_.tensors) position_bytes += PositionBytes(x);
   std::vector<int> index(ranks, 0);
   for (const v1::MicroBatch& mb : plan_.micro_batches()) {
     const int at = index[mb.rank()]++;
@@ -274,9 +251,9 @@ absl::Status TrainingStep::Choose(
       rows = mb.padded_tokens();
     }
     const int64_t sequence_count = static_cast<int64_t>(starts.size()) - 1;
-    const int64_t reply =
-        rows * row_bytes +
-        MetadataBytes(batch_, rows, mb.samples_size(), sequence_count);
+    const int64_t reply = SaturatingAdd(
+        sizes.ResultBytes(rows),
+        sizes.MetadataBytes(rows, mb.samples_size(), sequence_count));
     if (reply > max_message_bytes_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "micro-batch ", at, " of rank ", mb.rank(), " would be about ", reply,

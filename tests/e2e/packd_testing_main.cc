@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
   if (delay > absl::ZeroDuration() || throws) {
     // The first call is packd's own start-up self-check: it is let through.
     auto calls = std::make_shared<std::atomic<int>>(0);
-    options->service.testing_call_hook = [delay, throws,
+    options->service.TEST_call_hook = [delay, throws,
                                           calls](absl::string_view) {
       absl::SleepFor(delay);
       if (throws && (*calls)++ > 0) {

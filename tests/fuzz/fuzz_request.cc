@@ -56,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (scatter) {
     Run(chunks, &packd::PackServiceImpl::DoScatter);
   } else if (data[0] & 0x80) {
-    Run(chunks, &packd::PackServiceImpl::DoPackMicroBatches);
+    Run(chunks, &packd::PackServiceImpl::TEST_PackMicroBatches);
   } else {
     Run(chunks, &packd::PackServiceImpl::DoPack);
   }

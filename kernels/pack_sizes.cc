@@ -1,0 +1,69 @@
+#include "kernels/pack_sizes.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace packd {
+
+int64_t SaturatingMul(int64_t a, int64_t b) {
+  int64_t out = 0;
+  return CheckedMul(a, b, &out) ? out : std::numeric_limits<int64_t>::max();
+}
+
+int64_t SaturatingAdd(int64_t a, int64_t b) {
+  int64_t out = 0;
+  return CheckedAdd(a, b, &out) ? out : std::numeric_limits<int64_t>::max();
+}
+
+int64_t PositionBytes(const TensorView& x) {
+  int64_t bytes = ItemSize(x.dtype);
+  for (size_t d = 2; d < x.shape.size(); ++d) {
+    bytes = SaturatingMul(bytes, std::max<int64_t>(x.shape[d], 0));
+  }
+  return bytes;
+}
+
+PackSizes PackSizes::Of(absl::Span<const TensorView> inputs,
+                        const LayoutOptions& layout, bool with_position_ids) {
+  PackSizes sizes;
+  auto add = [&](const TensorView& x) {
+    sizes.row_bytes = SaturatingAdd(sizes.row_bytes, PositionBytes(x));
+    int64_t bytes = ItemSize(x.dtype);
+    for (int64_t d : x.shape) {
+      bytes = SaturatingMul(bytes, std::max<int64_t>(d, 0));
+    }
+    sizes.input_bytes = SaturatingAdd(sizes.input_bytes, bytes);
+  };
+  for (const TensorView& x : inputs) add(x);
+  for (const Shift& shift : layout.shifts) {
+    if (shift.input >= 0 && static_cast<size_t>(shift.input) < inputs.size()) {
+      add(inputs[shift.input]);
+    }
+  }
+  if (with_position_ids) sizes.metadata_bytes_per_row += 10;
+  if (layout.with_seq_idx) sizes.metadata_bytes_per_row += 10;
+  sizes.pad_multiple = std::max<int64_t>(layout.pad_multiple, 1);
+  sizes.fixed_tokens = std::max<int64_t>(layout.fixed.tokens, 0);
+  return sizes;
+}
+
+int64_t PackSizes::MaxRows(int64_t active, int64_t sequences) const {
+  if (active < 0) return -1;
+  if (fixed_tokens > 0) return std::max(fixed_tokens, active);
+  return SaturatingAdd(
+      active, SaturatingMul(pad_multiple - 1, std::max<int64_t>(sequences, 0)));
+}
+
+int64_t PackSizes::ResultBytes(int64_t rows) const {
+  return rows < 0 ? input_bytes : SaturatingMul(rows, row_bytes);
+}
+
+int64_t PackSizes::MetadataBytes(int64_t rows, int64_t batch_rows,
+                                 int64_t sequences) const {
+  return SaturatingAdd(
+      SaturatingAdd(64, SaturatingMul(rows, metadata_bytes_per_row)),
+      SaturatingAdd(SaturatingMul(20, SaturatingAdd(batch_rows, 1)),
+                    SaturatingMul(40, SaturatingAdd(sequences, 1))));
+}
+
+}  // namespace packd

@@ -1,0 +1,77 @@
+// The sizes of a Pack, computed once from its inputs' headers (dtype and
+// shape: no data is needed) and its options, for whoever must know them
+// before the op runs: the server's admission (the bytes a call's inline
+// results take), a step's check of each micro-batch's message, and the bound
+// a message limit puts on a layout's rows. One struct, as flash-attention's
+// flash_api.cpp fills one params struct; nothing else computes them.
+//
+// clang-format off
+//   const PackSizes sizes = PackSizes::Of(inputs, options.layout, options.with_position_ids);
+//   const int64_t bytes = sizes.ResultBytes(sizes.MaxRows(active, sequences));
+// clang-format on
+#ifndef PACKD_KERNELS_PACK_SIZES_H_
+#define PACKD_KERNELS_PACK_SIZES_H_
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "kernels/layout.h"
+#include "kernels/tensor_view.h"
+
+namespace packd {
+
+// a * b and a + b for a, b >= 0, INT64_MAX when they overflow.
+int64_t SaturatingMul(int64_t a, int64_t b);
+int64_t SaturatingAdd(int64_t a, int64_t b);
+
+// Bytes of one [B, S] position of x ([B, S, *tail]): its item size times its
+// tail (the item size for a tensor of rank 2 or less).
+int64_t PositionBytes(const TensorView& x);
+
+// The most entries (a layout's output rows, entries of its prefix arrays, a
+// plan's micro-batches) that a response of `max_message_bytes` can hold: each
+// costs it at least 8 bytes.
+inline int64_t MaxEntriesPerMessage(int64_t max_message_bytes) {
+  return max_message_bytes / 8;
+}
+
+// Plain values; safe to share across threads.
+struct PackSizes {
+  // Result bytes of one output row: each input's row, then each shift's
+  // input's row again (its shifted copy).
+  int64_t row_bytes = 0;
+  // Result bytes over every input and shift when each holds all its
+  // positions (what bounds a Pack without a layout whose mask is unknown).
+  int64_t input_bytes = 0;
+  // Response bytes per output row besides the tensors: position ids and
+  // seq_idx, each a varint of up to 10 bytes, when asked for.
+  int64_t metadata_bytes_per_row = 0;
+  // What bounds the rows: the layout's pad multiple (>= 1), fixed.tokens.
+  int64_t pad_multiple = 1;
+  int64_t fixed_tokens = 0;
+
+  // The sizes of a Pack of inputs with these headers (unchecked: a shift
+  // naming no input adds nothing; Pack refuses it later).
+  static PackSizes Of(absl::Span<const TensorView> inputs,
+                      const LayoutOptions& layout, bool with_position_ids);
+
+  // The most output rows a Pack has for `active` packed tokens in at most
+  // `sequences` sequences (rows, or with documents at most `active`):
+  // `active` without padding, each sequence padded by at most
+  // pad_multiple - 1 rows, fixed.tokens when that is more (a CP or SP rank
+  // holds a share of these, the SP ghost pads to fewer than the unpadded
+  // sequences would). -1 when `active` is -1 (not known).
+  int64_t MaxRows(int64_t active, int64_t sequences) const;
+  // The results' bytes for `rows` output rows; input_bytes for -1.
+  int64_t ResultBytes(int64_t rows) const;
+  // A response's bytes besides its tensors for `rows` output rows of a batch
+  // of `batch_rows` rows and `sequences` sequences, at most: prefix arrays,
+  // last_index, position ids and seq_idx, as varints of up to 10 bytes each
+  // (and the rest of the message within a fixed 64).
+  int64_t MetadataBytes(int64_t rows, int64_t batch_rows,
+                        int64_t sequences) const;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_KERNELS_PACK_SIZES_H_

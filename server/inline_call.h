@@ -1,0 +1,50 @@
+// InlineCall: one Pack or Scatter call, admitted by the memory budget before
+// its request is read (BudgetedCall), run on packd's workers by its handler,
+// and answered with slices that wrap the result buffers and the call's share
+// of the budget.
+//
+// clang-format off
+//   return new InlineCall<v1::PackRequest, v1::PackResponse>(&env, context, "Pack", work);
+// clang-format on
+#ifndef PACKD_SERVER_INLINE_CALL_H_
+#define PACKD_SERVER_INLINE_CALL_H_
+
+#include <grpcpp/generic/async_generic_service.h>
+
+#include <functional>
+
+#include "absl/status/status.h"
+#include "proto/wire.h"
+#include "server/budgeted_call.h"
+#include "server/pack_reply.h"
+
+namespace packd {
+
+// Used by gRPC and packd's workers in turn, as BudgetedCall.
+template <typename Request, typename Response>
+class InlineCall final : public BudgetedCall<Request> {
+ public:
+  // The handler: the op of a parsed request, its response and results put in
+  // the reply.
+  using Work =
+      std::function<absl::Status(const Wire<Request>&, CallReply<Response>*)>;
+
+  InlineCall(const CallEnvironment* env,
+             grpc::GenericCallbackServerContext* context, const char* method,
+             Work work);
+
+ private:
+  // Its inline results, sized exactly (never more than a response may carry).
+  absl::StatusOr<int64_t> Prepare() override;
+  void Serve() override;
+  void FinishOk() override;
+  // Runs the op and makes the response.
+  absl::Status Run();
+
+  const Work work_;
+  grpc::ByteBuffer response_;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVER_INLINE_CALL_H_

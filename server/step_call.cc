@@ -1,0 +1,127 @@
+#include "server/step_call.h"
+
+#include <optional>
+#include <utility>
+
+#include "kernels/pack_sizes.h"
+#include "kernels/status_macros.h"
+#include "server/pack_reply.h"
+
+namespace packd {
+
+StepCall::StepCall(const CallEnvironment* env,
+                   grpc::GenericCallbackServerContext* context)
+    : BudgetedCall(env, context, "PackMicroBatches") {
+  Start();
+}
+
+void StepCall::OnWriteDone(bool ok) {
+  TakeOver(this);
+  std::optional<absl::Status> finish;
+  bool write = false, prepare = false;
+  std::unique_ptr<Message> written;  // let go of once unlocked
+  {
+    absl::MutexLock lock(&mu_);
+    written = std::move(current_);
+    writing_ = false;
+    if (!ok && failure_.ok()) {
+      failure_ = absl::CancelledError(
+          "the PackMicroBatches stream ended before every micro-batch was "
+          "sent");
+    }
+    if (!failure_.ok() || (pending_ == nullptr && next_ == messages_)) {
+      // Failed, or every message is written: done once no packing runs.
+      if (!preparing_) finish = failure_;
+    } else if (pending_ != nullptr) {
+      current_ = std::move(pending_);
+      writing_ = write = true;
+      prepare = preparing_ = next_ < messages_;
+    }
+  }
+  if (finish.has_value()) return Done(*finish);
+  if (write) Write();
+  if (prepare) env_.calls->Submit([this] { PrepareNext(); });
+}
+
+absl::StatusOr<int64_t> StepCall::Prepare() {
+  PACKD_ASSIGN_OR_RETURN(step_, TrainingStep::Make(parsed_, *env_.decoder,
+                                                   env_.max_message_bytes));
+  messages_ = step_->size() + 1;
+  return SaturatingMul(2, step_->max_micro_batch_bytes());
+}
+
+void StepCall::Serve() {
+  if (env_.TEST_call_hook) env_.TEST_call_hook(method_);
+  {
+    absl::MutexLock lock(&mu_);
+    preparing_ = true;
+  }
+  PrepareNext();
+}
+
+void StepCall::FinishOk() {
+  HandOff(this);  // OnDone runs on one of gRPC's threads
+  Finish(grpc::Status::OK);
+}
+
+void StepCall::PrepareNext() {
+  while (true) {
+    size_t k = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      k = next_++;
+    }
+    auto message = std::make_unique<Message>();
+    absl::Status made =
+        Guarded(method_, [&] { return Make(k, message.get()); });
+    std::optional<absl::Status> finish;
+    bool write = false, more = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!made.ok() && failure_.ok()) failure_ = made;
+      if (!failure_.ok()) {
+        preparing_ = false;
+        if (!writing_) finish = failure_;
+      } else if (writing_) {
+        pending_ = std::move(message);
+        preparing_ = false;
+      } else {
+        current_ = std::move(message);
+        writing_ = write = true;
+        more = next_ < messages_;
+        preparing_ = more;
+      }
+    }
+    if (finish.has_value()) return Done(*finish);
+    if (write) Write();
+    if (!more) return;
+  }
+}
+
+absl::Status StepCall::Make(size_t k, Message* out) {
+  auto reply = std::make_shared<CallReply<v1::PackMicroBatchesResponse>>();
+  if (k == 0) {
+    *reply->response->mutable_plan() = step_->plan();
+  } else {
+    PACKD_RETURN_IF_ERROR(env_.metrics->OnDevice(
+        step_->device(),
+        step_->PackMicroBatch(k - 1, &reply->response, &reply->buffers)));
+  }
+  const Spliced spliced = reply->response.Serialize();
+  PACKD_RETURN_IF_ERROR(env_.decoder->CheckSize("response", spliced.size()));
+  out->buffer = ToByteBuffer(spliced, reply);
+  out->bytes = spliced.size();
+  if (k > 0) {
+    out->held = env_.metrics;
+    out->held->HoldMicroBatches(1);
+  }
+  return absl::OkStatus();
+}
+
+void StepCall::Write() {
+  response_bytes_ += current_->bytes;
+  HandOff(this);  // OnWriteDone runs on one of gRPC's threads
+  StartWrite(&current_->buffer);
+}
+
+}  // namespace packd
