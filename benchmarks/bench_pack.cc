@@ -35,13 +35,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kernels/backend.h"
-#include "kernels/buffer.h"
+#include "base/buffer.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "kernels/thread_pool.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "workloads/mask_patterns.h"
 
 ABSL_FLAG(bool, smoke, false,

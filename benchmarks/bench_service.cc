@@ -45,12 +45,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
+#include "base/status_macros.h"
+#include "base/torch_interop.h"
 #include "client/client.h"
 #include "client/shm_segment.h"
 #include "kernels/pack.h"
-#include "kernels/status_macros.h"
-#include "kernels/torch/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
+#include "proto/grpc_wire.h"
 #include "proto/tensor_codec.h"
 #include "proto/wire.h"
 #include "server/server.h"
@@ -509,7 +510,7 @@ std::vector<Row> MeasureLargeCalls(LargeBatch& batch, const Servers& servers,
 
   // The limits and the C++ client, interleaved call by call so that the
   // machine's drift over the run falls on all of them alike.
-  const grpc::ByteBuffer wrapped = batch.header.ToByteBuffer();
+  const grpc::ByteBuffer wrapped = ToByteBuffer(batch.header);
   RawSocketLimit raw_unix(true, request_bytes, response_bytes);
   RawSocketLimit raw_tcp(false, request_bytes, response_bytes);
   NullServer null_unix = StartNullServer(
@@ -625,7 +626,7 @@ void MeasureSmallCalls(const Servers& servers, bool smoke) {
   const at::Tensor small_mask = at::rand({4, 128}) < 0.5;
   Wire<v1::PackRequest> header;
   CarryBatch(small_x, small_mask, &header);
-  const grpc::ByteBuffer wrapped = header.ToByteBuffer();
+  const grpc::ByteBuffer wrapped = ToByteBuffer(header);
   const int64_t active = small_mask.sum().item<int64_t>();
   const size_t response_bytes = active * 64 * 2 + 64;
   auto client = ConnectClient(servers.tcp->address(), 0);

@@ -9,11 +9,12 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/buffer.h"
-#include "kernels/dtype.h"
-#include "kernels/status_macros.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/buffer.h"
+#include "base/dtype.h"
+#include "base/status_macros.h"
+#include "base/torch_interop.h"
 #include "proto/address.h"
+#include "proto/grpc_wire.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 
@@ -405,8 +406,8 @@ absl::Status Client::EncodeTensor(const at::Tensor& t_in, SharedMemory* scratch,
       return absl::OkStatus();
     }
   }
-  outgoing->request->Carry(*out, Payload::Of(t.data_ptr(), bytes),
-                           std::make_shared<at::Tensor>(t));
+  outgoing->request->Carry(
+      *out, Payload::Of(t.data_ptr(), bytes, std::make_shared<at::Tensor>(t)));
   return absl::OkStatus();
 }
 
@@ -628,25 +629,66 @@ int Client::Parts(int64_t bytes, bool through_shared_memory,
       1, std::min<int64_t>(connection_->connections(), rows)));
 }
 
+absl::Status Client::EncodePack(const std::string& device,
+                                const PackCallOptions& options,
+                                const std::vector<at::Tensor>& tensors,
+                                const at::Tensor& mask,
+                                const at::Tensor& segment_ids,
+                                const Encoder& encode, v1::PackRequest* request,
+                                Outgoing* outgoing) {
+  request->set_device(device);
+  request->set_with_position_ids(options.with_position_ids);
+  EncodeLayout(options.layout, request);
+  PACKD_RETURN_IF_ERROR(encode(mask, request->mutable_mask(), outgoing));
+  for (const at::Tensor& t : tensors) {
+    PACKD_RETURN_IF_ERROR(encode(t, request->add_inputs(), outgoing));
+  }
+  if (segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(
+        encode(segment_ids, request->mutable_segment_ids(), outgoing));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::EncodeScatter(
+    const std::string& device, const ScatterCallOptions& options,
+    const std::vector<at::Tensor>& packed, const at::Tensor& mask,
+    const at::Tensor& segment_ids, const Encoder& encode,
+    v1::ScatterRequest* request, Outgoing* outgoing) {
+  request->set_device(device);
+  PACKD_RETURN_IF_ERROR(EncodeLayout(options.layout, request));
+  PACKD_RETURN_IF_ERROR(encode(mask, request->mutable_mask(), outgoing));
+  for (const at::Tensor& t : packed) {
+    PACKD_RETURN_IF_ERROR(encode(t, request->add_packed(), outgoing));
+  }
+  if (segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(
+        encode(segment_ids, request->mutable_segment_ids(), outgoing));
+  }
+  if (options.tail_shape.has_value()) {
+    for (int64_t d : *options.tail_shape) {
+      request->mutable_tail_shape()->add_dims(d);
+    }
+  }
+  return absl::OkStatus();
+}
+
+Client::Encoder Client::HostEncoder(SharedMemory* scratch) {
+  return [this, scratch](const at::Tensor& t, v1::Tensor* out,
+                         Outgoing* outgoing) {
+    return EncodeTensor(t, scratch, out, outgoing);
+  };
+}
+
 absl::StatusOr<Client::PackPart> Client::PackRows(
     const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
     const at::Tensor& segment_ids, const PackCallOptions& options,
     SharedMemory* scratch, int connection) {
   Wire<v1::PackRequest> request;
   Outgoing outgoing(&request);
-  request->set_device(options.device);
-  request->set_with_position_ids(options.with_position_ids);
-  EncodeLayout(options.layout, &request.message());
-  PACKD_RETURN_IF_ERROR(
-      EncodeTensor(mask, scratch, request->mutable_mask(), &outgoing));
-  for (const at::Tensor& t : tensors) {
-    PACKD_RETURN_IF_ERROR(
-        EncodeTensor(t, scratch, request->add_inputs(), &outgoing));
-  }
-  if (segment_ids.defined()) {
-    PACKD_RETURN_IF_ERROR(EncodeTensor(
-        segment_ids, scratch, request->mutable_segment_ids(), &outgoing));
-  }
+  PACKD_RETURN_IF_ERROR(EncodePack(options.device, options, tensors, mask,
+                                   segment_ids, HostEncoder(scratch),
+                                   &request.message(), &outgoing));
   // Results into shared memory: room for the largest possible result (every row
   // active). The scratch segment is sized for that; a caller's segment may not
   // be.
@@ -772,21 +814,9 @@ absl::Status Client::PackMicroBatches(
       PlanRequestOf(options.plan.ForPlanner(max_tokens_per_micro_batch), {},
                     options.plan.loss_tokens);
   request->mutable_ranks()->Assign(options.ranks.begin(), options.ranks.end());
-  v1::PackRequest* batch = request->mutable_batch();
-  batch->set_device(pack.device);
-  batch->set_with_position_ids(pack.with_position_ids);
-  EncodeLayout(pack.layout, batch);
-  PACKD_RETURN_IF_ERROR(
-      EncodeTensor(mask, scratch.get(), batch->mutable_mask(), &outgoing));
-  for (const at::Tensor& t : tensors) {
-    PACKD_RETURN_IF_ERROR(
-        EncodeTensor(t, scratch.get(), batch->add_inputs(), &outgoing));
-  }
-  if (pack.segment_ids.defined()) {
-    PACKD_RETURN_IF_ERROR(EncodeTensor(pack.segment_ids, scratch.get(),
-                                       batch->mutable_segment_ids(),
-                                       &outgoing));
-  }
+  PACKD_RETURN_IF_ERROR(EncodePack(pack.device, pack, tensors, mask,
+                                   pack.segment_ids, HostEncoder(scratch.get()),
+                                   request->mutable_batch(), &outgoing));
   if (options.loss_mask.defined()) {
     PACKD_RETURN_IF_ERROR(EncodeTensor(options.loss_mask, scratch.get(),
                                        request->mutable_loss_mask(),
@@ -795,7 +825,7 @@ absl::Status Client::PackMicroBatches(
   bool planned = false;
   auto on_message = [&](const grpc::ByteBuffer& buffer) -> absl::Status {
     Wire<v1::PackMicroBatchesResponse> reply;
-    if (absl::Status parsed = reply.Receive(buffer); !parsed.ok()) {
+    if (absl::Status parsed = Receive(buffer, &reply); !parsed.ok()) {
       return absl::InternalError(
           absl::StrCat("the server's reply: ", parsed.message()));
     }
@@ -842,7 +872,6 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
 absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
     const std::vector<at::Tensor>& packed, const at::Tensor& mask,
     const ScatterCallOptions& options) {
-  const std::optional<std::vector<int64_t>>& tail_shape = options.tail_shape;
   const std::string& device = options.device;
   const bool laid_out = options.layout.any() || options.segment_ids.defined();
   Named named = {{"mask", &mask}, {"segment_ids", &options.segment_ids}};
@@ -874,22 +903,9 @@ absl::StatusOr<std::vector<at::Tensor>> Client::Scatter(
                           int connection) -> absl::StatusOr<ScatterPart> {
     Wire<v1::ScatterRequest> request;
     Outgoing outgoing(&request);
-    request->set_device(device);
-    PACKD_RETURN_IF_ERROR(EncodeLayout(options.layout, &request.message()));
-    if (options.segment_ids.defined()) {
-      PACKD_RETURN_IF_ERROR(EncodeTensor(options.segment_ids, segment,
-                                         request->mutable_segment_ids(),
-                                         &outgoing));
-    }
-    PACKD_RETURN_IF_ERROR(
-        EncodeTensor(rows_mask, segment, request->mutable_mask(), &outgoing));
-    for (const at::Tensor& t : rows_packed) {
-      PACKD_RETURN_IF_ERROR(
-          EncodeTensor(t, segment, request->add_packed(), &outgoing));
-    }
-    if (tail_shape.has_value()) {
-      for (int64_t d : *tail_shape) request->mutable_tail_shape()->add_dims(d);
-    }
+    PACKD_RETURN_IF_ERROR(EncodeScatter(
+        device, options, rows_packed, rows_mask, options.segment_ids,
+        HostEncoder(segment), &request.message(), &outgoing));
     if (segment != nullptr && rows_mask.dim() == 2) {
       AddOutputSlices(*segment, dense_sizes, request->mutable_outputs(),
                       &outgoing.regions);

@@ -24,10 +24,10 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "base/layout_options.h"
 #include "client/connection.h"
 #include "client/device_memory.h"
 #include "client/shared_memory.h"
-#include "kernels/layout.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "planner/planner.h"
 #include "proto/wire.h"
@@ -317,6 +317,28 @@ class Client {
   // Inline bytes are recorded in `outgoing`, not copied.
   absl::Status EncodeTensor(const at::Tensor& t, SharedMemory* scratch,
                             v1::Tensor* out, Outgoing* outgoing);
+  // How a path adds a tensor to a request's field `out`: EncodeTensor (its
+  // bytes, or a slice of a shared-memory segment) on the host, EncodeGpuTensor
+  // (a slice of its device region) on a GPU.
+  using Encoder =
+      std::function<absl::Status(const at::Tensor&, v1::Tensor*, Outgoing*)>;
+  // The fields of a Pack's and a Scatter's request, the same on every path:
+  // the device, the options and the layout, then each tensor through
+  // `encode` (mask, then inputs or packed, then segment ids when defined).
+  static absl::Status EncodePack(const std::string& device,
+                                 const PackCallOptions& options,
+                                 const std::vector<at::Tensor>& tensors,
+                                 const at::Tensor& mask,
+                                 const at::Tensor& segment_ids,
+                                 const Encoder& encode,
+                                 v1::PackRequest* request, Outgoing* outgoing);
+  static absl::Status EncodeScatter(
+      const std::string& device, const ScatterCallOptions& options,
+      const std::vector<at::Tensor>& packed, const at::Tensor& mask,
+      const at::Tensor& segment_ids, const Encoder& encode,
+      v1::ScatterRequest* request, Outgoing* outgoing);
+  // EncodeTensor through `scratch` (none: inline bytes), as an Encoder.
+  Encoder HostEncoder(SharedMemory* scratch);
   // A result as a tensor: a view of its region slice (cloned when
   // `copy_out`), or a copy of its inline bytes (a tensor of `reply`).
   absl::StatusOr<at::Tensor> DecodeResult(const v1::Tensor& t, bool copy_out,
@@ -347,6 +369,8 @@ class Client {
                                            Outgoing* outgoing);
   absl::Status EncodeGpuTensor(const at::Tensor& t, int index, v1::Tensor* out,
                                Outgoing* outgoing);
+  // EncodeGpuTensor on GPU `index`, as an Encoder.
+  Encoder GpuEncoder(int index);
   // Forgets and unregisters the regions of allocations freed since the last
   // call (or of every GPU allocation, with `all`).
   void UnregisterFreed(bool all = false);

@@ -10,9 +10,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "base/buffer.h"
+#include "base/status_macros.h"
+#include "base/tsan.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "kernels/buffer.h"
-#include "kernels/status_macros.h"
+#include "proto/grpc_wire.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -167,7 +169,7 @@ absl::Status Connection::Call(
 absl::Status Connection::RawCall(int connection, const char* method,
                                  const WireMessage& request,
                                  WireMessage* response) {
-  const grpc::ByteBuffer sent = request.ToByteBuffer();
+  const grpc::ByteBuffer sent = ToByteBuffer(request);
   grpc::ByteBuffer received;
   PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* context) {
     absl::Notification done;
@@ -185,7 +187,7 @@ absl::Status Connection::RawCall(int connection, const char* method,
     done.WaitForNotification();
     return status;
   }));
-  const absl::Status parsed = response->Receive(received);
+  const absl::Status parsed = Receive(received, response);
   if (!parsed.ok()) {
     return absl::InternalError(
         absl::StrCat("the server's reply: ", parsed.message()));
@@ -196,7 +198,7 @@ absl::Status Connection::RawCall(int connection, const char* method,
 absl::Status Connection::RawStream(
     const char* method, const WireMessage& request,
     const std::function<absl::Status(const grpc::ByteBuffer&)>& on_message) {
-  const grpc::ByteBuffer sent = request.ToByteBuffer();
+  const grpc::ByteBuffer sent = ToByteBuffer(request);
   bool delivered = false;
   absl::Status refused;  // what on_message answered, when it failed
   absl::Status status = Call(

@@ -7,9 +7,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/cuda_address_range.h"
+#include "base/tensor_view.h"
 #include "client/device_memory.h"
-#include "kernels/gpu/cuda_address_range.h"
-#include "kernels/tensor_view.h"
 
 namespace packd {
 namespace {

@@ -8,10 +8,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/status_macros.h"
+#include "base/torch_interop.h"
 #include "client/client.h"
-#include "kernels/dtype.h"
-#include "kernels/status_macros.h"
-#include "kernels/torch/torch_interop.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -165,6 +165,13 @@ void Client::UnregisterFreed(bool all) {
   }
 }
 
+Client::Encoder Client::GpuEncoder(int index) {
+  return
+      [this, index](const at::Tensor& t, v1::Tensor* out, Outgoing* outgoing) {
+        return EncodeGpuTensor(t, index, out, outgoing);
+      };
+}
+
 absl::Status Client::EncodeGpuTensor(const at::Tensor& t, int index,
                                      v1::Tensor* out, Outgoing* outgoing) {
   const DType dtype = FromScalarType(t.scalar_type());
@@ -273,20 +280,11 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
   PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
   Wire<v1::PackRequest> request;
   Outgoing outgoing(&request);
-  request->set_device(absl::StrCat("uuid:", uuid));
-  request->set_with_position_ids(options.with_position_ids);
-  EncodeLayout(options.layout, &request.message());
-  PACKD_RETURN_IF_ERROR(
-      EncodeGpuTensor(mask, index, request->mutable_mask(), &outgoing));
-  for (const at::Tensor& t : tensors) {
-    PACKD_RETURN_IF_ERROR(
-        EncodeGpuTensor(t, index, request->add_inputs(), &outgoing));
-  }
-  if (options.segment_ids.defined()) {
-    PACKD_RETURN_IF_ERROR(EncodeGpuTensor(options.segment_ids.contiguous(),
-                                          index, request->mutable_segment_ids(),
-                                          &outgoing));
-  }
+  PACKD_RETURN_IF_ERROR(EncodePack(
+      absl::StrCat("uuid:", uuid), options, tensors, mask,
+      options.segment_ids.defined() ? options.segment_ids.contiguous()
+                                    : at::Tensor(),
+      GpuEncoder(index), &request.message(), &outgoing));
   Wire<v1::PackResponse> reply;
   PACKD_RETURN_IF_ERROR(CallOnGpu(index, kPackMethod, &outgoing, outputs,
                                   request->mutable_outputs(), &reply));
@@ -309,7 +307,6 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
 absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(
     int index, const std::vector<at::Tensor>& packed_in,
     const at::Tensor& mask_in, const ScatterCallOptions& options) {
-  const std::optional<std::vector<int64_t>>& tail_shape = options.tail_shape;
   UnregisterFreed();
   const at::Tensor mask = mask_in.contiguous();
   std::vector<at::Tensor> packed;
@@ -327,22 +324,11 @@ absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(
   PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
   Wire<v1::ScatterRequest> request;
   Outgoing outgoing(&request);
-  request->set_device(absl::StrCat("uuid:", uuid));
-  PACKD_RETURN_IF_ERROR(EncodeLayout(options.layout, &request.message()));
-  if (options.segment_ids.defined()) {
-    PACKD_RETURN_IF_ERROR(EncodeGpuTensor(options.segment_ids.contiguous(),
-                                          index, request->mutable_segment_ids(),
-                                          &outgoing));
-  }
-  PACKD_RETURN_IF_ERROR(
-      EncodeGpuTensor(mask, index, request->mutable_mask(), &outgoing));
-  for (const at::Tensor& t : packed) {
-    PACKD_RETURN_IF_ERROR(
-        EncodeGpuTensor(t, index, request->add_packed(), &outgoing));
-  }
-  if (tail_shape.has_value()) {
-    for (int64_t d : *tail_shape) request->mutable_tail_shape()->add_dims(d);
-  }
+  PACKD_RETURN_IF_ERROR(EncodeScatter(
+      absl::StrCat("uuid:", uuid), options, packed, mask,
+      options.segment_ids.defined() ? options.segment_ids.contiguous()
+                                    : at::Tensor(),
+      GpuEncoder(index), &request.message(), &outgoing));
   Wire<v1::ScatterResponse> reply;
   PACKD_RETURN_IF_ERROR(CallOnGpu(index, kScatterMethod, &outgoing, outputs,
                                   request->mutable_outputs(), &reply));

@@ -38,12 +38,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/dtype.h"
+#include "base/status_macros.h"
 #include "client/connection.h"
 #include "client/shm_region.h"
-#include "kernels/dtype.h"
 #include "kernels/layout.h"
-#include "kernels/status_macros.h"
 #include "planner/planner.h"
+#include "proto/grpc_wire.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 #include "workloads/lengths.h"
@@ -849,7 +850,7 @@ int StepCommand(Connection& connection) {
         const double at = ms();
         bytes += static_cast<int64_t>(buffer.Length());
         Wire<v1::PackMicroBatchesResponse> reply;
-        PACKD_RETURN_IF_ERROR(reply.Receive(buffer));
+        PACKD_RETURN_IF_ERROR(Receive(buffer, &reply));
         if (received++ == 0) {
           const v1::PlanResponse& p = reply->plan();
           std::printf(

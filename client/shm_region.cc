@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace packd {
 

@@ -17,7 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/device_runtime.h"
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 

@@ -22,8 +22,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "kernels/buffer.h"
-#include "kernels/tensor_view.h"
+#include "base/buffer.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 

@@ -17,9 +17,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/buffer.h"
+#include "base/buffer.h"
 #include "kernels/device_runtime.h"
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 

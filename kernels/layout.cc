@@ -8,8 +8,8 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
-#include "kernels/tensor_view.h"
+#include "base/status_macros.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 namespace {

@@ -11,7 +11,7 @@
 #include "kernels/device_staging.h"
 #include "kernels/pack_sizes.h"
 #include "kernels/registry.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace packd {
 namespace {

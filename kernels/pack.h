@@ -23,9 +23,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/buffer.h"
+#include "base/buffer.h"
 #include "kernels/layout.h"
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 

@@ -15,8 +15,8 @@
 #include <cstdint>
 
 #include "absl/types/span.h"
-#include "kernels/layout.h"
-#include "kernels/tensor_view.h"
+#include "base/layout_options.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 

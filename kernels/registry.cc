@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
 #include "kernels/gpu/gpu_backend.h"
 #endif

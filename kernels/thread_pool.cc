@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "kernels/spin_wait.h"
+#include "base/spin_wait.h"
 
 namespace packd {
 namespace {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "planner/internal/local_search.h"
 #include "planner/internal/packing.h"
 #include "planner/internal/partition.h"

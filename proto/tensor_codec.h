@@ -19,8 +19,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/layout.h"
-#include "kernels/tensor_view.h"
+#include "base/layout_options.h"
+#include "base/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 
 namespace packd {

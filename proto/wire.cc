@@ -4,9 +4,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/stubs/logging.h"
-#include "kernels/status_macros.h"
 
 namespace packd {
 namespace {
@@ -283,9 +283,11 @@ absl::Status ParseTensor(Reader& reader, int64_t length,
 
 }  // namespace
 
-Payload Payload::Of(const void* data, int64_t bytes) {
+Payload Payload::Of(const void* data, int64_t bytes,
+                    std::shared_ptr<const void> owner) {
   Payload payload;
   payload.size = bytes;
+  payload.owner = std::move(owner);
   if (bytes > 0) {
     payload.pieces.emplace_back(static_cast<const char*>(data),
                                 static_cast<size_t>(bytes));
@@ -453,7 +455,9 @@ void AppendTensor(int number, const v1::Tensor& t, const Payload* payload,
   AppendTag(kTensorData, kLengthDelimited, &header);
   AppendVarint(n, &header);
   for (absl::string_view piece : payload->pieces) {
-    if (!piece.empty()) out->inserts.emplace_back(header.size(), piece);
+    if (!piece.empty()) {
+      out->inserts.push_back({header.size(), piece, payload->owner});
+    }
   }
 }
 
@@ -461,18 +465,18 @@ void AppendTensor(int number, const v1::Tensor& t, const Payload* payload,
 
 int64_t Spliced::size() const {
   int64_t n = static_cast<int64_t>(header.size());
-  for (const auto& insert : inserts) n += insert.second.size();
+  for (const Insert& insert : inserts) n += insert.bytes.size();
   return n;
 }
 
-std::string Spliced::Flatten() const {
+std::string Spliced::TEST_Flatten() const {
   std::string out;
   out.reserve(size());
   size_t from = 0;
-  for (const auto& [at, piece] : inserts) {
-    out.append(header, from, at - from);
-    out.append(piece.data(), piece.size());
-    from = at;
+  for (const Insert& insert : inserts) {
+    out.append(header, from, insert.at - from);
+    out.append(insert.bytes.data(), insert.bytes.size());
+    from = insert.at;
   }
   out.append(header, from, std::string::npos);
   return out;
@@ -524,8 +528,9 @@ void AppendMessage(const Message& message, const Payloads& payloads, int depth,
       AppendTag(field->number(), kLengthDelimited, &out->header);
       AppendVarint(static_cast<uint64_t>(inner.size()), &out->header);
       const size_t base = out->header.size();
-      for (const auto& [at, piece] : inner.inserts) {
-        out->inserts.emplace_back(base + at, piece);
+      for (Spliced::Insert& insert : inner.inserts) {
+        insert.at += base;
+        out->inserts.push_back(std::move(insert));
       }
       out->header += inner.header;
     }
@@ -539,51 +544,6 @@ Spliced SerializeWithPayloads(const Message& message,
   Spliced out;
   AppendMessage(message, payloads, 0, &out);
   return out;
-}
-
-absl::Status ReadChunks(const grpc::ByteBuffer& buffer,
-                        std::vector<grpc::Slice>* slices,
-                        std::vector<absl::string_view>* chunks) {
-  slices->clear();
-  chunks->clear();
-  if (buffer.Valid()) {
-    const grpc::Status status = buffer.Dump(slices);
-    if (!status.ok()) {
-      return absl::InternalError(
-          absl::StrCat("cannot read the message: ", status.error_message()));
-    }
-  }
-  chunks->reserve(slices->size());
-  for (const grpc::Slice& slice : *slices) {
-    chunks->emplace_back(reinterpret_cast<const char*>(slice.begin()),
-                         slice.size());
-  }
-  return absl::OkStatus();
-}
-
-grpc::ByteBuffer ToByteBuffer(const Spliced& message,
-                              std::shared_ptr<const void> keep_alive) {
-  std::vector<grpc::Slice> slices;
-  slices.reserve(2 * message.inserts.size() + 1);
-  const grpc::Slice header(message.header);
-  size_t from = 0;
-  for (const auto& [at, piece] : message.inserts) {
-    if (at > from) slices.push_back(header.sub(from, at));
-    from = at;
-    auto* owner = new std::shared_ptr<const void>(keep_alive);
-    HandOff(owner);
-    slices.emplace_back(
-        const_cast<char*>(piece.data()), piece.size(),
-        [](void* p) {
-          TakeOver(p);
-          delete static_cast<std::shared_ptr<const void>*>(p);
-        },
-        owner);
-  }
-  if (message.header.size() > from) {
-    slices.push_back(header.sub(from, message.header.size()));
-  }
-  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 const Payload* WireMessage::PayloadOf(const v1::Tensor& t) const {
@@ -613,22 +573,17 @@ int64_t WireMessage::SplitPayloadBytes() const {
   return bytes;
 }
 
-void WireMessage::Carry(const v1::Tensor& t, Payload payload,
-                        std::shared_ptr<const void> owner) {
+void WireMessage::Carry(const v1::Tensor& t, Payload payload) {
   payloads_[&t] = std::move(payload);
-  if (owner != nullptr) owners_.push_back(std::move(owner));
 }
 
-absl::Status WireMessage::Receive(const grpc::ByteBuffer& buffer) {
-  std::vector<absl::string_view> chunks;
-  PACKD_RETURN_IF_ERROR(ReadChunks(buffer, &slices_, &chunks));
-  return Parse(chunks);
-}
-
-absl::Status WireMessage::Parse(absl::Span<const absl::string_view> chunks) {
+absl::Status WireMessage::Parse(absl::Span<const absl::string_view> chunks,
+                                std::shared_ptr<const void> owner) {
   payloads_.clear();
-  return ParseWithPayloads(chunks, message_->GetDescriptor()->name(),
-                           message_.get(), &payloads_);
+  PACKD_RETURN_IF_ERROR(ParseWithPayloads(
+      chunks, message_->GetDescriptor()->name(), message_.get(), &payloads_));
+  for (auto& [tensor, payload] : payloads_) payload.owner = owner;
+  return absl::OkStatus();
 }
 
 void WireMessage::CopyPayloadsIntoData() {
@@ -636,19 +591,6 @@ void WireMessage::CopyPayloadsIntoData() {
   payloads_.clear();
 }
 
-grpc::ByteBuffer WireMessage::ToByteBuffer(
-    std::shared_ptr<const void> owner) const {
-  // The buffer's slices hold the owners of every payload's memory.
-  auto owners =
-      std::make_shared<std::vector<std::shared_ptr<const void>>>(owners_);
-  if (owner != nullptr) owners->push_back(std::move(owner));
-  return ::packd::ToByteBuffer(Serialize(), std::move(owners));
-}
-
-void WireMessage::ReleaseBytes() {
-  payloads_.clear();
-  slices_.clear();
-  owners_.clear();
-}
+void WireMessage::ReleaseBytes() { payloads_.clear(); }
 
 }  // namespace packd

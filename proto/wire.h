@@ -1,5 +1,6 @@
 // Tensor-aware protobuf wire format: packd.v1 messages read from, and written
-// to, a sequence of byte chunks (gRPC's slices) without copying tensor bytes.
+// to, a sequence of byte chunks without copying tensor bytes. Transport
+// neutral: gRPC's side (slices, byte buffers) is proto/grpc_wire.h.
 //
 // The packd.v1.Tensor fields of a message (PackRequest.mask, inputs,
 // segment_ids; PackResponse.packed; ...), and those of its message fields that
@@ -16,9 +17,6 @@
 #ifndef PACKD_PROTO_WIRE_H_
 #define PACKD_PROTO_WIRE_H_
 
-#include <grpcpp/support/byte_buffer.h>
-#include <grpcpp/support/slice.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -30,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "base/tsan.h"
 #include "google/protobuf/message.h"
 #include "packd/v1/pack_service.pb.h"
 
@@ -41,35 +40,17 @@ namespace packd {
 // declares is refused (INVALID_ARGUMENT).
 inline constexpr char kRequestBytesHeader[] = "packd-request-bytes";
 
-// ThreadSanitizer and gRPC: the system's gRPC is not instrumented, so a value
-// one thread hands to gRPC and another thread receives from it (a call's
-// completion callback, a slice's release) looks unsynchronised. HandOff(p)
-// before giving gRPC `p`, and TakeOver(p) where it comes back, tell TSan
-// what gRPC's own locks guarantee. No-ops in other builds.
-#if defined(__SANITIZE_THREAD__)
-#define PACKD_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define PACKD_TSAN 1
-#endif
-#endif
-#ifdef PACKD_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-inline void HandOff(const void* p) { __tsan_release(const_cast<void*>(p)); }
-inline void TakeOver(const void* p) { __tsan_acquire(const_cast<void*>(p)); }
-#else
-inline void HandOff(const void*) {}
-inline void TakeOver(const void*) {}
-#endif
-
-// Inline tensor bytes, in place: the concatenation of `pieces`.
+// Inline tensor bytes, in place: the concatenation of `pieces`, whose memory
+// `owner` keeps alive (the received slices, or the buffer a result was
+// written to; null when the caller keeps it alive itself).
 struct Payload {
   std::vector<absl::string_view> pieces;
   int64_t size = 0;
+  std::shared_ptr<const void> owner;
 
   // A payload of one contiguous range.
-  static Payload Of(const void* data, int64_t bytes);
+  static Payload Of(const void* data, int64_t bytes,
+                    std::shared_ptr<const void> owner = nullptr);
   // Whether the bytes are contiguous (one piece, or none).
   bool contiguous() const { return pieces.size() <= 1; }
   // The first byte when contiguous (nullptr for an empty payload).
@@ -106,15 +87,22 @@ absl::Status ParseWithPayloads(absl::Span<const absl::string_view> chunks,
 // tensors must belong to a message the caller may change.
 void CopyPayloadsIntoData(const Payloads& payloads);
 
-// A message to send: `header` holds every byte but the payloads, and payload
-// i goes in at byte `inserts[i].first` of `header` (in order).
+// A message to send: `header` holds every byte but the payloads, and each
+// insert's bytes go in at its byte `at` of `header` (in order), their memory
+// kept alive by its `owner`.
 struct Spliced {
+  struct Insert {
+    size_t at;
+    absl::string_view bytes;
+    std::shared_ptr<const void> owner;
+  };
   std::string header;
-  std::vector<std::pair<size_t, absl::string_view>> inserts;
+  std::vector<Insert> inserts;
 
   int64_t size() const;
-  // For tests and plain transports: the message as one string.
-  std::string Flatten() const;
+
+  // Extra methods (for testing): the message as one string.
+  std::string TEST_Flatten() const;
 };
 
 // `message` serialized with the tensors in `payloads` carrying those
@@ -124,31 +112,18 @@ struct Spliced {
 Spliced SerializeWithPayloads(const google::protobuf::Message& message,
                               const Payloads& payloads);
 
-// gRPC's side. The chunks of a received message: views of the slices of
-// `buffer`, which `slices` holds (they must outlive the views). INTERNAL when
-// gRPC cannot read the buffer.
-absl::Status ReadChunks(const grpc::ByteBuffer& buffer,
-                        std::vector<grpc::Slice>* slices,
-                        std::vector<absl::string_view>* chunks);
-
-// `message` as a ByteBuffer to send: its header copied once into one slice,
-// its payloads wrapped without a copy in slices that hold `keep_alive` (the
-// owner of the payloads' memory) until gRPC releases them.
-grpc::ByteBuffer ToByteBuffer(const Spliced& message,
-                              std::shared_ptr<const void> keep_alive);
-
-// A message with its tensors' bytes in place, and what keeps those
-// bytes alive: the slices it was received in, or the owners of the memory it
-// is sent from. It holds the message on the heap and is the only way to reach
-// its payloads, so a payload is always found through the message it belongs
-// to: moving a WireMessage never moves the message, and it cannot be copied.
-// What every side uses (the server, the request decoder, the clients,
-// packctl); the free functions above are its parts. Not safe to share across
-// threads while it changes.
+// A message with its tensors' bytes in place, each payload holding what keeps
+// its bytes alive (the slices it was received in, or the memory it is sent
+// from). It holds the message on the heap and is the only way to reach its
+// payloads, so a payload is always found through the message it belongs to:
+// moving a WireMessage never moves the message, and it cannot be copied. What
+// every side uses (the server, the request decoder, the clients, packctl); the
+// free functions above are its parts, and proto/grpc_wire.h its transport.
+// Not safe to share across threads while it changes.
 //
 // clang-format off
 //   Wire<v1::PackResponse> reply;
-//   PACKD_RETURN_IF_ERROR(reply.Receive(buffer));
+//   PACKD_RETURN_IF_ERROR(Receive(buffer, &reply));   // proto/grpc_wire.h
 //   Payload bytes = reply.BytesOf(reply->packed(0));
 // clang-format on
 class WireMessage {
@@ -171,31 +146,25 @@ class WireMessage {
   int64_t PayloadBytes() const;
   int64_t SplitPayloadBytes() const;
 
-  // `t`, a tensor of the message, carries `payload`; `owner` keeps
-  // its memory alive until the message and any buffer sent from it are gone.
-  void Carry(const v1::Tensor& t, Payload payload,
-             std::shared_ptr<const void> owner = nullptr);
+  // `t`, a tensor of the message, carries `payload` (whose owner keeps its
+  // memory alive until the message and any buffer sent from it are gone).
+  void Carry(const v1::Tensor& t, Payload payload);
 
-  // Parses `buffer` (as ParseWithPayloads, naming the message's type), whose
-  // slices it then holds. INVALID_ARGUMENT when the bytes do not parse,
-  // INTERNAL when gRPC cannot read the buffer.
-  absl::Status Receive(const grpc::ByteBuffer& buffer);
-  // Parses `chunks`, which the caller keeps alive as long as the message.
-  absl::Status Parse(absl::Span<const absl::string_view> chunks);
+  // Parses `chunks` (as ParseWithPayloads, naming the message's type), which
+  // `owner` keeps alive (null: the caller does, as long as the message).
+  absl::Status Parse(absl::Span<const absl::string_view> chunks,
+                     std::shared_ptr<const void> owner = nullptr);
   // The message as plain protobuf: each payload copied into its `data`.
   void CopyPayloadsIntoData();
 
   // The message to send: the encoding of the message with the payloads as
-  // the tensors' data. ToByteBuffer wraps the payloads without a copy, held
-  // (with what Carry was given, and `owner`) until gRPC lets go of them.
+  // the tensors' data, each insert holding its payload's owner.
   Spliced Serialize() const {
     return SerializeWithPayloads(*message_, payloads_);
   }
-  grpc::ByteBuffer ToByteBuffer(
-      std::shared_ptr<const void> owner = nullptr) const;
 
-  // Lets go of the message's bytes (payloads, slices, owners); the message
-  // keeps its fields, its tensors' data empty.
+  // Lets go of the message's bytes (its payloads and their owners); the
+  // message keeps its fields, its tensors' data empty.
   void ReleaseBytes();
 
  protected:
@@ -204,9 +173,7 @@ class WireMessage {
 
  private:
   std::unique_ptr<google::protobuf::Message> message_;
-  std::vector<grpc::Slice> slices_;
   Payloads payloads_;
-  std::vector<std::shared_ptr<const void>> owners_;
 };
 
 // A WireMessage of type M.

@@ -5,8 +5,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "base/tsan.h"
 #include "kernels/pack_sizes.h"
-#include "kernels/status_macros.h"
 #include "packd/v1/pack_service.pb.h"
 
 namespace packd {
@@ -154,7 +155,7 @@ absl::Status BudgetedCall<Request>::Parse(int64_t* needed) {
         "the request has ", request_bytes_, " bytes, more than the ",
         declared_bytes_, " its ", kRequestBytesHeader, " header declared"));
   }
-  PACKD_RETURN_IF_ERROR(parsed_.Receive(request_));
+  PACKD_RETURN_IF_ERROR(Receive(request_, &parsed_));
   PACKD_ASSIGN_OR_RETURN(const int64_t results, Prepare());
   *needed = SaturatingAdd(SaturatingAdd(static_cast<int64_t>(request_bytes_),
                                         parsed_.SplitPayloadBytes()),

@@ -22,6 +22,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "base/tsan.h"
+#include "proto/grpc_wire.h"
 #include "proto/wire.h"
 #include "server/call.h"
 #include "server/memory_budget.h"

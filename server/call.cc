@@ -7,7 +7,7 @@
 #include <chrono>
 #include <utility>
 
-#include "kernels/spin_wait.h"
+#include "base/spin_wait.h"
 
 namespace packd {
 namespace {

@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/tsan.h"
 #include "proto/tensor_codec.h"
 #include "proto/wire.h"
 #include "server/auth.h"

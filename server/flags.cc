@@ -10,7 +10,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "kernels/thread_pool.h"
 #include "proto/address.h"
 #include "server/log.h"

@@ -6,10 +6,12 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/dtype.h"
+#include "base/dtype.h"
+#include "base/status_macros.h"
+#include "base/tsan.h"
 #include "kernels/pack_sizes.h"
-#include "kernels/status_macros.h"
 #include "packd/v1/pack_service.pb.h"
+#include "proto/grpc_wire.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {

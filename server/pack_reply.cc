@@ -3,8 +3,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/pack_sizes.h"
-#include "kernels/status_macros.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {

@@ -17,7 +17,7 @@
 #include <functional>
 #include <vector>
 
-#include "kernels/buffer.h"
+#include "base/buffer.h"
 #include "kernels/pack.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/wire.h"

@@ -7,12 +7,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/buffer.h"
+#include "base/buffer.h"
+#include "base/status_macros.h"
 #include "kernels/device_runtime.h"
 #include "kernels/pack.h"
 #include "kernels/pack_sizes.h"
 #include "kernels/registry.h"
-#include "kernels/status_macros.h"
 #include "planner/planner.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"

@@ -24,7 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 
 namespace packd {

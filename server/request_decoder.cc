@@ -6,10 +6,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/buffer.h"
-#include "kernels/dtype.h"
+#include "base/buffer.h"
+#include "base/dtype.h"
+#include "base/status_macros.h"
 #include "kernels/registry.h"
-#include "kernels/status_macros.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {

@@ -20,8 +20,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "kernels/buffer.h"
-#include "kernels/tensor_view.h"
+#include "base/buffer.h"
+#include "base/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/wire.h"
 #include "server/regions.h"

@@ -18,9 +18,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "kernels/buffer.h"
+#include "base/buffer.h"
+#include "base/status_macros.h"
 #include "kernels/registry.h"
-#include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
 #include "server/log.h"
 

@@ -8,11 +8,11 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/dtype.h"
+#include "base/dtype.h"
+#include "base/status_macros.h"
 #include "kernels/layout.h"
 #include "kernels/pack.h"
 #include "kernels/pack_sizes.h"
-#include "kernels/status_macros.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 #include "server/pack_reply.h"

@@ -22,7 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kernels/buffer.h"
+#include "base/buffer.h"
 #include "packd/v1/pack_service.pb.h"
 #include "planner/planner.h"
 #include "proto/wire.h"

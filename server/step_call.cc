@@ -3,8 +3,10 @@
 #include <optional>
 #include <utility>
 
+#include "base/status_macros.h"
+#include "base/tsan.h"
 #include "kernels/pack_sizes.h"
-#include "kernels/status_macros.h"
+#include "proto/grpc_wire.h"
 #include "server/pack_reply.h"
 
 namespace packd {

@@ -8,10 +8,10 @@
 
 #include "absl/base/call_once.h"
 #include "kernels/backend.h"
-#include "kernels/buffer.h"
+#include "base/buffer.h"
 #include "kernels/cpu/mask_scan.h"
 #include "kernels/registry.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "kernels/thread_pool.h"
 
 namespace packd {

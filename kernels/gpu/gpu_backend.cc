@@ -12,7 +12,7 @@
 #include "kernels/gpu/gpu_runtime.h"
 #include "kernels/gpu/gpu_status.h"
 #include "kernels/registry.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace packd::PACKD_GPU_NS {
 namespace {

@@ -12,10 +12,10 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/gpu/gpu_runtime.h"
 #if !defined(PACKD_GPU_FAKE) && !defined(PACKD_GPU_HIP)
-#include "kernels/gpu/cuda_address_range.h"
+#include "base/cuda_address_range.h"
 #endif
 #include "kernels/gpu/gpu_status.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace packd::PACKD_GPU_NS {
 namespace {

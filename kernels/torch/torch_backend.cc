@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/registry.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 
 namespace packd {
 namespace {

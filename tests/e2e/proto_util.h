@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/tensor_codec.h"
 #include "tests/kernels/test_util.h"

@@ -25,7 +25,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "planner/planner.h"
 #include "planner/testing/check_plan.h"

@@ -13,7 +13,7 @@
 #include "kernels/device_runtime.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {

@@ -9,7 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/registry.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"

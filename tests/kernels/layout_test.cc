@@ -20,7 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/pack.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {

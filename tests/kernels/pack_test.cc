@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/registry.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/buffer.h"
-#include "kernels/dtype.h"
+#include "base/buffer.h"
+#include "base/dtype.h"
 #include "kernels/thread_pool.h"
 
 namespace packd {

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 #include "kernels/pack.h"
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 #include "workloads/mask_patterns.h"
 
 namespace packd::testing {

@@ -9,7 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {

@@ -36,7 +36,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
 

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "proto/grpc_wire.h"
+
 namespace packd {
 namespace {
 
@@ -295,7 +297,7 @@ TEST(WireTest, NestedTensorsStayInPlace) {
   expected.mutable_packed()->mutable_packed(0)->set_data(data);
   EXPECT_EQ(spliced.size(), static_cast<int64_t>(expected.ByteSizeLong()));
   v1::PackMicroBatchesResponse back;
-  ASSERT_TRUE(back.ParseFromString(spliced.Flatten()));
+  ASSERT_TRUE(back.ParseFromString(spliced.TEST_Flatten()));
   EXPECT_TRUE(MessageDifferencer::Equals(back, expected));
 }
 
@@ -311,7 +313,7 @@ TEST(WireTest, SplicedMessagesAreProtobufMessages) {
   EXPECT_EQ(spliced.size(), static_cast<int64_t>(bytes.size()));
   EXPECT_EQ(spliced.inserts.size(), 6u);  // one input's payload is split
   v1::PackRequest reparsed;
-  ASSERT_TRUE(reparsed.ParseFromString(spliced.Flatten()));
+  ASSERT_TRUE(reparsed.ParseFromString(spliced.TEST_Flatten()));
   EXPECT_TRUE(MessageDifferencer::Equals(reparsed, original));
 
   // Through gRPC's buffers: header copied, payloads wrapped.
@@ -346,20 +348,20 @@ TEST(WireTest, AWireMessageOwnsItsMessageSlicesAndPayloads) {
   Wire<v1::PackRequest> sent;
   sent.message() = original;
   sent->mutable_inputs(1)->clear_data();
-  sent.Carry(sent->inputs(1), Payload::Of(x->data(), x->size()), x);
+  sent.Carry(sent->inputs(1), Payload::Of(x->data(), x->size(), x));
   EXPECT_EQ(sent.PayloadBytes(), static_cast<int64_t>(x->size()));
 
   std::vector<grpc::Slice> pieces;
   {
     Wire<v1::PackRequest> moved = std::move(sent);  // the message stays put
-    const grpc::ByteBuffer buffer = moved.ToByteBuffer();
+    const grpc::ByteBuffer buffer = ToByteBuffer(moved);
     moved.ReleaseBytes();
     x.reset();  // the buffer's slices still hold the payload's owner
     ASSERT_TRUE(buffer.Dump(&pieces).ok());
   }
   grpc::ByteBuffer received_bytes(pieces.data(), pieces.size());
   Wire<v1::PackRequest> received;
-  ASSERT_TRUE(received.Receive(received_bytes).ok());
+  ASSERT_TRUE(Receive(received_bytes, &received).ok());
   received_bytes.Clear();
   pieces.clear();
   Wire<v1::PackRequest> held = std::move(received);
@@ -391,7 +393,7 @@ TEST(WireTest, EmptyAndPayloadFreeMessages) {
   const Spliced spliced = SerializeWithPayloads(response, {});
   EXPECT_TRUE(spliced.inserts.empty());
   v1::PackResponse back;
-  ASSERT_TRUE(back.ParseFromString(spliced.Flatten()));
+  ASSERT_TRUE(back.ParseFromString(spliced.TEST_Flatten()));
   EXPECT_TRUE(MessageDifferencer::Equals(back, response));
 }
 

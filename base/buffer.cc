@@ -1,4 +1,4 @@
-#include "kernels/buffer.h"
+#include "base/buffer.h"
 
 #include <malloc.h>
 #include <sys/mman.h>

@@ -5,8 +5,8 @@
 //
 //   void* base; size_t size;
 //   if (CudaMemGetAddressRange(&base, &size, p) == cudaSuccess) ...
-#ifndef PACKD_KERNELS_GPU_CUDA_ADDRESS_RANGE_H_
-#define PACKD_KERNELS_GPU_CUDA_ADDRESS_RANGE_H_
+#ifndef PACKD_BASE_CUDA_ADDRESS_RANGE_H_
+#define PACKD_BASE_CUDA_ADDRESS_RANGE_H_
 
 #include <cuda_runtime_api.h>
 
@@ -42,4 +42,4 @@ inline cudaError_t CudaMemGetAddressRange(void** base, size_t* size,
 
 }  // namespace packd
 
-#endif  // PACKD_KERNELS_GPU_CUDA_ADDRESS_RANGE_H_
+#endif  // PACKD_BASE_CUDA_ADDRESS_RANGE_H_

@@ -1,4 +1,4 @@
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"

@@ -6,8 +6,8 @@
 //   if (!SpinUntil([&] { return ready.load(); },
 //   std::chrono::microseconds(50)))
 //     BlockUntilReady();
-#ifndef PACKD_KERNELS_SPIN_WAIT_H_
-#define PACKD_KERNELS_SPIN_WAIT_H_
+#ifndef PACKD_BASE_SPIN_WAIT_H_
+#define PACKD_BASE_SPIN_WAIT_H_
 
 #include <chrono>
 
@@ -30,4 +30,4 @@ bool SpinUntil(Done&& done, std::chrono::microseconds budget) {
 
 }  // namespace packd
 
-#endif  // PACKD_KERNELS_SPIN_WAIT_H_
+#endif  // PACKD_BASE_SPIN_WAIT_H_

@@ -5,12 +5,12 @@
 //   at::Tensor t = AsTensor(view);          // shares view.data
 //   TensorView v = AsView(t.contiguous());  // shares t's storage; t must outlive v
 // clang-format on
-#ifndef PACKD_KERNELS_TORCH_TORCH_INTEROP_H_
-#define PACKD_KERNELS_TORCH_TORCH_INTEROP_H_
+#ifndef PACKD_BASE_TORCH_INTEROP_H_
+#define PACKD_BASE_TORCH_INTEROP_H_
 
 #include <ATen/ATen.h>
 
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 
@@ -27,4 +27,4 @@ TensorView AsView(const at::Tensor& tensor);
 
 }  // namespace packd
 
-#endif  // PACKD_KERNELS_TORCH_TORCH_INTEROP_H_
+#endif  // PACKD_BASE_TORCH_INTEROP_H_

@@ -3,8 +3,8 @@
 //
 //   PACKD_RETURN_IF_ERROR(ValidateMask(mask));
 //   PACKD_ASSIGN_OR_RETURN(int64_t n, NumElements(shape, "mask"));
-#ifndef PACKD_KERNELS_STATUS_MACROS_H_
-#define PACKD_KERNELS_STATUS_MACROS_H_
+#ifndef PACKD_BASE_STATUS_MACROS_H_
+#define PACKD_BASE_STATUS_MACROS_H_
 
 #include <utility>
 
@@ -34,4 +34,4 @@
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()
 
-#endif  // PACKD_KERNELS_STATUS_MACROS_H_
+#endif  // PACKD_BASE_STATUS_MACROS_H_

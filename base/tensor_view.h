@@ -4,8 +4,8 @@
 //
 //   TensorView x{bytes.data(), DType::kBFloat16, {16, 1024, 4096}};
 //   PACKD_ASSIGN_OR_RETURN(int64_t n, ByteSize(x.dtype, x.shape, "inputs[0]"));
-#ifndef PACKD_KERNELS_TENSOR_VIEW_H_
-#define PACKD_KERNELS_TENSOR_VIEW_H_
+#ifndef PACKD_BASE_TENSOR_VIEW_H_
+#define PACKD_BASE_TENSOR_VIEW_H_
 
 #include <cstdint>
 #include <string>
@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 
 namespace packd {
 
@@ -90,4 +90,4 @@ inline bool CheckedAdd(int64_t a, int64_t b, int64_t* out) {
 
 }  // namespace packd
 
-#endif  // PACKD_KERNELS_TENSOR_VIEW_H_
+#endif  // PACKD_BASE_TENSOR_VIEW_H_

@@ -11,8 +11,8 @@
 // to copy 38 MiB). Results of similar sizes recur call after call, so blocks
 // are kept and handed out again; new large blocks ask for transparent huge
 // pages, which cuts the first-touch cost about eightfold.
-#ifndef PACKD_KERNELS_BUFFER_H_
-#define PACKD_KERNELS_BUFFER_H_
+#ifndef PACKD_BASE_BUFFER_H_
+#define PACKD_BASE_BUFFER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -23,7 +23,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/tensor_view.h"
+#include "base/tensor_view.h"
 
 namespace packd {
 
@@ -146,4 +146,4 @@ void KeepFreedMemoryMapped();
 
 }  // namespace packd
 
-#endif  // PACKD_KERNELS_BUFFER_H_
+#endif  // PACKD_BASE_BUFFER_H_

@@ -3,8 +3,8 @@
 //
 //   DType t = DType::kBFloat16;
 //   int64_t bytes = ItemSize(t) * n;  // 2 * n
-#ifndef PACKD_KERNELS_DTYPE_H_
-#define PACKD_KERNELS_DTYPE_H_
+#ifndef PACKD_BASE_DTYPE_H_
+#define PACKD_BASE_DTYPE_H_
 
 #include <cstdint>
 
@@ -64,4 +64,4 @@ bool ParseDType(absl::string_view name, DType* dtype);
 
 }  // namespace packd
 
-#endif  // PACKD_KERNELS_DTYPE_H_
+#endif  // PACKD_BASE_DTYPE_H_

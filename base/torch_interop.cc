@@ -1,4 +1,4 @@
-#include "kernels/torch/torch_interop.h"
+#include "base/torch_interop.h"
 
 #include <vector>
 

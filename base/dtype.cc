@@ -1,4 +1,4 @@
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 
 #include <cstring>
 
