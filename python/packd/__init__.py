@@ -13,8 +13,8 @@ through a packd server.
 # The server's version too (CMake's project version): tests/python/test_cli.py checks both.
 __version__ = "0.1.0"
 
-from packd.client import (Client, MicroBatch, PackdError, PackResult, Plan, PlannedMicroBatch,
-                          StepPlan, device_slice, varlen_kwargs)
+from packd.client import Client, PackdError, device_slice
+from packd.results import MicroBatch, PackResult, Plan, PlannedMicroBatch, StepPlan, varlen_kwargs
 from packd.layout import Layout
 from packd.ops import RemotePackOp
 

@@ -110,10 +110,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(json_format.MessageToJson(client.info(), indent=2))
                 return 0
             if args.command == "health":
-                check = client._channel.unary_unary(_HEALTH)
+                connection = client._connection
+                check = connection.channels[0].unary_unary(_HEALTH)
                 status = _health_status(check(_health_request(args.service),
                                               timeout=args.timeout,
-                                              metadata=client._metadata or None))
+                                              metadata=connection.metadata_for(None) or None))
                 print(_STATUSES.get(status, str(status)))
                 return 0 if status == 1 else 1
             if args.cost is not None and len(args.cost) != 2:

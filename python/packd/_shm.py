@@ -26,14 +26,14 @@ class Segment:
     this process or the server's lease holds it, and nothing is left in /dev/shm however the
     process ends."""
 
-    def __init__(self, client, size, key_prefix="/packd", lease_seconds=30):
+    def __init__(self, connection, size, key_prefix="/packd", lease_seconds=30):
         n = next(_counter)
         self._base = f"{key_prefix.lstrip('/')}_py_{os.getpid()}_{_TAG}_{n}"
         self._generation = itertools.count()
         self.region = f"py-{os.getpid()}-{_TAG}-{n}"
         self.size = size
         self.lease_seconds = lease_seconds
-        self._client = client
+        self._connection = connection
         self._shm = None
         self._create()
         _live.add(self)
@@ -48,10 +48,10 @@ class Segment:
         except Exception:  # pragma: no cover - tracker details vary by Python version
             pass
         try:
-            self._client._call(self._client._stub.RegisterSystemRegion,
-                               pb.RegisterSystemRegionRequest(
-                                   name=self.region, key="/" + name, offset=0,
-                                   byte_size=self.size, lease_seconds=self.lease_seconds))
+            self._connection.call(self._connection.stub.RegisterSystemRegion,
+                                  pb.RegisterSystemRegionRequest(
+                                      name=self.region, key="/" + name, offset=0,
+                                      byte_size=self.size, lease_seconds=self.lease_seconds))
         except BaseException:
             shm.close()
             raise
@@ -98,8 +98,8 @@ class Segment:
         if self._shm is None:
             return
         try:
-            self._client._call(self._client._stub.UnregisterRegion,
-                               pb.UnregisterRegionRequest(name=self.region), retries=0)
+            self._connection.call(self._connection.stub.UnregisterRegion,
+                                  pb.UnregisterRegionRequest(name=self.region), retries=0)
         except Exception:
             pass  # the server may be gone, and its lease will end the region
         self._release()

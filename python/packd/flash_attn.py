@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 import torch
 
 from packd import _default
+from packd._autograd import pack_with_grad
 from packd._default import set_client
 from packd.client import Client
 
@@ -36,28 +37,13 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return torch.arange(B * S, dtype=torch.int64, device=mask.device).view(B, S)
 
 
-class _Unpad(torch.autograd.Function):
-    """hidden [B, S, *tail] -> (hidden[mask != 0], the flattened indices); backward scatters."""
-
-    @staticmethod
-    def forward(ctx, hidden, mask, segment_ids, client, results):
-        positions = client.to_device_of(_positions(mask), hidden)
-        result = client.pack([hidden, positions], mask, segment_ids=segment_ids,
-                             cu_seqlens_dtype=torch.int32)
-        results.append(result)
-        ctx.client = client
-        ctx.tail_shape = tuple(hidden.shape[2:])
-        ctx.save_for_backward(mask)
-        indices = result.packed[1]
-        ctx.mark_non_differentiable(indices)
-        return result.packed[0], indices
-
-    @staticmethod
-    def backward(ctx, grad, _grad_indices):
-        (mask,) = ctx.saved_tensors
-        grad = ctx.client.to_device_of(grad.contiguous(), mask)
-        return (ctx.client.scatter(grad, mask, tail_shape=ctx.tail_shape), None, None, None,
-                None)
+def _unpad(hidden, mask, segment_ids, client):
+    """(hidden[mask != 0], its flattened indices, the PackResult): differentiable in hidden,
+    the backward a Scatter."""
+    positions = client.to_device_of(_positions(mask), hidden)
+    result = pack_with_grad(client, hidden, mask, segment_ids, extra=[positions],
+                            pack_kwargs=dict(cu_seqlens_dtype=torch.int32))
+    return result.packed[0], result.packed[1], result
 
 
 class _Pad(torch.autograd.Function):
@@ -95,12 +81,10 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
     client = _default.resolve(client)
     used = attention_mask != 0
     every = used if unused_mask is None else used | (unused_mask != 0)
-    results = []
     # A mask derived here is where hidden_states is; where torch cannot tell (device memory
     # of the client's own), the client moves it there.
-    packed, indices = _Unpad.apply(hidden_states, client.to_device_of(every, hidden_states),
-                                   None, client, results)
-    result = results[0]
+    packed, indices, result = _unpad(hidden_states, client.to_device_of(every, hidden_states),
+                                     None, client)
     seqused = used.sum(dim=-1, dtype=torch.int32)
     return packed, indices, result.cu_seqlens, result.max_seqlen, seqused
 
@@ -123,11 +107,9 @@ def unpad_input_for_concatenated_sequences(
     # A position's sequence: how many ends lie at or before it.
     segment_ids = torch.searchsorted(ends.contiguous(), positions.contiguous(), right=True)
     client = _default.resolve(client)
-    results = []
-    packed, indices = _Unpad.apply(
+    packed, indices, result = _unpad(
         hidden_states, client.to_device_of(mask, hidden_states),
-        client.to_device_of(segment_ids.to(torch.int32), hidden_states), client, results)
-    result = results[0]
+        client.to_device_of(segment_ids.to(torch.int32), hidden_states), client)
     return packed, indices, result.doc_cu_seqlens.to(torch.int32), result.doc_max_seqlen
 
 

@@ -4,31 +4,10 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from packd.client import Client, PackResult
+from packd._autograd import pack_with_grad
+from packd.client import Client
 from packd.layout import Layout
-
-
-class _PackFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mask, segment_ids, client, layout, with_position_ids, results):
-        result = client.pack(x, mask, segment_ids=segment_ids,
-                             with_position_ids=with_position_ids, **layout.pack_kwargs())
-        results.append(result)
-        ctx.client = client
-        ctx.layout = layout
-        ctx.tail_shape = tuple(x.shape[2:])
-        ctx.save_for_backward(mask, segment_ids)
-        ctx.mark_non_differentiable(result.cu_seqlens)
-        return result.packed, result.cu_seqlens
-
-    @staticmethod
-    def backward(ctx, grad_packed, _grad_cu_seqlens):
-        mask, segment_ids = ctx.saved_tensors
-        # On the GPU the batch came from: autograd makes the gradient where the loss is.
-        grad = ctx.client.to_device_of(grad_packed.contiguous(), mask)
-        grad_x = ctx.client.scatter(grad, mask, tail_shape=ctx.tail_shape,
-                                    segment_ids=segment_ids, **ctx.layout.scatter_kwargs())
-        return grad_x, None, None, None, None, None, None
+from packd.results import PackResult
 
 
 class RemotePackOp:
@@ -54,11 +33,11 @@ class RemotePackOp:
     def pack(self, x: torch.Tensor, mask: torch.Tensor,
              segment_ids: Optional[torch.Tensor] = None,
              with_position_ids: bool = False) -> PackResult:
-        results = []
-        packed, _ = _PackFunction.apply(x, mask, segment_ids, self.client, self.layout,
-                                        with_position_ids, results)
-        result = results[0]
-        result.packed = packed
+        result = pack_with_grad(
+            self.client, x, mask, segment_ids,
+            pack_kwargs=dict(with_position_ids=with_position_ids, **self.layout.pack_kwargs()),
+            scatter_kwargs=self.layout.scatter_kwargs())
+        result.packed = result.packed[0]
         return result
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor,

@@ -106,8 +106,8 @@ def test_each_allocation_is_registered_once(client, gpu):
         client.pack(x, mask)
     # The results are new allocations each time; the inputs' regions are the ones of the first
     # call, and the results freed since have been unregistered.
-    names = {name for name, _ in client._gpu_allocations.values()}
-    assert client._gpu_allocations[(0, gpu.allocation(x).base)][0] in first
+    names = {name for name, _ in client._gpu.allocations.values()}
+    assert client._gpu.allocations[(0, gpu.allocation(x).base)][0] in first
     assert names <= set(regions(client))
 
 
@@ -146,7 +146,7 @@ def test_a_lease_that_ran_out_is_registered_again(address, gpu):
     with packd.Client(address, device_memory=gpu, lease_seconds=1) as client:
         x, mask = gpu.put(torch.randn(4, 9, 3), 0), gpu.put(random_mask((4, 9)), 0)
         client.pack(x, mask)
-        name = client._gpu_allocations[(0, gpu.allocation(x).base)][0]
+        name = client._gpu.allocations[(0, gpu.allocation(x).base)][0]
         deadline = time.time() + 10
         while name in regions(client) and time.time() < deadline:
             time.sleep(0.1)
@@ -161,7 +161,7 @@ def test_freed_memory_is_unregistered_and_never_read_again(client, gpu):
     mask = gpu.put(random_mask((4, 32)), 0)
     x = gpu.put(torch.randn(4, 32, 16), 0)
     client.pack(x, mask)
-    name = client._gpu_allocations[(0, gpu.allocation(x).base)][0]
+    name = client._gpu.allocations[(0, gpu.allocation(x).base)][0]
     del x
     y = gpu.put(torch.randn(4, 32, 16), 0)
     assert same(client.pack(y, mask).packed, y[mask])
@@ -177,7 +177,7 @@ def test_a_region_freed_while_a_call_uses_it(gpu):
         x, mask = gpu.put(torch.randn(2, 16, 4), 0), gpu.put(random_mask((2, 16)), 0)
         want = x[mask].clone()
         client.pack(x, mask)  # registers x's allocation
-        name = client._gpu_allocations[(0, gpu.allocation(x).base)][0]
+        name = client._gpu.allocations[(0, gpu.allocation(x).base)][0]
         got = {}
         call = threading.Thread(target=lambda: got.update(r=client.pack(x, mask)))
         call.start()
@@ -192,7 +192,7 @@ def test_close_unregisters_every_device_region(address, gpu):
     client = packd.Client(address, device_memory=gpu)
     x, mask = gpu.put(torch.randn(2, 4, 3), 0), gpu.put(random_mask((2, 4)), 0)
     client.pack(x, mask)
-    names = {name for name, _ in client._gpu_allocations.values()}
+    names = {name for name, _ in client._gpu.allocations.values()}
     client.close()
     with packd.Client(address) as other:
         assert not names & set(regions(other))

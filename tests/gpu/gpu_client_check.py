@@ -202,7 +202,7 @@ def main():
                       and same(back.cpu(), back_h))
             rows += g.packed.shape[0]
         row("ulysses (sp 4, every rank)", sp_ok, detail="%d rows" % rows)
-        ours = [n for n in client._device_regions if n.startswith("py-gpu-")]
+        ours = [n for n in client._regions.device_names() if n.startswith("py-gpu-")]
         row("device regions registered", len(ours) > 0, detail="%d regions" % len(ours))
     print("gpu client checks: %d failed" % failures)
     return 1 if failures else 0

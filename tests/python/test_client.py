@@ -201,9 +201,9 @@ def test_shared_memory_and_inline_give_identical_bytes(address, client):
             a, b = shm_client.pack(x, mask), client.pack(x, mask)
             assert same(a.packed, b.packed)
             assert same(shm_client.scatter(a.packed, mask), client.scatter(b.packed, mask))
-        assert shm_client._idle  # the handle path was taken
+        assert shm_client._regions.idle  # the handle path was taken
         regions = [r.name for r in client._stub.ListRegions(packd.client.pb.ListRegionsRequest()).regions]
-        assert all(seg.region in regions for seg in shm_client._idle)
+        assert all(seg.region in regions for seg in shm_client._regions.idle)
         # Unlinked once the server mapped it: nothing to leak if this process is killed.
         assert set(glob.glob("/dev/shm/packd_py_*")) == before
     # Closed: unregistered.

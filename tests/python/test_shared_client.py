@@ -243,7 +243,7 @@ def test_a_register_call_repeated_after_a_lost_reply_succeeds(address):
         r = client.pack(x, mask)
         assert drop.left == 0, "no reply was dropped"
         assert same(bits(x)[mask].view(x.dtype), r.packed)
-        assert client._idle and all(s.region in _regions(address) for s in client._idle)
+        assert client._regions.idle and all(s.region in _regions(address) for s in client._regions.idle)
         assert _linked() == []
     assert [r for r in _regions(address) if r.startswith("py-")] == []
 
@@ -264,6 +264,6 @@ def test_close_closes_every_connection(address):
     client = packd.Client(address, shm_threshold_bytes=0, connections=3)
     assert client.info().version
     client.close()
-    for channel in client._channels:
+    for channel in client._connection.channels:
         with pytest.raises(ValueError):  # grpcio: "Cannot invoke RPC on closed channel!"
             channel.unary_unary("/grpc.health.v1.Health/Check")(b"")
