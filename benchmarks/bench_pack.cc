@@ -10,7 +10,7 @@
 // Every row is a median over --repeats runs after a warm-up. Ratios compare
 // with the limit, a memcpy of the same bytes into a touched buffer split across
 // the same threads packd uses, and with libtorch's x[mask] / nonzero +
-// index_select / index_copy_ (the seeds' NativePackOp).
+// index_select / index_copy_ (packing with libtorch's own ops).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorIndexing.h>

@@ -13,5 +13,5 @@ def test_packed_training_equals_unpacked_training(client):
     assert len(lines) == 3
     assert worst_loss <= 1e-9, lines
     assert worst_grad <= 1e-9, lines
-    # The seeds' bug: dividing each micro-batch by its own token count is another loss.
+    # The quiet bug: dividing each micro-batch by its own token count is another loss.
     assert bug > 1e-3, lines

@@ -14,8 +14,8 @@ so backward goes through packd's Scatter.
 
 --check trains the same model unpacked as well (padded rows, a per-document causal attention
 mask, positions counted from each document's start, one global denominator) in float64, and
-requires equal losses and gradients after every step, to 1e-9 relative. It also shows the bug
-the seeds warn of: a mean taken per micro-batch gives other gradients.
+requires equal losses and gradients after every step, to 1e-9 relative. It also shows the quiet
+bug: a mean taken per micro-batch gives other gradients.
 """
 import argparse
 import copy

@@ -16,14 +16,14 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/device_runtime.h"
 #include "base/tensor_view.h"
+#include "kernels/device_runtime.h"
 
 namespace packd {
 
 // What one scan of a [B, S] mask learns, on the host, plus whatever a backend
 // keeps to gather and scatter with (subclasses). Computed once per request and
-// reused for every tensor in it.
+// reused for every tensor in it. One call's: read by its ops, not shared.
 class MaskPlan {
  public:
   virtual ~MaskPlan() = default;
@@ -40,7 +40,7 @@ class MaskPlan {
 
 // Documents within rows (docs/design.md §8), in packed order: document d is
 // packed rows cu[d] .. cu[d + 1] of row row[d], its last token at dense s
-// last_index[d]. cu ends with total_active.
+// last_index[d]. cu ends with total_active. Plain values of one call.
 struct DocumentCuts {
   std::vector<int64_t> cu;
   std::vector<int64_t> row;
@@ -50,7 +50,8 @@ struct DocumentCuts {
 // One implementation of both ops, pack and scatter, for one kind of device
 // ("span" and "torch" on cpu, "gpu" on cuda or hip). It works on memory of the
 // device that the DeviceRuntime of its kind gives it, and queues its work on
-// the call's stream.
+// the call's stream. Safe to share across threads: every call of the process
+// uses the one registered instance, each with its own plan and stream.
 class Backend {
  public:
   virtual ~Backend() = default;

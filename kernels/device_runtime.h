@@ -27,7 +27,7 @@
 
 namespace packd {
 
-// One device present on this machine.
+// One device present on this machine. Plain values.
 struct DeviceInfo {
   Device device;
   uint64_t memory_bytes = 0;  // total memory; 0 when the runtime cannot say
@@ -37,7 +37,7 @@ struct DeviceInfo {
 };
 
 // Device memory another process exported, opened in this one: `owner` closes
-// it when the last holder lets go.
+// it when the last holder lets go (its copies may be held by several threads).
 struct DeviceMapping {
   void* base = nullptr;
   std::shared_ptr<void> owner;
@@ -45,7 +45,8 @@ struct DeviceMapping {
 
 // The queue one call's device work runs on, in order: a cudaStream_t or
 // hipStream_t, or nothing on the CPU, where work runs when it is called.
-// Move-only; destroying it hands the queue back to its runtime.
+// Move-only; destroying it hands the queue back to its runtime. One call's:
+// not shared across threads.
 class Stream {
  public:
   using Release = std::function<void(void* handle)>;
@@ -69,6 +70,8 @@ class Stream {
   Release release_;
 };
 
+// The memory, streams, copies and IPC of one kind of device. Safe to share
+// across threads: one runtime of each kind serves every call of the process.
 class DeviceRuntime {
  public:
   virtual ~DeviceRuntime() = default;

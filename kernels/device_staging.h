@@ -18,8 +18,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/buffer.h"
-#include "kernels/device_runtime.h"
 #include "base/tensor_view.h"
+#include "kernels/device_runtime.h"
 
 namespace packd {
 

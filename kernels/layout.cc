@@ -297,12 +297,11 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
   }
 
   if (options.max_rows > 0 && fixed.sequences > options.max_rows) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("fixed.sequences ", fixed.sequences,
-                     " asks for prefix arrays of more "
-                     "than the ",
-                     options.max_rows,
-                     " entries this server takes (--max_message_bytes / 8)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "fixed.sequences ", fixed.sequences,
+        " asks for prefix arrays of more than the ", options.max_rows,
+        " entries this call may have (what its response can "
+        "carry)"));
   }
   if (fixed.sequences == std::numeric_limits<int64_t>::max()) {
     return absl::InvalidArgumentError(
@@ -350,7 +349,7 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
     return absl::ResourceExhaustedError(absl::StrCat(
         "the layout has ", rows, " rows (pad_multiple ", options.pad_multiple,
         ", fixed.tokens ", fixed.tokens, "), more than the ", options.max_rows,
-        " this server takes (--max_message_bytes / 8)"));
+        " this call may have (what its response can carry)"));
   }
   try {
     out.source.resize(rows);

@@ -24,21 +24,21 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "base/buffer.h"
-#include "kernels/layout.h"
 #include "base/tensor_view.h"
+#include "kernels/layout.h"
 
 namespace packd {
 
 // A result tensor: `view` describes it; `storage` owns it when the library
 // allocated it, and is empty when the result was written into a caller's
-// output.
+// output. A call's value, moved to its caller; not shared across threads.
 struct ResultTensor {
   TensorView view;
   Buffer storage;
 };
 
 // Memory a caller gives for a result: `data` on `device` (host memory is
-// Device::Cpu()).
+// Device::Cpu()). A plain value.
 struct OutputPlace {
   void* data = nullptr;
   Device device;
@@ -53,6 +53,8 @@ using OutputAllocator =
     std::function<absl::StatusOr<OutputPlace>(size_t index, int64_t bytes)>;
 
 // What Pack and Scatter share: where the call runs and where results go.
+// Options are plain values, read by one call (`allocate` is called on its
+// thread only).
 struct CallOptions {
   // Implementation name ("span", "torch", ...); empty selects the device's
   // default.
@@ -87,6 +89,7 @@ struct PackOptions : CallOptions {
   LayoutOptions layout;
 };
 
+// A call's results, owned by its caller; not shared across threads.
 struct PackResult {
   std::vector<ResultTensor> packed;  // packed[i] answers inputs[i]
   std::vector<int64_t> cu_seqlens;   // [B + 1]
@@ -121,12 +124,14 @@ struct ScatterOptions : CallOptions {
   LayoutOptions layout;
 };
 
+// A call's results, owned by its caller; not shared across threads.
 struct ScatterResult {
   std::vector<ResultTensor> dense;  // dense[i] answers packed[i]
 };
 
 // Packs every input with one scan of `mask`, on the call's device (see
-// CallOptions::device).
+// CallOptions::device). Safe to call from many threads at once: each call has
+// its own plan, stream and results.
 //
 // Errors (nothing is written when one is returned):
 //   INVALID_ARGUMENT: mask not of rank 2; segment_ids not of the mask's shape

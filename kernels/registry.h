@@ -1,6 +1,6 @@
 // Registry: what this build can run on each kind of device — the op
-// implementations (Backend) and the one DeviceRuntime of each kind — the C++
-// counterpart of kernel_registry.get_op("pack").
+// implementations (Backend), found by device and name, and the one
+// DeviceRuntime of each kind.
 //
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(Backend* span, Registry::Get(Device::Cpu()));
@@ -18,12 +18,14 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "base/tensor_view.h"
 #include "kernels/backend.h"
 #include "kernels/device_runtime.h"
-#include "base/tensor_view.h"
 
 namespace packd {
 
+// Safe to share across threads: its lists are behind a mutex, and the
+// backends and runtimes it hands out are themselves safe to share.
 class Registry {
  public:
   // The process-wide registry, holding everything this build has: the host

@@ -28,7 +28,8 @@
 
 namespace packd {
 
-// A request's device, mask and tensors, checked and decoded.
+// A request's device, mask and tensors, checked and decoded. One call's: not
+// shared across threads.
 struct DecodedCall {
   Device device;
   TensorView mask;
@@ -47,6 +48,8 @@ struct DecodedCall {
   const WireMessage* wire = nullptr;
 };
 
+// Safe to share across threads: it changes nothing, and the region registry
+// it reads is safe to share.
 class RequestDecoder {
  public:
   // What one mask row costs in a plan and a response (cu_seqlens and

