@@ -1,8 +1,9 @@
 // The options of a layout for parallel attention (docs/design.md §10): what
 // a caller asks a Pack to lay its rows out as (padding, context-parallel or
-// Ulysses slices, fixed shapes, shifts, seq_idx). Plain data, shared by the
-// clients, the codec and the op library, which does the arithmetic
-// (kernels/layout.h).
+// Ulysses slices, fixed shapes, shifts, seq_idx, a stream of shared prompts:
+// §14), and a shared stream's metadata. Plain data, shared by the clients, the
+// codec and the op library, which does the arithmetic (kernels/layout.h,
+// kernels/shared_prefix.h).
 //
 //   LayoutOptions layout;
 //   layout.pad_multiple = 8; layout.cp_size = 2; layout.cp_rank = rank;
@@ -10,14 +11,14 @@
 #define PACKD_BASE_LAYOUT_OPTIONS_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace packd {
 
 // Shapes for CUDA graphs; each 0 = not fixed.
 struct FixedLayout {
-  int64_t tokens =
-      0;  // T: output rows, a trailing ghost sequence taking the rest
+  int64_t tokens = 0;      // T: output rows, a trailing ghost taking the rest
   int64_t sequences = 0;   // N: prefix arrays extended to N + 1 entries
   int64_t max_seqlen = 0;  // M: the maxima reported
 
@@ -29,6 +30,17 @@ struct FixedLayout {
 struct Shift {
   int input = 0;
   double fill = 0;
+};
+
+// Shared prompts (docs/design.md §14): GRPO groups packed with their prompt
+// once. Rows with equal `groups` share the prompt, the first
+// prefix_lengths[b] active positions of the group's first row; each member's
+// response is its active positions after those.
+struct SharedPrefix {
+  std::vector<int64_t> groups;  // [B]: rows with equal ids share a prompt
+  std::vector<int64_t> prefix_lengths;  // [B]: each row's prompt length
+  std::vector<int32_t> same_inputs;     // inputs whose prompt rows must agree
+  bool targets = false;  // Scatter only: packed holds targets, not the stream
 };
 
 struct LayoutOptions {
@@ -44,6 +56,9 @@ struct LayoutOptions {
   bool with_seq_idx = false;
   std::vector<Shift> shifts;
   FixedLayout fixed;
+  // The stream of shared prompts (§14) instead of the rows: with it, shifts
+  // are in target space and with_seq_idx gives each row's group.
+  std::optional<SharedPrefix> shared_prefix;
   // Output rows a layout may have at most (0: no limit): MakeLayout refuses
   // more with RESOURCE_EXHAUSTED before it allocates anything for them. A
   // server sets it from its message limit (each row costs at least 8 bytes).
@@ -59,8 +74,26 @@ struct LayoutOptions {
   bool any() const {
     return pad_multiple != 0 || cp_size != 0 || cp_rank != 0 || sp_size != 0 ||
            sp_rank != 0 || fixed.any() || !pad_values.empty() || with_seq_idx ||
-           !shifts.empty();
+           !shifts.empty() || shared_prefix.has_value();
   }
+};
+
+// A stream of shared prompts' attention metadata and targets (docs/design.md
+// §14): segment n's queries are stream rows cu_seqlens_q[n] ..
+// cu_seqlens_q[n + 1], its keys the stream rows kv_index[cu_seqlens_k[n] ..
+// cu_seqlens_k[n + 1]] (a prompt's own rows; a response's group prompt rows,
+// then its own); segment_row[n] is its row (a prompt's: its group's first).
+// Target t is predicted by stream row pred_index[t]; row b's targets are
+// target_cu_seqlens[b] .. target_cu_seqlens[b + 1].
+struct SharedLayout {
+  std::vector<int64_t> cu_seqlens_q;
+  std::vector<int64_t> cu_seqlens_k;
+  std::vector<int64_t> kv_index;
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_k = 0;
+  std::vector<int64_t> pred_index;
+  std::vector<int64_t> target_cu_seqlens;
+  std::vector<int64_t> segment_row;
 };
 
 }  // namespace packd

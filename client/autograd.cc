@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "proto/tensor_codec.h"
+
 namespace packd {
 namespace {
 
@@ -29,12 +31,16 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
     if (segment_ids->defined()) ctx->saved_data["segment_ids"] = *segment_ids;
     ctx->saved_data["client"] = reinterpret_cast<int64_t>(client);
     ctx->saved_data["tail"] = x.sizes().slice(2).vec();
-    ctx->saved_data["pad_multiple"] = layout->pad_multiple;
-    ctx->saved_data["cp_size"] = static_cast<int64_t>(layout->cp_size);
-    ctx->saved_data["cp_rank"] = static_cast<int64_t>(layout->cp_rank);
-    ctx->saved_data["fixed"] =
-        std::vector<int64_t>{layout->fixed.tokens, layout->fixed.sequences,
-                             layout->fixed.max_seqlen};
+    // What Scatter takes of the layout (every field that places rows), kept
+    // as the wire encodes it: one codec, so no field is left behind.
+    LayoutOptions places = *layout;
+    places.pad_values.clear();
+    places.shifts.clear();
+    places.with_seq_idx = false;
+    v1::ScatterRequest kept;
+    const absl::Status encoded = EncodeLayout(places, &kept);
+    TORCH_CHECK(encoded.ok(), encoded.ToString());
+    ctx->saved_data["layout"] = kept.SerializeAsString();
     return batch->packed[0];
   }
 
@@ -48,13 +54,10 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
       options.segment_ids = ctx->saved_data["segment_ids"].toTensor();
     }
     options.tail_shape = ctx->saved_data["tail"].toIntVector();
-    options.layout.pad_multiple = ctx->saved_data["pad_multiple"].toInt();
-    options.layout.cp_size =
-        static_cast<int32_t>(ctx->saved_data["cp_size"].toInt());
-    options.layout.cp_rank =
-        static_cast<int32_t>(ctx->saved_data["cp_rank"].toInt());
-    const std::vector<int64_t> fixed = ctx->saved_data["fixed"].toIntVector();
-    options.layout.fixed = {fixed[0], fixed[1], fixed[2]};
+    v1::ScatterRequest kept;
+    TORCH_CHECK(kept.ParseFromString(ctx->saved_data["layout"].toStringRef()),
+                "packd Scatter in backward: the saved layout does not parse");
+    options.layout = DecodeLayout(kept);
     // On the GPU the batch came from: autograd makes the gradient where the
     // loss is.
     absl::StatusOr<at::Tensor> grad =

@@ -580,6 +580,17 @@ void Client::FillMetadata(const v1::PackResponse& response,
   if (options.layout.with_seq_idx) {
     batch->seq_idx = long_tensor(response.seq_idx());
   }
+  if (response.has_shared()) {
+    const v1::SharedLayout& s = response.shared();
+    batch->shared = PackedBatch::Shared{long_tensor(s.cu_seqlens_q()),
+                                        long_tensor(s.cu_seqlens_k()),
+                                        long_tensor(s.kv_index()),
+                                        s.max_seqlen_q(),
+                                        s.max_seqlen_k(),
+                                        long_tensor(s.pred_index()),
+                                        long_tensor(s.target_cu_seqlens()),
+                                        long_tensor(s.segment_row())};
+  }
 }
 
 absl::StatusOr<std::vector<at::Tensor>> Client::Results(

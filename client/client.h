@@ -121,6 +121,15 @@ struct PackedBatch {
   int64_t max_seqlen_padded = 0;
   at::Tensor seq_idx;
   std::vector<at::Tensor> shifted;
+  // With layout.shared_prefix (docs/design.md §14): packed holds the stream,
+  // shifted[j] one row per target, and these (int64; undefined without one)
+  // its attention metadata and targets, as SharedLayout names them.
+  struct Shared {
+    at::Tensor cu_seqlens_q, cu_seqlens_k, kv_index;
+    int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+    at::Tensor pred_index, target_cu_seqlens, segment_row;
+  };
+  std::optional<Shared> shared;
 };
 
 // One micro-batch of a step: exactly Pack of the batch's rows `samples`, in

@@ -294,10 +294,17 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
   PACKD_ASSIGN_OR_RETURN(batch.shifted,
                          GpuResults(reply->shifted(), reply, {}, index));
   FillMetadata(reply.message(), options, &batch);
-  for (at::Tensor* t :
-       {&batch.cu_seqlens, &batch.position_ids, &batch.last_index,
-        &batch.doc_cu_seqlens, &batch.doc_row, &batch.doc_last_index,
-        &batch.cu_seqlens_padded, &batch.seq_idx}) {
+  std::vector<at::Tensor*> metadata = {
+      &batch.cu_seqlens,        &batch.position_ids, &batch.last_index,
+      &batch.doc_cu_seqlens,    &batch.doc_row,      &batch.doc_last_index,
+      &batch.cu_seqlens_padded, &batch.seq_idx};
+  if (batch.shared.has_value()) {
+    PackedBatch::Shared& s = *batch.shared;
+    metadata.insert(metadata.end(),
+                    {&s.cu_seqlens_q, &s.cu_seqlens_k, &s.kv_index,
+                     &s.pred_index, &s.target_cu_seqlens, &s.segment_row});
+  }
+  for (at::Tensor* t : metadata) {
     if (!t->defined()) continue;
     PACKD_ASSIGN_OR_RETURN(*t, device_memory_->ToDevice(*t, index));
   }

@@ -17,6 +17,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -78,6 +79,9 @@ struct Layout {
   std::vector<int64_t> shifted_source;
   std::vector<int64_t> position_ids;
   std::vector<int64_t> seq_idx;
+  // A stream of shared prompts (kernels/shared_prefix.h): then source,
+  // position_ids and seq_idx are per stream row and shifted_source per target.
+  std::optional<SharedLayout> shared;
 
   int64_t rows() const { return static_cast<int64_t>(source.size()); }
 };

@@ -6,12 +6,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/device_runtime.h"
 #include "kernels/device_staging.h"
 #include "kernels/pack_sizes.h"
 #include "kernels/registry.h"
-#include "base/status_macros.h"
+#include "kernels/shared_prefix.h"
 
 namespace packd {
 namespace {
@@ -228,10 +229,20 @@ absl::StatusOr<std::vector<ResultTensor>> PlaceResults(
   return results;
 }
 
+// What a call knows once its mask is scanned: its backend and runtime, the
+// plan, its sources on the device, its stream.
+struct Scanned {
+  Backend& backend;
+  DeviceRuntime& runtime;
+  const MaskPlan& plan;
+  absl::Span<const TensorView> staged;
+  const Stream& stream;
+};
 // The result shapes of an op, known once the mask is scanned; an error when
-// the sources do not fit the mask.
+// the sources do not fit the mask (or the layout refuses them). Nothing of
+// the results exists yet.
 using ShapesFn =
-    std::function<absl::StatusOr<std::vector<Shape>>(const MaskPlan& plan)>;
+    std::function<absl::StatusOr<std::vector<Shape>>(const Scanned& scanned)>;
 // Runs the op for result `index` from `source`, writing `out`, with memory of
 // `runtime` for whatever else it needs.
 using OpFn = std::function<absl::Status(
@@ -294,7 +305,9 @@ absl::StatusOr<std::vector<ResultTensor>> RunCall(
     PACKD_RETURN_IF_ERROR(
         backend->Documents(**plan, ids, *runtime, documents, stream));
   }
-  PACKD_ASSIGN_OR_RETURN(std::vector<Shape> shapes, result_shapes(**plan));
+  PACKD_ASSIGN_OR_RETURN(
+      std::vector<Shape> shapes,
+      result_shapes(Scanned{*backend, *runtime, **plan, staged, stream}));
   std::vector<TensorView> like;
   for (size_t source : of_result) like.push_back(sources[source]);
   PACKD_ASSIGN_OR_RETURN(
@@ -380,6 +393,27 @@ struct LaidOut {
     return view;
   }
 
+  // INVALID_ARGUMENT when a member's prompt differs from its group's first
+  // row's in one of `shared`'s same_inputs: the input's packed rows, made on
+  // the device (and kept for its gather), compared on the host.
+  absl::Status CheckSamePrompts(const Scanned& scanned,
+                                const SharedPrefix& shared) {
+    for (int32_t i : shared.same_inputs) {
+      const TensorView& x = scanned.staged[i];
+      PACKD_ASSIGN_OR_RETURN(TensorView rows_view,
+                             Packed(scanned.backend, scanned.runtime,
+                                    scanned.plan, i, x, scanned.stream));
+      std::vector<unsigned char> host(rows_view.nbytes());
+      if (!host.empty()) {
+        PACKD_RETURN_IF_ERROR(scanned.runtime.CopyToHost(
+            host.data(), rows_view.data, rows_view.nbytes(), scanned.stream));
+      }
+      PACKD_RETURN_IF_ERROR(::packd::CheckSamePrompts(
+          shared, scanned.plan.cu_seqlens, i, host.data(), PositionBytes(x)));
+    }
+    return absl::OkStatus();
+  }
+
   // Result rows of x, source `source` of the call, by the layout (`shift`: its
   // shifted rows), `pad` where there is no token.
   absl::Status Gather(Backend& backend, DeviceRuntime& runtime,
@@ -397,43 +431,74 @@ struct LaidOut {
     return backend.GatherRows(x, shift ? shifted_rows : rows, pad, out, stream);
   }
 
-  // The dense tensor of a Scatter of the layout's rows `p`.
+  // The dense tensor of a Scatter of `p`, whose row j holds packed token
+  // tokens[j] (the layout's source, or a shared stream's targets): every
+  // other position zero. ScatterRows takes increasing rows: a shared stream's
+  // (its groups' members interleave) are put in order first.
   absl::Status Scatter(Backend& backend, DeviceRuntime& runtime,
                        const MaskPlan& plan, const TensorView& p,
+                       const std::vector<int64_t>& tokens,
                        const TensorView& dense, const Stream& stream) {
+    TensorView rows_p = p;
+    const std::vector<int64_t>* order = &tokens;
+    std::vector<int64_t> sorted;
+    if (!std::is_sorted(tokens.begin(), tokens.end())) {
+      std::vector<int64_t> perm(tokens.size());
+      for (size_t j = 0; j < perm.size(); ++j)
+        perm[j] = static_cast<int64_t>(j);
+      std::sort(perm.begin(), perm.end(),
+                [&](int64_t a, int64_t b) { return tokens[a] < tokens[b]; });
+      for (int64_t j : perm) sorted.push_back(tokens[j]);
+      TensorView as_rows = p;  // [1, N, *tail]: GatherRows' x
+      as_rows.shape.insert(as_rows.shape.begin(), 1);
+      PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                             runtime.Allocate(p.nbytes(), stream.device()));
+      rows_p.data = buffer.data();
+      rows_p.device = stream.device();
+      held.push_back(std::move(buffer));
+      const ElementBytes zero{};
+      PACKD_RETURN_IF_ERROR(
+          backend.GatherRows(as_rows, perm, zero.data(), rows_p, stream));
+      order = &sorted;
+    }
     if (PositionBytes(dense) < kNarrowRow) {
-      // The packed rows of every real token (zero for other CP ranks'), then
+      // The packed rows of every real token (zero for other ranks'), then
       // the plain Scatter.
       PACKD_ASSIGN_OR_RETURN(TensorView view,
                              PackedRows(runtime, plan, dense, stream));
-      PACKD_RETURN_IF_ERROR(
-          backend.ScatterRows(p, layout.source, view, stream));
+      PACKD_RETURN_IF_ERROR(backend.ScatterRows(rows_p, *order, view, stream));
       return backend.Scatter(plan, Flat(view), dense, stream);
     }
-    PACKD_RETURN_IF_ERROR(Place(backend, plan, stream));
-    return backend.ScatterRows(p, rows, dense, stream);
+    std::vector<int64_t> rows;
+    PACKD_RETURN_IF_ERROR(DenseOf(backend, plan, *order, &rows, stream));
+    return backend.ScatterRows(rows_p, rows, dense, stream);
   }
 
-  // Computes the dense rows once, with the backend's packed positions.
+  // Computes the dense rows of the layout's source and shifted rows once.
   absl::Status Place(Backend& backend, const MaskPlan& plan,
                      const Stream& stream) {
     if (placed) return absl::OkStatus();
     placed = true;
-    std::vector<int64_t> positions;
-    if (plan.total_active() > 0) {
+    PACKD_RETURN_IF_ERROR(DenseOf(backend, plan, layout.source, &rows, stream));
+    return DenseOf(backend, plan, layout.shifted_source, &shifted_rows, stream);
+  }
+
+  // The dense position of each packed token of `tokens` (-1 stays -1), with
+  // the backend's packed positions (found once).
+  absl::Status DenseOf(Backend& backend, const MaskPlan& plan,
+                       const std::vector<int64_t>& tokens,
+                       std::vector<int64_t>* out, const Stream& stream) {
+    if (positions.empty() && plan.total_active() > 0) {
       PACKD_RETURN_IF_ERROR(backend.PackedPositions(plan, &positions, stream));
     }
-    auto dense = [&](const std::vector<int64_t>& tokens,
-                     std::vector<int64_t>* out) {
-      out->resize(tokens.size());
-      for (size_t j = 0; j < tokens.size(); ++j) {
-        (*out)[j] = tokens[j] < 0 ? -1 : positions[tokens[j]];
-      }
-    };
-    dense(layout.source, &rows);
-    dense(layout.shifted_source, &shifted_rows);
+    out->resize(tokens.size());
+    for (size_t j = 0; j < tokens.size(); ++j) {
+      (*out)[j] = tokens[j] < 0 ? -1 : positions[tokens[j]];
+    }
     return absl::OkStatus();
   }
+
+  std::vector<int64_t> positions;  // packed token -> dense position
 };
 
 // [rows, *x.shape[2:]]: a row-major result of `rows` rows of x's tail,
@@ -453,9 +518,23 @@ absl::Status ValidateScatterLayout(const LayoutOptions& layout, size_t packed) {
       layout.with_seq_idx) {
     return absl::InvalidArgumentError(
         "Scatter takes the layout's pad_multiple, cp_size, cp_rank, sp_size, "
-        "sp_rank and fixed; pad_values, shifts and with_seq_idx are Pack's");
+        "sp_rank, fixed and shared_prefix; pad_values, shifts and "
+        "with_seq_idx are Pack's");
   }
   return ValidateLayout(layout, packed);
+}
+
+// The layout of a scanned call: a shared stream's, or the sequences'.
+absl::StatusOr<Layout> LayoutOf(const MaskPlan& plan,
+                                const DocumentCuts& documents,
+                                bool with_documents,
+                                const LayoutOptions& options,
+                                bool with_position_ids) {
+  if (options.shared_prefix.has_value()) {
+    return MakeSharedLayout(plan.cu_seqlens, options, with_position_ids);
+  }
+  return MakeLayout(with_documents ? documents.cu : plan.cu_seqlens, options,
+                    with_position_ids);
 }
 
 }  // namespace
@@ -489,6 +568,9 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
     std::vector<DType> dtypes;
     for (const TensorView& x : inputs) dtypes.push_back(x.dtype);
     PACKD_ASSIGN_OR_RETURN(values, CheckLayout(lo, dtypes));
+    PACKD_RETURN_IF_ERROR(ValidateSharedPrefix(lo, mask.shape[0], inputs.size(),
+                                               options.segment_ids.has_value(),
+                                               /*for_pack=*/true));
     for (size_t i = 0; i < inputs.size(); ++i) sources.of_result.push_back(i);
     for (const Shift& shift : lo.shifts) {
       sources.of_result.push_back(shift.input);
@@ -497,15 +579,22 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   DocumentCuts documents;
   LaidOut laid;
   auto shapes =
-      [&](const MaskPlan& plan) -> absl::StatusOr<std::vector<Shape>> {
-    int64_t rows = plan.total_active();
+      [&](const Scanned& scanned) -> absl::StatusOr<std::vector<Shape>> {
+    const MaskPlan& plan = scanned.plan;
+    // Shifted results have a row per output row, or per target of a shared
+    // stream.
+    int64_t rows = plan.total_active(), shifted_rows = rows;
     if (laid_out) {
       PACKD_ASSIGN_OR_RETURN(
           laid.layout,
-          MakeLayout(
-              options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
-              lo, options.with_position_ids));
+          LayoutOf(plan, documents, options.segment_ids.has_value(), lo,
+                   options.with_position_ids));
       rows = laid.layout.rows();
+      shifted_rows = static_cast<int64_t>(laid.layout.shifted_source.size());
+      if (lo.shared_prefix.has_value()) {
+        PACKD_RETURN_IF_ERROR(
+            laid.CheckSamePrompts(scanned, *lo.shared_prefix));
+      }
     }
     std::vector<Shape> out;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -515,7 +604,7 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
     }
     for (size_t j = 0; j < lo.shifts.size() && laid_out; ++j) {
       PACKD_ASSIGN_OR_RETURN(Shape s,
-                             RowsShape(inputs[lo.shifts[j].input], rows,
+                             RowsShape(inputs[lo.shifts[j].input], shifted_rows,
                                        absl::StrCat("shifted[", j, "]")));
       out.push_back(std::move(s));
     }
@@ -546,7 +635,9 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   }
 
   const int64_t total = plan->total_active();
-  result.total_active = total;
+  // A shared stream's rows are fewer than the active positions.
+  result.total_active =
+      lo.shared_prefix.has_value() ? laid.layout.rows() : total;
   for (size_t b = 0; b + 1 < plan->cu_seqlens.size(); ++b) {
     result.max_seqlen = std::max(result.max_seqlen,
                                  plan->cu_seqlens[b + 1] - plan->cu_seqlens[b]);
@@ -588,6 +679,7 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
       result.position_ids = std::move(layout.position_ids);
     }
     result.seq_idx = std::move(layout.seq_idx);
+    result.shared = std::move(layout.shared);
   }
   return result;
 }
@@ -604,27 +696,37 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
   // Documents place rows only through a layout: without one, Scatter is the
   // plain one (the ids were validated, and are not read).
   const bool laid_out = options.layout.any();
+  const std::optional<SharedPrefix>& shared = options.layout.shared_prefix;
+  const bool targets = shared.has_value() && shared->targets;
   if (laid_out) {
     PACKD_RETURN_IF_ERROR(ValidateScatterLayout(options.layout, packed.size()));
+    PACKD_RETURN_IF_ERROR(ValidateSharedPrefix(
+        options.layout, mask.shape[0], packed.size(),
+        options.segment_ids.has_value(), /*for_pack=*/false));
   }
   DocumentCuts documents;
   LaidOut laid;
   auto shapes =
-      [&](const MaskPlan& plan) -> absl::StatusOr<std::vector<Shape>> {
+      [&](const Scanned& scanned) -> absl::StatusOr<std::vector<Shape>> {
+    const MaskPlan& plan = scanned.plan;
     int64_t rows = plan.total_active();
     std::string what = absl::StrCat("the mask has ", rows, " active positions");
     if (laid_out) {
       PACKD_ASSIGN_OR_RETURN(
           laid.layout,
-          MakeLayout(
-              options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
-              options.layout, /*with_position_ids=*/false));
+          LayoutOf(plan, documents, options.segment_ids.has_value(),
+                   options.layout, /*with_position_ids=*/false));
       rows = laid.layout.rows();
       what = absl::StrCat("the layout has ", rows, " rows");
       if (options.layout.cp_size > 1) {
         absl::StrAppend(&what, " on cp_rank ", options.layout.cp_rank);
       } else if (options.layout.sp_size > 1) {
         absl::StrAppend(&what, " on sp_rank ", options.layout.sp_rank);
+      } else if (targets) {
+        rows = static_cast<int64_t>(laid.layout.shifted_source.size());
+        what = absl::StrCat("the shared stream has ", rows, " targets");
+      } else if (shared.has_value()) {
+        what = absl::StrCat("the shared stream has ", rows, " rows");
       }
     }
     std::vector<Shape> out;
@@ -648,7 +750,10 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
                      const TensorView& dense,
                      const Stream& stream) -> absl::Status {
     if (!laid_out) return backend.Scatter(plan, p, dense, stream);
-    return laid.Scatter(backend, runtime, plan, p, dense, stream);
+    return laid.Scatter(
+        backend, runtime, plan, p,
+        targets ? laid.layout.shifted_source : laid.layout.source, dense,
+        stream);
   };
   std::unique_ptr<MaskPlan> plan;
   ScatterResult result;

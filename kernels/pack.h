@@ -111,6 +111,10 @@ struct PackResult {
   int64_t max_seqlen_padded = 0;
   std::vector<int64_t> seq_idx;       // one per output row, with_seq_idx
   std::vector<ResultTensor> shifted;  // shifted[j] answers layout.shifts[j]
+  // With layout.shared_prefix (docs/design.md §14): packed holds the stream
+  // (total_active its rows, cu_seqlens and max_seqlen its segments'),
+  // shifted[j] one row per target, and this the attention metadata.
+  std::optional<SharedLayout> shared;
 };
 
 struct ScatterOptions : CallOptions {

@@ -26,20 +26,21 @@ int64_t PositionBytes(const TensorView& x) {
 PackSizes PackSizes::Of(absl::Span<const TensorView> inputs,
                         const LayoutOptions& layout, bool with_position_ids) {
   PackSizes sizes;
-  auto add = [&](const TensorView& x) {
-    sizes.row_bytes = SaturatingAdd(sizes.row_bytes, PositionBytes(x));
+  auto add = [&](const TensorView& x, int64_t* row) {
+    *row = SaturatingAdd(*row, PositionBytes(x));
     int64_t bytes = ItemSize(x.dtype);
     for (int64_t d : x.shape) {
       bytes = SaturatingMul(bytes, std::max<int64_t>(d, 0));
     }
     sizes.input_bytes = SaturatingAdd(sizes.input_bytes, bytes);
   };
-  for (const TensorView& x : inputs) add(x);
+  for (const TensorView& x : inputs) add(x, &sizes.input_row_bytes);
   for (const Shift& shift : layout.shifts) {
     if (shift.input >= 0 && static_cast<size_t>(shift.input) < inputs.size()) {
-      add(inputs[shift.input]);
+      add(inputs[shift.input], &sizes.shift_row_bytes);
     }
   }
+  sizes.row_bytes = SaturatingAdd(sizes.input_row_bytes, sizes.shift_row_bytes);
   if (with_position_ids) sizes.metadata_bytes_per_row += 10;
   if (layout.with_seq_idx) sizes.metadata_bytes_per_row += 10;
   sizes.pad_multiple = std::max<int64_t>(layout.pad_multiple, 1);
@@ -56,6 +57,12 @@ int64_t PackSizes::MaxRows(int64_t active, int64_t sequences) const {
 
 int64_t PackSizes::ResultBytes(int64_t rows) const {
   return rows < 0 ? input_bytes : SaturatingMul(rows, row_bytes);
+}
+
+int64_t PackSizes::ResultBytes(int64_t rows, int64_t shifted_rows) const {
+  if (rows < 0 || shifted_rows < 0) return input_bytes;
+  return SaturatingAdd(SaturatingMul(rows, input_row_bytes),
+                       SaturatingMul(shifted_rows, shift_row_bytes));
 }
 
 int64_t PackSizes::MetadataBytes(int64_t rows, int64_t batch_rows,

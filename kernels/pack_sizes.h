@@ -38,8 +38,10 @@ inline int64_t MaxEntriesPerMessage(int64_t max_message_bytes) {
 // Plain values; safe to share across threads.
 struct PackSizes {
   // Result bytes of one output row: each input's row, then each shift's
-  // input's row again (its shifted copy).
+  // input's row again (its shifted copy): row_bytes, the sum of the two.
   int64_t row_bytes = 0;
+  int64_t input_row_bytes = 0;
+  int64_t shift_row_bytes = 0;
   // Result bytes over every input and shift when each holds all its
   // positions (what bounds a Pack without a layout whose mask is unknown).
   int64_t input_bytes = 0;
@@ -62,8 +64,11 @@ struct PackSizes {
   // holds a share of these, the SP ghost pads to fewer than the unpadded
   // sequences would). -1 when `active` is -1 (not known).
   int64_t MaxRows(int64_t active, int64_t sequences) const;
-  // The results' bytes for `rows` output rows; input_bytes for -1.
+  // The results' bytes for `rows` output rows; input_bytes for -1. With a
+  // shared stream, whose shifted results have a row per target: `rows` stream
+  // rows and `shifted_rows` targets.
   int64_t ResultBytes(int64_t rows) const;
+  int64_t ResultBytes(int64_t rows, int64_t shifted_rows) const;
   // A response's bytes besides its tensors for `rows` output rows of a batch
   // of `batch_rows` rows and `sequences` sequences, at most: prefix arrays,
   // last_index, position ids and seq_idx, as varints of up to 10 bytes each

@@ -63,11 +63,15 @@ void PipelineOrder(Plan* plan) {
 }  // namespace
 
 double SequenceCost(const PlanOptions& options, int64_t padded) {
-  const double p = static_cast<double>(padded);
+  return SegmentCost(options, padded, padded);
+}
+
+double SegmentCost(const PlanOptions& options, int64_t queries, int64_t keys) {
+  const double q = static_cast<double>(queries), k = static_cast<double>(keys);
   if (options.cost_per_token == 0 && options.cost_per_token_squared == 0) {
-    return p;
+    return q;
   }
-  return options.cost_per_token * p + options.cost_per_token_squared * p * p;
+  return options.cost_per_token * q + options.cost_per_token_squared * q * k;
 }
 
 int64_t MicroBatchLowerBound(absl::Span<const int64_t> lengths,

@@ -120,6 +120,11 @@ int64_t MicroBatchLowerBound(absl::Span<const int64_t> lengths,
 // What the planner costs each sample by (without explicit costs), and what a
 // step sums over a row's sequences.
 double SequenceCost(const PlanOptions& options, int64_t padded);
+// The cost of attention over a segment of `queries` rows with `keys` keys (a
+// response attending to its shared prompt too, docs/design.md §14):
+// cost_per_token * queries + cost_per_token_squared * queries * keys, or
+// queries when both are 0. SequenceCost(P) is SegmentCost(P, P).
+double SegmentCost(const PlanOptions& options, int64_t queries, int64_t keys);
 
 }  // namespace packd
 

@@ -47,6 +47,29 @@ FixedLayout DecodeFixed(const v1::FixedLayout& fixed) {
   return FixedLayout{fixed.tokens(), fixed.sequences(), fixed.max_seqlen()};
 }
 
+void EncodeShared(const std::optional<SharedPrefix>& shared,
+                  v1::SharedPrefix* out) {
+  out->mutable_groups()->Assign(shared->groups.begin(), shared->groups.end());
+  out->mutable_prefix_lengths()->Assign(shared->prefix_lengths.begin(),
+                                        shared->prefix_lengths.end());
+  out->mutable_same_inputs()->Assign(shared->same_inputs.begin(),
+                                     shared->same_inputs.end());
+  out->set_targets(shared->targets);
+}
+
+std::optional<SharedPrefix> DecodeShared(bool present,
+                                         const v1::SharedPrefix& shared) {
+  if (!present) return std::nullopt;
+  SharedPrefix out;
+  out.groups.assign(shared.groups().begin(), shared.groups().end());
+  out.prefix_lengths.assign(shared.prefix_lengths().begin(),
+                            shared.prefix_lengths().end());
+  out.same_inputs.assign(shared.same_inputs().begin(),
+                         shared.same_inputs().end());
+  out.targets = shared.targets();
+  return out;
+}
+
 }  // namespace
 
 void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
@@ -65,6 +88,9 @@ void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
     s->set_fill(shift.fill);
   }
   if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
+  if (layout.shared_prefix.has_value()) {
+    EncodeShared(layout.shared_prefix, request->mutable_shared_prefix());
+  }
 }
 
 absl::Status EncodeLayout(const LayoutOptions& layout,
@@ -73,7 +99,8 @@ absl::Status EncodeLayout(const LayoutOptions& layout,
       layout.with_seq_idx) {
     return absl::InvalidArgumentError(
         "Scatter takes the layout's pad_multiple, cp_size, cp_rank, sp_size, "
-        "sp_rank and fixed; pad_values, shifts and with_seq_idx are Pack's");
+        "sp_rank, fixed and shared_prefix; pad_values, shifts and "
+        "with_seq_idx are Pack's");
   }
   request->set_pad_multiple(layout.pad_multiple);
   request->set_cp_size(layout.cp_size);
@@ -81,6 +108,9 @@ absl::Status EncodeLayout(const LayoutOptions& layout,
   request->set_sp_size(layout.sp_size);
   request->set_sp_rank(layout.sp_rank);
   if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
+  if (layout.shared_prefix.has_value()) {
+    EncodeShared(layout.shared_prefix, request->mutable_shared_prefix());
+  }
   return absl::OkStatus();
 }
 
@@ -98,6 +128,8 @@ LayoutOptions DecodeLayout(const v1::PackRequest& request) {
     layout.shifts.push_back({shift.input(), shift.fill()});
   }
   layout.fixed = DecodeFixed(request.fixed());
+  layout.shared_prefix =
+      DecodeShared(request.has_shared_prefix(), request.shared_prefix());
   return layout;
 }
 
@@ -109,7 +141,24 @@ LayoutOptions DecodeLayout(const v1::ScatterRequest& request) {
   layout.sp_size = request.sp_size();
   layout.sp_rank = request.sp_rank();
   layout.fixed = DecodeFixed(request.fixed());
+  layout.shared_prefix =
+      DecodeShared(request.has_shared_prefix(), request.shared_prefix());
   return layout;
+}
+
+void EncodeSharedLayout(const SharedLayout& shared, v1::SharedLayout* out) {
+  auto assign = [](const std::vector<int64_t>& from,
+                   google::protobuf::RepeatedField<int64_t>* to) {
+    to->Assign(from.begin(), from.end());
+  };
+  assign(shared.cu_seqlens_q, out->mutable_cu_seqlens_q());
+  assign(shared.cu_seqlens_k, out->mutable_cu_seqlens_k());
+  assign(shared.kv_index, out->mutable_kv_index());
+  out->set_max_seqlen_q(shared.max_seqlen_q);
+  out->set_max_seqlen_k(shared.max_seqlen_k);
+  assign(shared.pred_index, out->mutable_pred_index());
+  assign(shared.target_cu_seqlens, out->mutable_target_cu_seqlens());
+  assign(shared.segment_row, out->mutable_segment_row());
 }
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {

@@ -49,6 +49,9 @@ absl::Status EncodeLayout(const LayoutOptions& layout,
 LayoutOptions DecodeLayout(const v1::PackRequest& request);
 LayoutOptions DecodeLayout(const v1::ScatterRequest& request);
 
+// A shared stream's metadata (docs/design.md §14) into a PackResponse.shared.
+void EncodeSharedLayout(const SharedLayout& shared, v1::SharedLayout* out);
+
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

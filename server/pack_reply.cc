@@ -100,6 +100,9 @@ std::vector<ResultTensor> SetPackResponse(PackResult result,
                                            result.position_ids.end());
   response->mutable_last_index()->Assign(result.last_index.begin(),
                                          result.last_index.end());
+  if (result.shared.has_value()) {
+    EncodeSharedLayout(*result.shared, response->mutable_shared());
+  }
   for (ResultTensor& shifted : result.shifted) {
     result.packed.push_back(std::move(shifted));
   }

@@ -13,6 +13,7 @@
 #include "kernels/layout.h"
 #include "kernels/pack.h"
 #include "kernels/pack_sizes.h"
+#include "kernels/shared_prefix.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 #include "server/pack_reply.h"
@@ -93,17 +94,28 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   // refuse is refused before the plan is sent.
   std::vector<DType> dtypes;
   for (const TensorView& x : step->call_.tensors) dtypes.push_back(x.dtype);
-  if (absl::Status layout =
-          CheckLayout(DecodeLayout(message.batch()), dtypes).status();
-      !layout.ok()) {
-    return absl::Status(layout.code(),
-                        absl::StrCat("batch.", layout.message()));
+  const LayoutOptions layout = DecodeLayout(message.batch());
+  absl::Status checked = CheckLayout(layout, dtypes).status();
+  if (checked.ok()) {
+    checked =
+        ValidateSharedPrefix(layout, step->call_.mask.shape[0], dtypes.size(),
+                             step->call_.segment_ids.has_value(),
+                             /*for_pack=*/true);
+  }
+  if (!checked.ok()) {
+    return absl::Status(checked.code(),
+                        absl::StrCat("batch.", checked.message()));
+  }
+  if (layout.shared_prefix.has_value() && asked.groups_size() > 0) {
+    return absl::InvalidArgumentError(
+        "plan.groups must be empty with batch.shared_prefix: its groups are "
+        "the planning units");
   }
   v1::PlanRequest filled = asked;
-  std::vector<std::vector<int64_t>> sequences;
+  std::vector<Measured> rows;
   PACKD_RETURN_IF_ERROR(
       step->Measure(message.has_loss_mask() ? &message.loss_mask() : nullptr,
-                    decoder, &filled, &sequences));
+                    decoder, &filled, &rows));
   // The mask is valid now (Measure packed it); the inputs' rows are gathered
   // per micro-batch before any Pack sees them, so their shapes are checked
   // here.
@@ -116,6 +128,9 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   // tokens the whole row's: the planner's bound between them does not hold.
   PlanOptions options = PlanOptionsOf(filled);
   options.loss_tokens_within_lengths = false;
+  if (layout.shared_prefix.has_value()) {
+    options.groups = layout.shared_prefix->groups;  // a group is one unit
+  }
   absl::StatusOr<Plan> planned = PlanWithinMessage(
       LengthsOf(filled), LossTokensOf(filled), options, max_message_bytes);
   if (!planned.ok()) {
@@ -127,13 +142,14 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   EncodePlan(*planned, &step->plan_);
   PACKD_RETURN_IF_ERROR(
       decoder.CheckSize("plan message", step->plan_.ByteSizeLong()));
-  PACKD_RETURN_IF_ERROR(step->Choose(message, sequences));
+  PACKD_RETURN_IF_ERROR(step->Choose(message, rows));
   return step;
 }
 
-absl::Status TrainingStep::Measure(
-    const v1::Tensor* loss_mask, const RequestDecoder& decoder,
-    v1::PlanRequest* plan, std::vector<std::vector<int64_t>>* sequences) {
+absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
+                                   const RequestDecoder& decoder,
+                                   v1::PlanRequest* plan,
+                                   std::vector<Measured>* rows) {
   const TensorView& mask = call_.mask;
   std::optional<TensorView> loss;
   if (loss_mask != nullptr) {
@@ -156,22 +172,28 @@ absl::Status TrainingStep::Measure(
   const int64_t B = mask.shape[0];
   extents_.resize(B);
   for (int64_t b = 0; b < B; ++b) extents_[b] = r.last_index[b] + 1;
-  sequences->assign(B, {});
+  rows->assign(B, {});
+  const PlanOptions model = PlanOptionsOf(*plan);
+  if (batch_.has_shared_prefix()) {
+    PACKD_RETURN_IF_ERROR(MeasureShared(r, loss, model, plan, rows));
+    plan->clear_cost_per_token();
+    plan->clear_cost_per_token_squared();
+    return absl::OkStatus();
+  }
   if (call_.segment_ids.has_value()) {
     for (size_t d = 0; d < r.doc_row.size(); ++d) {
-      (*sequences)[r.doc_row[d]].push_back(r.doc_cu_seqlens[d + 1] -
-                                           r.doc_cu_seqlens[d]);
+      (*rows)[r.doc_row[d]].sequences.push_back(r.doc_cu_seqlens[d + 1] -
+                                                r.doc_cu_seqlens[d]);
     }
   } else {
     for (int64_t b = 0; b < B; ++b) {
-      (*sequences)[b].push_back(r.cu_seqlens[b + 1] - r.cu_seqlens[b]);
+      (*rows)[b].sequences.push_back(r.cu_seqlens[b + 1] - r.cu_seqlens[b]);
     }
   }
   const int64_t m = std::max<int64_t>(batch_.pad_multiple(), 1);
   // One CP or SP rank's share of a row's rows is what one GPU holds of it.
   const int64_t c = std::max<int32_t>(batch_.cp_size(), 1);
   const int64_t u = std::max<int32_t>(batch_.sp_size(), 1);
-  const PlanOptions model = PlanOptionsOf(*plan);
   const char* loss_bytes = loss.has_value()
                                ? static_cast<const char*>(r.packed[0].view.data)
                                : nullptr;
@@ -179,10 +201,10 @@ absl::Status TrainingStep::Measure(
   for (int64_t b = 0; b < B; ++b) {
     int64_t padded = 0;
     double cost = 0;
-    for (int64_t L : (*sequences)[b]) {
-      const int64_t rows = (L + m - 1) / m * m;
-      padded += rows;
-      cost += SequenceCost(model, rows);
+    for (int64_t L : (*rows)[b].sequences) {
+      const int64_t P = (L + m - 1) / m * m;
+      padded += P;
+      cost += SequenceCost(model, P);
     }
     plan->add_lengths((padded / c + u - 1) / u);
     plan->add_costs(cost);
@@ -199,9 +221,66 @@ absl::Status TrainingStep::Measure(
   return absl::OkStatus();
 }
 
-absl::Status TrainingStep::Choose(
-    const v1::PackMicroBatchesRequest& request,
-    const std::vector<std::vector<int64_t>>& sequences) {
+absl::Status TrainingStep::MeasureShared(const PackResult& r,
+                                         const std::optional<TensorView>& loss,
+                                         const PlanOptions& model,
+                                         v1::PlanRequest* plan,
+                                         std::vector<Measured>* rows) {
+  const LayoutOptions layout = DecodeLayout(batch_);
+  const SharedPrefix& shared = *layout.shared_prefix;
+  // The whole batch's stream: prompts within their rows' tokens, and the
+  // prompts that must agree checked on the host, before anything is planned.
+  PACKD_ASSIGN_OR_RETURN(
+      const Layout stream,
+      MakeSharedLayout(r.cu_seqlens, layout, /*with_position_ids=*/false));
+  for (int32_t i : shared.same_inputs) {
+    const TensorView& x = call_.tensors[i];
+    PackOptions host;
+    host.device = Device::Cpu();
+    PACKD_ASSIGN_OR_RETURN(PackResult packed, Pack({x}, call_.mask, host));
+    PACKD_RETURN_IF_ERROR(CheckSamePrompts(
+        shared, r.cu_seqlens, i,
+        static_cast<const unsigned char*>(packed.packed[0].view.data),
+        PositionBytes(x)));
+  }
+  const SharedLayout& s = *stream.shared;
+  const int64_t B = static_cast<int64_t>(rows->size());
+  // Each segment costs its row (a prompt's: its group's first).
+  std::vector<int64_t> length(B, 0);
+  std::vector<double> cost(B, 0);
+  for (size_t n = 0; n + 1 < s.cu_seqlens_q.size(); ++n) {
+    const int64_t b = s.segment_row[n];
+    const int64_t q = s.cu_seqlens_q[n + 1] - s.cu_seqlens_q[n];
+    const int64_t k = s.cu_seqlens_k[n + 1] - s.cu_seqlens_k[n];
+    length[b] += q;
+    cost[b] += SegmentCost(model, q, k);
+    (*rows)[b].keys += k;
+    ++(*rows)[b].segments;
+  }
+  const char* loss_bytes = loss.has_value()
+                               ? static_cast<const char*>(r.packed[0].view.data)
+                               : nullptr;
+  const int64_t loss_item = loss.has_value() ? ItemSize(loss->dtype) : 0;
+  for (int64_t b = 0; b < B; ++b) {
+    // Row b's targets are its active tokens j >= max(P, 1).
+    const int64_t active = r.cu_seqlens[b + 1] - r.cu_seqlens[b];
+    const int64_t first =
+        std::min(active, std::max<int64_t>(shared.prefix_lengths[b], 1));
+    (*rows)[b].targets = active - first;
+    plan->add_lengths(length[b]);
+    plan->add_costs(cost[b]);
+    plan->add_loss_tokens(
+        loss_bytes == nullptr
+            ? active - first
+            : CountNonzero(loss->dtype,
+                           loss_bytes + (r.cu_seqlens[b] + first) * loss_item,
+                           active - first));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
+                                  const std::vector<Measured>& rows) {
   const int32_t ranks = std::max<int32_t>(request.plan().num_ranks(), 1);
   absl::flat_hash_set<int32_t> wanted;
   for (int i = 0; i < request.ranks_size(); ++i) {
@@ -230,10 +309,13 @@ absl::Status TrainingStep::Choose(
   for (const v1::MicroBatch& mb : plan_.micro_batches()) {
     const int at = index[mb.rank()]++;
     if (!wanted.empty() && !wanted.contains(mb.rank())) continue;
-    int64_t rows = 0;
+    int64_t out_rows = 0, targets = 0, entries = 0;
     std::vector<int64_t> starts = {0};
     for (int64_t b : mb.samples()) {
-      for (int64_t L : sequences[b]) starts.push_back(starts.back() + L);
+      for (int64_t L : rows[b].sequences) starts.push_back(starts.back() + L);
+      // A shared stream's targets, keys, and per-segment arrays.
+      targets += rows[b].targets;
+      entries += rows[b].keys + rows[b].targets + 3 * rows[b].segments;
     }
     if (layout.fixed.any()) {
       // `fixed` applies to each micro-batch: every one must fit it.
@@ -244,16 +326,19 @@ absl::Status TrainingStep::Choose(
             absl::StrCat("micro-batch ", at, " of rank ", mb.rank(), ": ",
                          laid.status().message()));
       }
-      rows = laid->rows();
+      out_rows = laid->rows();
     } else {
       // The plan counted each sample's share of the rows (Measure's lengths),
       // with SP rounded up for each: at least the micro-batch's rows.
-      rows = mb.padded_tokens();
+      out_rows = mb.padded_tokens();
     }
     const int64_t sequence_count = static_cast<int64_t>(starts.size()) - 1;
+    const bool shared = batch_.has_shared_prefix();
     const int64_t reply = SaturatingAdd(
-        sizes.ResultBytes(rows),
-        sizes.MetadataBytes(rows, mb.samples_size(), sequence_count));
+        sizes.ResultBytes(out_rows, shared ? targets : out_rows),
+        SaturatingAdd(
+            sizes.MetadataBytes(out_rows, mb.samples_size(), sequence_count),
+            SaturatingMul(10, entries)));
     if (reply > max_message_bytes_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "micro-batch ", at, " of rank ", mb.rank(), " would be about ", reply,
@@ -330,10 +415,19 @@ absl::Status TrainingStep::PackMicroBatch(
   base.allocate = IntoReply(response, slot, buffers, max_message_bytes_,
                             RequestDecoder::kBytesPerMaskRow *
                                 (static_cast<int64_t>(rows.size()) + 1));
-  PACKD_ASSIGN_OR_RETURN(
-      PackResult result,
-      Pack(inputs, mask,
-           PackOptionsOf(batch_, base, segment_ids, max_message_bytes_)));
+  PackOptions options =
+      PackOptionsOf(batch_, base, segment_ids, max_message_bytes_);
+  if (options.layout.shared_prefix.has_value()) {
+    // The micro-batch's rows' groups and prompts, in plan order.
+    SharedPrefix& shared = *options.layout.shared_prefix;
+    SharedPrefix mine{{}, {}, shared.same_inputs};
+    for (int64_t b : rows) {
+      mine.groups.push_back(shared.groups[b]);
+      mine.prefix_lengths.push_back(shared.prefix_lengths[b]);
+    }
+    shared = std::move(mine);
+  }
+  PACKD_ASSIGN_OR_RETURN(PackResult result, Pack(inputs, mask, options));
   EncodeResults(SetPackResponse(std::move(result), packed), {}, slot);
   return absl::OkStatus();
 }

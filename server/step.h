@@ -18,11 +18,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/buffer.h"
+#include "kernels/pack.h"
 #include "packd/v1/pack_service.pb.h"
 #include "planner/planner.h"
 #include "proto/wire.h"
@@ -75,18 +77,33 @@ class TrainingStep {
     const v1::MicroBatch* micro_batch;
     int index;  // position in its rank
   };
+  // What Measure learns of a row: its sequences' real lengths, and with a
+  // shared prefix its targets, keys and segments in the stream.
+  struct Measured {
+    std::vector<int64_t> sequences;
+    int64_t targets = 0;
+    int64_t keys = 0;
+    int64_t segments = 0;
+  };
 
   TrainingStep(const v1::PackRequest& batch, int64_t max_message_bytes)
       : batch_(batch), max_message_bytes_(max_message_bytes) {}
   // Measures the rows and fills the plan request's lengths, loss tokens and
-  // costs; `sequences` gets each row's real sequence lengths.
+  // costs; `rows` gets what it learns of each.
   absl::Status Measure(const v1::Tensor* loss_mask,
                        const RequestDecoder& decoder, v1::PlanRequest* plan,
-                       std::vector<std::vector<int64_t>>* sequences);
+                       std::vector<Measured>* rows);
+  // A shared prefix's rows measured (docs/design.md §14): a group's stream
+  // rows and cost over its rows (its prompt's on its first), each row's
+  // targets active in `loss` (the loss mask's active values, packed).
+  absl::Status MeasureShared(const PackResult& measured,
+                             const std::optional<TensorView>& loss,
+                             const PlanOptions& model, v1::PlanRequest* plan,
+                             std::vector<Measured>* rows);
   // Chooses the micro-batches sent and checks each against the layout and
   // the message limit.
   absl::Status Choose(const v1::PackMicroBatchesRequest& request,
-                      const std::vector<std::vector<int64_t>>& sequences);
+                      const std::vector<Measured>& rows);
   // A view of rows `rows` of `x` ([B, S, ...]) gathered into a pooled buffer
   // (`extents`: only positions [0, extents[b]) of row b), kept in `held`.
   absl::StatusOr<TensorView> GatherRows(const TensorView& x,

@@ -4,7 +4,7 @@ The client's parts: the connection (packd/_connection.py: channels, TLS, retries
 (packd/_regions.py: the shared-memory scratch pool, registering again what the server lost),
 the GPU path (packd/_gpu.py), the requests every path builds alike (packd/_requests.py) and
 the results (packd/results.py). This module is the public calls."""
-import os
+import dataclasses
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -14,9 +14,9 @@ from packd import _device, _memory, _requests, _wire
 from packd._connection import Connection, Interceptor, PackdError, PackdValueError
 from packd._gpu import Gpu
 from packd._regions import Regions
-from packd.layout import Layout
-from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, StepPlan, joined,
-                           pack_result, varlen_kwargs)
+from packd.layout import Layout, SharedPrefix
+from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, SharedResult,
+                           StepPlan, joined, pack_result, varlen_kwargs)
 from packd.v1 import pack_service_pb2 as pb
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -27,16 +27,18 @@ Shifts = Sequence[Tuple[int, Number]]
 Fixed = Optional[Sequence[int]]
 
 __all__ = ["Client", "MicroBatch", "PackResult", "PackdError", "PackdValueError", "Plan",
-           "PlannedMicroBatch", "StepPlan", "device_slice", "varlen_kwargs"]
+           "PlannedMicroBatch", "SharedPrefix", "SharedResult", "StepPlan", "device_slice",
+           "varlen_kwargs"]
 
 
 def _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed, sp_size,
-            sp_rank):
+            sp_rank, shared_prefix=None):
     """The Layout of a call's keyword arguments."""
     return Layout(pad_multiple=pad_multiple, pad_values=pad_values, cp_size=cp_size,
                   cp_rank=cp_rank, with_seq_idx=with_seq_idx,
                   shifts=tuple(tuple(s) for s in shifts),
-                  fixed=tuple(fixed) if fixed else None, sp_size=sp_size, sp_rank=sp_rank)
+                  fixed=tuple(fixed) if fixed else None, sp_size=sp_size, sp_rank=sp_rank,
+                  shared_prefix=shared_prefix)
 
 
 def _rows(t, rows):
@@ -200,7 +202,7 @@ class Client:
              pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
              cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
              shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
-             sp_rank: int = 0) -> PackResult:
+             sp_rank: int = 0, shared_prefix: Optional[SharedPrefix] = None) -> PackResult:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
         packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
         active tokens of each row are also cut into documents where the id changes: the doc_*
@@ -209,10 +211,12 @@ class Client:
         Layouts for parallel attention (packd.Layout, docs/operation.md): pad_multiple,
         pad_values, cp_size / cp_rank, sp_size / sp_rank (Ulysses), with_seq_idx, shifts
         ([(input, fill)]: next-token views in `shifted`) and fixed ((tokens, sequences,
-        max_seqlen)). Raises PackdValueError (a ValueError) for malformed input, PackdError for
+        max_seqlen)). shared_prefix (packd.SharedPrefix): GRPO groups with their prompt once,
+        the result's `shared` their attention metadata and targets (docs/operation.md, "Shared
+        prompts"). Raises PackdValueError (a ValueError) for malformed input, PackdError for
         the rest."""
         layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
-                         sp_size, sp_rank)
+                         sp_size, sp_rank, shared_prefix)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         gpu = self._gpu.device_of([("mask", mask), ("segment_ids", segment_ids)]
@@ -240,14 +244,22 @@ class Client:
                 tail_shape: Optional[Sequence[int]] = None, device: str = "",
                 segment_ids: Optional[torch.Tensor] = None, *, pad_multiple: int = 0,
                 cp_size: int = 0, cp_rank: int = 0, fixed: Fixed = None, sp_size: int = 0,
-                sp_rank: int = 0) -> TensorOrList:
+                sp_rank: int = 0, shared_prefix: Optional[SharedPrefix] = None,
+                targets: bool = False) -> TensorOrList:
         """The inverse of pack: each [total_active, *tail] back to [B, S, *tail], zeros at
         inactive positions. tail_shape, when given, must equal every packed[i].shape[1:].
         With the layout of a Pack (segment_ids, pad_multiple, cp_size / cp_rank, sp_size /
         sp_rank, fixed), the packed rows are that layout's: pad rows, ghost rows and other CP
-        or SP ranks' positions are dropped (the gradient of that Pack)."""
+        or SP ranks' positions are dropped (the gradient of that Pack). With shared_prefix, the
+        packed rows are its stream (prompt rows go to each group's first row: the Pack's
+        gradient), or with targets=True one row per target, each put at its token (how
+        per-token outputs such as log-probs come back to [B, S])."""
+        if shared_prefix is not None and targets:
+            shared_prefix = dataclasses.replace(shared_prefix, targets=True)
+        elif targets:
+            raise ValueError("targets=True is for a scatter with shared_prefix")
         layout = _layout(pad_multiple, None, cp_size, cp_rank, False, (), fixed, sp_size,
-                         sp_rank)
+                         sp_rank, shared_prefix)
         single = isinstance(packed_or_tensors, torch.Tensor)
         tensors = [packed_or_tensors] if single else list(packed_or_tensors)
         gpu = self._gpu.device_of([("mask", mask), ("segment_ids", segment_ids)]
@@ -350,7 +362,8 @@ class Client:
                            pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
                            cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
                            shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
-                           sp_rank: int = 0) -> StepPlan:
+                           sp_rank: int = 0,
+                           shared_prefix: Optional[SharedPrefix] = None) -> StepPlan:
         """A training step in one call (docs/design.md §12): the batch's rows planned into
         micro-batches of at most max_tokens tokens over num_ranks data-parallel ranks, each
         micro-batch packed with the layout, from one upload of the batch.
@@ -368,9 +381,12 @@ class Client:
         Returns a StepPlan: `.plan` at once (global_loss_tokens is the one denominator of the
         summed token loss), then iterate it for MicroBatch(rank, index, samples, result), each
         result exactly pack() of the batch's rows `samples` in that order. Tensors must be in
-        host memory. Raises PackdValueError (a ValueError) for malformed input."""
+        host memory. With shared_prefix a group is one planning unit (groups= must be
+        empty), its length its stream rows and its cost over its segments' queries and keys;
+        its loss tokens are its targets active in loss_mask. Raises PackdValueError (a
+        ValueError) for malformed input."""
         layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
-                         sp_size, sp_rank)
+                         sp_size, sp_rank, shared_prefix)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         named = ([("mask", mask), ("segment_ids", segment_ids), ("loss_mask", loss_mask)]

@@ -6,11 +6,31 @@ fields Scatter needs to invert it.
     r = client.pack([hidden, token_ids], mask, segment_ids=doc_ids, **layout.pack_kwargs())
     labels = r.shifted[0]                                     # next tokens, -100 at ends
     kw = packd.varlen_kwargs(r, style="te")                   # TransformerEngine THD + CP
+    grpo = packd.Layout(shared_prefix=packd.SharedPrefix(group_ids, prompt_lengths, (0,)))
 """
 import dataclasses
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from packd.v1 import pack_service_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+    """GRPO groups packed with their prompt once (docs/design.md §14). groups: one id per row,
+    rows with equal ids sharing a prompt (any order); prefix_lengths: one per row, the prompt
+    being the row's first P active positions (equal across a group); same_inputs: inputs whose
+    prompt rows must agree across a group (checked by packd, naming the first difference);
+    targets: for Scatter only, `packed` holds one row per target instead of the stream."""
+    groups: Sequence[int]
+    prefix_lengths: Sequence[int]
+    same_inputs: Sequence[int] = ()
+    targets: bool = False
+
+    def to(self, message: pb.SharedPrefix) -> None:
+        message.groups.extend(int(v) for v in self.groups)
+        message.prefix_lengths.extend(int(v) for v in self.prefix_lengths)
+        message.same_inputs.extend(int(v) for v in self.same_inputs)
+        message.targets = bool(self.targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +42,9 @@ class Layout:
     pairs, next-token views that stop at every sequence's end; fixed: (tokens, sequences,
     max_seqlen) for CUDA graphs, each 0 = not fixed; sp_size / sp_rank: Ulysses sequence
     parallelism, the rows padded to a multiple of sp_size by a trailing ghost and this rank's
-    contiguous 1 / sp_size of them (not with cp_size)."""
+    contiguous 1 / sp_size of them (not with cp_size); shared_prefix: a SharedPrefix, the
+    stream of GRPO groups with their prompt once (then shifts are per target, with_seq_idx
+    each row's group; not with padding, CP, SP, fixed or documents)."""
     pad_multiple: int = 0
     pad_values: Optional[Sequence[float]] = None
     cp_size: int = 0
@@ -32,20 +54,21 @@ class Layout:
     fixed: Optional[Tuple[int, int, int]] = None
     sp_size: int = 0
     sp_rank: int = 0
+    shared_prefix: Optional[SharedPrefix] = None
 
     def any(self) -> bool:
         return bool(self.pad_multiple or self.pad_values or self.cp_size or self.cp_rank
                     or self.sp_size or self.sp_rank or self.with_seq_idx or self.shifts
-                    or (self.fixed and any(self.fixed)))
+                    or (self.fixed and any(self.fixed)) or self.shared_prefix is not None)
 
     def pack_kwargs(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def scatter_kwargs(self) -> Dict[str, Any]:
         """What Scatter takes to invert this layout's Pack."""
         return {"pad_multiple": self.pad_multiple, "cp_size": self.cp_size,
                 "cp_rank": self.cp_rank, "sp_size": self.sp_size, "sp_rank": self.sp_rank,
-                "fixed": self.fixed}
+                "fixed": self.fixed, "shared_prefix": self.shared_prefix}
 
     def _fixed(self, message: Any) -> None:
         if self.fixed:
@@ -67,15 +90,20 @@ class Layout:
             source, fill = shift
             message.shifts.add(input=int(source), fill=float(fill))
         self._fixed(message)
+        if self.shared_prefix is not None:
+            self.shared_prefix.to(message.shared_prefix)
 
     def to_scatter(self, message: pb.ScatterRequest) -> None:
         """Sets a ScatterRequest's layout fields (pad_values, shifts and seq_idx are Pack's)."""
         if self.pad_values or self.shifts or self.with_seq_idx:
-            raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank, sp_size, sp_rank "
-                             "and fixed; pad_values, shifts and with_seq_idx are Pack's")
+            raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank, sp_size, sp_rank, "
+                             "fixed and shared_prefix; pad_values, shifts and with_seq_idx "
+                             "are Pack's")
         message.pad_multiple = int(self.pad_multiple)
         message.cp_size = int(self.cp_size)
         message.cp_rank = int(self.cp_rank)
         message.sp_size = int(self.sp_size)
         message.sp_rank = int(self.sp_rank)
         self._fixed(message)
+        if self.shared_prefix is not None:
+            self.shared_prefix.to(message.shared_prefix)

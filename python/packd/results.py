@@ -19,6 +19,24 @@ TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 @dataclasses.dataclass
+class SharedResult:
+    """A shared stream's attention metadata and targets (docs/design.md §14), int64 tensors:
+    segment n's queries are stream rows cu_seqlens_q[n] .. cu_seqlens_q[n + 1], its keys the
+    stream rows kv_index[cu_seqlens_k[n] .. cu_seqlens_k[n + 1]] (a prompt's own rows; a
+    response's group prompt, then its own rows); segment_row[n] is its row. Target t (a
+    predicted token, row by row) is predicted by stream row pred_index[t]; row b's targets are
+    target_cu_seqlens[b] .. target_cu_seqlens[b + 1]."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    kv_index: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    pred_index: torch.Tensor
+    target_cu_seqlens: torch.Tensor
+    segment_row: torch.Tensor
+
+
+@dataclasses.dataclass
 class PackResult:
     """The wire contract's PackResponse as torch tensors."""
     packed: TensorOrList            # a tensor for a tensor input, a list for a list
@@ -38,6 +56,9 @@ class PackResult:
     max_seqlen_padded: int = 0
     seq_idx: Optional[torch.Tensor] = None         # [rows] int64, with with_seq_idx
     shifted: Optional[list] = None                 # shifted[j] answers shifts[j]
+    # With a shared prefix: packed holds the stream (total_active its rows, cu_seqlens and
+    # max_seqlen its segments'), shifted[j] one row per target, and this the metadata.
+    shared: Optional[SharedResult] = None
 
 
 def varlen_kwargs(result: PackResult, style: str = "flash_attn") -> Dict[str, Any]:
@@ -53,7 +74,17 @@ def varlen_kwargs(result: PackResult, style: str = "flash_attn") -> Dict[str, An
     `PackedSeqParams(**kw)` works: "te"'s, qkv_format "thd" and total_tokens (the layout's
     rows over every CP or SP rank, cu_seqlens_q_padded[-1]); with `fixed` sequences the cu
     arrays have N + 1 entries, zero-length ghosts repeating the last value (Megatron RL's
-    thd_max_num_seqs)."""
+    thd_max_num_seqs). style "shared" (a shared prefix's stream, for one
+    `flash_attn_varlen_func(q, k[kv_index], v[kv_index], causal=True, **kw)` call, causal
+    aligned bottom-right): cu_seqlens_q/k int32, max_seqlen_q/k and kv_index (int64)."""
+    if style == "shared":
+        s = result.shared
+        if s is None:
+            raise ValueError("style=\"shared\" is for a pack with shared_prefix")
+        return {"cu_seqlens_q": s.cu_seqlens_q.to(torch.int32),
+                "cu_seqlens_k": s.cu_seqlens_k.to(torch.int32),
+                "max_seqlen_q": s.max_seqlen_q, "max_seqlen_k": s.max_seqlen_k,
+                "kv_index": s.kv_index}
     docs = result.doc_cu_seqlens is not None
     cu = (result.doc_cu_seqlens if docs else result.cu_seqlens).to(torch.int32)
     longest = result.doc_max_seqlen if docs else result.max_seqlen
@@ -69,7 +100,8 @@ def varlen_kwargs(result: PackResult, style: str = "flash_attn") -> Dict[str, An
             kwargs["total_tokens"] = int(padded[-1]) if padded.numel() else 0
         return kwargs
     if style != "flash_attn":
-        raise ValueError("style is \"flash_attn\", \"te\" or \"megatron\", not %r" % (style,))
+        raise ValueError("style is \"flash_attn\", \"te\", \"megatron\" or \"shared\", not %r"
+                         % (style,))
     if padded is not None and not torch.equal(padded.to(cu.device, torch.int64),
                                               cu.to(torch.int64)):
         raise ValueError("this layout puts pad rows between sequences, which flash attention "
@@ -123,7 +155,16 @@ def pack_result(reply: pb.PackResponse, packed: list, shifted: list, single: boo
                            if reply.cu_seqlens_padded else None),
         max_seqlen_padded=reply.max_seqlen_padded,
         seq_idx=ints(reply.seq_idx) if layout.with_seq_idx else None,
-        shifted=list(shifted) if layout.shifts else None)
+        shifted=list(shifted) if layout.shifts else None,
+        shared=_shared_result(reply.shared, ints) if reply.HasField("shared") else None)
+
+
+def _shared_result(shared: pb.SharedLayout, ints: Callable[..., torch.Tensor]) -> SharedResult:
+    return SharedResult(
+        cu_seqlens_q=ints(shared.cu_seqlens_q), cu_seqlens_k=ints(shared.cu_seqlens_k),
+        kv_index=ints(shared.kv_index), max_seqlen_q=shared.max_seqlen_q,
+        max_seqlen_k=shared.max_seqlen_k, pred_index=ints(shared.pred_index),
+        target_cu_seqlens=ints(shared.target_cu_seqlens), segment_row=ints(shared.segment_row))
 
 
 @dataclasses.dataclass

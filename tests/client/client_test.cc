@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -21,11 +22,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "base/torch_interop.h"
 #include "client/autograd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/pack.h"
-#include "base/torch_interop.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
 
@@ -165,16 +166,23 @@ TEST_F(ClientTest, LayoutsForParallelAttention) {
   EXPECT_TRUE(at::equal(r->seq_idx, at::tensor(want->seq_idx)));
   EXPECT_TRUE(at::equal(r->position_ids, at::tensor(want->position_ids)));
 
-  // Backward through the layout, inline and through shared memory.
+  // Backward through the layout (CP; Ulysses), inline and through shared
+  // memory: every field that places rows reaches the Scatter.
   for (int64_t threshold : {int64_t{0}, int64_t{1}}) {
     ClientOptions client_options;
     client_options.address = server_->address();
     client_options.shared_memory_threshold_bytes = threshold;
     std::unique_ptr<Client> client = *Client::Connect(client_options);
     LayoutOptions layout;
-    layout.pad_multiple = 8;
-    layout.cp_size = 2;
-    layout.cp_rank = 0;
+    if (threshold == 0) {
+      layout.pad_multiple = 8;
+      layout.cp_size = 2;
+      layout.cp_rank = 0;
+    } else {
+      layout.sp_size = 3;
+      layout.sp_rank = 2;
+      layout.fixed.tokens = 120;
+    }
     at::Tensor xd = at::randn({4, 37, 3}, at::kDouble).requires_grad_();
     absl::StatusOr<at::Tensor> packed =
         PackWithGrad(*client, xd, mask, layout, ids);
@@ -687,6 +695,120 @@ TEST_F(ClientTest, ContextParallelAndUlyssesStepsPlanPerGpu) {
               HasSubstr("batch.pad_multiple 0 is not a multiple of 2 * "
                         "cp_size = 4"));
   EXPECT_FALSE(planned);
+}
+
+// Shared prompts through the client (docs/design.md §14): Pack is the op
+// library's, its metadata as tensors; Scatter in both modes; PackWithGrad's
+// backward is the stream's Scatter; a step keeps each group whole, and each
+// micro-batch is Pack of its rows.
+TEST_F(ClientTest, SharedPromptsThroughTheClient) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 8, S = 12;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, B, S, 0.9, MaskPattern::kPrefix);
+  const std::vector<int64_t> active = [&] {
+    const at::Tensor a = mask.ne(0).sum(1).to(at::kLong);
+    return std::vector<int64_t>(a.data_ptr<int64_t>(),
+                                a.data_ptr<int64_t>() + B);
+  }();
+  SharedPrefix shared;
+  for (int64_t b = 0; b < B; ++b) shared.groups.push_back(b % 3);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t p = S;
+    for (int64_t m = b % 3; m < B; m += 3) p = std::min(p, active[m]);
+    shared.prefix_lengths.push_back(p / 2);
+  }
+  const at::Tensor tokens = at::randint(0, 1000, {B, S}, at::kLong);
+  PackCallOptions options;
+  options.with_position_ids = true;
+  options.layout.shared_prefix = shared;
+  options.layout.shifts = {{0, -100}};
+  absl::StatusOr<PackedBatch> r = client_->Pack({tokens}, mask, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  PackOptions op;
+  op.with_position_ids = true;
+  op.layout = options.layout;
+  absl::StatusOr<PackResult> want =
+      packd::Pack({AsView(tokens)}, AsView(mask), op);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_TRUE(SameBytes(r->packed[0], want->packed[0].view));
+  EXPECT_TRUE(SameBytes(r->shifted[0], want->shifted[0].view));
+  EXPECT_EQ(r->total_active, want->total_active);
+  ASSERT_TRUE(r->shared.has_value());
+  EXPECT_TRUE(
+      at::equal(r->shared->kv_index, at::tensor(want->shared->kv_index)));
+  EXPECT_TRUE(
+      at::equal(r->shared->pred_index, at::tensor(want->shared->pred_index)));
+  EXPECT_TRUE(at::equal(r->shared->cu_seqlens_k,
+                        at::tensor(want->shared->cu_seqlens_k)));
+  EXPECT_EQ(r->shared->max_seqlen_k, want->shared->max_seqlen_k);
+
+  // Per-target values back to [B, S], and the stream's gradient.
+  ScatterCallOptions back;
+  back.layout.shared_prefix = shared;
+  back.layout.shared_prefix->targets = true;
+  absl::StatusOr<std::vector<at::Tensor>> dense =
+      client_->Scatter({r->shifted[0]}, mask, back);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  ScatterOptions lib;
+  lib.layout = back.layout;
+  absl::StatusOr<ScatterResult> lib_dense =
+      packd::Scatter({AsView(r->shifted[0])}, AsView(mask), lib);
+  ASSERT_TRUE(lib_dense.ok()) << lib_dense.status();
+  EXPECT_TRUE(SameBytes((*dense)[0], lib_dense->dense[0].view));
+  LayoutOptions layout;
+  layout.shared_prefix = shared;
+  at::Tensor x = at::randn({B, S, 3}, at::kDouble).requires_grad_();
+  absl::StatusOr<at::Tensor> packed = PackWithGrad(*client_, x, mask, layout);
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  const at::Tensor weight = at::randn(packed->sizes(), at::kDouble);
+  (*packed * weight).sum().backward();
+  lib = {};
+  lib.layout = layout;
+  lib_dense = packd::Scatter({AsView(weight)}, AsView(mask), lib);
+  ASSERT_TRUE(lib_dense.ok()) << lib_dense.status();
+  EXPECT_TRUE(SameBytes(x.grad(), lib_dense->dense[0].view));
+
+  // A step: groups whole in one micro-batch, each micro-batch its rows packed.
+  StepCallOptions step;
+  step.plan.num_ranks = 2;
+  step.pack = options;
+  absl::StatusOr<Step> ran = RunStep(*client_, {tokens}, mask, 24, step);
+  ASSERT_TRUE(ran.ok()) << ran.status();
+  std::set<int64_t> seen;
+  for (const StepMicroBatch& mb : ran->micro_batches) {
+    std::set<int64_t> groups;
+    for (int64_t b : mb.samples) groups.insert(b % 3);
+    for (int64_t g : groups) {
+      for (int64_t b = g; b < B; b += 3) {
+        EXPECT_TRUE(std::count(mb.samples.begin(), mb.samples.end(), b))
+            << "group " << g << " is split";
+      }
+    }
+    PackCallOptions pack = options;
+    pack.layout.shared_prefix->groups.clear();
+    pack.layout.shared_prefix->prefix_lengths.clear();
+    for (int64_t b : mb.samples) {
+      pack.layout.shared_prefix->groups.push_back(shared.groups[b]);
+      pack.layout.shared_prefix->prefix_lengths.push_back(
+          shared.prefix_lengths[b]);
+      seen.insert(b);
+    }
+    absl::StatusOr<PackedBatch> expected = client_->Pack(
+        {RowsOf(tokens, mb.samples)}, RowsOf(mask, mb.samples), pack);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    EXPECT_TRUE(SameBytes(expected->packed[0], mb.batch.packed[0]));
+    EXPECT_TRUE(SameBytes(expected->shifted[0], mb.batch.shifted[0]));
+    EXPECT_TRUE(
+        at::equal(expected->shared->pred_index, mb.batch.shared->pred_index));
+  }
+  EXPECT_EQ(seen.size(), static_cast<size_t>(B));
+  // plan.groups are the shared prefix's: giving them too is refused.
+  step.plan.groups = std::vector<int64_t>(B, 0);
+  EXPECT_THAT(
+      std::string(
+          RunStep(*client_, {tokens}, mask, 24, step).status().message()),
+      HasSubstr("plan.groups must be empty with batch.shared_prefix"));
 }
 
 // packd_step_micro_batches_held from a server's metrics, -1 when absent.
