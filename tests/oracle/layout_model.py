@@ -1,10 +1,12 @@
-"""A plain-Python model of packd's layouts (docs/design.md §10) and of a training step's plan
-(§12), written from the rules alone: no torch, no packd. Tensors are lists of rows, a row the
+"""A plain-Python model of packd's layouts (docs/design.md §10), of a training step's plan
+(§12) and of shared prompts' streams (§14), written from the rules alone: no torch, no packd. Tensors are lists of rows, a row the
 bytes of one [B, S] position; a mask is a list of lists of truth values.
 
     o = Options(pad_multiple=4, sp_size=2, sp_rank=1, shifts=((0, -100),))
     laid = layout(mask, segment_ids, o)     # or raises Refused("the message packd gives")
     rows = gather(x_rows, laid.rows, pad)   # the bytes packd's packed[i] must hold
+    st = shared_stream(mask, Options(shared=(groups, prefix_lengths, (), False)))
+    st.rows, st.targets, st.kv_index, st.pred_index  # the stream and its targets
 """
 import dataclasses
 import math
@@ -26,11 +28,13 @@ class Options:
     with_seq_idx: bool = False
     shifts: Tuple[Tuple[int, float], ...] = ()
     fixed: Tuple[int, int, int] = (0, 0, 0)  # tokens, sequences, max_seqlen
+    # §14: (groups, prefix_lengths, same_inputs, targets), or None.
+    shared: Optional[Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...], bool]] = None
 
     def any(self):
         return bool(self.pad_multiple or self.pad_values or self.cp_size or self.cp_rank
                     or self.sp_size or self.sp_rank or self.with_seq_idx or self.shifts
-                    or any(self.fixed))
+                    or any(self.fixed) or self.shared is not None)
 
     def reshapes(self):
         return self.pad_multiple > 1 or self.cp_size > 1 or self.sp_size > 1 or any(self.fixed)
@@ -211,3 +215,131 @@ def documents(mask, ids):
     """§8: each document's row and the dense s of its last token."""
     docs = sequences(mask, ids)
     return [d.row for d in docs], [d.positions[-1] for d in docs]
+
+
+# -- §14: shared prompts ----------------------------------------------------------------------
+
+
+def validate_shared(o: Options, rows: int, inputs: int, documents: bool, pack: bool) -> None:
+    """The rules of a shared prefix that hold before the mask is read, after validate()."""
+    if o.shared is None:
+        return
+    groups, prefix, same, targets = o.shared
+    for what, bad in (("segment_ids", documents), ("pad_multiple", o.pad_multiple > 1),
+                      ("cp_size", o.cp_size > 1), ("sp_size", o.sp_size > 1),
+                      ("fixed", any(o.fixed))):
+        if bad:
+            raise Refused("shared_prefix with %s" % what)
+    if pack and targets:
+        raise Refused("shared_prefix.targets is Scatter's")
+    for name, values in (("groups", groups), ("prefix_lengths", prefix)):
+        if len(values) != rows:
+            raise Refused("shared_prefix.%s has %d entries but the batch has %d rows"
+                          % (name, len(values), rows))
+    first = {}
+    for b, (g, p) in enumerate(zip(groups, prefix)):
+        if p < 0:
+            raise Refused("shared_prefix.prefix_lengths[%d] is %d, below 0" % (b, p))
+        f = first.setdefault(g, b)
+        if prefix[f] != p:
+            raise Refused("shared_prefix.prefix_lengths[%d] is %d but row %d" % (b, p, f))
+    for j, i in enumerate(same):
+        if not 0 <= i < inputs:
+            raise Refused("shared_prefix.same_inputs[%d] is %d, which names no input" % (j, i))
+
+
+@dataclasses.dataclass
+class Stream:
+    """A shared prefix's stream (§14): each stream row's and each target's dense flat position,
+    position ids, seq_idx (the group's index), and the attention metadata."""
+    rows: List[int]
+    targets: List[int]
+    position_ids: List[int]
+    seq_idx: List[int]
+    cu_q: List[int]
+    cu_k: List[int]
+    kv_index: List[int]
+    max_q: int
+    max_k: int
+    pred_index: List[int]
+    target_cu: List[int]
+    segment_row: List[int]
+    row_lengths: List[int]  # a step's plan lengths: the stream rows each row brings
+
+
+def shared_stream(mask, o: Options) -> Stream:
+    groups, prefix, _, _ = o.shared
+    S = len(mask[0]) if mask else 0
+    active = [[s for s, on in enumerate(row) if on] for row in mask]
+    order, members = [], {}
+    for b, g in enumerate(groups):
+        if g not in members:
+            order.append(b)
+            members[g] = []
+        members[g].append(b)
+    for f in order:
+        for m in members[groups[f]]:
+            if len(active[m]) < prefix[f]:
+                raise Refused("shared_prefix.prefix_lengths[%d] is %d but row %d has %d active "
+                              "tokens" % (m, prefix[f], m, len(active[m])))
+    st = Stream([], [], [], [], [0], [0], [], 0, 0, [], [0], [], [0] * len(mask))
+    prompt_of, response_of = {}, {}
+
+    def segment(row, queries, keys):
+        st.kv_index.extend(keys)
+        st.cu_q.append(st.cu_q[-1] + len(queries))
+        st.cu_k.append(st.cu_k[-1] + len(keys))
+        st.max_q, st.max_k = max(st.max_q, len(queries)), max(st.max_k, len(keys))
+        st.segment_row.append(row)
+        st.row_lengths[row] += len(queries)
+
+    for g, f in enumerate(order):
+        P = prefix[f]
+        prompt = list(range(len(st.rows), len(st.rows) + P))
+        st.rows += [f * S + s for s in active[f][:P]]
+        st.position_ids += list(range(P))
+        st.seq_idx += [g] * P
+        if P:
+            segment(f, prompt, prompt)
+        for m in members[groups[f]]:
+            response = list(range(len(st.rows), len(st.rows) + len(active[m]) - P))
+            prompt_of[m], response_of[m] = prompt, response
+            st.rows += [m * S + s for s in active[m][P:]]
+            st.position_ids += list(range(P, len(active[m])))
+            st.seq_idx += [g] * len(response)
+            if response:
+                segment(m, response, prompt + response)
+    for b, row in enumerate(active):
+        P = prefix[b]
+        for j in range(max(P, 1), len(row)):
+            st.targets.append(b * S + row[j])
+            st.pred_index.append(prompt_of[b][j - 1] if j - 1 < P else response_of[b][j - 1 - P])
+        st.target_cu.append(len(st.targets))
+    return st
+
+
+def shared_loss_tokens(mask, loss_mask, prefix) -> List[int]:
+    """§14, a step: a row's loss tokens are its targets active in loss_mask."""
+    out = []
+    for row, lrow, P in zip(mask, loss_mask, prefix):
+        active = [s for s, on in enumerate(row) if on]
+        out.append(sum(1 for s in active[max(P, 1):] if lrow[s]))
+    return out
+
+
+def check_same_prompts(x_rows: Sequence[bytes], mask, o: Options, input_index: int) -> None:
+    """INVALID_ARGUMENT when a member's prompt differs from its group's first row's: groups
+    in the order of their first rows, members in row order, the first token that differs."""
+    groups, prefix, _, _ = o.shared
+    S = len(mask[0]) if mask else 0
+    active = [[s for s, on in enumerate(row) if on] for row in mask]
+    members = {}
+    for b, g in enumerate(groups):
+        members.setdefault(g, []).append(b)
+    for g, rows in members.items():  # dicts keep the order of first rows
+        f = rows[0]
+        for b in rows[1:]:
+            for i in range(prefix[b]):
+                if x_rows[b * S + active[b][i]] != x_rows[f * S + active[f][i]]:
+                    raise Refused("inputs[%d] differs across group %d: row %d's prompt token %d"
+                                  % (input_index, g, b, i))

@@ -1,14 +1,17 @@
 """Every layout in every call, against the plain-Python model (layout_model.py).
 
 The cross product of the layout options (documents, padding, CP or Ulysses SP, fixed shapes,
-shifts, seq_idx) for Pack, for Scatter (the options that place rows) and for PackMicroBatches,
+shifts, seq_idx, a shared prefix) for Pack, for Scatter (the options that place rows, and a
+shared prefix's stream or targets) and for PackMicroBatches,
 on each backend (span, torch, fake GPU), each combination on fresh random data with 1- to
 16-byte rows (and a wide one), pad values, position ids and a random rank. A combination the
 design refuses (CP without a multiple of 2 * cp_size, CP with SP, ...) is checked for its named
 INVALID_ARGUMENT, and the server serves the next call. Each test asserts that every one of its
-combinations ran; the summary prints how many did.
+combinations ran; the summary prints how many did. Shared prompts (§14) also run many random
+groupings of their own, and each of their errors.
 
 PACKD_ORACLE_SEED=N repeats a run (the seed is printed with every failure)."""
+import dataclasses
 import itertools
 import os
 import random
@@ -18,8 +21,9 @@ import torch
 
 import packd
 from conftest import COVERAGE
-from layout_model import (Options, Refused, documents, gather, layout, loss_tokens,
-                          plan_lengths, row_metadata, scatter)
+from layout_model import (Options, Refused, check_same_prompts, documents, gather, layout,
+                          loss_tokens, plan_lengths, row_metadata, scatter, shared_loss_tokens,
+                          shared_stream, validate, validate_shared)
 from torch_reference import random_tensor, raw
 
 SEED = int(os.environ.get("PACKD_ORACLE_SEED", random.randrange(1 << 31)))
@@ -44,9 +48,13 @@ VALUE = {torch.bool: 1, torch.uint8: 7, torch.int8: -3, torch.int16: -100, torch
 ID_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 
 LAYOUT_DIMS = {"docs": (False, True), "pad": (False, True), "parallel": ("none", "cp", "sp"),
-               "fixed": (False, True), "shifts": (False, True), "seq_idx": (False, True)}
-SCATTER_DIMS = ("docs", "pad", "parallel", "fixed")
-OPS = {"pack": tuple(LAYOUT_DIMS), "scatter": SCATTER_DIMS, "step": tuple(LAYOUT_DIMS)}
+               "fixed": (False, True), "shifts": (False, True), "seq_idx": (False, True),
+               "shared": (False, True)}
+SCATTER_DIMS = {d: LAYOUT_DIMS[d] for d in ("docs", "pad", "parallel", "fixed")}
+SCATTER_DIMS["shared"] = ("none", "stream", "targets")
+OPS = {"pack": LAYOUT_DIMS, "scatter": SCATTER_DIMS, "step": LAYOUT_DIMS}
+PLAIN = dict(docs=False, pad=False, parallel="none", fixed=False, shifts=False, seq_idx=False,
+             shared=False)
 BACKENDS = ("span", "torch", "fake_gpu")
 
 # Combinations the design refuses whatever the batch, with the words packd must say; the
@@ -65,8 +73,12 @@ REFUSED = [
 
 def cells(op):
     dims = OPS[op]
-    for values in itertools.product(*(LAYOUT_DIMS[d] for d in dims)):
+    for values in itertools.product(*dims.values()):
         yield dict(zip(dims, values))
+
+
+def is_shared(cell):
+    return cell["shared"] not in (False, "none")
 
 
 def key_of(cell):
@@ -90,9 +102,9 @@ def value_bytes(dtype, tail, value):
 class Case:
     """One random batch for a combination: mask, ids, inputs and the layout options."""
 
-    def __init__(self, rng, gen, cell, width, op):
-        self.B, self.S = rng.randint(1, 6), rng.randint(1, 24)
-        kind = rng.choice(["random", "prefix", "full", "sparse"])
+    def __init__(self, rng, gen, cell, width, op, kind=None, rows=None):
+        self.B, self.S = rows or rng.randint(1, 6), rng.randint(1, 24)
+        kind = kind or rng.choice(["random", "prefix", "full", "sparse"])
         if kind == "full":
             mask = torch.ones(self.B, self.S, dtype=torch.bool)
         elif kind == "prefix":
@@ -136,7 +148,32 @@ class Case:
             o["with_seq_idx"] = cell["seq_idx"]
         if cell["fixed"]:
             o["fixed"] = self._fixed(rng, o, whole_batch=op == "step")
+        if is_shared(cell):
+            o["shared_prefix"] = self._share(rng, op, targets=cell["shared"] == "targets")
         return o
+
+    def _share(self, rng, op, targets):
+        """GRPO groups: random ids in any order (groups of one among them), each group's
+        prompt no longer than its shortest member (often 0 or all of it), and the inputs of
+        same_inputs made equal over every member's prompt (the others differ: packd takes the
+        prompt from the group's first row)."""
+        ids = rng.sample(range(-3, 40), rng.randint(1, self.B))
+        groups = [rng.choice(ids) for _ in range(self.B)]
+        active = [[s for s, on in enumerate(row) if on] for row in self.mask_lists]
+        prefix_of = {}
+        for g in groups:
+            shortest = min(len(active[b]) for b in range(self.B) if groups[b] == g)
+            prefix_of[g] = rng.choice([0, shortest, rng.randint(0, shortest)])
+        prefix = [prefix_of[g] for g in groups]
+        inputs = 1 if op == "scatter" else len(self.inputs)  # Scatter sends one at a time
+        same = rng.sample(range(inputs), rng.randint(0, inputs))
+        for i in same if op != "scatter" else ():
+            x = self.inputs[i]
+            for b, g in enumerate(groups):
+                f = groups.index(g)
+                for j in range(prefix[b]):
+                    x[b, active[b][j]] = x[f, active[f][j]]
+        return packd.SharedPrefix(groups, prefix, same, targets)
 
     def _fixed(self, rng, o, whole_batch):
         """(tokens, sequences, max_seqlen) that hold the batch (a step: every micro-batch of
@@ -168,11 +205,71 @@ class Case:
             o["shifts"] = tuple(tuple(s) for s in o["shifts"])
         if "fixed" in o:
             o["fixed"] = tuple(o["fixed"])
+        if "shared_prefix" in o:
+            sp = o.pop("shared_prefix")
+            o["shared"] = (tuple(sp.groups), tuple(sp.prefix_lengths), tuple(sp.same_inputs),
+                           sp.targets)
         return Options(**o)
+
+
+def model_call(op, mask, ids, inputs, o):
+    """The model's layout of a call (a Laid, or a shared prefix's Stream), or Refused with what
+    packd must say, its checks in packd's order: the options, the shared prefix's rules, the
+    prompts against the mask, then same_inputs."""
+    n = len(inputs)
+    if o.shared is None:
+        return layout(mask, ids, o, n)
+    validate(o, n)
+    validate_shared(o, len(mask), n, ids is not None, pack=op != "scatter")
+    stream = shared_stream(mask, o)
+    if op != "scatter":
+        for i in o.shared[2]:
+            check_same_prompts(rows_of(inputs[i])[0], mask, o, i)
+    return stream
+
+
+def case_call(op, case, o):
+    # Scatter sends its tensors one at a time.
+    inputs = case.inputs[:1] if op == "scatter" else case.inputs
+    return model_call(op, case.mask_lists, case.ids_lists, inputs, o)
+
+
+def expect_shared_pack(r, case, mask, inputs, o, what):
+    """r is the model's Pack with a shared prefix: the stream, targets and metadata (§14)."""
+    st = shared_stream(mask, o)
+    rows = [rows_of(x)[0] for x in inputs]
+    for i, x in enumerate(inputs):
+        assert raw(r.packed[i]) == gather(rows[i], st.rows, b""), "%s: packed[%d]" % (what, i)
+        assert r.packed[i].dtype == x.dtype and list(r.packed[i].shape) == (
+            [len(st.rows)] + list(x.shape[2:])), what
+    for j, (source, _) in enumerate(o.shifts):  # in target space: fill is unused
+        x = inputs[source]
+        assert raw(r.shifted[j]) == gather(rows[source], st.targets, b""), (
+            "%s: shifted[%d]" % (what, j))
+        assert list(r.shifted[j].shape) == [len(st.targets)] + list(x.shape[2:]), what
+    if not o.shifts:
+        assert r.shifted is None, what
+    if case.with_position_ids:
+        assert r.position_ids.tolist() == st.position_ids, "%s: position_ids" % what
+    if o.with_seq_idx:
+        assert r.seq_idx.tolist() == st.seq_idx, "%s: seq_idx" % what
+    _, last = row_metadata(mask)
+    assert r.last_index.tolist() == last and r.total_active == len(st.rows), what
+    assert r.cu_seqlens.tolist() == st.cu_q and r.max_seqlen == st.max_q, "%s: cu_seqlens" % what
+    assert r.cu_seqlens_padded is None and r.max_seqlen_padded == 0, what
+    s = r.shared
+    for name, want in (("cu_seqlens_q", st.cu_q), ("cu_seqlens_k", st.cu_k),
+                       ("kv_index", st.kv_index), ("pred_index", st.pred_index),
+                       ("target_cu_seqlens", st.target_cu), ("segment_row", st.segment_row)):
+        assert getattr(s, name).tolist() == want, "%s: shared.%s" % (what, name)
+    assert (s.max_seqlen_q, s.max_seqlen_k) == (st.max_q, st.max_k), "%s: shared maxima" % what
 
 
 def expect_pack(r, case, mask, ids, inputs, o, what):
     """r (a PackResult) is the model's Pack of inputs under mask (lists) with options o."""
+    if o.shared is not None:
+        return expect_shared_pack(r, case, mask, inputs, o, what)
+    assert r.shared is None, what
     laid = layout(mask, ids, o, len(inputs))
     rows = [rows_of(x)[0] for x in inputs]
     for i, x in enumerate(inputs):
@@ -216,29 +313,45 @@ def run_pack(client, device, case, o, what):
 
 def run_scatter(client, device, case, o, what, gen):
     try:
-        laid = layout(case.mask_lists, case.ids_lists, o)
+        laid = case_call("scatter", case, o)
+        # A shared prefix's Scatter puts the stream's rows back, or with targets its targets.
+        at = laid.rows if o.shared is None or not o.shared[3] else laid.targets
     except Refused:  # what packd must refuse, sent with the plain Pack's rows
-        laid = layout(case.mask_lists, case.ids_lists, Options())
+        at = layout(case.mask_lists, case.ids_lists, Options()).rows
     for x in case.inputs:
-        packed = random_tensor(x.dtype, (len(laid.rows),) + tuple(x.shape[2:]), gen)
+        packed = random_tensor(x.dtype, (len(at),) + tuple(x.shape[2:]), gen)
         dense = client.scatter(packed, case.mask, segment_ids=case.ids, device=device,
                                **case.options)
         rows = rows_of(packed.unsqueeze(0))[0]
         width = len(value_bytes(x.dtype, x.shape[2:], 0))
-        assert raw(dense) == scatter(rows, laid.rows, case.B * case.S, width), what
+        assert raw(dense) == scatter(rows, at, case.B * case.S, width), what
         assert dense.dtype == x.dtype and tuple(dense.shape) == tuple(x.shape), what
 
 
 def run_step(client, device, case, o, what, rng):
     loss_mask = torch.rand(case.B, case.S) < 0.7
-    lengths = plan_lengths(case.mask_lists, case.ids_lists, o)
-    losses = loss_tokens(case.mask_lists, loss_mask.tolist())
-    budget = max(max(lengths) + rng.randint(0, sum(lengths)), 1)
-    ranks = rng.randint(1, 3)
-    step = client.pack_micro_batches(
-        case.inputs, case.mask, budget, num_ranks=ranks, loss_mask=loss_mask,
-        segment_ids=case.ids, device=device, with_position_ids=case.with_position_ids,
-        **case.options)
+    kwargs = dict(num_ranks=rng.randint(1, 3), loss_mask=loss_mask, segment_ids=case.ids,
+                  device=device, with_position_ids=case.with_position_ids, **case.options)
+    try:
+        case_call("step", case, o)
+    except Refused:  # what packd must refuse, with any budget
+        client.pack_micro_batches(case.inputs, case.mask, 1 << 20, **kwargs)
+        return
+    if o.shared is None:
+        lengths = plan_lengths(case.mask_lists, case.ids_lists, o)
+        losses = loss_tokens(case.mask_lists, loss_mask.tolist())
+        unit_of = list(range(case.B))
+    else:  # a group is one unit: its stream rows, its targets under loss_mask
+        groups, prefix, same, _ = o.shared
+        lengths = shared_stream(case.mask_lists, o).row_lengths
+        losses = shared_loss_tokens(case.mask_lists, loss_mask.tolist(), prefix)
+        unit_of = list(groups)
+    units = {}
+    for b, u in enumerate(unit_of):
+        units[u] = units.get(u, 0) + lengths[b]
+    budget = max(max(units.values()) + rng.randint(0, sum(lengths)), 1)
+    ranks = kwargs["num_ranks"]
+    step = client.pack_micro_batches(case.inputs, case.mask, budget, **kwargs)
     plan = step.plan
     assert plan.global_loss_tokens == sum(losses), what
     seen = sorted(s for mb in plan.micro_batches for s in mb.samples)
@@ -247,7 +360,9 @@ def run_step(client, device, case, o, what, rng):
     for mb in plan.micro_batches:
         assert mb.tokens == sum(lengths[s] for s in mb.samples), "%s: plan lengths" % what
         assert mb.loss_tokens == sum(losses[s] for s in mb.samples), what
-        assert mb.padded_tokens <= budget or len(mb.samples) == 1, what
+        assert mb.padded_tokens <= budget or len({unit_of[s] for s in mb.samples}) == 1, what
+    for u in set(unit_of):  # a unit is never split
+        assert sum(1 for mb in plan.micro_batches if u in {unit_of[s] for s in mb.samples}) == 1
     count = 0
     for mb in step:
         rows = mb.samples
@@ -255,7 +370,11 @@ def run_step(client, device, case, o, what, rng):
                                           + mb.index].samples, what
         sub = [x[rows] for x in case.inputs]
         ids = None if case.ids is None else [case.ids_lists[b] for b in rows]
-        expect_pack(mb.result, case, [case.mask_lists[b] for b in rows], ids, sub, o,
+        sub_o = o
+        if o.shared is not None:  # Pack of its rows with their groups and prompts
+            sub_o = dataclasses.replace(o, shared=(tuple(groups[b] for b in rows),
+                                                   tuple(prefix[b] for b in rows), same, False))
+        expect_pack(mb.result, case, [case.mask_lists[b] for b in rows], ids, sub, sub_o,
                     "%s: micro-batch %d of rank %d" % (what, mb.index, mb.rank))
         count += 1
     assert count == len(plan.micro_batches), what
@@ -290,17 +409,19 @@ def test_every_layout_combination(servers, op, backend):
     address, device = servers[backend]
     rng, gen = seeded(op, backend)
     coverage = COVERAGE[(op, backend)]
-    ran, widths = set(), set()
+    ran, refused_keys, widths = set(), set(), set()
     width_cycle = sorted(ROWS)
     with packd.Client(address, shm_threshold_bytes=0) as client:
-        for n, cell in enumerate(cells(op)):
-            width = width_cycle[n % len(width_cycle)]
+        for cell in cells(op):
+            # The widths cycle over the combinations served, so that each is served.
+            width = width_cycle[sum(coverage[key] for key in ran - refused_keys)
+                                % len(width_cycle)]
             case = Case(rng, gen, cell, width, op)
             what = "PACKD_ORACLE_SEED=%d %s on %s, %s, B %d S %d, %s" % (
                 SEED, op, backend, key_of(cell), case.B, case.S, case.options)
             o = case.model_options(op)
             try:
-                layout(case.mask_lists, case.ids_lists, o, len(case.inputs))
+                case_call(op, case, o)
                 refused = None
             except Refused as e:
                 refused = str(e)
@@ -314,6 +435,7 @@ def test_every_layout_combination(servers, op, backend):
                 expect_refused(client, device, op, case, o, what, rng, gen, refused)
                 coverage["refused " + key_of(cell)] += 1
                 ran.add(key_of(cell))
+                refused_keys.add(key_of(cell))
         # Every combination ran, and every row width.
         assert ran == {key_of(cell) for cell in cells(op)}, sorted(ran)
         assert REQUIRED_WIDTHS <= widths, widths
@@ -328,11 +450,9 @@ def test_refused_combinations_name_their_field(servers, op, backend):
     address, device = servers[backend]
     rng, gen = seeded("refused", op, backend)
     coverage = COVERAGE[(op, backend)]
-    plain = dict(docs=False, pad=False, parallel="none", fixed=False, shifts=False,
-                 seq_idx=False)
     with packd.Client(address, shm_threshold_bytes=0) as client:
         for name, options, message in REFUSED:
-            case = Case(rng, gen, plain, 8, op)
+            case = Case(rng, gen, PLAIN, 8, op)
             case.options = dict(options)
             o = case.model_options(op)
             with pytest.raises(Refused, match=None) as model:
@@ -340,3 +460,104 @@ def test_refused_combinations_name_their_field(servers, op, backend):
             assert message in str(model.value), name
             expect_refused(client, device, op, case, o, name, rng, gen, message)
             coverage["refused " + name] += 1
+
+
+# -- §14: shared prompts, many random groupings, and every error --------------------------------
+
+# The combinations a shared prefix is defined with: no documents, padding, CP, SP or fixed.
+SHARED_CELLS = {op: [c for c in cells(op) if is_shared(c) and not (
+    c["docs"] or c["pad"] or c["parallel"] != "none" or c["fixed"])] for op in OPS}
+SHARED_REPEATS = 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", list(OPS))
+def test_shared_prompts(servers, op, backend):
+    """Random groups (ids in any order, groups of one, prompts of 0 and of a whole row, empty
+    rows), shifts in target space, seq_idx, position ids and same_inputs, each against the
+    model."""
+    address, device = servers[backend]
+    rng, gen = seeded("shared", op, backend)
+    coverage = COVERAGE[(op, backend)]
+    with packd.Client(address, shm_threshold_bytes=0) as client:
+        for n in range(SHARED_REPEATS):
+            for cell in SHARED_CELLS[op]:
+                case = Case(rng, gen, cell, sorted(ROWS)[n % len(ROWS)], op)
+                what = "PACKD_ORACLE_SEED=%d shared %s on %s, %s, B %d S %d, %s" % (
+                    SEED, op, backend, key_of(cell), case.B, case.S, case.options)
+                o = case.model_options(op)
+                case_call(op, case, o)  # defined: the model lays it out
+                run(client, device, op, case, o, what, rng, gen)
+                coverage["shared " + key_of(cell)] += 1
+    assert sum(v for k, v in coverage.items() if k.startswith("shared ")) == (
+        SHARED_REPEATS * len(SHARED_CELLS[op]))
+
+
+def _prompts_equal(case, sp):
+    """inputs[0] as int64 with every member's prompt its group's first row's."""
+    x = random_tensor(torch.int64, (case.B, case.S), None)
+    for b, g in enumerate(sp.groups):
+        f = list(sp.groups).index(g)
+        x[b, :sp.prefix_lengths[b]] = x[f, :sp.prefix_lengths[b]]
+    case.inputs[0] = x
+    return x
+
+
+def _prompt_differs(sp, case, rng):
+    x = _prompts_equal(case, sp)
+    b = rng.randrange(1, case.B)
+    x[b, rng.randrange(sp.prefix_lengths[b])] ^= 1
+    return sp
+
+
+# name, the ops, and how a valid shared prefix (one group of the full rows, prompt 1 .. S) is
+# made bad; the model says what packd must.
+SHARED_REFUSED = [
+    ("targets in a Pack", ("pack", "step"), lambda sp, case, rng: dataclasses.replace(
+        sp, targets=True)),
+    ("groups too long", OPS, lambda sp, case, rng: dataclasses.replace(
+        sp, groups=list(sp.groups) + [1])),
+    ("prefix_lengths too short", OPS, lambda sp, case, rng: dataclasses.replace(
+        sp, prefix_lengths=list(sp.prefix_lengths)[:-1])),
+    ("negative prefix", OPS, lambda sp, case, rng: dataclasses.replace(
+        sp, prefix_lengths=[-1] * case.B)),
+    ("prefixes differ in a group", OPS, lambda sp, case, rng: dataclasses.replace(
+        sp, prefix_lengths=list(sp.prefix_lengths)[:-1] + [sp.prefix_lengths[-1] - 1])),
+    ("prefix longer than its row", OPS, lambda sp, case, rng: dataclasses.replace(
+        sp, prefix_lengths=[case.S + 1] * case.B)),
+    ("same_inputs names no input", OPS, lambda sp, case, rng: dataclasses.replace(
+        sp, same_inputs=[len(case.inputs) + 2])),
+    ("a prompt differs", ("pack", "step"), _prompt_differs),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", list(OPS))
+def test_refused_shared_prompts(servers, op, backend):
+    """Every §14 error is INVALID_ARGUMENT with what the model says (the field, the row or
+    group, the first differing prompt token), and the server serves the next call; with
+    documents, padding, CP, SP or fixed the cross product above checks the refusal."""
+    address, device = servers[backend]
+    rng, gen = seeded("shared refused", op, backend)
+    coverage = COVERAGE[(op, backend)]
+    cell = dict(PLAIN, shared="stream" if op == "scatter" else True)
+    with packd.Client(address, shm_threshold_bytes=0) as client:
+        for name, ops, spoil in SHARED_REFUSED:
+            if op not in ops:
+                continue
+            case = Case(rng, gen, cell, 8, op, kind="full", rows=rng.randint(2, 6))
+            P = rng.randint(1, case.S)
+            good = packd.SharedPrefix([5] * case.B, [P] * case.B, (0,) if op != "scatter"
+                                      else ())
+            if op != "scatter":
+                case.options.pop("pad_values", None)  # inputs[0] becomes int64
+                _prompts_equal(case, good)
+            case.options["shared_prefix"] = spoil(good, case, rng)
+            o = case.model_options(op)
+            with pytest.raises(Refused) as model:
+                case_call(op, case, o)
+            what = "PACKD_ORACLE_SEED=%d %s on %s: %s" % (SEED, op, backend, name)
+            expect_refused(client, device, op, case, o, what, rng, gen, str(model.value))
+            coverage["refused shared: " + name] += 1
+        x = torch.arange(6).view(1, 6)
+        assert client.pack(x, torch.ones(1, 6), device=device).packed.tolist() == list(range(6))
