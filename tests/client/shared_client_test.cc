@@ -18,12 +18,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/dtype.h"
+#include "base/torch_interop.h"
 #include "client/autograd.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
-#include "base/dtype.h"
 #include "kernels/pack.h"
-#include "base/torch_interop.h"
 #include "planner/planner.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
@@ -116,7 +116,8 @@ Case RandomCase(Rng& rng, int64_t bytes, bool floating) {
 
 // 8 threads share one client and mix every path (inline, split into parts
 // over 3 connections, shared-memory scratch) with Pack, Scatter, a
-// differentiable Pack, a layout Pack, a plan and a streamed step; every result
+// differentiable Pack, a layout Pack, a shared prefix's stream and targets, a
+// plan and a streamed step; every result
 // equals torch's, byte for byte. Before each call had its own scratch segment,
 // 95 of 117 such calls returned another thread's rows or were refused.
 TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
@@ -141,7 +142,7 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
                               : path == Path::kSplit
                                   ? 14 << 10
                                   : (40 << 10) + rng.Next() % (400 << 10);
-        const int op = rng.Next() % 6;
+        const int op = rng.Next() % 7;
         Case c = RandomCase(rng, bytes, /*floating=*/op == 2);
         const int64_t total = 2 * c.x.nbytes() + c.mask.nbytes();
         const Path taken = total >= kShmBytes     ? Path::kSharedMemory
@@ -233,6 +234,57 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
             EXPECT_EQ(mb.cost(), want->micro_batches[j].cost);
           }
           EXPECT_EQ(plan->cost_imbalance(), want->cost_imbalance);
+        } else if (op == 6) {
+          // A shared prefix (GRPO groups): the stream and its targets, then
+          // the targets back to the batch; the op library's calls of the same
+          // batch are the reference.
+          const int64_t B = c.x.size(0);
+          const at::Tensor counts = (c.mask != 0).sum(1);
+          SharedPrefix shared;
+          std::vector<int64_t> shortest(B, c.x.size(1));
+          for (int64_t b = 0; b < B; ++b) {
+            shared.groups.push_back(
+                static_cast<int64_t>(rng.Next() % (1 + B / 2)));
+            int64_t& s = shortest[shared.groups[b]];
+            s = std::min(s, counts[b].item<int64_t>());
+          }
+          std::vector<int64_t> prompt(B);
+          for (int64_t g = 0; g < B; ++g) {
+            prompt[g] = static_cast<int64_t>(rng.Next() % (shortest[g] + 1));
+          }
+          for (int64_t b = 0; b < B; ++b) {
+            shared.prefix_lengths.push_back(prompt[shared.groups[b]]);
+          }
+          PackCallOptions laid;
+          laid.layout.shared_prefix = shared;
+          laid.layout.shifts = {{0, 0}};
+          absl::StatusOr<PackedBatch> r = client->Pack({c.x}, c.mask, laid);
+          ASSERT_TRUE(r.ok()) << r.status();
+          PackOptions reference;
+          reference.layout = laid.layout;
+          absl::StatusOr<PackResult> want =
+              packd::Pack({AsView(c.x)}, AsView(c.mask), reference);
+          ASSERT_TRUE(want.ok()) << want.status();
+          EXPECT_TRUE(SameBytes(r->packed[0], want->packed[0].view));
+          EXPECT_TRUE(SameBytes(r->shifted[0], want->shifted[0].view));
+          ASSERT_TRUE(r->shared.has_value());
+          EXPECT_TRUE(at::equal(r->shared->kv_index,
+                                at::tensor(want->shared->kv_index, at::kLong)));
+          EXPECT_TRUE(
+              at::equal(r->shared->pred_index,
+                        at::tensor(want->shared->pred_index, at::kLong)));
+          ScatterCallOptions back;
+          back.layout.shared_prefix = shared;
+          back.layout.shared_prefix->targets = true;
+          absl::StatusOr<std::vector<at::Tensor>> dense =
+              client->Scatter({r->shifted[0]}, c.mask, back);
+          ASSERT_TRUE(dense.ok()) << dense.status();
+          ScatterOptions scatter;
+          scatter.layout = back.layout;
+          absl::StatusOr<ScatterResult> dense_want =
+              packd::Scatter({want->shifted[0].view}, AsView(c.mask), scatter);
+          ASSERT_TRUE(dense_want.ok()) << dense_want.status();
+          EXPECT_TRUE(SameBytes((*dense)[0], dense_want->dense[0].view));
         } else if (op == 3) {
           // A layout: the call goes whole, its results inline; the op
           // library's Pack of the same batch is the reference.

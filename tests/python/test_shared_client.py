@@ -14,7 +14,7 @@ import torch
 import packd
 from packd_server import unused_port
 from torch_reference import (DTYPES, bits, gathered, random_tensor, reference_layout,
-                             reference_scatter, same)
+                             reference_scatter, reference_shared, same)
 
 SPLIT_BYTES = 24 << 10  # the client's split_threshold_bytes below
 SHM_BYTES = 64 << 10    # and its shm_threshold_bytes
@@ -56,7 +56,8 @@ def _case(rng, nbytes, dtypes):
 def test_threads_sharing_one_client_each_get_their_own_results(address):
     """8 threads share one client and mix every path (inline, split into parts over 3
     connections, shared-memory scratch) with pack, scatter, a differentiable pack, a layout
-    pack, a plan by cost and a streamed step; every result equals torch's, byte for byte. Before each call had its own scratch segment, most
+    pack, a shared prefix's stream and targets, a plan by cost and a streamed step; every
+    result equals torch's, byte for byte. Before each call had its own scratch segment, most
     such calls returned another thread's rows or were refused."""
     seed = random.randrange(1 << 30)
     print("seed", seed)
@@ -84,7 +85,7 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
             path = rng.choice(["inline", "split", "shm"])
             nbytes = {"inline": 4 << 10, "split": 14 << 10,
                       "shm": (40 << 10) + rng.randrange(400 << 10)}[path]
-            kind = rng.choice(["pack", "scatter", "grad", "layout", "plan", "step"])
+            kind = rng.choice(["pack", "scatter", "grad", "layout", "shared", "plan", "step"])
             x, mask = _case(rng, nbytes, FLOATS if kind == "grad" else DTYPES)
             active = mask != 0
             total = 2 * x.numel() * x.element_size() + mask.numel() * mask.element_size()
@@ -109,6 +110,25 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                         rows, shifted, *_ = reference_layout(mask, None, sp=2, sp_rank=rank)
                     assert same(gathered(x, rows, 0), r.packed), where
                     assert same(gathered(x, shifted, 0), r.shifted[0]), where
+                elif kind == "shared":  # GRPO groups: the stream, its targets and back
+                    B = x.shape[0]
+                    groups = [rng.randrange(1 + B // 2) for _ in range(B)]
+                    counts = active.sum(1).tolist()
+                    shortest = {g: min(c for h, c in zip(groups, counts) if h == g)
+                                for g in groups}
+                    prompt = {g: rng.randint(0, n) for g, n in shortest.items()}
+                    prefix = [prompt[g] for g in groups]
+                    shared = packd.SharedPrefix(groups, prefix)
+                    r = client.pack(x, mask, shared_prefix=shared, shifts=[(0, 0)])
+                    rows, targets = reference_shared(active, groups, prefix)
+                    flat = [t for row in targets for t in row]
+                    assert same(gathered(x, rows, 0), r.packed), where
+                    assert same(gathered(x, flat, 0), r.shifted[0]), where
+                    dense = client.scatter(r.shifted[0], mask, shared_prefix=shared,
+                                           targets=True)
+                    want = torch.zeros_like(bits(x)).reshape(-1, *x.shape[2:])
+                    want[flat] = bits(x).reshape(-1, *x.shape[2:])[flat]
+                    assert same(want.view(x.dtype).reshape(x.shape), dense), where
                 elif kind == "step":  # a streamed step: each micro-batch is its rows packed
                     step = client.pack_micro_batches(x, mask, rng.randint(8, 64),
                                                      num_ranks=rng.randint(1, 3))

@@ -107,3 +107,20 @@ def gathered(x, rows, pad):
     pad_bits = bits(torch.tensor([pad], dtype=torch.float64).to(x.dtype))[0]
     out[index < 0] = pad_bits
     return out.view(x.dtype)
+
+
+def reference_shared(mask, groups, prefix):
+    """A shared prefix's stream (docs/design.md §14) as dense flat positions: groups in the
+    order of their first rows, each prompt from its first row, then each member's response;
+    and each row's targets (its active positions from max(P, 1) on)."""
+    S = mask.shape[1]
+    active = [torch.nonzero(row).flatten().tolist() for row in mask]
+    rows, members = [], {}
+    for b, g in enumerate(groups):
+        members.setdefault(g, []).append(b)
+    for bs in members.values():
+        rows += [bs[0] * S + s for s in active[bs[0]][:prefix[bs[0]]]]
+        for b in bs:
+            rows += [b * S + s for s in active[b][prefix[b]:]]
+    targets = [[b * S + s for s in active[b][max(prefix[b], 1):]] for b in range(len(groups))]
+    return rows, targets
