@@ -6,6 +6,7 @@
 //   packctl probe --max_latency_ms=50  # one small Pack round trip; a Kubernetes exec probe
 //   packctl pack --shape=16,1024,4096 --dtype=bfloat16 --density=0.3
 //   packctl pack --pad_multiple=8 --cp_size=2 --cp_rank=1 --fixed=16384,0,16384
+//   packctl pack --shape=64,2048,1 --dtype=int64 --groups=8 --prefix=1024   # GRPO
 //   packctl bench --concurrency=4 --duration=10 --transport=shm --json=out.json
 //   packctl plan --samples=1024 --distribution=lognormal --max_tokens=16384 --ranks=8
 //   packctl plan --cost=24576,1 --pad_multiple=8 --pipeline_order
@@ -43,6 +44,7 @@
 #include "client/connection.h"
 #include "client/shm_region.h"
 #include "kernels/layout.h"
+#include "kernels/shared_prefix.h"
 #include "planner/planner.h"
 #include "proto/grpc_wire.h"
 #include "proto/plan_codec.h"
@@ -92,6 +94,12 @@ ABSL_FLAG(int, cp_size, 0, "pack: context-parallel ranks (0 or 1: none)");
 ABSL_FLAG(int, cp_rank, 0, "pack: the context-parallel rank to return");
 ABSL_FLAG(std::string, fixed, "",
           "pack: fixed shapes TOKENS,SEQUENCES,MAX_SEQLEN (0 = not fixed)");
+ABSL_FLAG(int, groups, 0,
+          "pack: GRPO groups of this many rows sharing a prompt, packed with "
+          "it once (docs/operation.md, \"Shared prompts\"); 0: none");
+ABSL_FLAG(int64_t, prefix, 0,
+          "pack --groups: the prompt's length, below S; each row's response "
+          "after it is 1 .. S - prefix tokens");
 ABSL_FLAG(int, concurrency, 1, "bench: calls in flight");
 ABSL_FLAG(double, duration, 5, "bench: seconds to run");
 ABSL_FLAG(std::string, transport, "inline",
@@ -231,14 +239,42 @@ absl::StatusOr<Batch> MakeBatch() {
     }
   }
   const int64_t B = batch.shape[0], S = batch.shape[1];
+  if (const int G = absl::GetFlag(FLAGS_groups); G != 0) {
+    const int64_t P = absl::GetFlag(FLAGS_prefix);
+    if (G < 0 || P <= 0 || P >= S) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--groups=", G, " --prefix=", P, ": groups of G > 0 rows need a ",
+          "prompt of 0 < P < S = ", S, " positions"));
+    }
+  }
   if (!absl::GetFlag(FLAGS_mask_file).empty()) {
     absl::StatusOr<std::vector<char>> mask =
         ReadExactly("mask_file", absl::GetFlag(FLAGS_mask_file), B * S,
                     absl::StrCat("a [", B, ", ", S, "] mask"));
     if (!mask.ok()) return mask.status();
     for (char c : *mask) batch.mask.push_back(c != 0);
+  } else if (absl::GetFlag(FLAGS_groups) > 0) {
+    // GRPO rows: the prompt, then a response of 1 .. S - P tokens.
+    const int64_t P = absl::GetFlag(FLAGS_prefix);
+    batch.mask.assign(B * S, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t length = std::min(
+          S, P + 1 + static_cast<int64_t>(rng() % std::max<int64_t>(S - P, 1)));
+      std::fill_n(batch.mask.begin() + b * S, length, 1);
+    }
   } else {
     batch.mask = MaskActivity(pattern, B, S, absl::GetFlag(FLAGS_density), rng);
+  }
+  const int G = absl::GetFlag(FLAGS_groups);
+  if (G > 0 && absl::GetFlag(FLAGS_input).empty()) {
+    // Generated x: every member's prompt its group's first row's, as a
+    // rollout's token ids are (the server checks it: same_inputs).
+    const int64_t width = batch.row_bytes(), P = absl::GetFlag(FLAGS_prefix);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = b / G * G;
+      std::copy_n(batch.x.begin() + first * S * width, P * width,
+                  batch.x.begin() + b * S * width);
+    }
   }
   return batch;
 }
@@ -365,8 +401,8 @@ int Probe(Connection& connection) {
   return kOk;
 }
 
-// The layout the flags ask for (docs/design.md §10).
-absl::StatusOr<LayoutOptions> LayoutFromFlags() {
+// The layout the flags ask for (docs/design.md §10, §14) for `batch`.
+absl::StatusOr<LayoutOptions> LayoutFromFlags(const Batch& batch) {
   LayoutOptions layout;
   layout.pad_multiple = absl::GetFlag(FLAGS_pad_multiple);
   layout.cp_size = absl::GetFlag(FLAGS_cp_size);
@@ -387,13 +423,24 @@ absl::StatusOr<LayoutOptions> LayoutFromFlags() {
     }
     layout.fixed = {v[0], v[1], v[2]};
   }
+  if (const int G = absl::GetFlag(FLAGS_groups); G > 0) {
+    const int64_t P = absl::GetFlag(FLAGS_prefix), B = batch.shape[0];
+    SharedPrefix shared;
+    for (int64_t b = 0; b < B; ++b) {
+      shared.groups.push_back(b / G);
+      shared.prefix_lengths.push_back(P);
+    }
+    if (absl::GetFlag(FLAGS_input).empty()) shared.same_inputs = {0};
+    layout.shared_prefix = std::move(shared);
+  }
   return layout;
 }
 
-// The bytes a Pack of `batch` with `layout` returns: each output row x's row
-// of the token it holds, zeros for padding.
+// The bytes a Pack of `batch` with `layout` returns (each output row x's row
+// of the token it holds, zeros for padding), and its Layout.
 absl::StatusOr<std::string> LaidOutBytes(const Batch& batch,
-                                         const LayoutOptions& layout) {
+                                         const LayoutOptions& layout,
+                                         Layout* out) {
   std::vector<int64_t> starts = {0}, positions;
   for (int64_t b = 0; b < batch.shape[0]; ++b) {
     for (int64_t s = 0; s < batch.shape[1]; ++s) {
@@ -403,18 +450,22 @@ absl::StatusOr<std::string> LaidOutBytes(const Batch& batch,
     }
     starts.push_back(static_cast<int64_t>(positions.size()));
   }
-  absl::StatusOr<Layout> laid = MakeLayout(starts, layout);
+  absl::StatusOr<Layout> laid =
+      layout.shared_prefix.has_value()
+          ? MakeSharedLayout(starts, layout, /*with_position_ids=*/false)
+          : MakeLayout(starts, layout);
   if (!laid.ok()) return laid.status();
   const int64_t width = batch.row_bytes();
-  std::string out;
+  std::string bytes;
   for (int64_t token : laid->source) {
     if (token < 0) {
-      out.append(width, '\0');
+      bytes.append(width, '\0');
     } else {
-      out.append(batch.x.data() + positions[token] * width, width);
+      bytes.append(batch.x.data() + positions[token] * width, width);
     }
   }
-  return out;
+  *out = *std::move(laid);
+  return bytes;
 }
 
 std::string Head(const google::protobuf::RepeatedField<int64_t>& values) {
@@ -424,10 +475,53 @@ std::string Head(const google::protobuf::RepeatedField<int64_t>& values) {
       values.size() > head ? ", ..." : "", "]");
 }
 
+// What a shared stream saves, and its metadata.
+void PrintStream(const Batch& batch, int G, const v1::PackResponse& response) {
+  const v1::SharedLayout& s = response.shared();
+  int64_t active = 0;
+  for (uint8_t m : batch.mask) active += m;
+  const int64_t rows = response.total_active();
+  const double saved_mib =
+      static_cast<double>(active - rows) * batch.row_bytes() / 1048576.0;
+  std::printf("shared:       %lld groups of %d, prompt %lld\n",
+              static_cast<long long>((batch.shape[0] + G - 1) / G), G,
+              static_cast<long long>(absl::GetFlag(FLAGS_prefix)));
+  std::printf(
+      "stream:       %lld rows for %lld active tokens: %.1f%% fewer (%.2fx), "
+      "%.1f MiB less\n",
+      static_cast<long long>(rows), static_cast<long long>(active),
+      active > 0 ? 100.0 * (active - rows) / active : 0.0,
+      rows > 0 ? static_cast<double>(active) / rows : 0.0, saved_mib);
+  std::printf(
+      "segments:     %d   max_seqlen_q: %lld   max_seqlen_k: %lld   keys: "
+      "%d   targets: %d\n",
+      s.segment_row_size(), static_cast<long long>(s.max_seqlen_q()),
+      static_cast<long long>(s.max_seqlen_k()), s.kv_index_size(),
+      s.pred_index_size());
+  std::printf("kv_index:     %s\n", Head(s.kv_index()).c_str());
+  std::printf("pred_index:   %s\n", Head(s.pred_index()).c_str());
+}
+
+template <typename Field>
+bool SameValues(const std::vector<int64_t>& want, const Field& got) {
+  return std::equal(want.begin(), want.end(), got.begin(), got.end());
+}
+
+bool SameStream(const SharedLayout& want, const v1::SharedLayout& got) {
+  return SameValues(want.cu_seqlens_q, got.cu_seqlens_q()) &&
+         SameValues(want.cu_seqlens_k, got.cu_seqlens_k()) &&
+         SameValues(want.kv_index, got.kv_index()) &&
+         SameValues(want.pred_index, got.pred_index()) &&
+         SameValues(want.target_cu_seqlens, got.target_cu_seqlens()) &&
+         SameValues(want.segment_row, got.segment_row()) &&
+         want.max_seqlen_q == got.max_seqlen_q() &&
+         want.max_seqlen_k == got.max_seqlen_k();
+}
+
 int PackCommand(Connection& connection) {
   absl::StatusOr<Batch> batch = MakeBatch();
   if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
-  absl::StatusOr<LayoutOptions> layout = LayoutFromFlags();
+  absl::StatusOr<LayoutOptions> layout = LayoutFromFlags(*batch);
   if (!layout.ok()) return Fail(kUsage, std::string(layout.status().message()));
   absl::StatusOr<PackResult> r = PackInline(connection, *batch, true, *layout);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
@@ -442,12 +536,16 @@ int PackCommand(Connection& connection) {
               static_cast<long long>(response.total_active()),
               static_cast<long long>(response.max_seqlen()));
   std::printf("cu_seqlens:   %s\n", Head(response.cu_seqlens()).c_str());
-  if (layout->any()) {
+  const bool shared = layout->shared_prefix.has_value();
+  if (layout->any() && !shared) {
     std::printf("cu_seqlens_padded: %s   max_seqlen_padded: %lld\n",
                 Head(response.cu_seqlens_padded()).c_str(),
                 static_cast<long long>(response.max_seqlen_padded()));
+  }
+  if (layout->any()) {
     std::printf("position_ids: %s\n", Head(response.position_ids()).c_str());
   }
+  if (shared) PrintStream(*batch, absl::GetFlag(FLAGS_groups), response);
   std::printf("time:         %.2f ms\n", r->ms);
   const std::string output = absl::GetFlag(FLAGS_output);
   if (!output.empty()) {
@@ -455,17 +553,26 @@ int PackCommand(Connection& connection) {
     f.write(r->packed.data(), static_cast<std::streamsize>(r->packed.size()));
     if (!f) return Fail(kUsage, "cannot write --output=" + output);
   }
-  // Every byte checked against packing here, row by row.
+  // Every byte checked against packing here, row by row; a stream's metadata
+  // against the op library's.
+  Layout laid;
   absl::StatusOr<std::string> want =
-      layout->any() ? LaidOutBytes(*batch, *layout) : batch->Packed();
+      layout->any() ? LaidOutBytes(*batch, *layout, &laid) : batch->Packed();
   if (!want.ok()) return Fail(kCheckFailed, want.status().ToString());
   if (r->packed != *want) {
     return Fail(kCheckFailed,
                 "pack: the packed bytes differ from the rows of x the mask "
                 "selects (laid out)");
   }
+  if (shared && !SameStream(*laid.shared, response.shared())) {
+    return Fail(kCheckFailed,
+                "pack: the stream's kv_index, pred_index or cu_seqlens differ "
+                "from the op library's");
+  }
   std::printf("checked:      the packed bytes equal the masked rows of x%s\n",
-              layout->any() ? ", laid out" : "");
+              shared          ? " in the stream, and its metadata"
+              : layout->any() ? ", laid out"
+                              : "");
   return kOk;
 }
 
@@ -917,6 +1024,10 @@ commands:
           and the time, checks every packed byte against the masked rows of x
           (exits 1 when one differs) and with --output writes them to a file.
             packctl pack --shape=16,1024,4096 --dtype=bfloat16 --density=0.3
+          With --groups=G --prefix=P, a GRPO batch: rows in groups of G sharing
+          a P-token prompt, packed with it once; prints the stream, what it
+          saves and its attention metadata, and checks them.
+            packctl pack --shape=64,2048,1 --dtype=int64 --groups=8 --prefix=1024
   bench   Pack calls at --concurrency for --duration seconds, inline or through
           shared memory (--transport); prints calls/s, GB/s, p50 and p99.
             packctl bench --concurrency=4 --duration=10 --transport=shm

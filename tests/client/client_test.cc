@@ -1278,6 +1278,26 @@ TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
   EXPECT_THAT(out, HasSubstr("rank 1    |"));
   EXPECT_THAT(out, HasSubstr("rank 1   #0 "));
   EXPECT_THAT(out, HasSubstr("micro-batches in"));
+  // A GRPO batch with its prompts once: the stream, its saving and metadata,
+  // checked; and the combinations shared prompts are not defined with.
+  EXPECT_EQ(Packctl(at + "pack --shape=8,64,2 --dtype=float32 --groups=4 "
+                         "--prefix=16",
+                    &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("shared:       2 groups of 4, prompt 16"));
+  EXPECT_THAT(out, HasSubstr("fewer"));
+  EXPECT_THAT(out, HasSubstr("kv_index:     [0, 1, 2, 3,"));
+  EXPECT_THAT(out, HasSubstr("in the stream, and its metadata"));
+  EXPECT_EQ(Packctl(at + "pack --shape=8,64 --groups=4 --prefix=64", &out), 2)
+      << out;
+  EXPECT_THAT(out, HasSubstr("need a prompt of 0 < P < S = 64"));
+  EXPECT_EQ(Packctl(at + "pack --shape=8,64 --groups=4 --prefix=8 "
+                         "--pad_multiple=8",
+                    &out),
+            3)
+      << out;
+  EXPECT_THAT(out, HasSubstr("shared_prefix with pad_multiple 8 is not"));
   EXPECT_EQ(Packctl(at + "step --batch=32", &out), 2) << out;
   EXPECT_THAT(out, HasSubstr("is not B,S"));
   EXPECT_EQ(Packctl(at + "step --batch=4,8 --max_tokens=0", &out), 3) << out;
