@@ -11,7 +11,10 @@
 #define PACKD_BASE_LAYOUT_OPTIONS_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace packd {
@@ -78,6 +81,38 @@ struct LayoutOptions {
   }
 };
 
+// An allocator whose vectors grow without zeroing their new elements: for
+// arrays filled right after, in parallel (a shared stream's kv_index is
+// megabytes, and zeroing it first would double what is written).
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using IndexArray = std::vector<int64_t, DefaultInitAllocator<int64_t>>;
+
+// A run of a layout's output rows: `count` rows holding the packed tokens
+// token, token + 1, ..., or `count` pad rows when token is -1. A layout as
+// runs (a shared stream: one per segment) is gathered with one copy per run
+// instead of a read of one int64 per row.
+struct TokenRun {
+  int64_t token = 0;
+  int64_t count = 0;
+};
+
 // A stream of shared prompts' attention metadata and targets (docs/design.md
 // §14): segment n's queries are stream rows cu_seqlens_q[n] ..
 // cu_seqlens_q[n + 1], its keys the stream rows kv_index[cu_seqlens_k[n] ..
@@ -88,10 +123,10 @@ struct LayoutOptions {
 struct SharedLayout {
   std::vector<int64_t> cu_seqlens_q;
   std::vector<int64_t> cu_seqlens_k;
-  std::vector<int64_t> kv_index;
+  IndexArray kv_index;
   int64_t max_seqlen_q = 0;
   int64_t max_seqlen_k = 0;
-  std::vector<int64_t> pred_index;
+  IndexArray pred_index;
   std::vector<int64_t> target_cu_seqlens;
   std::vector<int64_t> segment_row;
 };

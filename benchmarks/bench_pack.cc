@@ -34,14 +34,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "kernels/backend.h"
 #include "base/buffer.h"
+#include "base/status_macros.h"
+#include "base/torch_interop.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/pack.h"
 #include "kernels/registry.h"
-#include "base/status_macros.h"
 #include "kernels/thread_pool.h"
-#include "base/torch_interop.h"
 #include "workloads/mask_patterns.h"
 
 ABSL_FLAG(bool, smoke, false,
@@ -68,6 +68,10 @@ ABSL_FLAG(
     "CPU threads for packd and the memcpy limit (0: all hardware threads)");
 ABSL_FLAG(int, repeats, 20, "Timed runs per row (the median is reported)");
 ABSL_FLAG(std::string, json, "", "Also write the rows as JSON to this file");
+ABSL_FLAG(int, grpo_groups, 64, "Shared prompts: GRPO groups (prompts)");
+ABSL_FLAG(int, grpo_members, 8, "Shared prompts: responses per prompt");
+ABSL_FLAG(int, grpo_prompt, 1024,
+          "Shared prompts: the prompt's tokens (responses are 128..1024)");
 
 namespace packd {
 namespace {
@@ -369,6 +373,88 @@ class Bench {
     return t;
   }
 
+  // Shared prompts (docs/design.md §14): Packs of `xs` ([B, S, *] each) into
+  // caller buffers with each of `shared` (rows "packd shared", then "packd
+  // shared + targets" when it has shifts), against the plain Pack of the same
+  // batch (row "packd", their peer) and the memcpy of the bytes that writes.
+  // Returns the milliseconds and bytes written of each, plain first.
+  struct Timed {
+    double ms = 0;
+    int64_t bytes = 0;
+  };
+  std::vector<Timed> RunShared(const std::vector<at::Tensor>& xs,
+                               const at::Tensor& mask,
+                               const std::vector<LayoutOptions>& shared,
+                               const std::string& what) {
+    const TensorView mask_view = AsView(mask);
+    std::vector<TensorView> inputs;
+    std::vector<std::string> dtypes;
+    Row base;
+    base.op = "pack";
+    base.mask = what;
+    base.B = mask.size(0);
+    base.S = mask.size(1);
+    for (const at::Tensor& x : xs) {
+      inputs.push_back(AsView(x));
+      dtypes.push_back(DTypeName(FromScalarType(x.scalar_type())));
+      base.tail_bytes += x.nbytes() / std::max<int64_t>(mask.numel(), 1);
+    }
+    base.dtype = absl::StrJoin(dtypes, "+");
+    base.density =
+        mask.sum().item<double>() / std::max<int64_t>(mask.numel(), 1);
+    std::vector<Timed> out;
+    double plain_ms = 0;
+    for (size_t k = 0; k <= shared.size(); ++k) {
+      PackOptions options;
+      if (k > 0) options.layout = shared[k - 1];
+      absl::StatusOr<PackResult> want = Pack(inputs, mask_view, options);
+      Check(want);
+      std::vector<at::Tensor> buffers;
+      std::vector<TensorView> views;
+      int64_t bytes = 0;
+      for (const auto* results : {&want->packed, &want->shifted}) {
+        for (const ResultTensor& r : *results) {
+          buffers.push_back(at::zeros(
+              std::vector<int64_t>(r.view.shape.begin(), r.view.shape.end()),
+              at::TensorOptions().dtype(ToScalarType(r.view.dtype))));
+          views.push_back(AsView(buffers.back()));
+          bytes += r.view.nbytes();
+        }
+      }
+      Row row = base;
+      row.active_rows = want->packed[0].view.shape[0];
+      row.bytes_moved = bytes;
+      PackOptions into = options;
+      into.outputs = views;
+      auto pack = [&] { Check(Pack(inputs, mask_view, into)); };
+      if (k == 0) {
+        at::Tensor src = at::ones({std::max<int64_t>(bytes, 1)}, at::kByte);
+        at::Tensor dst = at::zeros({std::max<int64_t>(bytes, 1)}, at::kByte);
+        const double limit = Add(
+            row, "memcpy (limit)", "caller buffer, touched",
+            [&] { ParallelCopy(dst.data_ptr(), src.data_ptr(), bytes); }, 0);
+        plain_ms = Add(row, "packd", "caller buffers, touched", pack, limit);
+        out.push_back({plain_ms, bytes});
+      } else {
+        const LayoutOptions& o = shared[k - 1];
+        const std::string impl = !o.shifts.empty() ? "packd shared + targets"
+                                 : o.shared_prefix->same_inputs.empty()
+                                     ? "packd shared"
+                                     : "packd shared, checked";
+        // The peer is the plain Pack: vs_limit is plain ms / this ms.
+        out.push_back(
+            {Add(row, impl, "caller buffers, touched", pack, plain_ms), bytes});
+      }
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        const TensorView& w = i < want->packed.size()
+                                  ? want->packed[i].view
+                                  : want->shifted[i - want->packed.size()].view;
+        if (check_) Verify(buffers[i], w, "shared pack");
+      }
+    }
+    return out;
+  }
+
   int failures() const { return failures_; }
 
   // Times fn as a row of the JSON (not of the tables printed above), against
@@ -455,6 +541,8 @@ struct Config {
   std::vector<int64_t> g_sizes, lens, vocab;
   std::vector<double> densities, token_densities;
   int64_t token_rows = 64, token_len = 4096;
+  int64_t grpo_groups = 64, grpo_members = 8, grpo_prompt = 1024;
+  int64_t grpo_response_min = 128, grpo_response_max = 1024;
   int repeats = 0;
   std::vector<MaskPattern> patterns;
 };
@@ -491,6 +579,13 @@ absl::StatusOr<Config> ConfigFromFlags() {
   c.densities = ParseDoubles(absl::GetFlag(FLAGS_mask_densities));
   c.token_densities = ParseDoubles(absl::GetFlag(FLAGS_token_densities));
   c.repeats = absl::GetFlag(FLAGS_repeats);
+  c.grpo_groups = absl::GetFlag(FLAGS_grpo_groups);
+  c.grpo_members = absl::GetFlag(FLAGS_grpo_members);
+  c.grpo_prompt = absl::GetFlag(FLAGS_grpo_prompt);
+  if (c.grpo_groups < 1 || c.grpo_members < 1 || c.grpo_prompt < 1) {
+    return absl::InvalidArgumentError(
+        "--grpo_groups, --grpo_members and --grpo_prompt must be positive");
+  }
   if (absl::GetFlag(FLAGS_smoke)) {
     c.prompts = 2;
     c.g_sizes = {2};
@@ -499,6 +594,11 @@ absl::StatusOr<Config> ConfigFromFlags() {
     c.vocab = {128};
     c.token_rows = 8;
     c.token_len = 128;
+    c.grpo_groups = 4;
+    c.grpo_members = 3;
+    c.grpo_prompt = 32;
+    c.grpo_response_min = 8;
+    c.grpo_response_max = 32;
     c.repeats = 2;
   }
   return c;
@@ -714,6 +814,61 @@ void RunLayouts(const Config& c, std::mt19937_64& rng, Bench& bench) {
   }
 }
 
+// Shared prompts (docs/design.md §14): a GRPO batch of --grpo_groups groups
+// of --grpo_members responses, each a --grpo_prompt-token prompt and a
+// response of 128 .. 1024 tokens; its token ids (int64), log-probs and
+// advantages (float32) packed with each prompt once, against the plain Pack
+// of the same batch; and with their targets (labels, log-probs and
+// advantages in target space) as a GRPO step asks.
+void RunSharedPrompts(const Config& c, std::mt19937_64& rng, Bench& bench) {
+  KeepFreedMemoryMapped();
+  const int64_t G = c.grpo_members, P = c.grpo_prompt;
+  const int64_t B = c.grpo_groups * G, S = P + c.grpo_response_max;
+  std::vector<uint8_t> active(B * S, 0);
+  std::uniform_int_distribution<int64_t> response(c.grpo_response_min,
+                                                  c.grpo_response_max);
+  for (int64_t b = 0; b < B; ++b) {
+    std::fill_n(active.begin() + b * S, P + response(rng), 1);
+  }
+  const at::Tensor mask =
+      at::from_blob(active.data(), {B, S}, at::kByte).to(at::kBool);
+  at::Tensor ids = at::randint(0, 151936, {B, S}, at::kLong);
+  for (int64_t b = 0; b < B; ++b) {  // every member's prompt its group's
+    ids[b].narrow(0, 0, P).copy_(ids[b / G * G].narrow(0, 0, P));
+  }
+  const at::Tensor logprobs = -at::rand({B, S}, at::kFloat) * 5;
+  const at::Tensor advantages = at::randn({B, S}, at::kFloat);
+  LayoutOptions shared;
+  shared.shared_prefix.emplace();
+  for (int64_t b = 0; b < B; ++b) {
+    shared.shared_prefix->groups.push_back(b / G);
+    shared.shared_prefix->prefix_lengths.push_back(P);
+  }
+  LayoutOptions checked = shared;  // the token ids' prompts checked equal
+  checked.shared_prefix->same_inputs = {0};
+  LayoutOptions with_targets = checked;
+  with_targets.shifts = {{0, 0}, {1, 0}, {2, 0}};
+  const std::string what =
+      absl::StrFormat("grpo %dx%d, prompt %d", c.grpo_groups, G, P);
+  const std::vector<Bench::Timed> t = bench.RunShared(
+      {ids, logprobs, advantages}, mask, {shared, checked, with_targets}, what);
+  std::printf(
+      "\nshared prompts (median of %d): %s, responses %d..%d; token ids, "
+      "log-probs and advantages into caller buffers\n",
+      c.repeats, what.c_str(), static_cast<int>(c.grpo_response_min),
+      static_cast<int>(c.grpo_response_max));
+  std::printf("%-36s %9s %10s %8s %10s\n", "pack", "ms", "MiB out", "/plain",
+              "MiB saved");
+  const char* names[] = {"plain", "shared (the stream)",
+                         "shared, same_inputs checked",
+                         "shared + targets (labels, lp, adv)"};
+  for (size_t k = 0; k < t.size(); ++k) {
+    std::printf("%-36s %9.3f %10.1f %8.2f %10.1f\n", names[k], t[k].ms,
+                t[k].bytes / 1048576.0, t[k].ms / t[0].ms,
+                (t[0].bytes - t[k].bytes) / 1048576.0);
+  }
+}
+
 void PrintMemory(const std::vector<std::string>& memory_lines) {
   std::printf(
       "\nmemory: logits for every position (B*S*V) against "
@@ -757,6 +912,7 @@ int Main(int argc, char** argv) {
   PrintMemory(memory_lines);
   RunScanAndDocuments(*config, rng, bench);
   RunLayouts(*config, rng, bench);
+  RunSharedPrompts(*config, rng, bench);
   if (!absl::GetFlag(FLAGS_json).empty()) {
     bench.WriteJson(absl::GetFlag(FLAGS_json));  // the layout rows included
   }

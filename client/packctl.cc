@@ -455,6 +455,7 @@ absl::StatusOr<std::string> LaidOutBytes(const Batch& batch,
           ? MakeSharedLayout(starts, layout, /*with_position_ids=*/false)
           : MakeLayout(starts, layout);
   if (!laid.ok()) return laid.status();
+  laid->ExpandRuns();  // a shared stream is made of runs
   const int64_t width = batch.row_bytes();
   std::string bytes;
   for (int64_t token : laid->source) {
@@ -502,8 +503,8 @@ void PrintStream(const Batch& batch, int G, const v1::PackResponse& response) {
   std::printf("pred_index:   %s\n", Head(s.pred_index()).c_str());
 }
 
-template <typename Field>
-bool SameValues(const std::vector<int64_t>& want, const Field& got) {
+template <typename Values, typename Field>
+bool SameValues(const Values& want, const Field& got) {
   return std::equal(want.begin(), want.end(), got.begin(), got.end());
 }
 

@@ -45,6 +45,13 @@ void CutDocuments(const MaskPlan& plan, const std::vector<int64_t>& ids,
   out->cu.push_back(total);
 }
 
+absl::Status Backend::GatherRuns(const MaskPlan&, const TensorView&,
+                                 absl::Span<const TokenRun>,
+                                 const unsigned char*, const TensorView&,
+                                 const Stream&) {
+  return absl::UnimplementedError("this backend gathers layouts by rows");
+}
+
 absl::Status Backend::Documents(const MaskPlan& plan,
                                 const TensorView& segment_ids,
                                 DeviceRuntime& runtime, DocumentCuts* out,

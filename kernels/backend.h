@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "base/layout_options.h"
 #include "base/tensor_view.h"
 #include "kernels/device_runtime.h"
 
@@ -97,6 +98,18 @@ class Backend {
                                   const unsigned char* pad,
                                   const TensorView& out,
                                   const Stream& stream) = 0;
+
+  // Layouts made of runs (Layout::as_runs): out = the runs' rows in order,
+  // each run's `count` packed tokens from `token` on taken from x ([B, S,
+  // *tail], x[mask != 0] being the packed tokens), or `count` rows of the
+  // element `pad` (host memory) for a token of -1. `runs` is in host memory
+  // and covers out.shape[0] rows. UNIMPLEMENTED (the default) where the
+  // backend has no faster way than by rows for this plan: the caller then
+  // gathers the runs expanded, row by row.
+  virtual absl::Status GatherRuns(const MaskPlan& plan, const TensorView& x,
+                                  absl::Span<const TokenRun> runs,
+                                  const unsigned char* pad,
+                                  const TensorView& out, const Stream& stream);
 
   // The inverse: dense row rows[j] = packed row j where rows[j] >= 0 (rows
   // distinct and increasing), every other row of `dense` ([B, S, *tail])

@@ -213,6 +213,27 @@ absl::StatusOr<LayoutValues> CheckLayout(const LayoutOptions& options,
   return values;
 }
 
+int64_t Layout::RowsOf(const std::vector<TokenRun>& runs) {
+  int64_t n = 0;
+  for (const TokenRun& run : runs) n += run.count;
+  return n;
+}
+
+void Layout::ExpandRuns() {
+  if (!as_runs || expanded_) return;
+  expanded_ = true;
+  for (const auto& [runs, rows] :
+       {std::pair{&source_runs, &source}, {&shifted_runs, &shifted_source}}) {
+    rows->clear();
+    rows->reserve(RowsOf(*runs));
+    for (const TokenRun& run : *runs) {
+      for (int64_t i = 0; i < run.count; ++i) {
+        rows->push_back(run.token < 0 ? -1 : run.token + i);
+      }
+    }
+  }
+}
+
 absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
                                   const LayoutOptions& options,
                                   bool with_position_ids) {

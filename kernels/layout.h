@@ -82,8 +82,27 @@ struct Layout {
   // A stream of shared prompts (kernels/shared_prefix.h): then source,
   // position_ids and seq_idx are per stream row and shifted_source per target.
   std::optional<SharedLayout> shared;
+  // The same rows as runs, when the layout is made of them (a shared
+  // stream): then source and shifted_source stay empty until ExpandRuns(),
+  // which a backend that cannot gather by runs needs.
+  std::vector<TokenRun> source_runs;
+  std::vector<TokenRun> shifted_runs;
+  bool as_runs = false;
 
-  int64_t rows() const { return static_cast<int64_t>(source.size()); }
+  int64_t rows() const { return as_runs ? RowsOf(source_runs) : Count(source); }
+  int64_t shifted_rows() const {
+    return as_runs ? RowsOf(shifted_runs) : Count(shifted_source);
+  }
+  // Fills source and shifted_source from the runs (once; nothing for a
+  // layout made row by row).
+  void ExpandRuns();
+
+ private:
+  static int64_t Count(const std::vector<int64_t>& v) {
+    return static_cast<int64_t>(v.size());
+  }
+  static int64_t RowsOf(const std::vector<TokenRun>& runs);
+  bool expanded_ = false;
 };
 
 // The layout of a batch whose sequences (rows, or documents) are packed

@@ -394,12 +394,33 @@ struct LaidOut {
   }
 
   // INVALID_ARGUMENT when a member's prompt differs from its group's first
-  // row's in one of `shared`'s same_inputs: the input's packed rows, made on
-  // the device (and kept for its gather), compared on the host.
+  // row's in one of `shared`'s same_inputs, compared on the host: the
+  // prompts of the groups of two or more rows gathered by runs where the
+  // backend can, else the input's packed rows (made on the device, and kept
+  // for its gather).
   absl::Status CheckSamePrompts(const Scanned& scanned,
                                 const SharedPrefix& shared) {
+    const std::vector<int64_t>& cu = scanned.plan.cu_seqlens;
     for (int32_t i : shared.same_inputs) {
       const TensorView& x = scanned.staged[i];
+      const int64_t width = PositionBytes(x);
+      if (scanned.runtime.kind() == DeviceKind::kCpu) {
+        const ElementBytes zero{};
+        absl::Status by_runs = ::packd::CheckSamePromptsBy(
+            shared, cu, i, width,
+            [&](absl::Span<const TokenRun> runs, unsigned char* out) {
+              TensorView rows = Flat(x);  // [rows, *tail] at `out`
+              rows.shape[0] = 0;
+              for (const TokenRun& run : runs) rows.shape[0] += run.count;
+              rows.data = out;
+              return scanned.backend.GatherRuns(
+                  scanned.plan, x, runs, zero.data(), rows, scanned.stream);
+            });
+        if (!absl::IsUnimplemented(by_runs)) {
+          PACKD_RETURN_IF_ERROR(by_runs);
+          continue;
+        }
+      }
       PACKD_ASSIGN_OR_RETURN(TensorView rows_view,
                              Packed(scanned.backend, scanned.runtime,
                                     scanned.plan, i, x, scanned.stream));
@@ -408,8 +429,8 @@ struct LaidOut {
         PACKD_RETURN_IF_ERROR(scanned.runtime.CopyToHost(
             host.data(), rows_view.data, rows_view.nbytes(), scanned.stream));
       }
-      PACKD_RETURN_IF_ERROR(::packd::CheckSamePrompts(
-          shared, scanned.plan.cu_seqlens, i, host.data(), PositionBytes(x)));
+      PACKD_RETURN_IF_ERROR(
+          ::packd::CheckSamePrompts(shared, cu, i, host.data(), width));
     }
     return absl::OkStatus();
   }
@@ -420,6 +441,13 @@ struct LaidOut {
                       const MaskPlan& plan, size_t source, const TensorView& x,
                       bool shift, const unsigned char* pad,
                       const TensorView& out, const Stream& stream) {
+    if (layout.as_runs) {  // by runs where the backend can, else by rows
+      absl::Status by_runs = backend.GatherRuns(
+          plan, x, shift ? layout.shifted_runs : layout.source_runs, pad, out,
+          stream);
+      if (!absl::IsUnimplemented(by_runs)) return by_runs;
+      layout.ExpandRuns();
+    }
     if (PositionBytes(x) < kNarrowRow) {
       PACKD_ASSIGN_OR_RETURN(TensorView rows_view,
                              Packed(backend, runtime, plan, source, x, stream));
@@ -479,6 +507,7 @@ struct LaidOut {
                      const Stream& stream) {
     if (placed) return absl::OkStatus();
     placed = true;
+    layout.ExpandRuns();
     PACKD_RETURN_IF_ERROR(DenseOf(backend, plan, layout.source, &rows, stream));
     return DenseOf(backend, plan, layout.shifted_source, &shifted_rows, stream);
   }
@@ -590,7 +619,7 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
           LayoutOf(plan, documents, options.segment_ids.has_value(), lo,
                    options.with_position_ids));
       rows = laid.layout.rows();
-      shifted_rows = static_cast<int64_t>(laid.layout.shifted_source.size());
+      shifted_rows = laid.layout.shifted_rows();
       if (lo.shared_prefix.has_value()) {
         PACKD_RETURN_IF_ERROR(
             laid.CheckSamePrompts(scanned, *lo.shared_prefix));
@@ -723,7 +752,7 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
       } else if (options.layout.sp_size > 1) {
         absl::StrAppend(&what, " on sp_rank ", options.layout.sp_rank);
       } else if (targets) {
-        rows = static_cast<int64_t>(laid.layout.shifted_source.size());
+        rows = laid.layout.shifted_rows();
         what = absl::StrCat("the shared stream has ", rows, " targets");
       } else if (shared.has_value()) {
         what = absl::StrCat("the shared stream has ", rows, " rows");
@@ -750,6 +779,7 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
                      const TensorView& dense,
                      const Stream& stream) -> absl::Status {
     if (!laid_out) return backend.Scatter(plan, p, dense, stream);
+    laid.layout.ExpandRuns();
     return laid.Scatter(
         backend, runtime, plan, p,
         targets ? laid.layout.shifted_source : laid.layout.source, dense,

@@ -18,8 +18,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "base/layout_options.h"
 #include "kernels/layout.h"
 
@@ -49,12 +51,28 @@ absl::StatusOr<Layout> MakeSharedLayout(const std::vector<int64_t>& cu_seqlens,
 
 // INVALID_ARGUMENT naming the group, the row and the first position that
 // differs when a member's prompt differs from its group's first row's in
-// input `input`, given that input's packed rows (x[mask], `row_bytes` each,
-// in host memory) and the rows' cu_seqlens. For prompts that passed
+// input `input`, given rows of that input (`row_bytes` each, in host memory)
+// where row b's prompt starts at row starts[b] (x[mask] and the first B
+// entries of cu_seqlens, or the prompts alone). For prompts that passed
 // MakeSharedLayout.
 absl::Status CheckSamePrompts(const SharedPrefix& shared,
-                              const std::vector<int64_t>& cu_seqlens, int input,
-                              const unsigned char* packed, int64_t row_bytes);
+                              const std::vector<int64_t>& starts, int input,
+                              const unsigned char* rows, int64_t row_bytes);
+
+// Gathers the rows of `runs` (packed tokens, in order) into host memory at
+// `out`, row_bytes each.
+using GatherPromptsFn = absl::FunctionRef<absl::Status(
+    absl::Span<const TokenRun> runs, unsigned char* out)>;
+
+// The same check with each group's prompts gathered by `gather` (the rows'
+// packed tokens from cu_seqlens[b] on): groups of two or more rows a few at
+// a time, in parallel, so that no copy of the whole input is made. The
+// first difference in group order is the one reported; an error of
+// `gather` is returned as it is.
+absl::Status CheckSamePromptsBy(const SharedPrefix& shared,
+                                const std::vector<int64_t>& cu_seqlens,
+                                int input, int64_t row_bytes,
+                                GatherPromptsFn gather);
 
 }  // namespace packd
 

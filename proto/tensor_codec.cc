@@ -147,7 +147,7 @@ LayoutOptions DecodeLayout(const v1::ScatterRequest& request) {
 }
 
 void EncodeSharedLayout(const SharedLayout& shared, v1::SharedLayout* out) {
-  auto assign = [](const std::vector<int64_t>& from,
+  auto assign = [](const auto& from,
                    google::protobuf::RepeatedField<int64_t>* to) {
     to->Assign(from.begin(), from.end());
   };

@@ -7,11 +7,11 @@
 #include <vector>
 
 #include "absl/base/call_once.h"
-#include "kernels/backend.h"
 #include "base/buffer.h"
+#include "base/status_macros.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/mask_scan.h"
 #include "kernels/registry.h"
-#include "base/status_macros.h"
 #include "kernels/thread_pool.h"
 
 namespace packd {
@@ -576,6 +576,61 @@ class SpanBackend : public Backend {
           std::memcpy(dst + j * width, src + rows[j] * width, (k - j) * width);
         }
         j = k;
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  // Layouts as runs: each run's packed tokens copied straight from x through
+  // the mask's runs, pad runs filled; the output rows split evenly across the
+  // pool. Under a mask whose runs are short for narrow rows, copies by run
+  // lose to the fused compaction: UNIMPLEMENTED, and the caller packs first.
+  absl::Status GatherRuns(const MaskPlan& base, const TensorView& x,
+                          absl::Span<const TokenRun> runs,
+                          const unsigned char* pad, const TensorView& out,
+                          const Stream&) override {
+    const auto& plan = static_cast<const CpuPlan&>(base);
+    const int64_t n = out.shape.empty() ? 0 : out.shape[0];
+    if (n == 0 || out.nbytes() == 0) return absl::OkStatus();
+    const int64_t width = out.nbytes() / n;
+    if (!plan.all_active() && TypedPiece<Compact>(width) &&
+        PreferTypedLoop(plan, width)) {
+      return absl::UnimplementedError("the mask's runs are short");
+    }
+    std::vector<int64_t> starts(runs.size() + 1, 0);
+    for (size_t r = 0; r < runs.size(); ++r) {
+      starts[r + 1] = starts[r] + runs[r].count;
+    }
+    const std::vector<Run>& tokens = plan.runs();
+    const char* src = static_cast<const char*>(x.data);
+    char* dst = static_cast<char*>(out.data);
+    const int64_t item = ItemSize(x.dtype);
+    const int pieces =
+        static_cast<int>(std::min<int64_t>(Pieces(n * width), n));
+    ThreadPool::Global().ParallelFor(pieces, [&](int p) {
+      const auto [begin, end] = PieceRange(n, p, pieces);
+      size_t r = std::upper_bound(starts.begin(), starts.end(), begin) -
+                 starts.begin() - 1;
+      for (int64_t pos = begin; pos < end; ++r) {
+        const int64_t skip = pos - starts[r];
+        int64_t count = std::min(runs[r].count - skip, end - pos);
+        if (runs[r].token < 0) {
+          FillRows(dst + pos * width, count, width, pad, item);
+          pos += count;
+          continue;
+        }
+        int64_t token = runs[r].token + skip;
+        auto it = std::upper_bound(
+            tokens.begin(), tokens.end(), token,
+            [](int64_t t, const Run& run) { return t < run.dst; });
+        for (--it; count > 0; ++it) {
+          const int64_t k = std::min(count, it->dst + it->len - token);
+          std::memcpy(dst + pos * width,
+                      src + (it->src + token - it->dst) * width, k * width);
+          pos += k;
+          token += k;
+          count -= k;
+        }
       }
     });
     return absl::OkStatus();

@@ -15,10 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/torch_interop.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
 #include "kernels/pack.h"
+#include "kernels/registry.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {
@@ -274,6 +277,154 @@ TEST_P(SharedPrefixTest, WorkedCases) {
   EXPECT_THAT(r->shared->pred_index,
               ::testing::ElementsAre(1, 2, 6, 7, 8, 1, 4));
   EXPECT_THAT(r->shared->target_cu_seqlens, ::testing::ElementsAre(0, 2, 5, 7));
+}
+
+// Long prompts and responses under masks of long active blocks with gaps,
+// so that the span backend gathers the stream by runs (each run of the
+// stream crossing blocks of the mask), narrow and wide rows alike.
+TEST_P(SharedPrefixTest, LongRowsOfBlocks) {
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t G = 1 + rng_.Next() % 4, groups = 1 + rng_.Next() % 5;
+    const int64_t B = G * groups, S = 200 + rng_.Next() % 300;
+    // Blocks of 40 to 120 positions, gaps of 0 to 9 between them.
+    at::Tensor mask = at::zeros({B, S}, at::kBool);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t s = rng_.Next() % 10; s < S;) {
+        const int64_t n = std::min<int64_t>(40 + rng_.Next() % 81, S - s);
+        mask[b].narrow(0, s, n).fill_(true);
+        s += n + rng_.Next() % 10;
+      }
+    }
+    // Rows of a group interleaved with the others' (row b in group b % G).
+    Batch batch;
+    batch.mask = mask;
+    const at::Tensor active = mask.sum(1).to(at::kLong);
+    std::vector<int64_t> shortest(groups, S);
+    for (int64_t b = 0; b < B; ++b) {
+      batch.shared.groups.push_back(b % groups);
+      shortest[b % groups] =
+          std::min(shortest[b % groups], active[b].item<int64_t>());
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      batch.shared.prefix_lengths.push_back(shortest[b % groups] / 2 +
+                                            trial % 3);
+    }
+    const DType narrow = trial % 2 ? DType::kInt64 : DType::kFloat32;
+    batch.ids = testing::RandomTensor(rng_, narrow, {B, S});
+    batch.x = testing::RandomTensor(rng_, DType::kFloat32, {B, S, 24});
+    for (int64_t b = 0; b < B; ++b) {  // input 0's prompts equal
+      const std::vector<int64_t> from = ActivePositions(mask, b % groups);
+      const std::vector<int64_t> to = ActivePositions(mask, b);
+      for (int64_t i = 0; i < batch.shared.prefix_lengths[b]; ++i) {
+        batch.ids[b][to[i]] = batch.ids[b % groups][from[i]];
+      }
+    }
+    batch.shared.same_inputs = {0};
+    SCOPED_TRACE(::testing::Message()
+                 << "trial " << trial << " B " << B << " S " << S);
+    const Ref ref = ReferenceStream(mask, batch.shared);
+    PackOptions options;
+    options.impl = GetParam();
+    options.with_position_ids = true;
+    options.layout.shared_prefix = batch.shared;
+    options.layout.shifts = {{0, 0}, {1, 0}};
+    absl::StatusOr<PackResult> r =
+        Pack({View(batch.ids), View(batch.x)}, View(mask), options);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(
+        testing::SameBytes(RowsOf(batch.ids, ref.rows), r->packed[0].view));
+    EXPECT_TRUE(
+        testing::SameBytes(RowsOf(batch.x, ref.rows), r->packed[1].view));
+    EXPECT_TRUE(
+        testing::SameBytes(RowsOf(batch.ids, ref.targets), r->shifted[0].view));
+    EXPECT_TRUE(
+        testing::SameBytes(RowsOf(batch.x, ref.targets), r->shifted[1].view));
+    EXPECT_EQ(r->position_ids, ref.positions);
+    EXPECT_EQ(r->shared->kv_index, ref.shared.kv_index);
+    EXPECT_EQ(r->shared->pred_index, ref.shared.pred_index);
+    // A prompt that differs in its last token is found, by group and row.
+    if (G > 1 && batch.shared.prefix_lengths[0] > 0) {
+      const int64_t member = groups;  // row `groups` is group 0's second row
+      const int64_t last = batch.shared.prefix_lengths[member] - 1;
+      const int64_t s = ActivePositions(mask, member)[last];
+      Bits(batch.ids)[member][s].bitwise_xor_(1);  // one bit, any dtype
+      r = Pack({View(batch.ids), View(batch.x)}, View(mask), options);
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(r.status().message()),
+                  HasSubstr(absl::StrCat("differs across group 0: row ", member,
+                                         "'s prompt token ", last)));
+    }
+  }
+}
+
+// The span backend's gather by runs: random runs of packed tokens and pad
+// runs, against the rows they name, for narrow and wide rows under a mask of
+// blocks (each run crossing several), and UNIMPLEMENTED where narrow rows
+// have short runs (a fragmented mask), the fallback Pack then takes.
+TEST(GatherRuns, RunsOfPackedTokensAndPads) {
+  Rng rng = Rng::Fresh();
+  absl::StatusOr<Backend*> span = Registry::Get(Device::Cpu(), "span");
+  ASSERT_TRUE(span.ok());
+  absl::StatusOr<DeviceRuntime*> runtime = Registry::Runtime(Device::Cpu());
+  ASSERT_TRUE(runtime.ok());
+  absl::StatusOr<Stream> stream = (*runtime)->AcquireStream(Device::Cpu());
+  ASSERT_TRUE(stream.ok());
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t B = 1 + rng.Next() % 6, S = 64 + rng.Next() % 400;
+    at::Tensor mask = at::zeros({B, S}, at::kBool);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t s = rng.Next() % 5; s < S;) {
+        const int64_t n = std::min<int64_t>(32 + rng.Next() % 64, S - s);
+        mask[b].narrow(0, s, n).fill_(true);
+        s += n + rng.Next() % 6;
+      }
+    }
+    const int64_t tail = trial % 3 == 0 ? 24 : 1;
+    const at::Tensor x =
+        testing::RandomTensor(rng, DType::kInt64, {B, S, tail});
+    absl::StatusOr<std::unique_ptr<MaskPlan>> plan =
+        (*span)->Plan(View(mask), *stream);
+    ASSERT_TRUE(plan.ok());
+    const int64_t total = (*plan)->total_active();
+    const at::Tensor packed = testing::ReferencePack(x, mask);
+    std::vector<TokenRun> runs;
+    std::vector<int64_t> rows;  // packed token per output row, -1: pad
+    for (int k = 0; k < 12 && total > 0; ++k) {
+      if (rng.Next() % 5 == 0) {
+        runs.push_back(TokenRun{-1, 1 + static_cast<int64_t>(rng.Next() % 7)});
+      } else {
+        const int64_t t = rng.Next() % total;
+        runs.push_back(
+            TokenRun{t, 1 + static_cast<int64_t>(rng.Next() % (total - t))});
+      }
+      for (int64_t i = 0; i < runs.back().count; ++i) {
+        rows.push_back(runs.back().token < 0 ? -1 : runs.back().token + i);
+      }
+    }
+    const int64_t n = static_cast<int64_t>(rows.size());
+    at::Tensor out = at::empty({n, tail}, at::kLong);
+    const unsigned char pad[8] = {7, 0, 0, 0, 0, 0, 0, 0};
+    SCOPED_TRACE(::testing::Message() << "trial " << trial);
+    ASSERT_TRUE((*span)
+                    ->GatherRuns(**plan, View(x), runs, pad, View(out), *stream)
+                    .ok());
+    at::Tensor want = at::full({n, tail}, 7, at::kLong);
+    for (int64_t j = 0; j < n; ++j) {
+      if (rows[j] >= 0) want[j] = packed[rows[j]];
+    }
+    EXPECT_TRUE(at::equal(out, want));
+  }
+  // Narrow rows under a fragmented mask: the fallback's.
+  const at::Tensor holes =
+      at::arange(64, at::kLong).remainder(2).eq(0).view({4, 16});
+  const at::Tensor x = at::zeros({4, 16}, at::kLong);
+  absl::StatusOr<std::unique_ptr<MaskPlan>> plan =
+      (*span)->Plan(View(holes), *stream);
+  ASSERT_TRUE(plan.ok());
+  at::Tensor out = at::empty({4}, at::kLong);
+  const std::vector<TokenRun> runs = {{0, 4}};
+  EXPECT_TRUE(absl::IsUnimplemented(
+      (*span)->GatherRuns(**plan, View(x), runs, nullptr, View(out), *stream)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Impl, SharedPrefixTest,
