@@ -14,7 +14,7 @@ TSAN_DIR ?= build-tsan
 TSAN_TESTS = server_regions_test memory_budget_test metrics_test regions_test service_test soak_test \
   shared_client_test client_fake_gpu_test
 
-.PHONY: all deps configure build test run bench bench-step plots image check-image fuzz tsan clean format
+.PHONY: all deps configure build test run bench bench-step bench-grpo plots image check-image fuzz tsan clean format
 
 all: build
 
@@ -49,6 +49,11 @@ plots: build
 bench-step: build
 	cd $(BUILD_DIR) && ctest -R python_install > /dev/null && \
 	  venv/bin/python $(CURDIR)/benchmarks/bench_step.py --packd bin/packd
+
+# A GRPO batch's forward and backward with its prompts shared and not (benchmarks/bench_grpo.py).
+bench-grpo: build
+	cd $(BUILD_DIR) && ctest -R python_install > /dev/null && \
+	  venv/bin/python $(CURDIR)/benchmarks/bench_grpo.py --packd bin/packd
 
 # The server image (Dockerfile; a running Docker daemon), and its end-to-end check.
 IMAGE ?= packd:latest
