@@ -11,6 +11,7 @@
 // UUIDs.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <map>
@@ -125,6 +126,58 @@ TEST_F(ClientFakeGpuTest, PackAndScatterStayInDeviceMemoryForEveryDtype) {
                                   x.sizes().vec()),
         (*dense)[0]));
   }
+}
+
+// GRPO groups packed with their prompt once from device tensors: the stream,
+// its targets and metadata on the GPU equal the host path's, and Scatter of
+// the targets puts them back on the device.
+TEST_F(ClientFakeGpuTest, SharedPromptsOnTheGpuEqualTheHostStream) {
+  const int64_t B = 6, S = 24;
+  const at::Tensor mask =
+      at::arange(S).unsqueeze(0) < at::randint(8, S + 1, {B, 1}, at::kLong);
+  at::Tensor tokens = at::randint(0, 100, {B, S}, at::kLong);
+  const std::vector<int64_t> groups = {7, 3, 7, 7, 3, 9};
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first =
+        std::find(groups.begin(), groups.end(), groups[b]) - groups.begin();
+    tokens[b].narrow(0, 0, 6).copy_(tokens[first].narrow(0, 0, 6));
+  }
+  const at::Tensor x = testing::RandomTensor(rng_, DType::kBFloat16, {B, S, 3});
+  PackCallOptions options;
+  options.with_position_ids = true;
+  options.layout.shared_prefix =
+      SharedPrefix{groups, std::vector<int64_t>(B, 6), {0}};
+  options.layout.shifts = {{0, 0}, {1, 0}};
+  absl::StatusOr<PackedBatch> gpu = client_->Pack(
+      {gpu_->Put(tokens, 0), gpu_->Put(x, 0)}, gpu_->Put(mask, 0), options);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  absl::StatusOr<PackedBatch> host = client_->Pack({tokens, x}, mask, options);
+  ASSERT_TRUE(host.ok()) << host.status();
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(gpu_->DeviceOf(gpu->packed[i]), 0);
+    EXPECT_TRUE(testing::SameBytes(host->packed[i], gpu->packed[i]));
+    EXPECT_TRUE(testing::SameBytes(host->shifted[i], gpu->shifted[i]));
+  }
+  ASSERT_TRUE(gpu->shared.has_value() && host->shared.has_value());
+  EXPECT_EQ(gpu_->DeviceOf(gpu->shared->kv_index), 0);
+  for (const auto& [g, h] :
+       {std::pair{gpu->shared->kv_index, host->shared->kv_index},
+        {gpu->shared->pred_index, host->shared->pred_index},
+        {gpu->shared->cu_seqlens_k, host->shared->cu_seqlens_k},
+        {gpu->shared->segment_row, host->shared->segment_row}}) {
+    EXPECT_TRUE(testing::SameBytes(h, g));
+  }
+  ScatterCallOptions back;
+  back.layout.shared_prefix = options.layout.shared_prefix;
+  back.layout.shared_prefix->targets = true;
+  absl::StatusOr<std::vector<at::Tensor>> dense =
+      client_->Scatter({gpu->shifted[1]}, gpu_->Put(mask, 0), back);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  absl::StatusOr<std::vector<at::Tensor>> want =
+      client_->Scatter({host->shifted[1]}, mask, back);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(gpu_->DeviceOf((*dense)[0]), 0);
+  EXPECT_TRUE(testing::SameBytes((*want)[0], (*dense)[0]));
 }
 
 TEST_F(ClientFakeGpuTest, DevicesTravelAsUuids) {

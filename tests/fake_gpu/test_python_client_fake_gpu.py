@@ -219,6 +219,46 @@ def test_a_layout_on_the_gpu_equals_the_host_layout(client, gpu):
     assert gpu.device_of(back) == 0 and same(back, want)
 
 
+def test_shared_prompts_on_the_gpu_equal_the_host_stream(client, gpu):
+    """GRPO groups packed with their prompt once from device tensors: the stream, its targets
+    (a shift in target space) and metadata equal the host path's, and both Scatters (stream
+    and targets) invert them on the device."""
+    gen = torch.Generator().manual_seed(13)
+    B, S = 6, 24
+    lengths = torch.randint(8, S + 1, (B,), generator=gen)
+    mask = torch.arange(S)[None, :] < lengths[:, None]
+    tokens = torch.randint(0, 100, (B, S), generator=gen)
+    groups = [7, 3, 7, 7, 3, 9]
+    for b in range(B):  # each member's prompt its group's first row's
+        tokens[b, :6] = tokens[groups.index(groups[b]), :6]
+    shared = packd.SharedPrefix(groups, [6] * B, same_inputs=(0,))
+    x = random_tensor(torch.float32, (B, S, 3), gen)
+    kw = dict(with_position_ids=True, with_seq_idx=True, shared_prefix=shared,
+              shifts=[(0, 0), (1, 0)])
+    g = client.pack([gpu.put(tokens, 0), gpu.put(x, 0)], gpu.put(mask, 0), **kw)
+    h = client.pack([tokens, x], mask, **kw)
+    for a, b in zip(g.packed + g.shifted, h.packed + h.shifted):
+        assert gpu.device_of(a) == 0 and same(a, b)
+    assert g.position_ids.tolist() == h.position_ids.tolist()
+    assert g.seq_idx.tolist() == h.seq_idx.tolist()
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "kv_index", "pred_index",
+                 "target_cu_seqlens", "segment_row"):
+        assert getattr(g.shared, name).tolist() == getattr(h.shared, name).tolist(), name
+    assert gpu.device_of(g.shared.kv_index) == 0
+    back = client.scatter(g.packed[1], gpu.put(mask, 0), shared_prefix=shared)
+    assert gpu.device_of(back) == 0
+    assert same(back, client.scatter(h.packed[1], mask, shared_prefix=shared))
+    per_target = client.scatter(g.shifted[1], gpu.put(mask, 0), shared_prefix=shared,
+                                targets=True)
+    assert same(per_target, client.scatter(h.shifted[1], mask, shared_prefix=shared,
+                                           targets=True))
+    # A prompt that differs is the named error, from the device tensors too.
+    tokens[2, 3] += 1
+    with pytest.raises(ValueError, match=r"inputs\[0\] differs across group 7: row 2's "
+                                         r"prompt token 3"):
+        client.pack([gpu.put(tokens, 0), gpu.put(x, 0)], gpu.put(mask, 0), **kw)
+
+
 def test_threads_sharing_one_client_on_the_gpu_path(client, gpu):
     """Six threads share one client: each packs and scatters its own device tensors, and all of
     them one shared allocation, at once; every result is its own, and the shared allocation

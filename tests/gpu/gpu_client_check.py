@@ -8,6 +8,7 @@ on the GPU:
   - RemotePackOp forward and backward on the GPU;
   - documents (segment ids) and a layout (padding, CP, a shift) on the GPU;
   - Ulysses sequence parallelism (every SP rank's slice, and its Scatter) on the GPU;
+  - shared prompts (GRPO groups: the stream, its targets and metadata, both Scatters);
   - the server's devices by UUID, as torch names them.
 
 Prints one row per check (and packd's and torch's times where both exist); exits 1 on any
@@ -202,6 +203,36 @@ def main():
                       and same(back.cpu(), back_h))
             rows += g.packed.shape[0]
         row("ulysses (sp 4, every rank)", sp_ok, detail="%d rows" % rows)
+        # Shared prompts (GRPO groups of 4, the prompt the first half of each group's
+        # shortest row) on the GPU against the host: the stream, its targets (a shift in
+        # target space), the metadata, and Scatter in stream and target mode.
+        groups = [b // 4 for b in range(B)]
+        counts = mask.sum(1).tolist()
+        prefix = [min(counts[g * 4:(g + 1) * 4]) // 2 for g in groups]
+        tokens = torch.randint(0, 1000, (B, S), generator=gen, device="cuda")
+        active = [torch.nonzero(mask[b]).flatten() for b in range(B)]
+        for b in range(B):  # every member's prompt its group's first row's
+            f = groups[b] * 4
+            tokens[b, active[b][:prefix[b]]] = tokens[f, active[f][:prefix[b]]]
+        shared = packd.SharedPrefix(groups, prefix, same_inputs=(0,))
+        kw = dict(with_position_ids=True, shared_prefix=shared, shifts=[(0, 0), (1, 0)])
+        g, packd_ms = timed(lambda: client.pack([tokens, x], mask, **kw))
+        h = client.pack([tokens.cpu(), x.cpu()], mask.cpu(), **kw)
+        back = client.scatter(g.packed[1], mask, shared_prefix=shared)
+        back_h = client.scatter(h.packed[1], mask.cpu(), shared_prefix=shared)
+        per_target = client.scatter(g.shifted[1], mask, shared_prefix=shared, targets=True)
+        per_target_h = client.scatter(h.shifted[1], mask.cpu(), shared_prefix=shared,
+                                      targets=True)
+        fields = ("cu_seqlens_q", "cu_seqlens_k", "kv_index", "pred_index",
+                  "target_cu_seqlens", "segment_row")
+        row("shared prompts (groups of 4)",
+            all(same(a.cpu(), b) for a, b in zip(g.packed + g.shifted, h.packed + h.shifted))
+            and g.position_ids.tolist() == h.position_ids.tolist()
+            and all(getattr(g.shared, f).tolist() == getattr(h.shared, f).tolist()
+                    for f in fields)
+            and g.shared.kv_index.is_cuda and same(back.cpu(), back_h)
+            and same(per_target.cpu(), per_target_h), packd_ms,
+            detail="%d stream rows of %d tokens" % (g.total_active, sum(counts)))
         ours = [n for n in client._regions.device_names() if n.startswith("py-gpu-")]
         row("device regions registered", len(ours) > 0, detail="%d regions" % len(ours))
     print("gpu client checks: %d failed" % failures)

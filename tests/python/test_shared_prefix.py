@@ -90,6 +90,33 @@ def test_one_varlen_attention_over_the_stream_is_each_rows_own(client, seed):
     assert torch.equal(back.reshape(B * S, 8), expected)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_flex_attention_mask_from_seq_idx_and_segments_is_the_segments_keys(client, seed):
+    """docs/client.md's FlexAttention rule (same group, kv <= q, a prompt key or the query's
+    own segment) allows exactly the keys of each segment, causal bottom-right."""
+    groups = ((3, 5), (1, 4), (2, 0), (4, 7), (2, 16))
+    tokens, mask, group_ids, prefix = grpo_batch(seed, groups=groups)
+    shared = packd.SharedPrefix(group_ids, prefix)
+    r = client.pack(tokens, mask, shared_prefix=shared, with_seq_idx=True,
+                    with_position_ids=True)
+    s = r.shared
+    N = r.total_active
+    segment = torch.repeat_interleave(torch.arange(s.segment_row.numel()),
+                                      s.cu_seqlens_q.diff())
+    prompt_length = torch.tensor(shared.prefix_lengths)[s.segment_row][segment]
+    group, prompt = r.seq_idx, r.position_ids < prompt_length
+    q, kv = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    rule = (group[q] == group[kv]) & (kv <= q) & (prompt[kv] | (segment[q] == segment[kv]))
+    keys = torch.zeros(N, N, dtype=torch.bool)
+    cu_q, cu_k = s.cu_seqlens_q.tolist(), s.cu_seqlens_k.tolist()
+    for n in range(len(cu_q) - 1):
+        Lq, Lk = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
+        k_rows = s.kv_index[cu_k[n]:cu_k[n + 1]]
+        for i in range(Lq):
+            keys[cu_q[n] + i, k_rows[:i + Lk - Lq + 1]] = True
+    assert torch.equal(rule, keys)
+
+
 def test_targets_are_predicted_by_pred_index_and_scatter_back(client):
     tokens, mask, groups, prefix = grpo_batch(7)
     B, S = mask.shape
