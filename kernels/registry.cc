@@ -7,8 +7,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
 #if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
 #include "kernels/gpu/gpu_backend.h"
 #endif

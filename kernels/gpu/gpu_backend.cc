@@ -6,13 +6,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/gpu/gpu_device_runtime.h"
 #include "kernels/gpu/gpu_kernels.h"
 #include "kernels/gpu/gpu_runtime.h"
 #include "kernels/gpu/gpu_status.h"
 #include "kernels/registry.h"
-#include "base/status_macros.h"
 
 namespace packd::PACKD_GPU_NS {
 namespace {

@@ -14,8 +14,8 @@
 #if !defined(PACKD_GPU_FAKE) && !defined(PACKD_GPU_HIP)
 #include "base/cuda_address_range.h"
 #endif
-#include "kernels/gpu/gpu_status.h"
 #include "base/status_macros.h"
+#include "kernels/gpu/gpu_status.h"
 
 namespace packd::PACKD_GPU_NS {
 namespace {

@@ -7,9 +7,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/torch_interop.h"
 #include "kernels/backend.h"
 #include "kernels/registry.h"
-#include "base/torch_interop.h"
 
 namespace packd {
 namespace {

@@ -1,6 +1,6 @@
 // The libtorch backend ("torch" on cpu): packing with libtorch's own ops,
-// nonzero + index_select for pack and index_copy_ into zeros for scatter. It is the
-// reference the fast backends are measured against, selectable by name.
+// nonzero + index_select for pack and index_copy_ into zeros for scatter. It is
+// the reference the fast backends are measured against, selectable by name.
 //
 // clang-format off
 //   RegisterTorchBackends(Registry::Global());  // Registry::Global() does this

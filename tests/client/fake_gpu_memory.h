@@ -24,8 +24,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "client/device_memory.h"
 #include "base/tensor_view.h"
+#include "client/device_memory.h"
 #include "tests/fake_gpu/fake_gpu_runtime.h"
 
 namespace packd::testing {

@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     // The first call is packd's own start-up self-check: it is let through.
     auto calls = std::make_shared<std::atomic<int>>(0);
     options->service.TEST_call_hook = [delay, throws,
-                                          calls](absl::string_view) {
+                                       calls](absl::string_view) {
       absl::SleepFor(delay);
       if (throws && (*calls)++ > 0) {
         throw std::runtime_error("injected by --call_throws");

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "base/torch_interop.h"
+#include "gtest/gtest.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/tensor_codec.h"
 #include "tests/kernels/test_util.h"

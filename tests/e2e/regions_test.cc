@@ -15,10 +15,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/torch_interop.h"
 #include "client/shm_segment.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "base/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"

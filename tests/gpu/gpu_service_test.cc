@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "base/torch_interop.h"
 #include "gtest/gtest.h"
 #include "kernels/registry.h"
-#include "base/torch_interop.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "tests/e2e/proto_util.h"
 #include "tests/e2e/server_process.h"

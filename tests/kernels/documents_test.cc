@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "base/torch_interop.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/pack.h"
-#include "base/torch_interop.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/torch_interop.h"
 #include "gtest/gtest.h"
 #include "kernels/registry.h"
-#include "base/torch_interop.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {

@@ -7,9 +7,9 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "base/buffer.h"
 #include "base/dtype.h"
+#include "gtest/gtest.h"
 #include "kernels/thread_pool.h"
 
 namespace packd {

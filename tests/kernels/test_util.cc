@@ -11,8 +11,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/registry.h"
 #include "base/torch_interop.h"
+#include "kernels/registry.h"
 
 namespace packd::testing {
 

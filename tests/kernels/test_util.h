@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "base/dtype.h"
-#include "kernels/pack.h"
 #include "base/tensor_view.h"
+#include "gtest/gtest.h"
+#include "kernels/pack.h"
 #include "workloads/mask_patterns.h"
 
 namespace packd::testing {

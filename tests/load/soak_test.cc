@@ -34,9 +34,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/torch_interop.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
-#include "base/torch_interop.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
 

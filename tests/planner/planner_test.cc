@@ -4,7 +4,6 @@
 // errors, and its quality against the peers (verl's and slime's planners)
 // and the lower bound.
 #include "planner/planner.h"
-#include "planner/testing/check_plan.h"
 
 #include <chrono>
 #include <cmath>
@@ -16,6 +15,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/testing/check_plan.h"
 #include "workloads/lengths.h"
 #include "workloads/peer_planners.h"
 #include "workloads/plan_workloads.h"
