@@ -114,6 +114,23 @@ Case RandomCase(Rng& rng, int64_t bytes, bool floating) {
           dtype};
 }
 
+// Packs c through the client with `layout` (whole, results inline) and with
+// the op library, the reference: the same packed and shifted bytes.
+void PackLikeTheLibrary(const Case& c, const LayoutOptions& layout,
+                        Client& client, absl::StatusOr<PackedBatch>* r,
+                        absl::StatusOr<PackResult>* want) {
+  PackCallOptions laid;
+  laid.layout = layout;
+  *r = client.Pack({c.x}, c.mask, laid);
+  ASSERT_TRUE(r->ok()) << r->status();
+  PackOptions reference;
+  reference.layout = layout;
+  *want = packd::Pack({AsView(c.x)}, AsView(c.mask), reference);
+  ASSERT_TRUE(want->ok()) << want->status();
+  EXPECT_TRUE(SameBytes((*r)->packed[0], (*want)->packed[0].view));
+  EXPECT_TRUE(SameBytes((*r)->shifted[0], (*want)->shifted[0].view));
+}
+
 // 8 threads share one client and mix every path (inline, split into parts
 // over 3 connections, shared-memory scratch) with Pack, Scatter, a
 // differentiable Pack, a layout Pack, a shared prefix's stream and targets, a
@@ -255,18 +272,13 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
           for (int64_t b = 0; b < B; ++b) {
             shared.prefix_lengths.push_back(prompt[shared.groups[b]]);
           }
-          PackCallOptions laid;
-          laid.layout.shared_prefix = shared;
-          laid.layout.shifts = {{0, 0}};
-          absl::StatusOr<PackedBatch> r = client->Pack({c.x}, c.mask, laid);
-          ASSERT_TRUE(r.ok()) << r.status();
-          PackOptions reference;
-          reference.layout = laid.layout;
-          absl::StatusOr<PackResult> want =
-              packd::Pack({AsView(c.x)}, AsView(c.mask), reference);
-          ASSERT_TRUE(want.ok()) << want.status();
-          EXPECT_TRUE(SameBytes(r->packed[0], want->packed[0].view));
-          EXPECT_TRUE(SameBytes(r->shifted[0], want->shifted[0].view));
+          LayoutOptions layout;
+          layout.shared_prefix = shared;
+          layout.shifts = {{0, 0}};
+          absl::StatusOr<PackedBatch> r;
+          absl::StatusOr<PackResult> want;
+          ASSERT_NO_FATAL_FAILURE(
+              PackLikeTheLibrary(c, layout, *client, &r, &want));
           ASSERT_TRUE(r->shared.has_value());
           EXPECT_TRUE(at::equal(r->shared->kv_index,
                                 at::tensor(want->shared->kv_index, at::kLong)));
@@ -288,20 +300,15 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
         } else if (op == 3) {
           // A layout: the call goes whole, its results inline; the op
           // library's Pack of the same batch is the reference.
-          PackCallOptions laid;
-          laid.layout.pad_multiple = 4;
-          laid.layout.cp_size = 2;
-          laid.layout.cp_rank = static_cast<int32_t>(rng.Next() % 2);
-          laid.layout.shifts = {{0, 0}};
-          absl::StatusOr<PackedBatch> r = client->Pack({c.x}, c.mask, laid);
-          ASSERT_TRUE(r.ok()) << r.status();
-          PackOptions reference;
-          reference.layout = laid.layout;
-          absl::StatusOr<PackResult> want =
-              packd::Pack({AsView(c.x)}, AsView(c.mask), reference);
-          ASSERT_TRUE(want.ok()) << want.status();
-          EXPECT_TRUE(SameBytes(r->packed[0], want->packed[0].view));
-          EXPECT_TRUE(SameBytes(r->shifted[0], want->shifted[0].view));
+          LayoutOptions layout;
+          layout.pad_multiple = 4;
+          layout.cp_size = 2;
+          layout.cp_rank = static_cast<int32_t>(rng.Next() % 2);
+          layout.shifts = {{0, 0}};
+          absl::StatusOr<PackedBatch> r;
+          absl::StatusOr<PackResult> want;
+          ASSERT_NO_FATAL_FAILURE(
+              PackLikeTheLibrary(c, layout, *client, &r, &want));
         } else {
           at::Tensor x = c.x.clone().set_requires_grad(true);
           absl::StatusOr<at::Tensor> packed = PackWithGrad(*client, x, c.mask);

@@ -175,6 +175,19 @@ Batch RandomBatch(Rng& rng, int trial) {
   return batch;
 }
 
+// r, the Pack of [batch.ids, batch.x] with shifts of both, holds the reference
+// stream's rows, its targets' and its position ids.
+void ExpectStream(const PackResult& r, const Batch& batch, const Ref& ref) {
+  EXPECT_TRUE(
+      testing::SameBytes(RowsOf(batch.ids, ref.rows), r.packed[0].view));
+  EXPECT_TRUE(testing::SameBytes(RowsOf(batch.x, ref.rows), r.packed[1].view));
+  EXPECT_TRUE(
+      testing::SameBytes(RowsOf(batch.ids, ref.targets), r.shifted[0].view));
+  EXPECT_TRUE(
+      testing::SameBytes(RowsOf(batch.x, ref.targets), r.shifted[1].view));
+  EXPECT_EQ(r.position_ids, ref.positions);
+}
+
 class SharedPrefixTest : public ::testing::TestWithParam<const char*> {
  protected:
   Rng rng_ = Rng::Fresh();
@@ -196,15 +209,7 @@ TEST_P(SharedPrefixTest, TheStreamTargetsAndMetadataAreTheRules) {
     absl::StatusOr<PackResult> r =
         Pack({View(batch.ids), View(batch.x)}, View(batch.mask), options);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.ids, ref.rows), r->packed[0].view));
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.x, ref.rows), r->packed[1].view));
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.ids, ref.targets), r->shifted[0].view));
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.x, ref.targets), r->shifted[1].view));
-    EXPECT_EQ(r->position_ids, ref.positions);
+    ExpectStream(*r, batch, ref);
     EXPECT_EQ(r->seq_idx, ref.seq_idx);
     EXPECT_EQ(r->total_active, static_cast<int64_t>(ref.rows.size()));
     EXPECT_EQ(r->cu_seqlens, ref.shared.cu_seqlens_q);
@@ -331,15 +336,7 @@ TEST_P(SharedPrefixTest, LongRowsOfBlocks) {
     absl::StatusOr<PackResult> r =
         Pack({View(batch.ids), View(batch.x)}, View(mask), options);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.ids, ref.rows), r->packed[0].view));
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.x, ref.rows), r->packed[1].view));
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.ids, ref.targets), r->shifted[0].view));
-    EXPECT_TRUE(
-        testing::SameBytes(RowsOf(batch.x, ref.targets), r->shifted[1].view));
-    EXPECT_EQ(r->position_ids, ref.positions);
+    ExpectStream(*r, batch, ref);
     EXPECT_EQ(r->shared->kv_index, ref.shared.kv_index);
     EXPECT_EQ(r->shared->pred_index, ref.shared.pred_index);
     // A prompt that differs in its last token is found, by group and row.
