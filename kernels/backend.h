@@ -99,7 +99,7 @@ class Backend {
                                   const TensorView& out,
                                   const Stream& stream) = 0;
 
-  // Layouts made of runs (Layout::as_runs): out = the runs' rows in order,
+  // Layouts (Layout::source_runs, shifted_runs): out = the runs' rows in order,
   // each run's `count` packed tokens from `token` on taken from x ([B, S,
   // *tail], x[mask != 0] being the packed tokens), or `count` rows of the
   // element `pad` (host memory) for a token of -1. `runs` is in host memory

@@ -58,14 +58,6 @@ void Put(ElementBytes* out, T value) {
   std::memcpy(out->data(), &value, sizeof(T));
 }
 
-// Rows i in [from, to) of a sequence whose token 0 is packed token `first`:
-// dst[i - from] is packed token first + i below `end`, -1 (padding) from it.
-void Tokens(int64_t* dst, int64_t first, int64_t from, int64_t end,
-            int64_t to) {
-  for (int64_t i = from; i < end; ++i) *dst++ = first + i;
-  std::fill(dst, dst + (to - end), -1);
-}
-
 // Sequence k of `starts` laid out: where its padded span begins before CP,
 // its real and padded lengths.
 struct Span {
@@ -220,7 +212,7 @@ int64_t Layout::RowsOf(const std::vector<TokenRun>& runs) {
 }
 
 void Layout::ExpandRuns() {
-  if (!as_runs || expanded_) return;
+  if (expanded_) return;
   expanded_ = true;
   for (const auto& [runs, rows] :
        {std::pair{&source_runs, &source}, {&shifted_runs, &shifted_source}}) {
@@ -373,25 +365,40 @@ absl::StatusOr<Layout> MakeLayout(const std::vector<int64_t>& starts,
         " this call may have (what its response can carry)"));
   }
   try {
-    out.source.resize(rows);
     if (with_position_ids) out.position_ids.resize(rows);
-    if (shifts) out.shifted_source.resize(rows);
     if (options.with_seq_idx) out.seq_idx.resize(rows);
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the layout's ", rows, " rows do not fit in this process's memory"));
   }
+  // The rows as runs (a sequence's tokens, its padding, the next one's
+  // tokens...), each run joined to the one before when it continues it, so
+  // that a layout that pads nothing is one run.
+  auto append = [](std::vector<TokenRun>& runs, int64_t token, int64_t count) {
+    if (count <= 0) return;
+    if (!runs.empty()) {
+      TokenRun& last = runs.back();
+      if (token < 0 ? last.token < 0
+                    : last.token >= 0 && last.token + last.count == token) {
+        last.count += count;
+        return;
+      }
+    }
+    runs.push_back(TokenRun{token, count});
+  };
   int64_t j = 0;
   auto add = [&](int64_t k, const Span& s, int64_t from, int64_t to) {
-    Tokens(out.source.data() + j, s.first_token, from,
-           std::clamp(s.length, from, to), to);
+    const int64_t end = std::clamp(s.length, from, to);
+    append(out.source_runs, s.first_token + from, end - from);
+    append(out.source_runs, -1, to - end);
+    if (shifts) {  // token i + 1 of the sequence, where there is one
+      const int64_t shifted_end = std::clamp(s.length - 1, from, to);
+      append(out.shifted_runs, s.first_token + 1 + from, shifted_end - from);
+      append(out.shifted_runs, -1, to - shifted_end);
+    }
     if (with_position_ids) {
       std::iota(out.position_ids.begin() + j,
                 out.position_ids.begin() + j + (to - from), from);
-    }
-    if (shifts) {  // token i + 1 of the sequence, where there is one
-      Tokens(out.shifted_source.data() + j, s.first_token + 1, from,
-             std::clamp(s.length - 1, from, to), to);
     }
     if (options.with_seq_idx) {
       std::fill(out.seq_idx.begin() + j, out.seq_idx.begin() + j + (to - from),

@@ -10,7 +10,7 @@
 // clang-format off
 //   PACKD_RETURN_IF_ERROR(ValidateLayout(options.layout, inputs.size()));
 //   PACKD_ASSIGN_OR_RETURN(Layout layout, MakeLayout(sequence_starts, options.layout));
-//   // output row j holds packed token layout.source[j], or padding when it is -1
+//   // output rows are layout.source_runs: runs of packed tokens, or of padding (-1)
 // clang-format on
 #ifndef PACKD_KERNELS_LAYOUT_H_
 #define PACKD_KERNELS_LAYOUT_H_
@@ -72,42 +72,37 @@ struct Layout {
   // reshape.
   std::vector<int64_t> cu_seqlens_padded;
   int64_t max_seqlen_padded = 0;
-  // Per output row, in output order (this CP or SP rank's rows): the packed
-  // token it holds (-1: padding); the packed token its shifted rows hold
-  // (-1: fill); its position id; its sequence.
-  std::vector<int64_t> source;
-  std::vector<int64_t> shifted_source;
-  std::vector<int64_t> position_ids;
-  std::vector<int64_t> seq_idx;
-  // A stream of shared prompts (kernels/shared_prefix.h): then source,
-  // position_ids and seq_idx are per stream row and shifted_source per target.
-  std::optional<SharedLayout> shared;
-  // The same rows as runs, when the layout is made of them (a shared
-  // stream): then source and shifted_source stay empty until ExpandRuns(),
-  // which a backend that cannot gather by runs needs.
+  // The output rows, in output order (this CP or SP rank's rows), as runs:
+  // the packed tokens each holds (a run of token -1: padding), and the
+  // packed tokens its shifted rows hold (-1: fill). A sequence is a run or
+  // two (its tokens, its padding), and runs that continue each other are
+  // one, so a backend gathers with a copy per run (Backend::GatherRuns).
   std::vector<TokenRun> source_runs;
   std::vector<TokenRun> shifted_runs;
-  bool as_runs = false;
+  // The same, one entry per row: empty until ExpandRuns(), which a backend
+  // that gathers by rows needs.
+  std::vector<int64_t> source;
+  std::vector<int64_t> shifted_source;
+  // Per output row: its position id; its sequence.
+  std::vector<int64_t> position_ids;
+  std::vector<int64_t> seq_idx;
+  // A stream of shared prompts (kernels/shared_prefix.h): then the rows are
+  // the stream's, the shifted ones its targets', and seq_idx each row's group.
+  std::optional<SharedLayout> shared;
 
-  int64_t rows() const { return as_runs ? RowsOf(source_runs) : Count(source); }
-  int64_t shifted_rows() const {
-    return as_runs ? RowsOf(shifted_runs) : Count(shifted_source);
-  }
-  // Fills source and shifted_source from the runs (once; nothing for a
-  // layout made row by row).
+  int64_t rows() const { return RowsOf(source_runs); }
+  int64_t shifted_rows() const { return RowsOf(shifted_runs); }
+  // Fills source and shifted_source from the runs (once).
   void ExpandRuns();
 
  private:
-  static int64_t Count(const std::vector<int64_t>& v) {
-    return static_cast<int64_t>(v.size());
-  }
   static int64_t RowsOf(const std::vector<TokenRun>& runs);
   bool expanded_ = false;
 };
 
 // The layout of a batch whose sequences (rows, or documents) are packed
 // tokens starts[k] .. starts[k + 1] (starts[0] = 0, K + 1 entries), for
-// options that passed ValidateLayout. Fills shifted_source only when
+// options that passed ValidateLayout. Fills shifted_runs only when
 // options.shifts is set, seq_idx only with with_seq_idx, position_ids only
 // with `with_position_ids`. INVALID_ARGUMENT naming the field, its value and
 // what the batch needs when `fixed` does not hold the batch; sizes are

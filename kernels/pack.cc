@@ -441,13 +441,12 @@ struct LaidOut {
                       const MaskPlan& plan, size_t source, const TensorView& x,
                       bool shift, const unsigned char* pad,
                       const TensorView& out, const Stream& stream) {
-    if (layout.as_runs) {  // by runs where the backend can, else by rows
-      absl::Status by_runs = backend.GatherRuns(
-          plan, x, shift ? layout.shifted_runs : layout.source_runs, pad, out,
-          stream);
-      if (!absl::IsUnimplemented(by_runs)) return by_runs;
-      layout.ExpandRuns();
-    }
+    // By runs where the backend can, else by rows.
+    absl::Status by_runs = backend.GatherRuns(
+        plan, x, shift ? layout.shifted_runs : layout.source_runs, pad, out,
+        stream);
+    if (!absl::IsUnimplemented(by_runs)) return by_runs;
+    layout.ExpandRuns();
     if (PositionBytes(x) < kNarrowRow) {
       PACKD_ASSIGN_OR_RETURN(TensorView rows_view,
                              Packed(backend, runtime, plan, source, x, stream));

@@ -138,7 +138,6 @@ absl::StatusOr<Layout> MakeSharedLayout(const std::vector<int64_t>& cu,
                      " this call may have (what its response can carry)"));
   }
   Layout out;
-  out.as_runs = true;
   SharedLayout& s = out.shared.emplace();
   int64_t targets = 0;
   for (int64_t b = 0; b < B; ++b) {

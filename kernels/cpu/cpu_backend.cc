@@ -6,6 +6,10 @@
 #include <memory>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "absl/base/call_once.h"
 #include "base/buffer.h"
 #include "base/status_macros.h"
@@ -425,6 +429,59 @@ void ExpandPiece(const CpuPlan& plan, const char* src, char* dst, int64_t begin,
   std::memset(dst + tail_begin * sizeof(T), 0, (end - tail_begin) * sizeof(T));
 }
 
+// The dense positions of packed tokens, found by walking a plan's flags a
+// word at a time from the last token found (or from its row's start when
+// the token is before it): cheap for the increasing tokens of a layout's
+// runs.
+class TokenCursor {
+ public:
+  explicit TokenCursor(const CpuPlan& plan) : plan_(plan) {}
+
+  // The dense position of packed token t, t < total_active.
+  int64_t Find(int64_t t) {
+    const std::vector<int64_t>& cu = plan_.cu_seqlens;
+    if (row_ < 0 || t < token_ || t >= cu[row_ + 1]) {
+      row_ = std::upper_bound(cu.begin(), cu.end(), t) - cu.begin() - 1;
+      pos_ = row_ * plan_.seq;
+      token_ = cu[row_];
+    }
+    // token_ is the packed index of the first active position at or after
+    // pos_; t is in this row, at or after pos_.
+    const uint8_t* a = plan_.active.data();
+    const int64_t positions = plan_.batch * plan_.seq;
+#if defined(__SSE2__)
+    // Sixteen flags at a time: their sum, as two sums of eight (psadbw).
+    while (pos_ + 16 <= positions) {
+      const __m128i sums = _mm_sad_epu8(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + pos_)),
+          _mm_setzero_si128());
+      const int64_t count = _mm_cvtsi128_si64(sums) +
+                            _mm_cvtsi128_si64(_mm_unpackhi_epi64(sums, sums));
+      if (token_ + count > t) break;
+      token_ += count;
+      pos_ += 16;
+    }
+#endif
+    while (pos_ + 8 <= positions) {
+      // Flags are bytes of 0 or 1: their sum is the top byte of the product.
+      const int64_t count =
+          static_cast<int64_t>((Load64(a + pos_) * kOnes) >> 56);
+      if (token_ + count > t) break;
+      token_ += count;
+      pos_ += 8;
+    }
+    for (;; ++pos_) {
+      if (a[pos_] == 0) continue;
+      if (token_ == t) return pos_;
+      ++token_;
+    }
+  }
+
+ private:
+  const CpuPlan& plan_;
+  int64_t row_ = -1, pos_ = 0, token_ = 0;
+};
+
 using PieceFn = void (*)(const CpuPlan&, const char*, char*, int64_t, int64_t);
 
 // The typed loop for rows of `width` bytes, or null when the width has none.
@@ -581,10 +638,11 @@ class SpanBackend : public Backend {
     return absl::OkStatus();
   }
 
-  // Layouts as runs: each run's packed tokens copied straight from x through
-  // the mask's runs, pad runs filled; the output rows split evenly across the
-  // pool. Under a mask whose runs are short for narrow rows, copies by run
-  // lose to the fused compaction: UNIMPLEMENTED, and the caller packs first.
+  // Layouts as runs, straight from x: each run's packed tokens copied through
+  // the mask's runs, or, for narrow rows under a mask whose runs are short,
+  // compacted from the dense positions they span (the plain Pack's fused
+  // loop, writing at the run's rows); pad runs filled. The output rows split
+  // evenly across the pool.
   absl::Status GatherRuns(const MaskPlan& base, const TensorView& x,
                           absl::Span<const TokenRun> runs,
                           const unsigned char* pad, const TensorView& out,
@@ -593,24 +651,31 @@ class SpanBackend : public Backend {
     const int64_t n = out.shape.empty() ? 0 : out.shape[0];
     if (n == 0 || out.nbytes() == 0) return absl::OkStatus();
     const int64_t width = out.nbytes() / n;
-    if (!plan.all_active() && TypedPiece<Compact>(width) &&
-        PreferTypedLoop(plan, width)) {
-      return absl::UnimplementedError("the mask's runs are short");
-    }
+    const bool compact = !plan.all_active() && TypedPiece<Compact>(width) &&
+                         PreferTypedLoop(plan, width);
     std::vector<int64_t> starts(runs.size() + 1, 0);
     for (size_t r = 0; r < runs.size(); ++r) {
       starts[r + 1] = starts[r] + runs[r].count;
     }
-    const std::vector<Run>& tokens = plan.runs();
+    static const std::vector<Run> kNone;
+    const std::vector<Run>& tokens = compact ? kNone : plan.runs();
     const char* src = static_cast<const char*>(x.data);
     char* dst = static_cast<char*>(out.data);
     const int64_t item = ItemSize(x.dtype);
-    const int pieces =
-        static_cast<int>(std::min<int64_t>(Pieces(n * width), n));
+    // Compaction reads every dense position a run spans: as many bytes as
+    // the rows' over the mask's density.
+    const int64_t positions = plan.batch * plan.seq;
+    const int64_t work =
+        compact
+            ? static_cast<int64_t>(static_cast<double>(n * width) * positions /
+                                   std::max<int64_t>(plan.total_active(), 1))
+            : n * width;
+    const int pieces = static_cast<int>(std::min<int64_t>(Pieces(work), n));
     ThreadPool::Global().ParallelFor(pieces, [&](int p) {
       const auto [begin, end] = PieceRange(n, p, pieces);
       size_t r = std::upper_bound(starts.begin(), starts.end(), begin) -
                  starts.begin() - 1;
+      TokenCursor cursor(plan);
       for (int64_t pos = begin; pos < end; ++r) {
         const int64_t skip = pos - starts[r];
         int64_t count = std::min(runs[r].count - skip, end - pos);
@@ -620,6 +685,15 @@ class SpanBackend : public Backend {
           continue;
         }
         int64_t token = runs[r].token + skip;
+        if (compact) {
+          const int64_t first = cursor.Find(token);
+          const int64_t last = cursor.Find(token + count - 1);
+          CompactFlags(plan.active.data() + first, src + first * width,
+                       last + 1 - first, static_cast<int>(width),
+                       dst + pos * width, count);
+          pos += count;
+          continue;
+        }
         auto it = std::upper_bound(
             tokens.begin(), tokens.end(), token,
             [](int64_t t, const Run& run) { return t < run.dst; });

@@ -170,12 +170,19 @@ TEST_F(LayoutTest, TransformerEnginesWorkedCase) {
   o.cp_rank = 0;
   absl::StatusOr<Layout> rank0 = MakeLayout({0, 8, 16}, o);
   ASSERT_TRUE(rank0.ok()) << rank0.status();
+  // As runs, a copy each: 0 1, then 6 7 8 9 (the end of one sequence and the
+  // start of the next), then 14 15.
+  ASSERT_EQ(rank0->source_runs.size(), 3u);
+  EXPECT_EQ(rank0->source_runs[1].token, 6);
+  EXPECT_EQ(rank0->source_runs[1].count, 4);
+  rank0->ExpandRuns();
   EXPECT_THAT(rank0->source, ElementsAre(0, 1, 6, 7, 8, 9, 14, 15));
   EXPECT_THAT(rank0->position_ids, ElementsAre(0, 1, 6, 7, 0, 1, 6, 7));
   EXPECT_THAT(rank0->cu_seqlens_padded, ElementsAre(0, 8, 16));
   o.cp_rank = 1;
   absl::StatusOr<Layout> rank1 = MakeLayout({0, 8, 16}, o);
   ASSERT_TRUE(rank1.ok());
+  rank1->ExpandRuns();
   EXPECT_THAT(rank1->source, ElementsAre(2, 3, 4, 5, 10, 11, 12, 13));
 }
 
@@ -344,6 +351,7 @@ TEST_F(LayoutTest, SpRanksInRankOrderAreTheLayoutWithItsGhost) {
       whole.shifts = {{0, 0}};
       absl::StatusOr<Layout> all = MakeLayout(starts, whole);
       ASSERT_TRUE(all.ok());
+      all->ExpandRuns();
       const int64_t n = m > 1 ? all->cu_seqlens_padded.back() : 12;
       const int64_t padded = (n + u - 1) / u * u;
       std::vector<int64_t> source, shifted, positions, seq_idx;
@@ -354,6 +362,7 @@ TEST_F(LayoutTest, SpRanksInRankOrderAreTheLayoutWithItsGhost) {
         absl::StatusOr<Layout> rank = MakeLayout(starts, o);
         ASSERT_TRUE(rank.ok()) << rank.status();
         EXPECT_EQ(rank->rows(), padded / u);
+        rank->ExpandRuns();
         source.insert(source.end(), rank->source.begin(), rank->source.end());
         shifted.insert(shifted.end(), rank->shifted_source.begin(),
                        rank->shifted_source.end());

@@ -355,9 +355,9 @@ TEST_P(SharedPrefixTest, LongRowsOfBlocks) {
 }
 
 // The span backend's gather by runs: random runs of packed tokens and pad
-// runs, against the rows they name, for narrow and wide rows under a mask of
-// blocks (each run crossing several), and UNIMPLEMENTED where narrow rows
-// have short runs (a fragmented mask), the fallback Pack then takes.
+// runs, against the rows they name, for narrow and wide rows, under masks of
+// long blocks (each run crossing several: copies by the mask's runs) and
+// fragmented ones (narrow rows: each run compacted from its dense span).
 TEST(GatherRuns, RunsOfPackedTokensAndPads) {
   Rng rng = Rng::Fresh();
   absl::StatusOr<Backend*> span = Registry::Get(Device::Cpu(), "span");
@@ -366,26 +366,35 @@ TEST(GatherRuns, RunsOfPackedTokensAndPads) {
   ASSERT_TRUE(runtime.ok());
   absl::StatusOr<Stream> stream = (*runtime)->AcquireStream(Device::Cpu());
   ASSERT_TRUE(stream.ok());
-  for (int trial = 0; trial < 40; ++trial) {
+  for (int trial = 0; trial < 60; ++trial) {
     const int64_t B = 1 + rng.Next() % 6, S = 64 + rng.Next() % 400;
-    at::Tensor mask = at::zeros({B, S}, at::kBool);
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t s = rng.Next() % 5; s < S;) {
-        // Blocks of 64 and more: runs long enough for the run gather
-        // (kernels/cpu/cpu_backend.cc, PreferTypedLoop) however one is cut.
-        const int64_t n = std::min<int64_t>(64 + rng.Next() % 96, S - s);
-        mask[b].narrow(0, s, n).fill_(true);
-        s += n + rng.Next() % 6;
+    at::Tensor mask;
+    if (trial % 2 == 0) {
+      mask = at::zeros({B, S}, at::kBool);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t s = rng.Next() % 5; s < S;) {
+          // Blocks of 64 and more: runs long enough for the copies however
+          // one is cut.
+          const int64_t n = std::min<int64_t>(64 + rng.Next() % 96, S - s);
+          mask[b].narrow(0, s, n).fill_(true);
+          s += n + rng.Next() % 6;
+        }
       }
+    } else {
+      mask =
+          testing::RandomMask(rng, DType::kBool, B, S,
+                              0.2 + 0.6 * rng.Uniform(), MaskPattern::kHoles);
     }
+    const DType dtypes[] = {DType::kInt64, DType::kFloat32, DType::kBFloat16,
+                            DType::kUInt8};
+    const DType dtype = dtypes[trial / 2 % 4];
     const int64_t tail = trial % 3 == 0 ? 24 : 1;
-    const at::Tensor x =
-        testing::RandomTensor(rng, DType::kInt64, {B, S, tail});
+    const at::Tensor x = testing::RandomTensor(rng, dtype, {B, S, tail});
     absl::StatusOr<std::unique_ptr<MaskPlan>> plan =
         (*span)->Plan(View(mask), *stream);
     ASSERT_TRUE(plan.ok());
     const int64_t total = (*plan)->total_active();
-    const at::Tensor packed = testing::ReferencePack(x, mask);
+    const at::Tensor packed = Bits(testing::ReferencePack(x, mask));
     std::vector<TokenRun> runs;
     std::vector<int64_t> rows;  // packed token per output row, -1: pad
     for (int k = 0; k < 12 && total > 0; ++k) {
@@ -401,29 +410,18 @@ TEST(GatherRuns, RunsOfPackedTokensAndPads) {
       }
     }
     const int64_t n = static_cast<int64_t>(rows.size());
-    at::Tensor out = at::empty({n, tail}, at::kLong);
+    at::Tensor out = at::empty({n, tail}, x.options());
     const unsigned char pad[8] = {7, 0, 0, 0, 0, 0, 0, 0};
     SCOPED_TRACE(::testing::Message() << "trial " << trial);
     ASSERT_TRUE((*span)
                     ->GatherRuns(**plan, View(x), runs, pad, View(out), *stream)
                     .ok());
-    at::Tensor want = at::full({n, tail}, 7, at::kLong);
+    at::Tensor want = at::full({n, tail}, 7, packed.options());
     for (int64_t j = 0; j < n; ++j) {
       if (rows[j] >= 0) want[j] = packed[rows[j]];
     }
-    EXPECT_TRUE(at::equal(out, want));
+    EXPECT_TRUE(at::equal(Bits(out), want));
   }
-  // Narrow rows under a fragmented mask: the fallback's.
-  const at::Tensor holes =
-      at::arange(64, at::kLong).remainder(2).eq(0).view({4, 16});
-  const at::Tensor x = at::zeros({4, 16}, at::kLong);
-  absl::StatusOr<std::unique_ptr<MaskPlan>> plan =
-      (*span)->Plan(View(holes), *stream);
-  ASSERT_TRUE(plan.ok());
-  at::Tensor out = at::empty({4}, at::kLong);
-  const std::vector<TokenRun> runs = {{0, 4}};
-  EXPECT_TRUE(absl::IsUnimplemented(
-      (*span)->GatherRuns(**plan, View(x), runs, nullptr, View(out), *stream)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Impl, SharedPrefixTest,
