@@ -818,7 +818,16 @@ absl::Status Client::PackMicroBatches(
   }
   int64_t bytes = 0;
   for (const auto& [name, t] : named) bytes += t->defined() ? t->nbytes() : 0;
-  PACKD_ASSIGN_OR_RETURN(Scratch scratch, ScratchFor(bytes));
+  // The results' arena, after the inputs in the call's segment: as large as
+  // the last step's results, and a margin (the server sends them inline when
+  // it is too small).
+  int64_t arena = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    arena = step_output_bytes_;
+  }
+  if (arena > 0) arena += arena / 8 + (64 << 10);
+  PACKD_ASSIGN_OR_RETURN(Scratch scratch, ScratchFor(bytes + arena));
   Wire<v1::PackMicroBatchesRequest> request;
   Outgoing outgoing(&request);
   *request->mutable_plan() =
@@ -833,6 +842,12 @@ absl::Status Client::PackMicroBatches(
                                        request->mutable_loss_mask(),
                                        &outgoing));
   }
+  if (scratch != nullptr && arena > 0) {
+    if (char* p = scratch->Allocate(arena); p != nullptr) {
+      scratch->Contains(p, arena, request->mutable_outputs());
+      outgoing.regions.push_back(scratch->region());
+    }
+  }
   bool planned = false;
   auto on_message = [&](const grpc::ByteBuffer& buffer) -> absl::Status {
     Wire<v1::PackMicroBatchesResponse> reply;
@@ -842,12 +857,18 @@ absl::Status Client::PackMicroBatches(
     }
     if (!planned) {
       planned = true;
+      {
+        absl::MutexLock lock(&mu_);
+        step_output_bytes_ = reply->output_bytes();
+      }
       return on_plan(reply->plan());
     }
     StepMicroBatch mb;
     mb.rank = reply->rank();
     mb.index = reply->index();
     mb.samples.assign(reply->samples().begin(), reply->samples().end());
+    mb.through_shared_memory = reply->packed().packed_size() > 0 &&
+                               reply->packed().packed(0).has_region();
     PACKD_ASSIGN_OR_RETURN(mb.batch.packed,
                            Results({&reply->packed().packed()}, {&reply},
                                    /*copy_out=*/true));

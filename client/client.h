@@ -139,6 +139,9 @@ struct StepMicroBatch {
   int32_t index = 0;  // its position in its rank
   std::vector<int64_t> samples;
   PackedBatch batch;
+  // Whether its results came through the step's shared-memory arena (copied
+  // out) rather than inline: from the second step of a shape on, node-local.
+  bool through_shared_memory = false;
 };
 
 // The slice of region `region` (registered from an IPC handle of the
@@ -438,6 +441,9 @@ class Client {
   // Scratch segments no call holds now.
   std::vector<std::unique_ptr<SharedMemory>> idle_scratch_ ABSL_GUARDED_BY(mu_);
   std::optional<bool> server_allows_shm_ ABSL_GUARDED_BY(mu_);
+  // The last step's output_bytes: the arena the next step asks its results
+  // in (docs/design.md §12).
+  int64_t step_output_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // The device regions of GPU allocations: (device, base) -> (region, IPC
   // handle); and the devices' UUIDs.
   absl::flat_hash_map<std::pair<int, uintptr_t>,

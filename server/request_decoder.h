@@ -98,6 +98,13 @@ class RequestDecoder {
       const v1::Tensor& tensor, absl::string_view field, DecodedCall* call,
       const std::vector<int64_t>* row_extents) const;
 
+  // A region slice the call writes to (a step's outputs): the region errors
+  // of RegionRegistry::Resolve, naming `field`.
+  absl::StatusOr<ResolvedSlice> ResolveSlice(const v1::RegionSlice& slice,
+                                             absl::string_view field) const {
+    return regions_.Resolve(slice, field);
+  }
+
   // OK when a message of `bytes` fits max_message_bytes; RESOURCE_EXHAUSTED
   // naming `what` ("request", "response") and the flag otherwise.
   absl::Status CheckSize(absl::string_view what, size_t bytes) const;

@@ -143,6 +143,9 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   PACKD_RETURN_IF_ERROR(
       decoder.CheckSize("plan message", step->plan_.ByteSizeLong()));
   PACKD_RETURN_IF_ERROR(step->Choose(message, rows));
+  if (message.has_outputs()) {
+    PACKD_RETURN_IF_ERROR(step->UseOutputs(message.outputs(), decoder));
+  }
   return step;
 }
 
@@ -309,7 +312,7 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
   for (const v1::MicroBatch& mb : plan_.micro_batches()) {
     const int at = index[mb.rank()]++;
     if (!wanted.empty() && !wanted.contains(mb.rank())) continue;
-    int64_t out_rows = 0, targets = 0, entries = 0;
+    int64_t targets = 0, entries = 0;
     std::vector<int64_t> starts = {0};
     for (int64_t b : mb.samples()) {
       for (int64_t L : rows[b].sequences) starts.push_back(starts.back() + L);
@@ -317,8 +320,15 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
       targets += rows[b].targets;
       entries += rows[b].keys + rows[b].targets + 3 * rows[b].segments;
     }
-    if (layout.fixed.any()) {
-      // `fixed` applies to each micro-batch: every one must fit it.
+    // The micro-batch's rows exactly: a shared stream's are its rows'
+    // lengths (the plan's tokens); a layout's, its layout's (which `fixed`,
+    // applying to each micro-batch, must hold); else its active tokens.
+    const bool shared = batch_.has_shared_prefix();
+    int64_t out_rows = starts.back(), shifted_rows = out_rows;
+    if (shared) {
+      out_rows = mb.padded_tokens();
+      shifted_rows = targets;
+    } else if (layout.any()) {
       absl::StatusOr<Layout> laid = MakeLayout(starts, layout, false);
       if (!laid.ok()) {
         return absl::Status(
@@ -326,16 +336,11 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
             absl::StrCat("micro-batch ", at, " of rank ", mb.rank(), ": ",
                          laid.status().message()));
       }
-      out_rows = laid->rows();
-    } else {
-      // The plan counted each sample's share of the rows (Measure's lengths),
-      // with SP rounded up for each: at least the micro-batch's rows.
-      out_rows = mb.padded_tokens();
+      out_rows = shifted_rows = laid->rows();
     }
     const int64_t sequence_count = static_cast<int64_t>(starts.size()) - 1;
-    const bool shared = batch_.has_shared_prefix();
     const int64_t reply = SaturatingAdd(
-        sizes.ResultBytes(out_rows, shared ? targets : out_rows),
+        sizes.ResultBytes(out_rows, shifted_rows),
         SaturatingAdd(
             sizes.MetadataBytes(out_rows, mb.samples_size(), sequence_count),
             SaturatingMul(10, entries)));
@@ -348,8 +353,65 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
     }
     const int64_t gathered = mb.samples_size() * mask.shape[1] * position_bytes;
     max_micro_batch_bytes_ = std::max(max_micro_batch_bytes_, gathered + reply);
-    sent_.push_back(Sent{&mb, at});
+    // Its results' places in the outputs, each from a multiple of 64.
+    Sent sent{&mb, at, {}, {}};
+    auto place = [&](const TensorView& x, int64_t n) {
+      const int64_t bytes = SaturatingMul(n, PositionBytes(x));
+      output_bytes_ = SaturatingAdd(output_bytes_, 63) / 64 * 64;
+      sent.offsets.push_back(output_bytes_);
+      sent.bytes.push_back(bytes);
+      output_bytes_ = SaturatingAdd(output_bytes_, bytes);
+    };
+    for (const TensorView& x : call_.tensors) place(x, out_rows);
+    for (const Shift& s : layout.shifts) {
+      place(call_.tensors[s.input], shifted_rows);
+    }
+    sent_.push_back(std::move(sent));
   }
+  return absl::OkStatus();
+}
+
+absl::Status TrainingStep::UseOutputs(const v1::RegionSlice& slice,
+                                      const RequestDecoder& decoder) {
+  PACKD_ASSIGN_OR_RETURN(ResolvedSlice outputs,
+                         decoder.ResolveSlice(slice, "outputs"));
+  if (outputs.region->device().kind != DeviceKind::kCpu) {
+    return absl::UnimplementedError(
+        absl::StrCat("outputs in a ", outputs.region->device().ToString(),
+                     " region: a step writes its results in host memory"));
+  }
+  // The results are written while the batch is read: no byte of one may be
+  // the other's.
+  const char* begin = outputs.data;
+  const char* end = begin + outputs.byte_size;
+  auto overlaps = [&](const TensorView& x) {
+    const char* p = static_cast<const char*>(x.data);
+    return x.nbytes() > 0 && p < end && begin < p + x.nbytes();
+  };
+  std::vector<std::pair<const TensorView*, std::string>> tensors = {
+      {&call_.mask, "batch.mask"}};
+  for (size_t i = 0; i < call_.tensors.size(); ++i) {
+    tensors.push_back(
+        {&call_.tensors[i], absl::StrCat("batch.inputs[", i, "]")});
+  }
+  if (call_.segment_ids.has_value()) {
+    tensors.push_back({&*call_.segment_ids, "batch.segment_ids"});
+  }
+  for (const auto& [x, name] : tensors) {
+    if (outputs.byte_size > 0 && overlaps(*x)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "outputs overlaps ", name,
+          ": results are written while the batch is read; give a slice of "
+          "its own"));
+    }
+  }
+  // Too small: the results come inline (a client keeps the last step's
+  // output_bytes and has room from the next step of its shape on).
+  if (static_cast<int64_t>(outputs.byte_size) < output_bytes_) {
+    return absl::OkStatus();
+  }
+  outputs_ = std::move(outputs);
+  outputs_slice_ = slice;
   return absl::OkStatus();
 }
 
@@ -412,9 +474,25 @@ absl::Status TrainingStep::PackMicroBatch(
   const ResultSlot slot = PackSlots(packed, inputs.size());
   CallOptions base;
   base.device = call_.device;
-  base.allocate = IntoReply(response, slot, buffers, max_message_bytes_,
-                            RequestDecoder::kBytesPerMaskRow *
-                                (static_cast<int64_t>(rows.size()) + 1));
+  // Into the outputs at the micro-batch's places, or into the reply.
+  std::vector<ResolvedSlice> places;
+  google::protobuf::RepeatedPtrField<v1::RegionSlice> written;
+  if (outputs_.has_value()) {
+    for (size_t i = 0; i < sent.offsets.size(); ++i) {
+      places.push_back(ResolvedSlice{outputs_->region,
+                                     outputs_->data + sent.offsets[i],
+                                     outputs_->offset + sent.offsets[i],
+                                     static_cast<uint64_t>(sent.bytes[i])});
+      v1::RegionSlice* slice = written.Add();
+      slice->set_region(outputs_slice_.region());
+      slice->set_offset(outputs_slice_.offset() + sent.offsets[i]);
+    }
+    base.allocate = IntoSlices(&places);
+  } else {
+    base.allocate = IntoReply(response, slot, buffers, max_message_bytes_,
+                              RequestDecoder::kBytesPerMaskRow *
+                                  (static_cast<int64_t>(rows.size()) + 1));
+  }
   PackOptions options =
       PackOptionsOf(batch_, base, segment_ids, max_message_bytes_);
   if (options.layout.shared_prefix.has_value()) {
@@ -428,7 +506,7 @@ absl::Status TrainingStep::PackMicroBatch(
     shared = std::move(mine);
   }
   PACKD_ASSIGN_OR_RETURN(PackResult result, Pack(inputs, mask, options));
-  EncodeResults(SetPackResponse(std::move(result), packed), {}, slot);
+  EncodeResults(SetPackResponse(std::move(result), packed), written, slot);
   return absl::OkStatus();
 }
 

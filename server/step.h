@@ -51,8 +51,9 @@ class TrainingStep {
   // costs, pad_multiple), a negative cost model, a loss_mask not of the mask's
   // shape, ranks outside the plan or repeated, and a micro-batch that `fixed`
   // does not hold; RESOURCE_EXHAUSTED for a micro-batch whose message would
-  // pass `max_message_bytes`; UNIMPLEMENTED for batch tensors in device
-  // regions (the batch is read in host memory).
+  // pass `max_message_bytes`; outputs that overlap the batch's tensors;
+  // UNIMPLEMENTED for batch tensors or outputs in device regions (the batch
+  // is read, and results written, in host memory).
   static absl::StatusOr<std::unique_ptr<TrainingStep>> Make(
       const Wire<v1::PackMicroBatchesRequest>& request,
       const RequestDecoder& decoder, int64_t max_message_bytes);
@@ -65,6 +66,12 @@ class TrainingStep {
   // The most bytes one micro-batch makes the server hold while it is packed
   // and sent: its rows gathered, then its results.
   int64_t max_micro_batch_bytes() const { return max_micro_batch_bytes_; }
+  // The bytes the results of every micro-batch sent take in the request's
+  // outputs, each tensor from a multiple of 64 (the first message says it).
+  int64_t output_bytes() const { return output_bytes_; }
+  // Whether the results are written into the request's outputs (given, and
+  // holding output_bytes) rather than sent inline.
+  bool into_outputs() const { return outputs_.has_value(); }
   // Packs sent micro-batch k into `response` (rank, index, samples, packed),
   // its results in pooled buffers that `buffers` keeps, carried by the
   // response without a copy. Safe to call from several threads at once.
@@ -76,6 +83,9 @@ class TrainingStep {
   struct Sent {
     const v1::MicroBatch* micro_batch;
     int index;  // position in its rank
+    // Each result's bytes, and its offset in the outputs (packed, then
+    // shifted).
+    std::vector<int64_t> bytes, offsets;
   };
   // What Measure learns of a row: its sequences' real lengths, and with a
   // shared prefix its targets, keys and segments in the stream.
@@ -100,10 +110,14 @@ class TrainingStep {
                              const std::optional<TensorView>& loss,
                              const PlanOptions& model, v1::PlanRequest* plan,
                              std::vector<Measured>* rows);
-  // Chooses the micro-batches sent and checks each against the layout and
-  // the message limit.
+  // Chooses the micro-batches sent, checks each against the layout and the
+  // message limit, and places its results in the outputs.
   absl::Status Choose(const v1::PackMicroBatchesRequest& request,
                       const std::vector<Measured>& rows);
+  // Writes the results into `slice` when it holds them (a host region that
+  // overlaps none of the batch's tensors: INVALID_ARGUMENT otherwise).
+  absl::Status UseOutputs(const v1::RegionSlice& slice,
+                          const RequestDecoder& decoder);
   // A view of rows `rows` of `x` ([B, S, ...]) gathered into a pooled buffer
   // (`extents`: only positions [0, extents[b]) of row b), kept in `held`.
   absl::StatusOr<TensorView> GatherRows(const TensorView& x,
@@ -119,6 +133,10 @@ class TrainingStep {
   v1::PlanResponse plan_;
   std::vector<Sent> sent_;
   int64_t max_micro_batch_bytes_ = 0;
+  int64_t output_bytes_ = 0;
+  // The request's outputs, when the results are written there.
+  std::optional<ResolvedSlice> outputs_;
+  v1::RegionSlice outputs_slice_;
 };
 
 }  // namespace packd

@@ -104,6 +104,7 @@ absl::Status StepCall::Make(size_t k, Message* out) {
   auto reply = std::make_shared<CallReply<v1::PackMicroBatchesResponse>>();
   if (k == 0) {
     *reply->response->mutable_plan() = step_->plan();
+    reply->response->set_output_bytes(step_->output_bytes());
   } else {
     PACKD_RETURN_IF_ERROR(env_.metrics->OnDevice(
         step_->device(),

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import grpc
 import numpy
+import torch
 
 from packd import _tensors, _wire
 from packd._connection import Connection, PackdError, is_node_local
@@ -128,11 +129,13 @@ class Regions:
 
     @staticmethod
     def decode(msg: pb.Tensor, tensor: Any, scratch: Optional[Segment]) -> Any:
-        """A result tensor: copied out of `scratch` when packd wrote it there, else the inline
-        one."""
+        """A result tensor: copied out of `scratch` when packd wrote it there (at memcpy speed,
+        so that the segment can be lent again at once), else the inline one."""
         if msg.HasField("region"):
             dtype = _tensors.FROM_WIRE[msg.dtype]
-            raw = scratch.view(msg.region.offset, msg.region.byte_size).clone()
+            raw = torch.empty(msg.region.byte_size, dtype=torch.uint8)
+            if raw.numel() > 0:
+                copy(raw.numpy(), scratch.view(msg.region.offset, msg.region.byte_size).numpy())
             return raw.view(dtype).reshape(list(msg.shape))
         return tensor
 

@@ -5,6 +5,7 @@ The client's parts: the connection (packd/_connection.py: channels, TLS, retries
 the GPU path (packd/_gpu.py), the requests every path builds alike (packd/_requests.py) and
 the results (packd/results.py). This module is the public calls."""
 import dataclasses
+import threading
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -85,7 +86,10 @@ class Client:
     shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
     memory when the server is on this node and allows it (0 disables); each call in flight has
     a segment of its own, and idle_scratch_segments of them are kept for later calls.
-    shm_key_prefix: the server's --shm_key_prefix, under which segments are named.
+    step_results_in_shared_memory: pack_micro_batches asks the server to write its results
+    into an arena after the batch in the call's segment, as large as the last step's results
+    (docs/design.md §12), so every step of a shape after the first comes through shared memory,
+    copied out (False: always inline). shm_key_prefix: the server's --shm_key_prefix, under which segments are named.
     split_threshold_bytes: inline calls at least this large go as parts of the rows, one per
     connection (`connections` of them), at once (0: never). keep_freed_memory: tune this
     process's malloc to keep freed memory mapped (see packd._memory), which makes large inline
@@ -119,6 +123,7 @@ class Client:
                  tls_server_name: Optional[str] = None,
                  load_balancing_policy: Optional[str] = None, connections: int = 2,
                  idle_scratch_segments: int = 4,
+                 step_results_in_shared_memory: bool = True,
                  interceptors: Sequence[Interceptor] = (),
                  device_memory: Optional[_device.DeviceMemory] = None) -> None:
         self.address = address
@@ -140,6 +145,10 @@ class Client:
         self._gpu = Gpu(self._connection, self._regions,
                         device_memory or _device.TorchCuda(), lease_seconds)
         self.device_memory = self._gpu.memory
+        # The last step's output_bytes: the arena the next step asks its results in.
+        self._lock = threading.Lock()
+        self._step_output_bytes = 0
+        self.step_results_in_shared_memory = step_results_in_shared_memory
         # The stub and the retried call, for what the client's parts do not cover.
         self._stub = self._connection.stub
         self._call = self._connection.call
@@ -406,7 +415,12 @@ class Client:
             plan.groups.extend(int(v) for v in groups)
         nbytes = sum(t.numel() * t.element_size() for _, t in named if t is not None)
         regions = self._regions
-        scratch = regions.scratch_for(nbytes)
+        # The results' arena, after the inputs in the call's segment: as large as the last
+        # step's results, and a margin (the server sends them inline when it is too small).
+        with self._lock:
+            arena = self._step_output_bytes if self.step_results_in_shared_memory else 0
+        arena += arena // 8 + (64 << 10) if arena else 0
+        scratch = regions.scratch_for(nbytes + arena)
         encode = lambda t, number, out: regions.encode(t, number, out, scratch)
 
         def request():
@@ -417,6 +431,9 @@ class Client:
                                                       mask, tensors, segment_ids))
             if loss_mask is not None:
                 encode(loss_mask, 3, out)
+            got = scratch.allocate(arena) if scratch is not None and arena else None
+            if got is not None:
+                out.message.outputs.CopyFrom(scratch.slice(got[0], arena))
             return out
 
         def start(message, timeout, metadata):
@@ -437,9 +454,11 @@ class Client:
         except BaseException:
             regions.give_back(scratch)
             raise
+        with self._lock:
+            self._step_output_bytes = first[0].output_bytes
         return StepPlan(call, first[0], lambda: regions.give_back(scratch),
                         (single, cu_seqlens_dtype, segment_ids is not None, with_position_ids,
-                         layout))
+                         layout), lambda m, t: regions.decode(m, t, scratch))
 
     def register_cuda_tensor(self, name: str, tensor: torch.Tensor,
                              device: Optional[str] = None) -> pb.RegionSlice:

@@ -215,19 +215,31 @@ class StepPlan:
     iterating to the end releases the call's shared memory (`release`, called once)."""
 
     def __init__(self, call: Any, first: Any, release: Callable[[], None],
-                 options: Tuple[Any, ...]) -> None:
+                 options: Tuple[Any, ...],
+                 decode: Callable[[Any, Any], torch.Tensor] = lambda msg, t: t) -> None:
         self._call, self._release = call, release
         self._options = options  # (single, cu_seqlens_dtype, docs, with_position_ids, layout)
+        self._decode = decode    # a result tensor: inline, or copied out of the call's arena
         self.plan = Plan.of(first.plan)
+        # What the results of every micro-batch take in an arena (docs/design.md §12), and
+        # how many micro-batches came through it (from a step's second call of a shape on).
+        self.output_bytes = first.output_bytes
+        self.through_shared_memory = 0
 
     def __iter__(self) -> Iterator[MicroBatch]:
         try:
             for reply, tensors in self._call:
                 packed_reply, inner = tensors.get(5, [(pb.PackResponse(), {})])[0]
                 single, cu_dtype, docs, with_position_ids, layout = self._options
+                if any(m.HasField("region") for m in packed_reply.packed):
+                    self.through_shared_memory += 1
+                packed = [self._decode(m, t)
+                          for m, t in zip(packed_reply.packed, inner.get(1, []))]
+                shifted = [self._decode(m, t)
+                           for m, t in zip(packed_reply.shifted, inner.get(14, []))]
                 yield MicroBatch(reply.rank, reply.index, list(reply.samples), pack_result(
-                    packed_reply, inner.get(1, []), inner.get(14, []), single, cu_dtype, docs,
-                    with_position_ids, layout))
+                    packed_reply, packed, shifted, single, cu_dtype, docs, with_position_ids,
+                    layout))
         except grpc.RpcError as e:
             raise error(e) from None
         finally:

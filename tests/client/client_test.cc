@@ -543,6 +543,52 @@ TEST_F(ClientTest, PackMicroBatchesAreTorchsPackOfTheirRows) {
   EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), B);
 }
 
+// Node-local with shared memory: a step's first call of a shape comes inline
+// and says what its results take; every later one comes through the arena the
+// client keeps (its results copied out), with the same bytes.
+TEST_F(ClientTest, AStepsResultsComeThroughSharedMemoryFromItsSecondCall) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 30, S = 256;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, B, S, 0.6, MaskPattern::kPrefix);
+  const at::Tensor tokens = at::randint(0, 1000, {B, S}, at::kLong);
+  const at::Tensor hidden =
+      testing::RandomTensor(rng, DType::kBFloat16, {B, S, 3});
+  ClientOptions o;
+  o.address = server_->address();
+  o.shared_memory_threshold_bytes = 1;
+  std::unique_ptr<Client> client = std::move(*Client::Connect(o));
+  StepCallOptions options;
+  options.plan.num_ranks = 2;
+  options.pack.layout.pad_multiple = 8;
+  options.pack.layout.shifts = {{0, -100}};
+  options.pack.with_position_ids = true;
+  absl::StatusOr<Step> first =
+      RunStep(*client, {tokens, hidden}, mask, 1000, options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_GT(first->micro_batches.size(), 1u);
+  for (const StepMicroBatch& mb : first->micro_batches) {
+    EXPECT_FALSE(mb.through_shared_memory);
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    absl::StatusOr<Step> again =
+        RunStep(*client, {tokens, hidden}, mask, 1000, options);
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_EQ(again->micro_batches.size(), first->micro_batches.size());
+    for (size_t k = 0; k < again->micro_batches.size(); ++k) {
+      const StepMicroBatch& a = first->micro_batches[k];
+      const StepMicroBatch& b = again->micro_batches[k];
+      EXPECT_TRUE(b.through_shared_memory) << "micro-batch " << k;
+      EXPECT_EQ(a.samples, b.samples);
+      for (size_t i = 0; i < 2; ++i) {
+        EXPECT_TRUE(SameBytes(a.batch.packed[i], b.batch.packed[i]));
+      }
+      EXPECT_TRUE(SameBytes(a.batch.shifted[0], b.batch.shifted[0]));
+      EXPECT_TRUE(at::equal(a.batch.position_ids, b.batch.position_ids));
+    }
+  }
+}
+
 // With documents and a layout (padding, shifted labels, position ids): each
 // micro-batch is exactly Pack of its rows; only the ranks asked come; bad
 // requests are INVALID_ARGUMENT; a callback's error ends the call.

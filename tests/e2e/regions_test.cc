@@ -187,6 +187,108 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
   EXPECT_EQ(list.regions(0).device(), "cpu");
 }
 
+// A step's results into its outputs (docs/design.md §12): the first message
+// says how many bytes they take; given that many, every micro-batch's tensors
+// are slices of the outputs in message order, each from a multiple of 64,
+// with exactly the bytes of the same step inline; too few, and they come
+// inline; outputs over the batch's inputs are INVALID_ARGUMENT.
+TEST_F(RegionsTest, AStepsResultsIntoItsOutputs) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 24, S = 200;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, B, S, 0.6, MaskPattern::kPrefix);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, 3});
+  const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 16 << 20)
+          .value();
+  ASSERT_TRUE(Register("w0", seg->key(), 0, seg->size()).ok());
+  Put(seg, 0, x);
+  v1::PackMicroBatchesRequest request;
+  *request.mutable_batch()->mutable_mask() = testing::ToProto(mask);
+  *request.mutable_batch()->add_inputs() = InRegion(x, "w0", 0);
+  *request.mutable_batch()->add_inputs() = testing::ToProto(ids);
+  request.mutable_batch()->set_pad_multiple(8);
+  request.mutable_batch()->add_shifts()->set_input(1);
+  request.mutable_batch()->set_with_position_ids(true);
+  request.mutable_plan()->set_max_tokens_per_micro_batch(800);
+  request.mutable_plan()->set_num_ranks(2);
+  // Every message of a step, read to the end.
+  auto run = [&](const v1::PackMicroBatchesRequest& r) {
+    grpc::ClientContext context;
+    auto reader = stub_->PackMicroBatches(&context, r);
+    std::vector<v1::PackMicroBatchesResponse> messages;
+    v1::PackMicroBatchesResponse message;
+    while (reader->Read(&message)) messages.push_back(message);
+    const grpc::Status status = reader->Finish();
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return messages;
+  };
+  const std::vector<v1::PackMicroBatchesResponse> inline_step = run(request);
+  ASSERT_GT(inline_step.size(), 2u);
+  const int64_t output_bytes = inline_step[0].output_bytes();
+  int64_t want = 0;
+  for (size_t k = 1; k < inline_step.size(); ++k) {
+    for (const auto* tensors : {&inline_step[k].packed().packed(),
+                                &inline_step[k].packed().shifted()}) {
+      for (const v1::Tensor& t : *tensors) {
+        want = (want + 63) / 64 * 64 + static_cast<int64_t>(t.data().size());
+      }
+    }
+  }
+  EXPECT_EQ(output_bytes, want);
+
+  const uint64_t at = 8 << 20;  // after the batch's x
+  std::memset(seg->data() + at, 0xA5, output_bytes + 64);
+  request.mutable_outputs()->CopyFrom(Slice("w0", at, output_bytes));
+  const std::vector<v1::PackMicroBatchesResponse> into = run(request);
+  ASSERT_EQ(into.size(), inline_step.size());
+  EXPECT_EQ(into[0].output_bytes(), output_bytes);
+  uint64_t next = at;
+  for (size_t k = 1; k < into.size(); ++k) {
+    EXPECT_EQ(into[k].packed().cu_seqlens_padded_size(),
+              inline_step[k].packed().cu_seqlens_padded_size());
+    EXPECT_EQ(into[k].packed().position_ids_size(),
+              inline_step[k].packed().position_ids_size());
+    for (const auto& [got, inline_tensors] :
+         {std::pair{&into[k].packed().packed(),
+                    &inline_step[k].packed().packed()},
+          {&into[k].packed().shifted(), &inline_step[k].packed().shifted()}}) {
+      ASSERT_EQ(got->size(), inline_tensors->size());
+      for (int i = 0; i < got->size(); ++i) {
+        const v1::Tensor& t = got->Get(i);
+        const std::string& bytes = inline_tensors->Get(i).data();
+        ASSERT_TRUE(t.has_region());
+        next = (next + 63) / 64 * 64;
+        EXPECT_EQ(t.region().offset(), next);
+        EXPECT_EQ(t.region().byte_size(), bytes.size());
+        EXPECT_EQ(std::memcmp(seg->data() + t.region().offset(), bytes.data(),
+                              bytes.size()),
+                  0);
+        next += bytes.size();
+      }
+    }
+  }
+  EXPECT_EQ(next, at + output_bytes);
+  EXPECT_EQ(static_cast<uint8_t>(seg->data()[at + output_bytes]), 0xA5);
+
+  // Too small: inline, as if there were none.
+  request.mutable_outputs()->set_byte_size(output_bytes - 1);
+  const std::vector<v1::PackMicroBatchesResponse> small = run(request);
+  ASSERT_EQ(small.size(), inline_step.size());
+  EXPECT_FALSE(small[1].packed().packed(0).has_region());
+  EXPECT_EQ(small[1].packed().packed(0).data(),
+            inline_step[1].packed().packed(0).data());
+  // Over the batch's x: refused by name, nothing sent.
+  request.mutable_outputs()->CopyFrom(Slice("w0", 64, output_bytes));
+  grpc::ClientContext context;
+  auto reader = stub_->PackMicroBatches(&context, request);
+  v1::PackMicroBatchesResponse message;
+  EXPECT_FALSE(reader->Read(&message));
+  ExpectError(reader->Finish(), grpc::StatusCode::INVALID_ARGUMENT,
+              "outputs overlaps batch.inputs[0]");
+}
+
 TEST_F(RegionsTest, RegistrationErrors) {
   std::unique_ptr<ShmSegment> seg =
       ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();

@@ -518,6 +518,41 @@ def test_pack_micro_batches_are_their_rows_packed(address, shm):
         assert sorted(seen) == list(range(B))
 
 
+def test_a_steps_results_come_through_shared_memory_from_its_second_call(address):
+    """Node-local with shared memory: the first step of a shape comes inline and says what its
+    results take (output_bytes); the client keeps an arena of that size, so every later step of
+    the shape comes through it, with the same bytes, and the arena goes back to the pool; a
+    larger batch comes inline once, then through a grown arena."""
+    with packd.Client(address, shm_threshold_bytes=1, idle_scratch_segments=2) as client:
+        B, S = 32, 300
+        mask = torch.rand(B, S) < 0.6
+        tokens = torch.randint(0, 1000, (B, S))
+        x = random_tensor(torch.bfloat16, (B, S, 3))
+
+        def step(mask, tokens, x):
+            s = client.pack_micro_batches([tokens, x], mask, 1024, num_ranks=2,
+                                          pad_multiple=8, shifts=[(0, -100)],
+                                          with_position_ids=True)
+            return s, [(mb.samples, [t.clone() for t in mb.result.packed + mb.result.shifted])
+                       for mb in s]
+
+        first, inline = step(mask, tokens, x)
+        assert first.output_bytes > 0 and first.through_shared_memory == 0
+        for _ in range(2):
+            again, through = step(mask, tokens, x)
+            assert again.output_bytes == first.output_bytes
+            assert again.through_shared_memory == len(through) == len(inline)
+            for (rows_a, a), (rows_b, b) in zip(inline, through):
+                assert rows_a == rows_b and all(same(p, q) for p, q in zip(a, b))
+        assert len(client._regions.idle) <= 2  # the arenas went back to the pool
+        # Twice the rows: inline once, then through the grown arena.
+        big = [torch.cat([t, t]) for t in (mask, tokens, x)]
+        grown, _ = step(*big)
+        assert grown.output_bytes > first.output_bytes and grown.through_shared_memory == 0
+        again, through = step(*big)
+        assert again.through_shared_memory == len(through)
+
+
 def test_pack_micro_batches_padding_ranks_and_errors(client):
     B, S = 12, 40
     mask = torch.rand(B, S) < 0.8
