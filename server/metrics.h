@@ -1,6 +1,6 @@
 // Metrics: what packd counts about its calls, kept in a prometheus-cpp
 // registry, and MetricsServer, which serves it at /metrics on --metrics_listen
-// (prometheus-cpp's Exposer). docs/service.md lists the metrics.
+// (HTTP/1.1, prometheus-cpp's text format). docs/service.md lists the metrics.
 //
 // clang-format off
 //   Metrics metrics(gauges);  // the values read at each scrape
@@ -11,13 +11,12 @@
 #ifndef PACKD_SERVER_METRICS_H_
 #define PACKD_SERVER_METRICS_H_
 
-#include <netinet/in.h>
-
 #include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -35,10 +34,6 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-
-namespace prometheus {
-class Exposer;
-}  // namespace prometheus
 
 namespace packd {
 
@@ -129,7 +124,12 @@ class Metrics {
   absl::flat_hash_map<std::string, PerDevice> devices_ ABSL_GUARDED_BY(mu_);
 };
 
-// Serves a collectable at /metrics (anything else: 404) over HTTP.
+// Serves a collectable at /metrics (anything else: 404) over HTTP/1.1, one
+// connection at a time on a thread of its own (a scrape is one short request;
+// one that stalls is dropped after 2 s). Its own and not civetweb's (which
+// prometheus-cpp's Exposer runs on): Debian's civetweb starts its threads
+// with a fixed 100 KiB stack, which glibc refuses to create in a process
+// whose libraries' static TLS is larger, as libtorch with OpenBLAS makes it.
 class MetricsServer {
  public:
   // Listens on "IPV4_ADDRESS:PORT" (port 0 picks one). INVALID_ARGUMENT for a
@@ -145,10 +145,15 @@ class MetricsServer {
 
  private:
   MetricsServer() = default;
+  // Accepts and answers connections until the destructor wakes it.
+  void Serve();
+  // Reads one request from `fd` and answers it.
+  void Answer(int fd);
 
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  in_addr host_{};
-  int port_ = 0;
+  std::shared_ptr<prometheus::Collectable> metrics_;
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;  // an eventfd the destructor writes to stop Serve
+  std::thread thread_;
   std::string address_;
 };
 

@@ -1,19 +1,75 @@
 #include "server/metrics.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+
+// Static TLS as large as libtorch with OpenBLAS gives packd on a fresh Debian
+// machine (112 KiB there), and more: in the executable, so every thread of
+// this test carries it. A thread started with a fixed 100 KiB stack (as
+// Debian's civetweb starts its own) cannot be created in this process.
+__attribute__((tls_model("initial-exec"),
+               used)) thread_local char large_static_tls[256 << 10];
 
 namespace packd {
 namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using ::testing::StartsWith;
+
+// Connects to "HOST:PORT" (HOST numeric, or localhost); -1 when it cannot.
+int Connect(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = address.substr(0, colon);
+  if (host == "localhost") host = "127.0.0.1";
+  int port = 0;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &port)) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return -1;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Sends `request` to the server at `address` and returns all it answers
+// until it closes the connection.
+std::string Exchange(const std::string& address, const std::string& request) {
+  const int fd = Connect(address);
+  if (fd < 0) return "(cannot connect)";
+  send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string reply;
+  char buffer[4096];
+  ssize_t got;
+  while ((got = recv(fd, buffer, sizeof(buffer), 0)) > 0) {
+    reply.append(buffer, static_cast<size_t>(got));
+  }
+  close(fd);
+  return reply;
+}
+
+std::string Get(const std::string& address, const std::string& path) {
+  return Exchange(address, absl::StrCat("GET ", path,
+                                        " HTTP/1.1\r\nHost: packd\r\n"
+                                        "Accept: */*\r\n\r\n"));
+}
 
 TEST(Metrics, CountsCallsByMethodAndCodeWithTheirLatencyAndBytes) {
   Metrics metrics;
@@ -159,11 +215,71 @@ TEST(MetricsServer, RefusesMalformedAddressesAndPortsInUse) {
   EXPECT_NE(address, "127.0.0.1:0");
   auto second = MetricsServer::Start(address, metrics.collectable());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  // The system's own reason, not a guess.
   EXPECT_THAT(std::string(second.status().message()),
-              HasSubstr("--metrics_listen"));
+              HasSubstr("(--metrics_listen): bind: Address already in use"));
   auto local = MetricsServer::Start("localhost:0", metrics.collectable());
   ASSERT_TRUE(local.ok()) << local.status();
   EXPECT_THAT((*local)->address(), HasSubstr("localhost:"));
+}
+
+TEST(MetricsServer, ServesTheMetricsAndNothingElse) {
+  Metrics metrics;
+  metrics.Record("Pack", absl::StatusCode::kOk, absl::Milliseconds(2), 10, 20);
+  auto server = MetricsServer::Start("127.0.0.1:0", metrics.collectable());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = (*server)->address();
+
+  const std::string ok = Get(address, "/metrics");
+  EXPECT_THAT(ok, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(ok, HasSubstr("Content-Type: text/plain; version=0.0.4"));
+  const size_t body = ok.find("\r\n\r\n");
+  ASSERT_NE(body, std::string::npos);
+  EXPECT_THAT(ok, HasSubstr(absl::StrCat(
+                      "Content-Length: ", ok.size() - body - 4, "\r\n")));
+  EXPECT_THAT(ok.substr(body + 4),
+              HasSubstr("packd_requests_total{code=\"ok\",method=\"Pack\"} "
+                        "1\n"));
+  // The families read at each scrape: a call recorded since shows.
+  metrics.Record("Pack", absl::StatusCode::kOk, absl::Milliseconds(2), 10, 20);
+  EXPECT_THAT(Get(address, "/metrics?x=1"),
+              HasSubstr("packd_requests_total{code=\"ok\",method=\"Pack\"} "
+                        "2\n"));
+
+  EXPECT_THAT(Get(address, "/"), StartsWith("HTTP/1.1 404 Not Found\r\n"));
+  EXPECT_THAT(Get(address, "/metricsx"), HasSubstr("packd serves /metrics"));
+  EXPECT_THAT(Exchange(address, "POST /metrics HTTP/1.1\r\n\r\n"),
+              StartsWith("HTTP/1.1 405 "));
+  EXPECT_THAT(Exchange(address, "hello\r\n\r\n"), StartsWith("HTTP/1.1 400 "));
+  const std::string head = Exchange(address, "HEAD /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_THAT(head, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_EQ(head.find("packd_requests_total"), std::string::npos);
+}
+
+TEST(MetricsServer, AClientThatSendsNothingHoldsItAtMostTwoSeconds) {
+  Metrics metrics;
+  auto server = MetricsServer::Start("127.0.0.1:0", metrics.collectable());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int idle = Connect((*server)->address());
+  ASSERT_GE(idle, 0);
+  // Answered once the idle connection times out (2 s): served, not stuck.
+  EXPECT_THAT(Get((*server)->address(), "/metrics"),
+              StartsWith("HTTP/1.1 200 OK\r\n"));
+  close(idle);
+}
+
+// The fresh-machine failure: with this binary's large static TLS, a server
+// whose threads had a small fixed stack could not start.
+TEST(MetricsServer, StartsAndStopsInAProcessWithLargeStaticTls) {
+  large_static_tls[0] = 1;  // this thread's copy exists
+  Metrics metrics;
+  for (int i = 0; i < 3; ++i) {
+    auto server = MetricsServer::Start("127.0.0.1:0", metrics.collectable());
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_THAT(Get((*server)->address(), "/metrics"),
+                StartsWith("HTTP/1.1 200 OK\r\n"));
+    server->reset();  // stops: wakes its thread and joins it
+  }
 }
 
 }  // namespace
