@@ -635,7 +635,8 @@ void MeasureSmallCalls(const Servers& servers, bool smoke) {
   const int calls = absl::GetFlag(FLAGS_small_calls);
   std::printf(
       "\nsmall calls over TCP loopback: x [4, 128, 64] bf16, random mask 0.5 "
-      "(%zu request bytes, about %zu response bytes), %d calls per level\n",
+      "(%zu request bytes, about %zu response bytes), %d calls of each kind "
+      "per level, alternating call by call with the do-nothing RPC\n",
       wrapped.Length(), response_bytes, calls);
   std::printf("%12s %12s %12s %14s %14s %10s %10s %12s %12s %8s\n",
               "concurrency", "Pack p50", "Pack p99", "nothing p50",
@@ -646,42 +647,59 @@ void MeasureSmallCalls(const Servers& servers, bool smoke) {
     int c = 1;
     if (!absl::SimpleAtoi(level, &c) || c < 1) continue;
     const int total = smoke ? 2 * c : calls;
-    // {p50 ms, p99 ms, calls a second over the level's wall time}.
+    // {p50 ms, p99 ms, calls a second}. The two kinds of call alternate
+    // call by call on every thread, so that both see the same machine: its
+    // speed moves 2-5x within minutes here. Calls a second with c in flight
+    // (Little's law): c / the mean latency of the kind.
     struct Latencies {
       double p50, p99, per_second;
     };
-    auto latencies = [&](const std::function<void()>& call) {
-      std::vector<double> ms;
-      const auto start = std::chrono::steady_clock::now();
+    auto summary = [c](std::vector<double> ms) {
+      std::sort(ms.begin(), ms.end());
+      double sum = 0;
+      for (double m : ms) sum += m;
+      return Latencies{ms[ms.size() / 2],
+                       ms[std::min(ms.size() - 1, ms.size() * 99 / 100)],
+                       c * 1000.0 * ms.size() / sum};
+    };
+    std::vector<double> pack_ms, nothing_ms;
+    {
       std::mutex mu;
       std::vector<std::thread> threads;
       for (int t = 0; t < c; ++t) {
-        threads.emplace_back([&] {
-          std::vector<double> mine;
-          for (int i = 0; i < total / c; ++i) {
+        threads.emplace_back([&, t] {
+          std::vector<double> pack_mine, nothing_mine;
+          auto timed = [](const std::function<void()>& call,
+                          std::vector<double>* into) {
             const auto t0 = std::chrono::steady_clock::now();
             call();
-            mine.push_back(std::chrono::duration<double, std::milli>(
-                               std::chrono::steady_clock::now() - t0)
-                               .count());
+            into->push_back(std::chrono::duration<double, std::milli>(
+                                std::chrono::steady_clock::now() - t0)
+                                .count());
+          };
+          for (int i = 0; i < total / c; ++i) {
+            // Half the threads start with the do-nothing call, so that at
+            // every moment both kinds are in flight.
+            const bool pack_first = (i + t) % 2 == 0;
+            auto pack = [&] {
+              Check(client->Pack({small_x}, small_mask).status(),
+                    "Pack (small)");
+            };
+            auto nothing = [&] { null.Call(wrapped); };
+            if (pack_first) timed(pack, &pack_mine);
+            timed(nothing, &nothing_mine);
+            if (!pack_first) timed(pack, &pack_mine);
           }
           std::lock_guard<std::mutex> lock(mu);
-          ms.insert(ms.end(), mine.begin(), mine.end());
+          pack_ms.insert(pack_ms.end(), pack_mine.begin(), pack_mine.end());
+          nothing_ms.insert(nothing_ms.end(), nothing_mine.begin(),
+                            nothing_mine.end());
         });
       }
-      for (auto& t : threads) t.join();
-      const double seconds = std::chrono::duration<double>(
-                                 std::chrono::steady_clock::now() - start)
-                                 .count();
-      std::sort(ms.begin(), ms.end());
-      return Latencies{ms[ms.size() / 2],
-                       ms[std::min(ms.size() - 1, ms.size() * 99 / 100)],
-                       static_cast<double>(ms.size()) / seconds};
-    };
-    const auto pack = latencies([&] {
-      Check(client->Pack({small_x}, small_mask).status(), "Pack (small)");
-    });
-    const auto nothing = latencies([&] { null.Call(wrapped); });
+      for (auto& thread : threads) thread.join();
+    }
+    const Latencies pack = summary(std::move(pack_ms));
+    const Latencies nothing = summary(std::move(nothing_ms));
     std::printf(
         "%12d %10.3fms %10.3fms %12.3fms %12.3fms %10.2f %10.2f %12.0f %12.0f "
         "%8.2f\n",

@@ -57,8 +57,10 @@ void BudgetedCall<Request>::OnReadDone(bool ok) {
         "the ", method_, " call ended before its request arrived")));
     return;
   }
-  // The parse and the op run on packd's workers, never on gRPC's thread.
-  env_.calls->Submit([this] { ParseAndServe(); });
+  // A request that can be a small call's is parsed here: a small call runs
+  // on this thread (docs/design.md §2). Every other runs on packd's workers.
+  if (MayBeSmall(request_.Length())) return ParseAndServe(/*may_stay=*/true);
+  env_.calls->Submit([this] { ParseAndServe(/*may_stay=*/false); });
 }
 
 template <typename Request>
@@ -121,13 +123,14 @@ void BudgetedCall<Request>::ReleaseRequest() {
 }
 
 template <typename Request>
-void BudgetedCall<Request>::ParseAndServe() {
+void BudgetedCall<Request>::ParseAndServe(bool may_stay) {
   int64_t needed = 0;
   absl::Status status = Guarded(method_, [&] { return Parse(&needed); });
   if (!status.ok() || hold_ == nullptr || needed <= hold_->bytes()) {
     MemoryBudget::ShrinkTo(hold_, needed);
-    if (status.ok()) return Serve();
-    return Done(status);
+    if (!status.ok()) return Done(status);
+    if (!may_stay || Small()) return Serve();
+    return env_.calls->Submit([this] { Serve(); });
   }
   // Needs more than it reserved (a Scatter whose results outgrow its
   // request): it gives its reservation back and waits, ahead of calls not yet

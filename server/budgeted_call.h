@@ -56,12 +56,21 @@ struct CallEnvironment {
 // declares in kRequestBytesHeader, else the largest), reads and parses the
 // request from the received slices with tensor bytes in place, keeps what it
 // needs (Prepare: the request, the inputs gathered, results), and then serves
-// it (Serve, on packd's workers). Pack and Scatter answer one message
-// (InlineCall), PackMicroBatches a stream (StepCall). Used by gRPC and packd's
-// workers in turn, never at once: each step hands the reactor to the next.
+// it (Serve, on packd's workers). A small call (docs/design.md §2: tensors
+// inline, on the host, inputs of at most kSmallCallBytes) is parsed and
+// served on the
+// gRPC thread that read it, with no hand-off to the workers and back. Pack and
+// Scatter answer one message (InlineCall), PackMicroBatches a stream
+// (StepCall). Used by gRPC and packd's workers in turn, never at once: each
+// step hands the reactor to the next.
 template <typename Request>
 class BudgetedCall : public grpc::ServerGenericBidiReactor {
  public:
+  // The most bytes a call's inputs (the tensors it packs or scatters) may
+  // have for it to run on the gRPC thread that read it: their copy takes
+  // microseconds, less than a hand-off to the workers and back.
+  static constexpr int64_t kSmallCallBytes = 64 << 10;
+
   BudgetedCall(const CallEnvironment* env,
                grpc::GenericCallbackServerContext* context, const char* method);
 
@@ -81,6 +90,13 @@ class BudgetedCall : public grpc::ServerGenericBidiReactor {
   // Serves the parsed call, with its memory held, and ends it with Done. On a
   // worker.
   virtual void Serve() = 0;
+  // Whether a request of `bytes` may be a small call's: then it is parsed on
+  // the gRPC thread that read it. Default: never.
+  virtual bool MayBeSmall(size_t /*request_bytes*/) const { return false; }
+  // Whether the parsed call is small: its tensors all inline and on the host,
+  // its inputs at most kSmallCallBytes, its results inline. Default: never (a
+  // step plans before it knows its size, which is a worker's job).
+  virtual bool Small() const { return false; }
   // Sends the reply of a call that succeeded and finishes (Done's last step):
   // HandOff(this), then the gRPC call, and nothing after it.
   virtual void FinishOk() = 0;
@@ -100,7 +116,9 @@ class BudgetedCall : public grpc::ServerGenericBidiReactor {
   size_t response_bytes_ = 0;
 
  private:
-  void ParseAndServe();
+  // Parses the call and serves it, here when it is small and `may_stay` (the
+  // gRPC thread that read it), else on the workers.
+  void ParseAndServe(bool may_stay);
   // Parses the request, and sets `needed` to what the call holds from now on:
   // the request, the copies of its inline inputs that arrived in several
   // slices (gathered into one buffer; those in one slice are read in place),

@@ -76,6 +76,33 @@ int64_t ResultBytes(const Wire<v1::ScatterRequest>& wire) {
   return bytes;
 }
 
+// What a small call's request may carry besides its inputs' bytes: the mask
+// and ids, the headers, the layout's fields and the protobuf framing.
+constexpr size_t kSmallCallMetadataBytes = 64 << 10;
+
+// The bytes of a call's inputs (Pack's inputs, Scatter's packed tensors),
+// all inline; -1 when the call names a region for any of its tensors. The
+// mask and ids, a byte or a few a position, are not counted.
+template <typename Tensors>
+int64_t InlineInputBytes(const WireMessage& wire, const v1::Tensor& mask,
+                         const Tensors& inputs, const v1::Tensor& segment_ids) {
+  if (mask.has_region() || segment_ids.has_region()) return -1;
+  int64_t total = 0;
+  for (const v1::Tensor& t : inputs) {
+    if (t.has_region()) return -1;
+    total += wire.BytesOf(t).size;
+  }
+  return total;
+}
+int64_t InlineInputBytes(const Wire<v1::PackRequest>& wire) {
+  return InlineInputBytes(wire, wire->mask(), wire->inputs(),
+                          wire->segment_ids());
+}
+int64_t InlineInputBytes(const Wire<v1::ScatterRequest>& wire) {
+  return InlineInputBytes(wire, wire->mask(), wire->packed(),
+                          wire->segment_ids());
+}
+
 }  // namespace
 
 template <typename Request, typename Response>
@@ -89,6 +116,22 @@ InlineCall<Request, Response>::InlineCall(
 template <typename Request, typename Response>
 absl::StatusOr<int64_t> InlineCall<Request, Response>::Prepare() {
   return std::min(ResultBytes(this->parsed_), this->env_.max_message_bytes);
+}
+
+template <typename Request, typename Response>
+bool InlineCall<Request, Response>::MayBeSmall(size_t request_bytes) const {
+  return request_bytes <= this->kSmallCallBytes + kSmallCallMetadataBytes;
+}
+
+template <typename Request, typename Response>
+bool InlineCall<Request, Response>::Small() const {
+  const Request& request = this->parsed_.message();
+  if (!request.outputs().empty() ||
+      !this->env_.decoder->OnHost(request.device())) {
+    return false;
+  }
+  const int64_t bytes = InlineInputBytes(this->parsed_);
+  return bytes >= 0 && bytes <= this->kSmallCallBytes;
 }
 
 template <typename Request, typename Response>

@@ -36,6 +36,8 @@ class InlineCall final : public BudgetedCall<Request> {
  private:
   // Its inline results, sized exactly (never more than a response may carry).
   absl::StatusOr<int64_t> Prepare() override;
+  bool MayBeSmall(size_t request_bytes) const override;
+  bool Small() const override;
   void Serve() override;
   void FinishOk() override;
   // Runs the op and makes the response.

@@ -105,6 +105,13 @@ class RequestDecoder {
     return regions_.Resolve(slice, field);
   }
 
+  // Whether a request's `device` field names the host: "cpu", or empty with
+  // the server's default on the host. Anything else (a GPU, a bad name): no.
+  bool OnHost(const std::string& device) const {
+    return device.empty() ? default_device_.kind == DeviceKind::kCpu
+                          : device == "cpu";
+  }
+
   // OK when a message of `bytes` fits max_message_bytes; RESOURCE_EXHAUSTED
   // naming `what` ("request", "response") and the flag otherwise.
   absl::Status CheckSize(absl::string_view what, size_t bytes) const;

@@ -10,6 +10,7 @@
 //       # other processes export to it), index 0 being physical device 1
 //   packd_testing --cpu_impl=torch ...      # cpu calls run on the libtorch
 //                                           # backend instead of "span"
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <stdexcept>
@@ -30,6 +31,9 @@
 ABSL_FLAG(int, call_delay_ms, 0,
           "Each Pack and Scatter call waits this long once its tensors are "
           "decoded");
+ABSL_FLAG(std::string, call_delay_methods, "",
+          "With --call_delay_ms: the methods that wait (comma-separated, e.g. "
+          "PackMicroBatches); empty: every one");
 ABSL_FLAG(bool, call_throws, false,
           "Each Pack and Scatter call throws std::runtime_error once its "
           "tensors are decoded");
@@ -83,9 +87,14 @@ int main(int argc, char** argv) {
   if (delay > absl::ZeroDuration() || throws) {
     // The first call is packd's own start-up self-check: it is let through.
     auto calls = std::make_shared<std::atomic<int>>(0);
-    options->service.TEST_call_hook = [delay, throws,
-                                       calls](absl::string_view) {
-      absl::SleepFor(delay);
+    const std::vector<std::string> delayed = absl::StrSplit(
+        absl::GetFlag(FLAGS_call_delay_methods), ',', absl::SkipEmpty());
+    options->service.TEST_call_hook = [delay, throws, calls,
+                                       delayed](absl::string_view method) {
+      if (delayed.empty() ||
+          std::find(delayed.begin(), delayed.end(), method) != delayed.end()) {
+        absl::SleepFor(delay);
+      }
       if (throws && (*calls)++ > 0) {
         throw std::runtime_error("injected by --call_throws");
       }

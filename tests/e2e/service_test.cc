@@ -681,6 +681,86 @@ TEST(ServiceLimits, ASlowOpNeverHoldsUpTheBudgetsDeadlines) {
                  s_response.dense(0)));
 }
 
+// Design §2: a call whose inputs total at most 64 KiB runs on the gRPC thread
+// that read it, never queued behind the workers. With the one worker held by
+// a step (2.5 s), a small Pack and a small Scatter sent meanwhile are
+// answered before it ends, each equal to torch's; a large Pack sent then is
+// served by the worker once it is free.
+TEST(ServiceLimits, SmallCallsAreServedWhileTheWorkersAreBusy) {
+  auto server = ServerProcess::Start(
+      {"--call_delay_ms=2500", "--call_delay_methods=PackMicroBatches",
+       "--threads=1"},
+      ServerProcess::Binary::kTesting);
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  Rng rng = Rng::Fresh();
+  v1::PackMicroBatchesRequest step;
+  const at::Tensor step_mask = at::ones({8, 64}, at::kBool);
+  *step.mutable_batch()->mutable_mask() = ToProto(step_mask);
+  *step.mutable_batch()->add_inputs() = ToProto(step_mask.to(at::kLong));
+  step.mutable_plan()->set_max_tokens_per_micro_batch(128);
+  step.mutable_plan()->set_num_ranks(1);
+  const at::Tensor large_x =
+      testing::RandomTensor(rng, DType::kFloat32, {4, 64, 256});  // 256 KiB
+  const at::Tensor large_mask = at::ones({4, 64}, at::kBool);
+  v1::PackRequest large;
+  *large.mutable_mask() = ToProto(large_mask);
+  *large.add_inputs() = ToProto(large_x);
+  const at::Tensor small_x =
+      testing::RandomTensor(rng, DType::kBFloat16, {4, 128, 64});  // 64 KiB
+  const at::Tensor small_mask =
+      testing::RandomMask(rng, DType::kBool, 4, 128, 0.5, MaskPattern::kHoles);
+  v1::PackRequest small;
+  *small.mutable_mask() = ToProto(small_mask);
+  *small.add_inputs() = ToProto(small_x);
+
+  std::atomic<bool> step_done{false};
+  grpc::Status step_status;
+  std::thread step_thread([&] {
+    grpc::ClientContext context;
+    auto reader = stub->PackMicroBatches(&context, step);
+    v1::PackMicroBatchesResponse message;
+    while (reader->Read(&message)) {
+    }
+    step_status = reader->Finish();
+    step_done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(500));  // the step holds the worker
+  grpc::Status large_status;
+  v1::PackResponse large_response;
+  std::thread large_thread([&] {
+    grpc::ClientContext context;
+    large_status = stub->Pack(&context, large, &large_response);
+  });
+
+  grpc::ClientContext context;
+  v1::PackResponse response;
+  const grpc::Status status = stub->Pack(&context, small, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_FALSE(step_done) << "the small Pack waited for the worker";
+  EXPECT_TRUE(SameTensor(testing::ReferencePack(small_x, small_mask),
+                         response.packed(0)));
+  v1::ScatterRequest scatter;
+  *scatter.mutable_mask() = ToProto(small_mask);
+  *scatter.add_packed() = response.packed(0);
+  grpc::ClientContext scatter_context;
+  v1::ScatterResponse scattered;
+  const grpc::Status scatter_status =
+      stub->Scatter(&scatter_context, scatter, &scattered);
+  ASSERT_TRUE(scatter_status.ok()) << scatter_status.error_message();
+  EXPECT_FALSE(step_done) << "the small Scatter waited for the worker";
+  EXPECT_TRUE(SameTensor(
+      at::where(small_mask.unsqueeze(-1), small_x, at::zeros_like(small_x)),
+      scattered.dense(0)));
+
+  step_thread.join();
+  large_thread.join();
+  ASSERT_TRUE(step_status.ok()) << step_status.error_message();
+  ASSERT_TRUE(large_status.ok()) << large_status.error_message();
+  EXPECT_TRUE(SameTensor(testing::ReferencePack(large_x, large_mask),
+                         large_response.packed(0)));
+}
+
 // The budget holds requests back at their senders: 32 clients, each on its
 // own connection whose flow-control windows an earlier call has grown, send a
 // 16 MiB inline Pack at once to a server whose budget admits one at a time.
