@@ -71,8 +71,20 @@ cp /etc/resolv.conf "$root/etc/resolv.conf"
 mount_into /proc -t proc proc
 mount_into /sys -t sysfs sys
 mount_into /dev --rbind /dev
+# A clean environment, but for this machine's proxy and trust settings (a proxy's CA bundle is
+# copied to the same path in the root), which a fresh machine here would have too.
+passed=()
+for var in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY NODE_EXTRA_CA_CERTS \
+  SSL_CERT_FILE; do
+  [[ -n "${!var:-}" ]] || continue
+  passed+=("$var=${!var}")
+  if [[ "${!var}" == /* && -f "${!var}" ]]; then
+    mkdir -p "$root$(dirname "${!var}")"
+    cp "${!var}" "$root${!var}"
+  fi
+done
 in_root() { chroot "$root" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
-  DEBIAN_FRONTEND=noninteractive "$@"; }
+  DEBIAN_FRONTEND=noninteractive "${passed[@]}" "$@"; }
 
 step "apt-get install make git ca-certificates (all the fresh root is given)"
 in_root apt-get update -qq
