@@ -1,8 +1,10 @@
 #include "server/server.h"
 
+#include <fcntl.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -10,6 +12,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <climits>
 #include <cstring>
 #include <exception>
@@ -279,16 +282,46 @@ LogFields StartedFields(const PackdServer& server,
   return fields;
 }
 
+// The write end of the pipe the shutdown signals' handler writes each
+// signal's number to; the signal thread reads the other end.
+int signal_pipe = -1;
+
+void OnSignal(int signal) {
+  const int saved = errno;
+  const unsigned char number = static_cast<unsigned char>(signal);
+  // When the pipe is full a signal is already waiting to be read: enough.
+  [[maybe_unused]] const ssize_t written = write(signal_pipe, &number, 1);
+  errno = saved;
+}
+
 }  // namespace
 
 int ServeUntilSignalled(const ServerOptions& options) {
-  // Block the shutdown signals in every thread (gRPC's included, so this comes
-  // first); one thread waits for them.
+  // The shutdown signals are caught by a handler that hands them to one
+  // thread through a pipe, whichever thread the kernel delivers them to:
+  // threads that libraries start before main (OpenBLAS's pool, say) do not
+  // block them, so a sigwait alone would leave a SIGTERM to kill the process.
+  // packd's own threads (gRPC's included, so this comes first) block them, and
+  // the signal thread unblocks them, so that it takes them when no other
+  // thread would.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGHUP);  // re-reads --auth_token_file
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+    Log(LogLevel::kError,
+        absl::StrCat("cannot start: pipe: ", strerror(errno)));
+    return 1;
+  }
+  signal_pipe = fds[1];
+  struct sigaction action {};
+  action.sa_handler = OnSignal;
+  action.sa_flags = SA_RESTART;
+  sigfillset(&action.sa_mask);
+  for (int signal : {SIGTERM, SIGINT, SIGHUP})
+    sigaction(signal, &action, nullptr);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   absl::StatusOr<std::unique_ptr<PackdServer>> server =
@@ -329,8 +362,18 @@ int ServeUntilSignalled(const ServerOptions& options) {
       StartedFields(**server, service));
 
   std::thread signal_thread([&] {
+    pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+    // The next signal's number from the handler, waiting for it.
+    auto next = [read_end = fds[0]]() {
+      for (;;) {
+        pollfd ready{read_end, POLLIN, 0};
+        poll(&ready, 1, -1);
+        unsigned char number = 0;
+        if (read(read_end, &number, 1) == 1) return static_cast<int>(number);
+      }
+    };
     int signal = 0;
-    while (sigwait(&signals, &signal) == 0 && signal == SIGHUP) {
+    while ((signal = next()) == SIGHUP) {
       if (service.auth == nullptr) {
         Log("received Hangup: nothing to reload");
         continue;

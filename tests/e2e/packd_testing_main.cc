@@ -10,11 +10,14 @@
 //       # other processes export to it), index 0 being physical device 1
 //   packd_testing --cpu_impl=torch ...      # cpu calls run on the libtorch
 //                                           # backend instead of "span"
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -34,6 +37,10 @@ ABSL_FLAG(int, call_delay_ms, 0,
 ABSL_FLAG(std::string, call_delay_methods, "",
           "With --call_delay_ms: the methods that wait (comma-separated, e.g. "
           "PackMicroBatches); empty: every one");
+ABSL_FLAG(bool, unblocked_thread, false,
+          "Start a thread before the server, with no signal blocked, as "
+          "libraries do at load time (OpenBLAS's pool): a SIGTERM may be "
+          "delivered to it");
 ABSL_FLAG(bool, call_throws, false,
           "Each Pack and Scatter call throws std::runtime_error once its "
           "tensors are decoded");
@@ -99,6 +106,11 @@ int main(int argc, char** argv) {
         throw std::runtime_error("injected by --call_throws");
       }
     };
+  }
+  if (absl::GetFlag(FLAGS_unblocked_thread)) {
+    std::thread([] {
+      for (;;) pause();  // returns after each signal handler it runs
+    }).detach();
   }
   return packd::ServeUntilSignalled(*options);
 }

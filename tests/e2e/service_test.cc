@@ -520,6 +520,28 @@ TEST(ServiceLimits, ATinyRequestForHugeBIsRefusedAtOnce) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
 }
 
+// A process whose libraries start threads before main (OpenBLAS's pool on a
+// fresh machine, where libtorch's BLAS is OpenBLAS) has threads that block no
+// signal: a SIGTERM the kernel delivers to one of them still drains packd,
+// which exits 0 having logged "stopped", and a SIGHUP does not end it.
+TEST(ServiceLimits, SignalsDeliveredToAForeignThreadStillDrain) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto server =
+        ServerProcess::Start({"--unblocked_thread", "--drain_seconds=10"},
+                             ServerProcess::Binary::kTesting);
+    ASSERT_NE(server, nullptr);
+    server->Signal(SIGHUP);
+    EXPECT_THAT(server->LogOnce("received Hangup"),
+                HasSubstr("received Hangup"));
+    EXPECT_EQ(testing::HealthStatus(server->Channel(), "packd.v1.PackService"),
+              "SERVING");
+    server->Signal(SIGTERM);
+    EXPECT_EQ(server->Wait(absl::Seconds(20)), 0) << server->Log();
+    EXPECT_THAT(server->Log(), HasSubstr("received Terminated"));
+    EXPECT_THAT(server->Log(), HasSubstr("stopped"));
+  }
+}
+
 // Whatever a handler throws becomes INTERNAL, and the call is released.
 TEST(ServiceLimits, AnExceptionInAHandlerIsInternalAndReleasesTheCall) {
   auto server = ServerProcess::Start({"--call_throws", "--drain_seconds=30"},
