@@ -26,6 +26,32 @@ absl::Status CudaError(const char* what, cudaError_t err) {
     if (packd_err != cudaSuccess) return CudaError(what, packd_err); \
   } while (0)
 
+// Makes a device current for the calls of one scope, and the caller's own
+// current device current again when it ends: the client never moves the
+// device a caller's thread works on.
+class DeviceScope {
+ public:
+  DeviceScope() = default;
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope() {
+    if (previous_ >= 0 && previous_ != current_) (void)cudaSetDevice(previous_);
+  }
+  absl::Status Set(int index) {
+    PACKD_CUDA_CHECK("current device", cudaGetDevice(&previous_));
+    current_ = previous_;
+    if (index != previous_) {
+      PACKD_CUDA_CHECK("set device", cudaSetDevice(index));
+      current_ = index;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  int previous_ = -1;
+  int current_ = -1;
+};
+
 // Runs the torch calls that may throw (allocation, copies) as a Status.
 template <typename F>
 absl::StatusOr<at::Tensor> Torch(const char* what, F&& f) {
@@ -60,11 +86,19 @@ class CudaMemory : public DeviceMemory {
   }
 
   absl::StatusOr<Allocation> AllocationOf(const at::Tensor& t) const override {
-    PACKD_CUDA_CHECK("set device", cudaSetDevice(t.device().index()));
+    DeviceScope scope;
+    if (absl::Status set = scope.Set(t.device().index()); !set.ok()) return set;
     void* base = nullptr;
     size_t size = 0;
-    PACKD_CUDA_CHECK("address range of the tensor's allocation",
-                     CudaMemGetAddressRange(&base, &size, t.data_ptr()));
+    int driver_result = 0;
+    if (CudaMemGetAddressRange(&base, &size, t.data_ptr(), &driver_result) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::InternalError(absl::StrCat(
+          "CUDA address range of the tensor's allocation: the driver answered "
+          "CUresult ",
+          driver_result, " (cuMemGetAddressRange, cuPointerGetAttribute)"));
+    }
     cudaIpcMemHandle_t handle;
     PACKD_CUDA_CHECK(
         "IPC handle (memory from cudaMallocAsync or expandable segments "
@@ -97,7 +131,8 @@ class CudaMemory : public DeviceMemory {
   absl::Status Synchronize(int index) const override {
     // Every stream of the device: libtorch's current stream is not reachable
     // from a CPU-only build of its headers.
-    PACKD_CUDA_CHECK("set device", cudaSetDevice(index));
+    DeviceScope scope;
+    if (absl::Status set = scope.Set(index); !set.ok()) return set;
     PACKD_CUDA_CHECK("device synchronisation", cudaDeviceSynchronize());
     return absl::OkStatus();
   }

@@ -251,8 +251,13 @@ class GpuRuntime : public DeviceRuntime {
     // the device named (device numbers depend on CUDA_VISIBLE_DEVICES).
     void* alloc_base = nullptr;
     size_t alloc_size = 0;
-    PACKD_GPU_CHECK("address range of the IPC mapping",
-                    gpuMemGetAddressRange(&alloc_base, &alloc_size, base));
+    if (gpuMemGetAddressRange(&alloc_base, &alloc_size, base) != gpuSuccess) {
+      // The driver cannot say how far the mapping reaches: the size is not
+      // checked, as a driver that answers does; the device still is.
+      (void)gpuGetLastError();
+      alloc_base = base;
+      alloc_size = byte_size;
+    }
     const uint64_t available =
         alloc_size - static_cast<uint64_t>(static_cast<char*>(base) -
                                            static_cast<char*>(alloc_base));

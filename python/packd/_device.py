@@ -65,7 +65,10 @@ def canonical_uuid(text: str) -> str:
 
 class _Driver:
     """The two CUDA driver calls torch does not expose: the allocation holding an address
-    (cuMemGetAddressRange) and its IPC handle (cuIpcGetMemHandle)."""
+    (cuMemGetAddressRange) and its IPC handle (cuIpcGetMemHandle). Driver calls need a current
+    context on the calling thread, which a thread that has made no CUDA runtime call lacks
+    (torch.cuda.device(i) sets none when i is already the thread's device): the device's
+    primary context, the one torch's runtime uses, is retained once and made current then."""
 
     def __init__(self):
         name = ctypes.util.find_library("cuda") or "libcuda.so.1"
@@ -79,6 +82,35 @@ class _Driver:
                                 ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
         self._handle = lib.cuIpcGetMemHandle
         self._handle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        self._get_current = lib.cuCtxGetCurrent
+        self._get_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._set_current = lib.cuCtxSetCurrent
+        self._set_current.argtypes = [ctypes.c_void_p]
+        self._device_get = lib.cuDeviceGet
+        self._device_get.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        self._retain = lib.cuDevicePrimaryCtxRetain
+        self._retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self._primary = {}  # ordinal -> its primary context, retained for the process's life
+
+    def _check(self, err, what):
+        if err:
+            raise RuntimeError("packd: %s failed (CUresult %d)" % (what, err))
+
+    def ensure_context(self, ordinal):
+        """Makes a context current on this thread when none is: device `ordinal`'s primary."""
+        current = ctypes.c_void_p()
+        self._check(self._get_current(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value:
+            return
+        context = self._primary.get(ordinal)
+        if context is None:
+            device = ctypes.c_int()
+            self._check(self._device_get(ctypes.byref(device), ordinal), "cuDeviceGet")
+            context = ctypes.c_void_p()
+            self._check(self._retain(ctypes.byref(context), device.value),
+                        "cuDevicePrimaryCtxRetain")
+            self._primary[ordinal] = context
+        self._check(self._set_current(context), "cuCtxSetCurrent")
 
     def allocation(self, address):
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
@@ -115,6 +147,7 @@ class TorchCuda(DeviceMemory):
         if self._driver is None:
             self._driver = _Driver()
         with torch.cuda.device(t.device.index):
+            self._driver.ensure_context(t.device.index)
             return self._driver.allocation(t.data_ptr())
 
     def empty(self, shape, dtype, index):

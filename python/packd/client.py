@@ -118,7 +118,8 @@ class Client:
                  shm_threshold_bytes: int = 4 << 20, shm_key_prefix: str = "/packd",
                  split_threshold_bytes: int = 16 << 20, keep_freed_memory: bool = True,
                  token_file: Optional[str] = None, token_env: Optional[str] = "PACKD_TOKEN",
-                 lease_seconds: int = 30, tls_ca_file: Optional[str] = None,
+                 lease_seconds: int = 30, gpu_lease_seconds: int = 10,
+                 tls_ca_file: Optional[str] = None,
                  tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
                  tls_server_name: Optional[str] = None,
                  load_balancing_policy: Optional[str] = None, connections: int = 2,
@@ -143,7 +144,7 @@ class Client:
                                 shm_key_prefix=shm_key_prefix, lease_seconds=lease_seconds,
                                 idle_scratch_segments=idle_scratch_segments)
         self._gpu = Gpu(self._connection, self._regions,
-                        device_memory or _device.TorchCuda(), lease_seconds)
+                        device_memory or _device.TorchCuda(), gpu_lease_seconds)
         self.device_memory = self._gpu.memory
         # The last step's output_bytes: the arena the next step asks its results in.
         self._lock = threading.Lock()
@@ -462,29 +463,47 @@ class Client:
 
     def register_cuda_tensor(self, name: str, tensor: torch.Tensor,
                              device: Optional[str] = None) -> pb.RegionSlice:
-        """Registers the CUDA memory holding `tensor` as device region `name` and returns the
-        slice (packd.v1.RegionSlice) that addresses the tensor in it, for requests' inputs or
-        outputs on the server's GPU.
+        """Registers the GPU allocation holding `tensor` as device region `name` and returns
+        the slice (packd.v1.RegionSlice) that addresses the tensor in it, for requests' inputs
+        or outputs on the server's GPU.
 
         An IPC handle exports a whole allocation from its start, and PyTorch's caching
-        allocator puts many tensors in one allocation, so the region is the allocation's head
-        up to the end of the tensor's storage, and the slice's offset is the tensor's offset
-        from the allocation's start (docs/gpu.md, "Device regions"). `device` is the server's
-        name for the GPU ("cuda:N"), by default the tensor's own index.
+        allocator puts many tensors in one allocation, so the region is the whole allocation
+        (its base, size and 64-byte handle from the driver, as the automatic GPU path finds
+        them) and the slice's offset is the tensor's distance from the allocation's start
+        (docs/gpu.md, "Device regions"). The device is named by its UUID, which holds whatever
+        CUDA_VISIBLE_DEVICES each process has; `device` ("cuda:N", the server's numbering) is
+        only the fallback for a server that cannot match UUIDs. Unregister it
+        (unregister_region) before the memory is freed.
         """
-        if not tensor.is_cuda or not tensor.is_contiguous():
-            raise ValueError("register_cuda_tensor takes a contiguous CUDA tensor")
-        storage = tensor.untyped_storage()
-        shared = storage._share_cuda_()
-        handle, storage_bytes, storage_offset = shared[1], shared[2], shared[3]
-        offset, byte_size = device_slice(storage_offset, storage_bytes,
-                                         tensor.storage_offset() * tensor.element_size(),
-                                         tensor.numel() * tensor.element_size())
+        index = self.device_memory.device_of(tensor)
+        if index is None or not tensor.is_contiguous() or tensor.numel() == 0:
+            raise ValueError("register_cuda_tensor takes a contiguous GPU tensor with bytes")
+        alloc = self.device_memory.allocation(tensor)
         request = pb.RegisterDeviceRegionRequest(
-            name=name, ipc_handle=handle, device=device or "cuda:%d" % tensor.device.index,
-            byte_size=storage_offset + storage_bytes, lease_seconds=self.lease_seconds)
+            name=name, ipc_handle=alloc.handle, device=device or self.device_memory.name(index),
+            device_uuid=self._gpu.uuid(index), byte_size=alloc.size,
+            lease_seconds=self._gpu.lease_seconds)
         self._regions.register_device(request)
-        return pb.RegionSlice(region=name, offset=offset, byte_size=byte_size)
+        return pb.RegionSlice(region=name, offset=tensor.data_ptr() - alloc.base,
+                              byte_size=tensor.numel() * tensor.element_size())
+
+    def unregister_region(self, name: str) -> None:
+        """Unregisters region `name` (one register_cuda_tensor made, say): the server no longer
+        maps it, and this client no longer registers it again. NOT_FOUND when the server has no
+        such region."""
+        self._regions.forget_device([name])
+        conn = self._connection
+        conn.call(conn.stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name))
+
+    def unregister_gpu_regions(self) -> None:
+        """Unregisters every device region this client registered (the automatic GPU path's
+        and register_cuda_tensor's) now, so that the server no longer maps that memory. Call it
+        before torch.cuda.empty_cache() or anything else that returns cached GPU memory to the
+        driver: memory freed while the server still maps it stays pinned until the region's
+        lease ends, and using it is undefined. The next GPU call registers what it needs
+        again."""
+        self._gpu.unregister_freed(everything=True)
 
     def info(self) -> pb.ServerInfo:
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest())

@@ -143,7 +143,7 @@ def test_host_tensors_keep_the_host_path(client, gpu):
 
 
 def test_a_lease_that_ran_out_is_registered_again(address, gpu):
-    with packd.Client(address, device_memory=gpu, lease_seconds=1) as client:
+    with packd.Client(address, device_memory=gpu, gpu_lease_seconds=1) as client:
         x, mask = gpu.put(torch.randn(4, 9, 3), 0), gpu.put(random_mask((4, 9)), 0)
         client.pack(x, mask)
         name = client._gpu.allocations[(0, gpu.allocation(x).base)][0]
@@ -153,6 +153,61 @@ def test_a_lease_that_ran_out_is_registered_again(address, gpu):
         assert name not in regions(client), "the lease did not run out"
         assert same(client.pack(x, mask).packed, x[mask])  # registered again, transparently
         assert name in regions(client)
+
+
+def test_device_regions_have_their_own_shorter_lease(client, gpu):
+    x, mask = gpu.put(torch.randn(2, 5, 3), 0), gpu.put(random_mask((2, 5)), 0)
+    client.pack(x, mask)
+    name = client._gpu.allocations[(0, gpu.allocation(x).base)][0]
+    assert regions(client)[name].lease_seconds == 10
+
+
+def test_register_cuda_tensor_addresses_a_tensor_inside_its_allocation(client, gpu):
+    """register_cuda_tensor registers the whole allocation (the driver's base, size and 64-byte
+    handle) with the device's UUID, and the slice's offset is the tensor's distance from the
+    allocation's start: a Pack naming the slice packs exactly that tensor."""
+    whole = gpu.put(torch.randn(5 + 4 * 9 * 3), 0)
+    x = whole[5:].view(4, 9, 3)
+    alloc = gpu.allocation(x)
+    s = client.register_cuda_tensor("mine", x)
+    assert (s.region, s.offset, s.byte_size) == ("mine", 5 * 4, x.numel() * 4)
+    assert s.offset == x.data_ptr() - alloc.base
+    info = regions(client)["mine"]
+    assert info.byte_size == alloc.size and info.kind == "device"
+    mask = random_mask((4, 9))
+    request = pb.PackRequest(device="uuid:" + client._gpu.uuid(0))
+    request.mask.dtype = pb.DTYPE_BOOL
+    request.mask.shape.extend([4, 9])
+    request.mask.data = mask.numpy().tobytes()
+    tensor = request.inputs.add()
+    tensor.dtype = pb.DTYPE_FLOAT32
+    tensor.shape.extend([4, 9, 3])
+    tensor.region.CopyFrom(s)
+    packed = client._stub.Pack(request).packed[0]
+    got = torch.frombuffer(bytearray(packed.data), dtype=torch.float32).view(-1, 3)
+    assert same(got, x.cpu()[mask])
+    client.unregister_region("mine")
+    assert "mine" not in regions(client)
+    with pytest.raises(ValueError, match="contiguous GPU tensor"):
+        client.register_cuda_tensor("host", torch.randn(3))
+
+
+def test_unregister_gpu_regions_lets_the_memory_go_and_calls_register_again(client, gpu):
+    """Before torch.cuda.empty_cache: every device region the client registered is gone from
+    the server at once; the next call registers what it needs again, one region per
+    allocation."""
+    x, mask = gpu.put(torch.randn(4, 8, 2), 0), gpu.put(random_mask((4, 8)), 0)
+    client.pack(x, mask)
+    assert any(r.kind == "device" for r in regions(client).values())
+    client.unregister_gpu_regions()
+    assert not any(r.kind == "device" for r in regions(client).values())
+    for _ in range(3):
+        assert same(client.pack(x, mask).packed, x.cpu()[mask])
+    devices = [r for r in regions(client).values() if r.kind == "device"]
+    # The inputs' two allocations, once each (results freed since are unregistered).
+    inputs = {client._gpu.allocations[(0, gpu.allocation(t).base)][0] for t in (x, mask)}
+    assert inputs <= {r.name for r in devices}
+    assert len(devices) <= len(client._gpu.allocations)
 
 
 def test_freed_memory_is_unregistered_and_never_read_again(client, gpu):

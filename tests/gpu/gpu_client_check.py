@@ -9,7 +9,12 @@ on the GPU:
   - documents (segment ids) and a layout (padding, CP, a shift) on the GPU;
   - Ulysses sequence parallelism (every SP rank's slice, and its Scatter) on the GPU;
   - shared prompts (GRPO groups: the stream, its targets and metadata, both Scatters);
-  - the server's devices by UUID, as torch names them.
+  - the server's devices by UUID, as torch names them;
+  - the regions' lifecycle: register_cuda_tensor (a tensor inside its allocation), a segment
+    freed and another allocated at the same address (a new handle, a new registration), a
+    lease that runs out (NOT_FOUND, registered and opened again), a call from a new thread
+    (no current context there), unregister_gpu_regions, and registrations counted against the
+    segments torch holds.
 
 Prints one row per check (and packd's and torch's times where both exist); exits 1 on any
 mismatch.
@@ -20,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -136,6 +142,94 @@ def check_child_region(client, gen):
         child.wait(timeout=30)
 
 
+def registered(client):
+    """The names of the device regions the server has for this client's process."""
+    return {r.name for r in client._stub.ListRegions(pb.ListRegionsRequest()).regions
+            if r.kind == "device"}
+
+
+def check_region_lifecycle(address, gen):
+    """How regions come and go with real CUDA memory (each a row)."""
+    with packd.Client(address, gpu_lease_seconds=2) as client:
+        # register_cuda_tensor: a tensor 5 elements into its allocation, packed by its slice.
+        whole = torch.randn(5 + 4 * 64 * 8, generator=gen, device="cuda")
+        x = whole[5:].view(4, 64, 8)
+        mask = torch.rand(4, 64, generator=gen, device="cuda") < 0.5
+        alloc = client.device_memory.allocation(x)
+        s = client.register_cuda_tensor("gpu-check-tensor", x)
+        request = pb.PackRequest(device="uuid:" + client._gpu.uuid(0))
+        request.mask.dtype = pb.DTYPE_BOOL
+        request.mask.shape.extend([4, 64])
+        request.mask.data = mask.cpu().numpy().tobytes()
+        t = request.inputs.add()
+        t.dtype = pb.DTYPE_FLOAT32
+        t.shape.extend([4, 64, 8])
+        t.region.CopyFrom(s)
+        got = torch.frombuffer(bytearray(client._stub.Pack(request).packed[0].data),
+                               dtype=torch.float32).view(-1, 8)
+        row("register_cuda_tensor", len(alloc.handle) == 64 and s.offset == x.data_ptr() -
+            alloc.base and torch.equal(got, x[mask].cpu()),
+            detail="offset %d in an allocation of %d bytes" % (s.offset, alloc.size))
+        client.unregister_region("gpu-check-tensor")
+
+        # A segment freed and another allocated at its address: a new handle, a new region.
+        big = 64 << 20  # its own segment in torch's caching allocator
+        y = torch.randn(big // 4, generator=gen, device="cuda").view(-1, 16, 1)
+        m = torch.ones(y.shape[0], 16, dtype=torch.bool, device="cuda")
+        client.pack(y, m)
+        first = client.device_memory.allocation(y)
+        first_name = client._gpu.allocations[(0, first.base)][0]
+        del y
+        torch.cuda.empty_cache()  # the segment goes back to the driver, still registered
+        y = torch.randn(big // 4, generator=gen, device="cuda").view(-1, 16, 1)
+        again = client.device_memory.allocation(y)
+        r = client.pack(y, m)
+        second_name = client._gpu.allocations[(0, again.base)][0]
+        row("a segment freed and reallocated", same(r.packed, y[m]) and
+            second_name != first_name and first_name not in registered(client),
+            detail="same address: %s, new handle: %s" % (again.base == first.base,
+                                                         again.handle != first.handle))
+
+        # unregister_gpu_regions (what to call before empty_cache): none left on the server;
+        # the next call registers what it names again.
+        client.unregister_gpu_regions()
+        none_left = not (set(client._regions.device_names()) | registered(client)) & {
+            first_name, second_name}
+        r = client.pack(y, m)
+        row("unregister_gpu_regions", none_left and same(r.packed, y[m]))
+
+        # A lease that runs out: NOT_FOUND inside the client, registered and opened again.
+        names = set(client._regions.device_names())
+        deadline = time.time() + 15
+        while names & registered(client) and time.time() < deadline:
+            time.sleep(0.2)
+        expired = not (names & registered(client))
+        r = client.pack(y, m)
+        row("a lease ran out, registered again", expired and same(r.packed, y[m]) and
+            client._gpu.allocations[(0, again.base)][0] in registered(client))
+
+        # A call from a new thread (no CUDA context current there until the client makes one).
+        out = {}
+        def call():
+            try:
+                out["r"] = client.pack(y, m)
+            except Exception as e:  # reported as the row's detail
+                out["e"] = e
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        row("a call from a new thread", "r" in out and same(out["r"].packed, y[m]),
+            detail=repr(out.get("e", "")))
+
+        # Registrations: one per segment the client's calls named, never more.
+        segments = {client.device_memory.allocation(t).base for t in (y, m)}
+        ours = [n for n in client._regions.device_names() if n in registered(client)]
+        row("registrations = segments", len(ours) >= len(segments) and
+            len(ours) == len(client._gpu.allocations),
+            detail="%d regions, %d allocations known, %d input segments"
+            % (len(ours), len(client._gpu.allocations), len(segments)))
+
+
 def main():
     gen = torch.Generator(device="cuda").manual_seed(int(os.environ.get("SEED", "1234")))
     print("%-34s %-8s %9s %9s  %s" % ("check", "result", "packd ms", "torch ms", "detail"))
@@ -234,7 +328,10 @@ def main():
             and same(per_target.cpu(), per_target_h), packd_ms,
             detail="%d stream rows of %d tokens" % (g.total_active, sum(counts)))
         ours = [n for n in client._regions.device_names() if n.startswith("py-gpu-")]
-        row("device regions registered", len(ours) > 0, detail="%d regions" % len(ours))
+        known = {name for name, _ in client._gpu.allocations.values()}
+        row("device regions registered", 0 < len(ours) and set(ours) == known,
+            detail="%d regions, one per allocation known" % len(ours))
+        check_region_lifecycle(address, gen)
     print("gpu client checks: %d failed" % failures)
     return 1 if failures else 0
 

@@ -8,7 +8,12 @@
 #      RemotePackOp backward and documents, all byte for byte against torch on the GPU; this
 #      needs the bundle tests/gpu/make_gpu_bundle.sh makes (.gpu/, carried with the tree);
 #   3. torch's x[mask] on the kernel table's shapes.
-# Ends with one summary table; exits non-zero on any mismatch. About 2 minutes on an H200.
+# Ends with one summary table; exits non-zero on any mismatch, and, where nvidia-smi sees a GPU,
+# when any part was skipped (a missing bundle, torch without CUDA): a run on a GPU machine that
+# tested nothing must not pass. About 2 minutes on an H200.
+#
+# The bundle (.gpu/: packd built with CUDA, its shared libraries, the Python client) is made on
+# the machine where packd builds, and travels with the run (the device tool's `carry`):
 #
 #   tests/gpu/make_gpu_bundle.sh               # here, where packd builds
 #   tests/gpu/run_gpu_checks.sh                # there; results also in $OUT (default /tmp/packd-gpu)
@@ -34,8 +39,12 @@ else
   note "kernels: build" FAILED "nvcc"
   status=1
 fi
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
-  --format=csv,noheader || true
+# Whether the machine has a GPU: then every part must run.
+has_gpu=no
+if command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv,noheader; then
+  has_gpu=yes
+fi
 gpu=no
 "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null && gpu=yes
 
@@ -82,4 +91,9 @@ fi
 echo "== summary"
 printf '%-28s %-9s %s\n' part result detail
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+if [ "$has_gpu" = yes ] && printf '%s\n' "${summary[@]}" | grep -q ' skipped '; then
+  echo "FAILED: nvidia-smi sees a GPU, but a part was skipped (see the table): on a GPU machine" \
+    "every part must run" | tee -a "$out/summary.txt"
+  status=1
+fi
 exit $status
