@@ -5,7 +5,7 @@
 # difference in what Debian resolves today (OpenBLAS, say, chosen for libtorch's BLAS on a machine
 # that has none, where another machine has the reference BLAS).
 #
-#   deploy/fresh-machine-test.sh                  # clone, make test: the whole build (~25 min on 2 cores)
+#   deploy/fresh-machine-test.sh                  # clone, make test: the whole build (~11 min on 2 cores)
 #   deploy/fresh-machine-test.sh --tests-only DIR # no build: the fresh root installs the packages
 #                                                 # and runs the tests of the build in DIR (absolute, a
 #                                                 # Release build of this checkout) against them
