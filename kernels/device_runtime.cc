@@ -33,6 +33,18 @@ absl::Status DeviceRuntime::Synchronize(const Stream&) {
   return absl::OkStatus();
 }
 
+void ForEachRowRun(
+    absl::Span<const int64_t> rows,
+    const std::function<void(int64_t to, int64_t from, int64_t count)>& copy) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  for (int64_t j = 0; j < n;) {
+    int64_t end = j + 1;
+    while (end < n && rows[end] == rows[end - 1] + 1) ++end;
+    copy(j, rows[j], end - j);
+    j = end;
+  }
+}
+
 absl::StatusOr<DeviceMapping> DeviceRuntime::OpenIpcMemory(absl::string_view,
                                                            const Device& device,
                                                            uint64_t) {
@@ -72,6 +84,18 @@ class HostRuntime : public DeviceRuntime {
   absl::Status CopyToHost(void* dst, const void* src, int64_t bytes,
                           const Stream&) override {
     if (bytes > 0) std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyRows(void* dst, const void* src,
+                        absl::Span<const int64_t> rows, int64_t row_bytes,
+                        const Stream&) override {
+    if (row_bytes == 0) return absl::OkStatus();
+    ForEachRowRun(rows, [&](int64_t to, int64_t from, int64_t count) {
+      std::memcpy(static_cast<char*>(dst) + to * row_bytes,
+                  static_cast<const char*>(src) + from * row_bytes,
+                  count * row_bytes);
+    });
     return absl::OkStatus();
   }
 };

@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "base/buffer.h"
 #include "base/tensor_view.h"
 
@@ -106,6 +107,16 @@ class DeviceRuntime {
   virtual absl::Status CopyToHost(void* dst, const void* src, int64_t bytes,
                                   const Stream& stream) = 0;
 
+  // A row gather within memory of the stream's device: dst row j = src row
+  // rows[j] for every j, each row `row_bytes` bytes (dst holds rows.size()
+  // rows; src, rows up to its largest index). Runs of consecutive source rows
+  // move in one copy. Queued on the stream: complete once Synchronize
+  // returns. INTERNAL with the runtime's message on failure. The CPU
+  // runtime's is memcpy, complete when it returns.
+  virtual absl::Status CopyRows(void* dst, const void* src,
+                                absl::Span<const int64_t> rows,
+                                int64_t row_bytes, const Stream& stream) = 0;
+
   // Returns once all work queued on `stream` has finished; INTERNAL with the
   // runtime's message when some of it failed. Immediate on the CPU.
   virtual absl::Status Synchronize(const Stream& stream);
@@ -122,6 +133,13 @@ class DeviceRuntime {
 // The runtime of host memory: one device, "cpu", memory from
 // HostBufferPool::Global(), copies by memcpy.
 std::unique_ptr<DeviceRuntime> MakeHostRuntime();
+
+// Calls copy(to, from, count) for each run of `rows` whose source rows are
+// consecutive (rows[to .. to + count) = from, from + 1, ...), in order: the
+// copies a row gather (DeviceRuntime::CopyRows) makes.
+void ForEachRowRun(
+    absl::Span<const int64_t> rows,
+    const std::function<void(int64_t to, int64_t from, int64_t count)>& copy);
 
 }  // namespace packd
 

@@ -13,6 +13,7 @@
 #include "kernels/layout.h"
 #include "kernels/pack.h"
 #include "kernels/pack_sizes.h"
+#include "kernels/registry.h"
 #include "kernels/shared_prefix.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
@@ -21,13 +22,18 @@
 namespace packd {
 namespace {
 
-absl::Status InHostMemory(const TensorView& t, absl::string_view field) {
-  if (t.device.kind == DeviceKind::kCpu) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(
-      field, " is in a device region on ", t.device.ToString(),
-      "; PackMicroBatches reads the batch in host memory (inline or "
-      "shared-memory handles): for a batch on the GPU, plan with "
-      "PlanMicroBatches and Pack each micro-batch"));
+// OK when `t` is in host memory or on the call's device; the batch's device
+// tensors are read where they are, on the device that packs them.
+absl::Status OnCallDevice(const TensorView& t, const Device& call,
+                          absl::string_view field) {
+  if (t.device.kind == DeviceKind::kCpu || t.device == call) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " is in a region on ", t.device.ToString(),
+      " but the step runs on ", call.ToString(),
+      ": give batch.device as the tensors' device (or put every device "
+      "tensor of the batch on one device)"));
 }
 
 }  // namespace
@@ -81,15 +87,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
       new TrainingStep(message.batch(), max_message_bytes));
   PACKD_ASSIGN_OR_RETURN(step->call_,
                          decoder.Decode(message.batch(), request, "batch."));
-  PACKD_RETURN_IF_ERROR(InHostMemory(step->call_.mask, "batch.mask"));
-  for (size_t i = 0; i < step->call_.tensors.size(); ++i) {
-    PACKD_RETURN_IF_ERROR(InHostMemory(step->call_.tensors[i],
-                                       absl::StrCat("batch.inputs[", i, "]")));
-  }
-  if (step->call_.segment_ids.has_value()) {
-    PACKD_RETURN_IF_ERROR(
-        InHostMemory(*step->call_.segment_ids, "batch.segment_ids"));
-  }
+  PACKD_RETURN_IF_ERROR(step->CheckDevices());
   // Every micro-batch is packed with the batch's layout: a layout Pack would
   // refuse is refused before the plan is sent.
   std::vector<DType> dtypes;
@@ -153,12 +151,12 @@ absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
                                    const RequestDecoder& decoder,
                                    v1::PlanRequest* plan,
                                    std::vector<Measured>* rows) {
-  const TensorView& mask = call_.mask;
+  const TensorView& mask = host_mask_;
   std::optional<TensorView> loss;
   if (loss_mask != nullptr) {
     PACKD_ASSIGN_OR_RETURN(
         loss, decoder.DecodeTensor(*loss_mask, "loss_mask", &call_));
-    PACKD_RETURN_IF_ERROR(InHostMemory(*loss, "loss_mask"));
+    PACKD_RETURN_IF_ERROR(OnCallDevice(*loss, call_.device, "loss_mask"));
     if (absl::MakeConstSpan(loss->shape) != absl::MakeConstSpan(mask.shape)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "loss_mask.shape ", ShapeString(loss->shape),
@@ -169,7 +167,10 @@ absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
   // counts, their documents, and the loss mask's active values.
   PackOptions measure;
   measure.device = Device::Cpu();
-  measure.segment_ids = call_.segment_ids;
+  measure.segment_ids = host_segment_ids_;
+  if (loss.has_value()) {
+    PACKD_ASSIGN_OR_RETURN(loss, OnHost(*loss));
+  }
   const TensorView counted = loss.has_value() ? *loss : mask;
   PACKD_ASSIGN_OR_RETURN(PackResult r, Pack({counted}, mask, measure));
   const int64_t B = mask.shape[0];
@@ -237,10 +238,10 @@ absl::Status TrainingStep::MeasureShared(const PackResult& r,
       const Layout stream,
       MakeSharedLayout(r.cu_seqlens, layout, /*with_position_ids=*/false));
   for (int32_t i : shared.same_inputs) {
-    const TensorView& x = call_.tensors[i];
+    PACKD_ASSIGN_OR_RETURN(const TensorView x, OnHost(call_.tensors[i]));
     PackOptions host;
     host.device = Device::Cpu();
-    PACKD_ASSIGN_OR_RETURN(PackResult packed, Pack({x}, call_.mask, host));
+    PACKD_ASSIGN_OR_RETURN(PackResult packed, Pack({x}, host_mask_, host));
     PACKD_RETURN_IF_ERROR(CheckSamePrompts(
         shared, r.cu_seqlens, i,
         static_cast<const unsigned char*>(packed.packed[0].view.data),
@@ -307,7 +308,10 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
   if (call_.segment_ids.has_value()) {
     position_bytes += ItemSize(call_.segment_ids->dtype);
   }
-  for (const TensorView& x : call_.tensors) position_bytes += PositionBytes(x);
+  // Gathered in host memory; device tensors are gathered in theirs.
+  for (const TensorView& x : call_.tensors) {
+    if (x.device.kind == DeviceKind::kCpu) position_bytes += PositionBytes(x);
+  }
   std::vector<int> index(ranks, 0);
   for (const v1::MicroBatch& mb : plan_.micro_batches()) {
     const int at = index[mb.rank()]++;
@@ -375,10 +379,12 @@ absl::Status TrainingStep::UseOutputs(const v1::RegionSlice& slice,
                                       const RequestDecoder& decoder) {
   PACKD_ASSIGN_OR_RETURN(ResolvedSlice outputs,
                          decoder.ResolveSlice(slice, "outputs"));
-  if (outputs.region->device().kind != DeviceKind::kCpu) {
-    return absl::UnimplementedError(
-        absl::StrCat("outputs in a ", outputs.region->device().ToString(),
-                     " region: a step writes its results in host memory"));
+  const Device& place = outputs.region->device();
+  if (place.kind != DeviceKind::kCpu && place != call_.device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("outputs is a region on ", place.ToString(),
+                     " but the step runs on ", call_.device.ToString(),
+                     ": give outputs in host memory or on the step's device"));
   }
   // The results are written while the batch is read: no byte of one may be
   // the other's.
@@ -386,7 +392,8 @@ absl::Status TrainingStep::UseOutputs(const v1::RegionSlice& slice,
   const char* end = begin + outputs.byte_size;
   auto overlaps = [&](const TensorView& x) {
     const char* p = static_cast<const char*>(x.data);
-    return x.nbytes() > 0 && p < end && begin < p + x.nbytes();
+    return x.device == place && x.nbytes() > 0 && p < end &&
+           begin < p + x.nbytes();
   };
   std::vector<std::pair<const TensorView*, std::string>> tensors = {
       {&call_.mask, "batch.mask"}};
@@ -415,12 +422,54 @@ absl::Status TrainingStep::UseOutputs(const v1::RegionSlice& slice,
   return absl::OkStatus();
 }
 
+absl::Status TrainingStep::CheckDevices() {
+  const Device& device = call_.device;
+  std::vector<std::pair<const TensorView*, std::string>> batch = {
+      {&call_.mask, "batch.mask"}};
+  for (size_t i = 0; i < call_.tensors.size(); ++i) {
+    batch.push_back({&call_.tensors[i], absl::StrCat("batch.inputs[", i, "]")});
+  }
+  if (call_.segment_ids.has_value()) {
+    batch.push_back({&*call_.segment_ids, "batch.segment_ids"});
+  }
+  for (const auto& [t, field] : batch) {
+    PACKD_RETURN_IF_ERROR(OnCallDevice(*t, device, field));
+  }
+  // The [B, S] mask and ids are measured and planned on the host: one copy of
+  // each (a few bytes a position) is simpler to get right than a device scan
+  // per measure, and the plan needs them on the host anyway.
+  PACKD_ASSIGN_OR_RETURN(host_mask_, OnHost(call_.mask));
+  if (call_.segment_ids.has_value()) {
+    PACKD_ASSIGN_OR_RETURN(host_segment_ids_, OnHost(*call_.segment_ids));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorView> TrainingStep::OnHost(const TensorView& t) {
+  if (t.device.kind == DeviceKind::kCpu) return t;
+  // The device is checked first: FAILED_PRECONDITION when it is missing,
+  // UNAVAILABLE once it is lost, as for Pack.
+  PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime, Registry::Runtime(t.device));
+  PACKD_ASSIGN_OR_RETURN(Stream stream, runtime->AcquireStream(t.device));
+  TensorView host = t;
+  host.device = Device::Cpu();
+  host.data = nullptr;
+  if (t.nbytes() == 0) return host;
+  PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                         HostBufferPool::Global().Acquire(t.nbytes()));
+  PACKD_RETURN_IF_ERROR(
+      runtime->CopyToHost(buffer.data(), t.data, t.nbytes(), stream));
+  host.data = buffer.data();
+  host_copies_.push_back(std::move(buffer));
+  return host;
+}
+
 absl::StatusOr<TensorView> TrainingStep::GatherRows(
     const TensorView& x, absl::Span<const int64_t> rows,
-    const std::vector<int64_t>* extents, std::vector<Buffer>* held) const {
+    const std::vector<int64_t>* extents, DeviceGather* device,
+    std::vector<Buffer>* held) const {
   TensorView out = x;
   out.shape[0] = static_cast<int64_t>(rows.size());
-  out.device = Device::Cpu();
   const int64_t position = PositionBytes(x);
   const int64_t row = x.shape[1] * position;
   const int64_t bytes = out.nbytes();
@@ -428,6 +477,22 @@ absl::StatusOr<TensorView> TrainingStep::GatherRows(
     out.data = nullptr;
     return out;
   }
+  if (x.device.kind != DeviceKind::kCpu) {
+    // Whole rows, on the device, on the micro-batch's stream.
+    if (device->runtime == nullptr) {
+      PACKD_ASSIGN_OR_RETURN(device->runtime, Registry::Runtime(x.device));
+      PACKD_ASSIGN_OR_RETURN(device->stream,
+                             device->runtime->AcquireStream(x.device));
+    }
+    PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                           device->runtime->Allocate(bytes, x.device));
+    PACKD_RETURN_IF_ERROR(device->runtime->CopyRows(buffer.data(), x.data, rows,
+                                                    row, *device->stream));
+    out.data = buffer.data();
+    held->push_back(std::move(buffer));
+    return out;
+  }
+  out.device = Device::Cpu();
   PACKD_ASSIGN_OR_RETURN(Buffer buffer,
                          HostBufferPool::Global().Acquire(bytes));
   char* dst = static_cast<char*>(buffer.data());
@@ -452,20 +517,27 @@ absl::Status TrainingStep::PackMicroBatch(
   // positions only), whole rows when a GPU does.
   const std::vector<int64_t>* extents =
       call_.device.kind == DeviceKind::kCpu ? &extents_ : nullptr;
+  // The mask and ids from their host copies (Pack stages them); inputs in
+  // device memory on their device, into buffers that outlive the gather's
+  // stream (`device` waits for it, however this returns).
   std::vector<Buffer> gathered;
-  PACKD_ASSIGN_OR_RETURN(TensorView mask,
-                         GatherRows(call_.mask, rows, nullptr, &gathered));
+  DeviceGather device;
+  PACKD_ASSIGN_OR_RETURN(TensorView mask, GatherRows(host_mask_, rows, nullptr,
+                                                     &device, &gathered));
   std::vector<TensorView> inputs;
   for (const TensorView& x : call_.tensors) {
     PACKD_ASSIGN_OR_RETURN(TensorView v,
-                           GatherRows(x, rows, extents, &gathered));
+                           GatherRows(x, rows, extents, &device, &gathered));
     inputs.push_back(std::move(v));
   }
   std::optional<TensorView> segment_ids;
-  if (call_.segment_ids.has_value()) {
+  if (host_segment_ids_.has_value()) {
     PACKD_ASSIGN_OR_RETURN(
-        segment_ids, GatherRows(*call_.segment_ids, rows, nullptr, &gathered));
+        segment_ids,
+        GatherRows(*host_segment_ids_, rows, nullptr, &device, &gathered));
   }
+  // Pack runs on a stream of its own: the rows are in place first.
+  PACKD_RETURN_IF_ERROR(device.Wait());
   v1::PackMicroBatchesResponse* message = &response->message();
   message->set_rank(mb.rank());
   message->set_index(sent.index);

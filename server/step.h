@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/buffer.h"
+#include "kernels/device_runtime.h"
 #include "kernels/pack.h"
 #include "packd/v1/pack_service.pb.h"
 #include "planner/planner.h"
@@ -51,9 +52,13 @@ class TrainingStep {
   // costs, pad_multiple), a negative cost model, a loss_mask not of the mask's
   // shape, ranks outside the plan or repeated, and a micro-batch that `fixed`
   // does not hold; RESOURCE_EXHAUSTED for a micro-batch whose message would
-  // pass `max_message_bytes`; outputs that overlap the batch's tensors;
-  // UNIMPLEMENTED for batch tensors or outputs in device regions (the batch
-  // is read, and results written, in host memory).
+  // pass `max_message_bytes`; outputs that overlap the batch's tensors, and
+  // batch tensors or outputs in a device region on another device than the
+  // step's (batch.device). Tensors in device regions are read on their
+  // device: the mask, segment ids and loss mask copied to the host to be
+  // measured, each micro-batch's input rows gathered on the device
+  // (DeviceRuntime::CopyRows) and packed there; the device's errors are
+  // Pack's (FAILED_PRECONDITION when it is missing, UNAVAILABLE once lost).
   static absl::StatusOr<std::unique_ptr<TrainingStep>> Make(
       const Wire<v1::PackMicroBatchesRequest>& request,
       const RequestDecoder& decoder, int64_t max_message_bytes);
@@ -118,16 +123,44 @@ class TrainingStep {
   // overlaps none of the batch's tensors: INVALID_ARGUMENT otherwise).
   absl::Status UseOutputs(const v1::RegionSlice& slice,
                           const RequestDecoder& decoder);
-  // A view of rows `rows` of `x` ([B, S, ...]) gathered into a pooled buffer
-  // (`extents`: only positions [0, extents[b]) of row b), kept in `held`.
+  // The device work of one micro-batch's gather: its runtime and stream
+  // (set by the first device tensor gathered), waited for by Wait() or when
+  // it goes, so that no copy outlives the buffers it writes (declare it after
+  // them).
+  struct DeviceGather {
+    DeviceRuntime* runtime = nullptr;
+    std::optional<Stream> stream;
+    absl::Status Wait() {
+      if (runtime == nullptr) return absl::OkStatus();
+      absl::Status done = runtime->Synchronize(*stream);
+      runtime = nullptr;
+      return done;
+    }
+    ~DeviceGather() { (void)Wait(); }
+  };
+  // Checks that the batch's tensors are in host memory or on the call's
+  // device, and copies the mask and segment ids to the host when they are
+  // not.
+  absl::Status CheckDevices();
+  // `t` in host memory: itself, or a copy kept in host_copies_.
+  absl::StatusOr<TensorView> OnHost(const TensorView& t);
+  // A view of rows `rows` of `x` ([B, S, ...]) gathered, kept in `held`: in
+  // host memory into a pooled buffer (`extents`: only positions
+  // [0, extents[b]) of row b), or on x's device into its memory, queued on
+  // `device`'s stream.
   absl::StatusOr<TensorView> GatherRows(const TensorView& x,
                                         absl::Span<const int64_t> rows,
                                         const std::vector<int64_t>* extents,
+                                        DeviceGather* device,
                                         std::vector<Buffer>* held) const;
 
   const v1::PackRequest& batch_;
   const int64_t max_message_bytes_;
   DecodedCall call_;
+  // The mask and segment ids in host memory (call_'s, or copies of them).
+  TensorView host_mask_;
+  std::optional<TensorView> host_segment_ids_;
+  std::vector<Buffer> host_copies_;
   // Per row: one past its last active position.
   std::vector<int64_t> extents_;
   v1::PlanResponse plan_;

@@ -220,6 +220,23 @@ class GpuRuntime : public DeviceRuntime {
     return absl::OkStatus();
   }
 
+  absl::Status CopyRows(void* dst, const void* src,
+                        absl::Span<const int64_t> rows, int64_t row_bytes,
+                        const Stream& stream) override {
+    if (rows.empty() || row_bytes == 0) return absl::OkStatus();
+    PACKD_GPU_CHECK("set device", gpuSetDevice(stream.device().index));
+    gpuError_t err = gpuSuccess;
+    ForEachRowRun(rows, [&](int64_t to, int64_t from, int64_t count) {
+      if (err != gpuSuccess) return;
+      err = gpuMemcpyAsync(static_cast<char*>(dst) + to * row_bytes,
+                           static_cast<const char*>(src) + from * row_bytes,
+                           count * row_bytes, gpuMemcpyDeviceToDevice,
+                           NativeStream(stream));
+    });
+    PACKD_GPU_CHECK("row gather", err);
+    return absl::OkStatus();
+  }
+
   absl::Status Synchronize(const Stream& stream) override {
     PACKD_GPU_CHECK("set device", gpuSetDevice(stream.device().index));
     PACKD_GPU_CHECK("stream synchronisation",

@@ -10,22 +10,15 @@
 
 #include <cstring>
 #include <future>
-#include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "kernels/gpu/gpu_backend.h"
-#include "kernels/registry.h"
-#include "packd/v1/pack_service.grpc.pb.h"
-#include "server/pack_service.h"
-#include "server/server.h"
 #include "tests/e2e/proto_util.h"
 #include "tests/fake_gpu/fake_gpu_runtime.h"
 #include "tests/kernels/test_util.h"
+#include "tests/server/fake_gpu_fixture.h"
 
 namespace packd {
 namespace {
@@ -35,113 +28,8 @@ using testing::InRegion;
 using testing::Slice;
 using testing::ToProto;
 
-constexpr size_t kDeviceMemory = size_t{768} << 20;
 // The GPU runtime's pinned staging chunk (gpu_device_runtime.h).
 constexpr size_t kStagingChunkBytes = size_t{8} << 20;
-
-// Memory on a fake device, readable from the test (fake device memory is
-// host memory), exported with an IPC handle.
-class DeviceBuffer {
- public:
-  DeviceBuffer(int device, size_t bytes) : bytes_(bytes) {
-    EXPECT_EQ(fakegpu::SetDevice(device), fakegpu::kSuccess);
-    EXPECT_EQ(fakegpu::Malloc(&data_, bytes), fakegpu::kSuccess);
-    std::memset(data_, testing::kCanary, bytes);
-  }
-  ~DeviceBuffer() { fakegpu::Free(data_); }
-  char* data() const { return static_cast<char*>(data_); }
-  std::string Handle() const {
-    fakegpu::IpcMemHandle handle;
-    EXPECT_EQ(fakegpu::IpcGetMemHandle(&handle, data_), fakegpu::kSuccess);
-    return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
-  }
-  void Put(const at::Tensor& t, size_t offset = 0) {
-    std::memcpy(data() + offset, t.contiguous().data_ptr(), t.nbytes());
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_;
-};
-
-class FakeGpuTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    fakegpu::testing::Config config;
-    config.devices = 3;  // 0: most tests; 1: another device; 2: lost
-    config.memory_bytes = kDeviceMemory;
-    fakegpu::testing::Configure(config);
-    fake_gpu::RegisterGpuBackends(Registry::Global());
-  }
-  void TearDown() override {
-    fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
-    fakegpu::testing::DrainStreams();
-  }
-
-  // A packd server in this process (handles on), on a unix socket, and a stub
-  // for it.
-  void StartServer(Device default_device = Device::Cpu()) {
-    ServerOptions options;
-    options.service.default_device = default_device;
-    // A fresh socket for each server: packd refuses a path that the last one
-    // may still listen on.
-    static int started = 0;
-    options.listen = absl::StrCat("unix:/tmp/packd-fake-gpu-", getpid(), "-",
-                                  ++started, ".sock");
-    options.service.regions.enabled = true;
-    absl::StatusOr<std::unique_ptr<PackdServer>> server =
-        PackdServer::Start(options);
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(1 << 30);
-    args.SetMaxSendMessageSize(1 << 30);
-    channel_ = grpc::CreateCustomChannel(
-        server_->address(), grpc::InsecureChannelCredentials(), args);
-    stub_ = v1::PackService::NewStub(channel_);
-  }
-  void StopServer() {
-    if (server_ == nullptr) return;
-    server_->Drain();
-    server_->Wait();
-    server_.reset();
-  }
-
-  grpc::Status RegisterDevice(const std::string& name,
-                              const DeviceBuffer& buffer, const char* device,
-                              uint64_t bytes) {
-    v1::RegisterDeviceRegionRequest request;
-    request.set_name(name);
-    request.set_ipc_handle(buffer.Handle());
-    request.set_device(device);
-    request.set_byte_size(bytes);
-    v1::RegisterRegionResponse response;
-    grpc::ClientContext context;
-    return stub_->RegisterDeviceRegion(&context, request, &response);
-  }
-  std::string Readiness() {
-    auto health = grpc::health::v1::Health::NewStub(channel_);
-    grpc::health::v1::HealthCheckRequest request;
-    request.set_service(kReadinessService);
-    grpc::health::v1::HealthCheckResponse response;
-    grpc::ClientContext context;
-    const grpc::Status status = health->Check(&context, request, &response);
-    if (!status.ok()) return status.error_message();
-    return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
-        response.status());
-  }
-  grpc::Status Unregister(const std::string& name) {
-    v1::UnregisterRegionRequest request;
-    request.set_name(name);
-    v1::UnregisterRegionResponse response;
-    grpc::ClientContext context;
-    return stub_->UnregisterRegion(&context, request, &response);
-  }
-
-  std::unique_ptr<PackdServer> server_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::PackService::Stub> stub_;
-};
 
 TEST_F(FakeGpuTest, HostTensorsStageThroughTheDeviceAndMatchTheCpuPath) {
   ServiceOptions gpu_options;
