@@ -188,6 +188,51 @@ class Gpu:
 
         return self._regions.with_regions(attempt, None, regions)
 
+    def step(self, index: int, request: Callable[[_requests.Encoder], _wire.Outgoing],
+             arena_bytes: int, start: Callable[..., Any]) -> Tuple[Any, Any, Callable]:
+        """A PackMicroBatches call on GPU `index`: request(encode) builds it with the GPU's
+        encoder, and start(message, timeout, metadata) makes the call and reads its first
+        message. The results go into an arena of `arena_bytes` allocated on the GPU for this
+        step (none when 0: inline). Returns the call, its first message and how a result
+        tensor is decoded: a view of the arena where packd wrote it (the arena lives as long as
+        one of them does), else the inline tensor copied to the GPU."""
+        self.unregister_freed()
+        arena = (self.memory.empty([arena_bytes], torch.uint8, index) if arena_bytes > 0
+                 else None)
+        # The inputs written, and the arena's memory free of the stream's earlier work: packd
+        # writes it outside the stream's order.
+        self.memory.synchronize(index)
+        regions: List[str] = []
+        at = [0]
+
+        def attempt():
+            del regions[:]
+            out = request(self.encoder(index, regions))
+            if arena is not None:
+                outputs = self.slice(arena, index, regions)
+                at[0] = outputs.offset
+                out.message.outputs.CopyFrom(outputs)
+            return self._connection.call(start, out)
+
+        call, first = self._regions.with_regions(attempt, None, regions)
+
+        def decode(msg: pb.Tensor, tensor: Any) -> torch.Tensor:
+            if not msg.HasField("region"):
+                return self.memory.to_device(tensor, index)
+            dtype = _tensors.FROM_WIRE[msg.dtype]
+            if msg.region.byte_size == 0 or arena is None:
+                return self.memory.empty(list(msg.shape), dtype, index)
+            begin = msg.region.offset - at[0]
+            if begin < 0 or begin + msg.region.byte_size > arena.numel():
+                raise PackdError(grpc.StatusCode.INTERNAL,
+                                 "packd wrote a result at %d..%d, outside the step's arena of "
+                                 "%d bytes" % (begin, begin + msg.region.byte_size,
+                                               arena.numel()))
+            return (arena[begin:begin + msg.region.byte_size].view(dtype)
+                    .reshape(list(msg.shape)))
+
+        return call, first, decode
+
     def outputs(self, shapes: Sequence[Tuple[Sequence[int], torch.dtype]],
                 index: int) -> List[torch.Tensor]:
         """Result memory on GPU `index`, one tensor per (shape, dtype); none at all when one

@@ -390,8 +390,11 @@ class Client:
 
         Returns a StepPlan: `.plan` at once (global_loss_tokens is the one denominator of the
         summed token loss), then iterate it for MicroBatch(rank, index, samples, result), each
-        result exactly pack() of the batch's rows `samples` in that order. Tensors must be in
-        host memory. With shared_prefix a group is one planning unit (groups= must be
+        result exactly pack() of the batch's rows `samples` in that order. Tensors all in host
+        memory, or all on one GPU: then packd reads them there, gathers and packs each
+        micro-batch on that GPU and writes its results into an arena on it (from the second
+        step of a shape on; the first's come inline and are copied there), and every result is
+        a tensor on that GPU, a view of the step's arena (docs/gpu.md). With shared_prefix a group is one planning unit (groups= must be
         empty), its length its stream rows and its cost over its segments' queries and keys;
         its loss tokens are its targets active in loss_mask. Raises PackdValueError (a
         ValueError) for malformed input."""
@@ -401,11 +404,9 @@ class Client:
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         named = ([("mask", mask), ("segment_ids", segment_ids), ("loss_mask", loss_mask)]
                  + [("inputs[%d]" % i, t) for i, t in enumerate(tensors)])
-        on_device = [name for name, t in named if t is not None and t.device.type != "cpu"]
-        if on_device:
-            raise ValueError("pack_micro_batches takes tensors in host memory; %s are on %s"
-                             % (", ".join(on_device), named[[n for n, _ in named].index(
-                                 on_device[0])][1].device))
+        gpu = self._gpu.device_of(named)
+        if gpu is not None:
+            self._gpu.check_device_argument(device, gpu)
         plan = pb.PlanRequest(max_tokens_per_micro_batch=int(max_tokens), num_ranks=num_ranks,
                               micro_batch_multiple=micro_batch_multiple,
                               pipeline_order=bool(pipeline_order))
@@ -416,22 +417,26 @@ class Client:
             plan.groups.extend(int(v) for v in groups)
         nbytes = sum(t.numel() * t.element_size() for _, t in named if t is not None)
         regions = self._regions
-        # The results' arena, after the inputs in the call's segment: as large as the last
-        # step's results, and a margin (the server sends them inline when it is too small).
+        # The results' arena (after the inputs in the call's segment, or on the tensors' GPU):
+        # as large as the last step's results, and a margin (the server sends them inline when
+        # it is too small).
         with self._lock:
             arena = self._step_output_bytes if self.step_results_in_shared_memory else 0
         arena += arena // 8 + (64 << 10) if arena else 0
-        scratch = regions.scratch_for(nbytes + arena)
-        encode = lambda t, number, out: regions.encode(t, number, out, scratch)
+        scratch = regions.scratch_for(nbytes + arena) if gpu is None else None
+
+        def build(encode, on):
+            out = _wire.Outgoing(pb.PackMicroBatchesRequest(plan=plan, ranks=list(ranks or ())))
+            out.add_message(1, _requests.pack_request(encode, on, with_position_ids, layout,
+                                                      mask, tensors, segment_ids))
+            if loss_mask is not None:
+                encode(loss_mask, 3, out)
+            return out
 
         def request():
             if scratch is not None:
                 scratch.reset()
-            out = _wire.Outgoing(pb.PackMicroBatchesRequest(plan=plan, ranks=list(ranks or ())))
-            out.add_message(1, _requests.pack_request(encode, device, with_position_ids, layout,
-                                                      mask, tensors, segment_ids))
-            if loss_mask is not None:
-                encode(loss_mask, 3, out)
+            out = build(lambda t, number, o: regions.encode(t, number, o, scratch), device)
             got = scratch.allocate(arena) if scratch is not None and arena else None
             if got is not None:
                 out.message.outputs.CopyFrom(scratch.slice(got[0], arena))
@@ -450,6 +455,13 @@ class Client:
                 raise PackdError(grpc.StatusCode.INTERNAL,
                                  "packd ended the PackMicroBatches stream without a plan")
 
+        options = (single, cu_seqlens_dtype, segment_ids is not None, with_position_ids, layout)
+        if gpu is not None:
+            call, first, decode = self._gpu.step(
+                gpu, lambda encode: build(encode, "uuid:" + self._gpu.uuid(gpu)), arena, start)
+            with self._lock:
+                self._step_output_bytes = first[0].output_bytes
+            return StepPlan(call, first[0], lambda: None, options, decode)
         try:
             call, first = regions.with_regions(lambda: self._call(start, request()), scratch)
         except BaseException:
@@ -457,9 +469,8 @@ class Client:
             raise
         with self._lock:
             self._step_output_bytes = first[0].output_bytes
-        return StepPlan(call, first[0], lambda: regions.give_back(scratch),
-                        (single, cu_seqlens_dtype, segment_ids is not None, with_position_ids,
-                         layout), lambda m, t: regions.decode(m, t, scratch))
+        return StepPlan(call, first[0], lambda: regions.give_back(scratch), options,
+                        lambda m, t: regions.decode(m, t, scratch))
 
     def register_cuda_tensor(self, name: str, tensor: torch.Tensor,
                              device: Optional[str] = None) -> pb.RegionSlice:

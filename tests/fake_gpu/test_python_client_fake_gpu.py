@@ -372,3 +372,109 @@ def test_flash_attn_drop_in_on_the_gpu(client, gpu):
     upstream = torch.randn(4, 17, 3, dtype=torch.float64, generator=gen)
     (padded * upstream).sum().backward()
     assert same(dx.grad, reference_scatter(upstream[mask], mask, x))
+
+
+def _step_batch(gen, B=10, S=40):
+    lengths = torch.randint(6, S + 1, (B,), generator=gen)
+    mask = torch.arange(S)[None, :] < lengths[:, None]
+    tokens = torch.randint(0, 1000, (B, S), generator=gen)
+    for b in range(1, B, 2):  # pairs share a 6-token prompt
+        tokens[b, :6] = tokens[b - 1, :6]
+    x = random_tensor(torch.bfloat16, (B, S, 3), gen)
+    ids = torch.randint(0, 3, (B, S), generator=gen).cumsum(1)
+    return mask, tokens, x, ids
+
+
+STEP_LAYOUTS = {
+    "documents": dict(segment_ids=True),
+    "padding": dict(pad_multiple=8, pad_values=[-1, 0], with_seq_idx=True),
+    "cp": dict(pad_multiple=4, cp_size=2, cp_rank=1),
+    "ulysses": dict(sp_size=2, sp_rank=1),
+    "fixed": dict(fixed=(160, 24, 160)),
+    "shared_prompts": dict(shared_prefix=packd.SharedPrefix([b // 2 for b in range(10)],
+                                                            [6] * 10, same_inputs=(0,))),
+}
+
+
+def _micro_batches(step):
+    return {(mb.rank, mb.index): mb for mb in step}
+
+
+@pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
+def test_a_step_on_the_gpu_equals_the_host_step(client, gpu, layout):
+    """pack_micro_batches with every tensor on the GPU: the same plan, and every micro-batch's
+    results equal the host step's, as tensors on that GPU; from the second step of a shape on
+    they are views of an arena packd wrote on the GPU, and an earlier step's results stay
+    intact while a later step runs."""
+    gen = torch.Generator().manual_seed(sorted(STEP_LAYOUTS).index(layout))
+    mask, tokens, x, ids = _step_batch(gen)
+    loss_mask = mask & (torch.rand(mask.shape, generator=gen) < 0.8)
+    kw = dict(STEP_LAYOUTS[layout])
+    use_ids = kw.pop("segment_ids", False)
+    kw.update(num_ranks=2, with_position_ids=True, shifts=[(0, -100)])
+
+    def run(on_gpu):
+        put = (lambda t: gpu.put(t, 0)) if on_gpu else (lambda t: t)
+        return client.pack_micro_batches(
+            [put(tokens), put(x)], put(mask), 80, loss_mask=put(loss_mask),
+            segment_ids=put(ids) if use_ids else None, **kw)
+
+    # A new client's first step has no arena yet (its results come inline), the next has.
+    first = run(True)
+    steps = [_micro_batches(first)]
+    assert first.through_shared_memory == 0
+    host = run(False)
+    want = _micro_batches(host)
+    second = run(True)
+    steps.append(_micro_batches(second))
+    third = run(True)  # its own arena: the second's results are still the second's
+    steps.append(_micro_batches(third))
+    assert second.through_shared_memory == third.through_shared_memory == len(want)
+    for step, got in zip((first, second, third), steps):
+        assert step.plan.micro_batches == host.plan.micro_batches
+        assert step.plan.global_loss_tokens == host.plan.global_loss_tokens
+        assert sorted(got) == sorted(want)
+    for got in steps:
+        for key, mb in got.items():
+            h = want[key].result
+            assert mb.samples == want[key].samples
+            for a, b in zip(mb.result.packed + mb.result.shifted, h.packed + h.shifted):
+                assert gpu.device_of(a) == 0 and same(a, b), (layout, key)
+            assert mb.result.cu_seqlens.tolist() == h.cu_seqlens.tolist()
+            assert mb.result.position_ids.tolist() == h.position_ids.tolist()
+
+
+def test_steps_from_threads_sharing_one_client_on_the_gpu(client, gpu):
+    """Four threads share one client, each running steps on its own device batch: every
+    micro-batch equals its host step's."""
+    failures = []
+
+    def work(t):
+        gen = torch.Generator().manual_seed(200 + t)
+        mask, tokens, x, ids = _step_batch(gen)
+        want = _micro_batches(client.pack_micro_batches([tokens, x], mask, 80, num_ranks=2))
+        try:
+            for _ in range(3):
+                got = _micro_batches(client.pack_micro_batches(
+                    [gpu.put(tokens, 0), gpu.put(x, 0)], gpu.put(mask, 0), 80, num_ranks=2))
+                assert sorted(got) == sorted(want)
+                for key, mb in got.items():
+                    for a, b in zip(mb.result.packed, want[key].result.packed):
+                        assert gpu.device_of(a) == 0 and same(a, b)
+        except Exception as e:  # an assert in a thread fails nothing by itself
+            failures.append("thread %d: %r" % (t, e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures, failures[:4]
+
+
+def test_a_step_with_tensors_on_two_devices_is_a_value_error(client, gpu):
+    mask, tokens, x, _ = _step_batch(torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"mask is on cuda:0 but inputs\[0\] is on cuda:1"):
+        client.pack_micro_batches([gpu.put(tokens, 1)], gpu.put(mask, 0), 80)
+    with pytest.raises(ValueError, match=r"mask is on cpu but inputs\[0\] is on cuda:0"):
+        client.pack_micro_batches([gpu.put(tokens, 0)], mask, 80)
