@@ -806,47 +806,121 @@ absl::Status Client::PackMicroBatches(
     named.push_back({absl::StrCat("inputs[", i, "]"), &tensors[i]});
   }
   PACKD_ASSIGN_OR_RETURN(std::optional<int> gpu, GpuOf(named));
-  if (gpu.has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "PackMicroBatches takes tensors in host memory; these are on ",
-        device_memory_->Name(*gpu),
-        ": plan with PlanMicroBatches and Pack each micro-batch"));
-  }
   if (pack.results_in != nullptr) {
     return absl::InvalidArgumentError(
         "results_in is Pack's; a step's micro-batches come in its stream");
   }
+  if (gpu.has_value() && !pack.device.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device \"", pack.device, "\" is for host tensors; these are on ",
+        device_memory_->Name(*gpu), ", where the step runs"));
+  }
   int64_t bytes = 0;
   for (const auto& [name, t] : named) bytes += t->defined() ? t->nbytes() : 0;
-  // The results' arena, after the inputs in the call's segment: as large as
-  // the last step's results, and a margin (the server sends them inline when
-  // it is too small).
+  // The results' arena (after the inputs in the call's segment, or on the
+  // tensors' GPU): as large as the last step's results, and a margin (the
+  // server sends them inline when it is too small).
   int64_t arena = 0;
   {
     absl::MutexLock lock(&mu_);
     arena = step_output_bytes_;
   }
   if (arena > 0) arena += arena / 8 + (64 << 10);
-  PACKD_ASSIGN_OR_RETURN(Scratch scratch, ScratchFor(bytes + arena));
   Wire<v1::PackMicroBatchesRequest> request;
   Outgoing outgoing(&request);
   *request->mutable_plan() =
       PlanRequestOf(options.plan.ForPlanner(max_tokens_per_micro_batch), {},
                     options.plan.loss_tokens);
   request->mutable_ranks()->Assign(options.ranks.begin(), options.ranks.end());
-  PACKD_RETURN_IF_ERROR(EncodePack(pack.device, pack, tensors, mask,
-                                   pack.segment_ids, HostEncoder(scratch.get()),
-                                   request->mutable_batch(), &outgoing));
-  if (options.loss_mask.defined()) {
-    PACKD_RETURN_IF_ERROR(EncodeTensor(options.loss_mask, scratch.get(),
-                                       request->mutable_loss_mask(),
-                                       &outgoing));
-  }
-  if (scratch != nullptr && arena > 0) {
-    if (char* p = scratch->Allocate(arena); p != nullptr) {
-      scratch->Contains(p, arena, request->mutable_outputs());
-      outgoing.regions.push_back(scratch->region());
+  // How a micro-batch's results are read: copied out of the shared-memory
+  // arena or the reply; on a GPU, views of the step's arena there (which they
+  // keep) or inline ones copied to it.
+  std::function<absl::StatusOr<std::vector<at::Tensor>>(const Tensors&,
+                                                        const WireMessage&)>
+      results;
+  Scratch scratch(nullptr, ScratchReturn{this});
+  at::Tensor gpu_arena;
+  int64_t gpu_arena_offset = 0;
+  if (gpu.has_value()) {
+    UnregisterFreed();
+    const at::Tensor mask_c = mask.contiguous();
+    std::vector<at::Tensor> tensors_c;
+    for (const at::Tensor& t : tensors) tensors_c.push_back(t.contiguous());
+    PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(*gpu));
+    PACKD_RETURN_IF_ERROR(
+        EncodePack(absl::StrCat("uuid:", uuid), pack, tensors_c, mask_c,
+                   pack.segment_ids.defined() ? pack.segment_ids.contiguous()
+                                              : at::Tensor(),
+                   GpuEncoder(*gpu), request->mutable_batch(), &outgoing));
+    if (options.loss_mask.defined()) {
+      PACKD_RETURN_IF_ERROR(EncodeGpuTensor(options.loss_mask.contiguous(),
+                                            *gpu, request->mutable_loss_mask(),
+                                            &outgoing));
     }
+    if (arena > 0) {
+      PACKD_ASSIGN_OR_RETURN(gpu_arena,
+                             device_memory_->Empty({arena}, at::kByte, *gpu));
+      PACKD_ASSIGN_OR_RETURN(*request->mutable_outputs(),
+                             GpuSlice(gpu_arena, *gpu, &outgoing));
+      gpu_arena_offset = static_cast<int64_t>(request->outputs().offset());
+    }
+    // The inputs written and the arena's memory free before packd touches
+    // them.
+    PACKD_RETURN_IF_ERROR(device_memory_->Synchronize(*gpu));
+    results = [&](const Tensors& got, const WireMessage& reply)
+        -> absl::StatusOr<std::vector<at::Tensor>> {
+      std::vector<at::Tensor> out;
+      for (const v1::Tensor& t : got) {
+        if (!t.has_region()) {
+          PACKD_ASSIGN_OR_RETURN(at::Tensor host,
+                                 DecodeResult(t, /*copy_out=*/true, reply));
+          PACKD_ASSIGN_OR_RETURN(at::Tensor placed,
+                                 device_memory_->ToDevice(host, *gpu));
+          out.push_back(std::move(placed));
+          continue;
+        }
+        const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+        const at::ScalarType dtype =
+            ToScalarType(static_cast<DType>(t.dtype()));
+        const int64_t begin =
+            static_cast<int64_t>(t.region().offset()) - gpu_arena_offset;
+        const int64_t n = static_cast<int64_t>(t.region().byte_size());
+        if (n == 0) {
+          PACKD_ASSIGN_OR_RETURN(at::Tensor empty,
+                                 device_memory_->Empty(shape, dtype, *gpu));
+          out.push_back(std::move(empty));
+          continue;
+        }
+        if (!gpu_arena.defined() || begin < 0 ||
+            begin + n > gpu_arena.numel()) {
+          return absl::InternalError(absl::StrCat(
+              "packd wrote a result at ", begin, "..", begin + n,
+              ", outside the step's arena of ",
+              gpu_arena.defined() ? gpu_arena.numel() : 0, " bytes"));
+        }
+        out.push_back(gpu_arena.narrow(0, begin, n).view(dtype).reshape(shape));
+      }
+      return out;
+    };
+  } else {
+    PACKD_ASSIGN_OR_RETURN(scratch, ScratchFor(bytes + arena));
+    PACKD_RETURN_IF_ERROR(EncodePack(
+        pack.device, pack, tensors, mask, pack.segment_ids,
+        HostEncoder(scratch.get()), request->mutable_batch(), &outgoing));
+    if (options.loss_mask.defined()) {
+      PACKD_RETURN_IF_ERROR(EncodeTensor(options.loss_mask, scratch.get(),
+                                         request->mutable_loss_mask(),
+                                         &outgoing));
+    }
+    if (scratch != nullptr && arena > 0) {
+      if (char* p = scratch->Allocate(arena); p != nullptr) {
+        scratch->Contains(p, arena, request->mutable_outputs());
+        outgoing.regions.push_back(scratch->region());
+      }
+    }
+    results = [&](const Tensors& got, const WireMessage& reply) {
+      return Results({&got}, {&reply}, /*copy_out=*/true);
+    };
   }
   bool planned = false;
   auto on_message = [&](const grpc::ByteBuffer& buffer) -> absl::Status {
@@ -870,12 +944,13 @@ absl::Status Client::PackMicroBatches(
     mb.through_shared_memory = reply->packed().packed_size() > 0 &&
                                reply->packed().packed(0).has_region();
     PACKD_ASSIGN_OR_RETURN(mb.batch.packed,
-                           Results({&reply->packed().packed()}, {&reply},
-                                   /*copy_out=*/true));
+                           results(reply->packed().packed(), reply));
     PACKD_ASSIGN_OR_RETURN(mb.batch.shifted,
-                           Results({&reply->packed().shifted()}, {&reply},
-                                   /*copy_out=*/true));
+                           results(reply->packed().shifted(), reply));
     FillMetadata(reply->packed(), pack, &mb.batch);
+    if (gpu.has_value()) {
+      PACKD_RETURN_IF_ERROR(MetadataToDevice(*gpu, &mb.batch));
+    }
     return on_micro_batch(std::move(mb));
   };
   absl::Status status =

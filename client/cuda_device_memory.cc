@@ -3,6 +3,10 @@
 // (CudaMemGetAddressRange) and exported with cudaIpcGetMemHandle.
 #include <cuda_runtime_api.h>
 
+#if defined(PACKD_CLIENT_TORCH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include <memory>
 #include <string>
 
@@ -10,6 +14,7 @@
 #include "base/cuda_address_range.h"
 #include "base/tensor_view.h"
 #include "client/device_memory.h"
+#include "client/stream_order.h"
 
 namespace packd {
 namespace {
@@ -51,6 +56,44 @@ class DeviceScope {
   int previous_ = -1;
   int current_ = -1;
 };
+
+// The CUDA runtime's calls WaitForCallersWork makes, on the current device.
+struct CudaRuntime {
+  using Event = cudaEvent_t;
+  absl::Status SynchronizeDevice() {
+    PACKD_CUDA_CHECK("device synchronisation", cudaDeviceSynchronize());
+    return absl::OkStatus();
+  }
+  absl::StatusOr<Event> RecordEvent(void* stream) {
+    cudaEvent_t event = nullptr;
+    PACKD_CUDA_CHECK("event",
+                     cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    const cudaError_t err =
+        cudaEventRecord(event, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) {
+      (void)cudaEventDestroy(event);
+      return CudaError("event record", err);
+    }
+    return event;
+  }
+  absl::Status SynchronizeEvent(Event event) {
+    PACKD_CUDA_CHECK("event synchronisation", cudaEventSynchronize(event));
+    return absl::OkStatus();
+  }
+  void DestroyEvent(Event event) { (void)cudaEventDestroy(event); }
+};
+
+// The caller's current stream on GPU `index`: libtorch's, where its CUDA
+// headers are built in; else null (the device is waited for).
+void* CallersStream(int index) {
+#if defined(PACKD_CLIENT_TORCH_CUDA)
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index))
+      .stream();
+#else
+  (void)index;
+  return nullptr;
+#endif
+}
 
 // Runs the torch calls that may throw (allocation, copies) as a Status.
 template <typename F>
@@ -129,12 +172,12 @@ class CudaMemory : public DeviceMemory {
   }
 
   absl::Status Synchronize(int index) const override {
-    // Every stream of the device: libtorch's current stream is not reachable
-    // from a CPU-only build of its headers.
+    // The caller's current stream (libtorch with CUDA), else every stream of
+    // the device: a CPU-only libtorch's headers cannot name its stream.
     DeviceScope scope;
     if (absl::Status set = scope.Set(index); !set.ok()) return set;
-    PACKD_CUDA_CHECK("device synchronisation", cudaDeviceSynchronize());
-    return absl::OkStatus();
+    CudaRuntime runtime;
+    return WaitForCallersWork(runtime, CallersStream(index));
   }
 };
 

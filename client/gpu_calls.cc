@@ -294,6 +294,12 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
   PACKD_ASSIGN_OR_RETURN(batch.shifted,
                          GpuResults(reply->shifted(), reply, {}, index));
   FillMetadata(reply.message(), options, &batch);
+  PACKD_RETURN_IF_ERROR(MetadataToDevice(index, &batch));
+  return batch;
+}
+
+absl::Status Client::MetadataToDevice(int index, PackedBatch* out) {
+  PackedBatch& batch = *out;
   std::vector<at::Tensor*> metadata = {
       &batch.cu_seqlens,        &batch.position_ids, &batch.last_index,
       &batch.doc_cu_seqlens,    &batch.doc_row,      &batch.doc_last_index,
@@ -308,7 +314,7 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
     if (!t->defined()) continue;
     PACKD_ASSIGN_OR_RETURN(*t, device_memory_->ToDevice(*t, index));
   }
-  return batch;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(

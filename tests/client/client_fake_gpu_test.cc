@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <future>
 #include <map>
 #include <memory>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/autograd.h"
 #include "client/client.h"
@@ -400,6 +402,154 @@ TEST_F(ClientFakeGpuTest, TheClientUnregistersItsDeviceRegionsWhenItGoes) {
   for (const auto& [name, device] : Regions()) {
     EXPECT_NE(name.rfind("cpp-gpu-", 0), 0u) << name;
   }
+}
+
+// Every micro-batch of a step, by (rank, index).
+using Steps = std::map<std::pair<int, int>, StepMicroBatch>;
+
+absl::StatusOr<Steps> RunStep(Client& client,
+                              const std::vector<at::Tensor>& tensors,
+                              const at::Tensor& mask,
+                              const StepCallOptions& options,
+                              v1::PlanResponse* plan) {
+  Steps out;
+  absl::Status status = client.PackMicroBatches(
+      tensors, mask, 80, options,
+      [&](const v1::PlanResponse& p) {
+        *plan = p;
+        return absl::OkStatus();
+      },
+      [&](StepMicroBatch mb) {
+        out[{mb.rank, mb.index}] = std::move(mb);
+        return absl::OkStatus();
+      });
+  if (!status.ok()) return status;
+  return out;
+}
+
+// A step with every tensor on the GPU: the host step's plan, and each
+// micro-batch's results equal to its, as tensors on the GPU; from the second
+// step of a shape on through an arena there (views of it), an earlier step's
+// results intact after a later one.
+TEST_F(ClientFakeGpuTest, AStepOnTheGpuEqualsTheHostStep) {
+  const int64_t B = 10, S = 40;
+  at::Tensor mask = at::zeros({B, S}, at::kBool);
+  for (int64_t b = 0; b < B; ++b) {
+    mask[b]
+        .slice(0, 0, 6 + static_cast<int64_t>(rng_.Next() % (S - 5)))
+        .fill_(true);
+  }
+  const at::Tensor tokens = testing::RandomTensor(rng_, DType::kInt64, {B, S});
+  const at::Tensor x = testing::RandomTensor(rng_, DType::kBFloat16, {B, S, 3});
+  const at::Tensor ids =
+      at::div(at::arange(B * S, at::kLong).reshape({B, S}), 7, "floor");
+  StepCallOptions options;
+  options.plan.num_ranks = 2;
+  options.pack.with_position_ids = true;
+  options.pack.layout.pad_multiple = 8;
+  options.pack.layout.shifts = {{0, -100}};
+  options.loss_mask = mask;
+  v1::PlanResponse host_plan;
+  StepCallOptions host_options = options;
+  host_options.pack.segment_ids = ids;
+  absl::StatusOr<Steps> host =
+      RunStep(*client_, {tokens, x}, mask, host_options, &host_plan);
+  ASSERT_TRUE(host.ok()) << host.status();
+  // A new client's first step has no arena (its results come inline).
+  std::unique_ptr<Client> fresh = Connect();
+  StepCallOptions device_options = options;
+  device_options.pack.segment_ids = gpu_->Put(ids, 0);
+  device_options.loss_mask = gpu_->Put(mask, 0);
+  std::vector<Steps> steps;
+  for (int k = 0; k < 3; ++k) {
+    v1::PlanResponse plan;
+    absl::StatusOr<Steps> step =
+        RunStep(*fresh, {gpu_->Put(tokens, 0), gpu_->Put(x, 0)},
+                gpu_->Put(mask, 0), device_options, &plan);
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(plan.SerializeAsString(), host_plan.SerializeAsString());
+    ASSERT_EQ(step->size(), host->size());
+    for (const auto& [key, mb] : *step) {
+      EXPECT_EQ(mb.through_shared_memory, k > 0);
+    }
+    steps.push_back(std::move(*step));
+  }
+  for (const Steps& step : steps) {
+    for (const auto& [key, mb] : step) {
+      const StepMicroBatch& want = host->at(key);
+      EXPECT_EQ(mb.samples, want.samples);
+      std::vector<at::Tensor> got = mb.batch.packed,
+                              expected = want.batch.packed;
+      got.insert(got.end(), mb.batch.shifted.begin(), mb.batch.shifted.end());
+      expected.insert(expected.end(), want.batch.shifted.begin(),
+                      want.batch.shifted.end());
+      ASSERT_EQ(got.size(), expected.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(gpu_->DeviceOf(got[i]), 0);
+        EXPECT_TRUE(testing::SameBytes(expected[i], got[i]));
+      }
+      EXPECT_EQ(gpu_->DeviceOf(mb.batch.cu_seqlens), 0);
+      EXPECT_TRUE(at::equal(mb.batch.cu_seqlens, want.batch.cu_seqlens));
+      EXPECT_TRUE(at::equal(mb.batch.position_ids, want.batch.position_ids));
+    }
+  }
+}
+
+// The client waits for its caller's GPU work on the caller's stream only: an
+// input written there is read as written, while work that another stream
+// (NCCL's, say) still runs does not hold the call up. A build that cannot see
+// the caller's stream waits for the whole device.
+TEST_F(ClientFakeGpuTest, CallsWaitOnTheCallersStreamNotTheDevice) {
+  ASSERT_EQ(fakegpu::SetDevice(0), fakegpu::kSuccess);
+  fakegpu::Stream callers = nullptr, other = nullptr;
+  ASSERT_EQ(fakegpu::StreamCreateWithFlags(&callers, 0), fakegpu::kSuccess);
+  ASSERT_EQ(fakegpu::StreamCreateWithFlags(&other, 0), fakegpu::kSuccess);
+  const at::Tensor host =
+      testing::RandomTensor(rng_, DType::kFloat32, {4, 30, 5});
+  const at::Tensor mask = RandomMask(4, 30);
+  const at::Tensor d_mask = gpu_->Put(mask, 0);
+  auto pack_written = [&](absl::Notification* release) {
+    // The input is written by the caller's stream, late; the other stream is
+    // busy until `release`.
+    at::Tensor x = *gpu_->Empty({4, 30, 5}, at::kFloat, 0);
+    x.zero_();
+    EXPECT_EQ(fakegpu::Launch(other,
+                              [release](const fakegpu::Accessible&) {
+                                release->WaitForNotification();
+                                return fakegpu::kSuccess;
+                              }),
+              fakegpu::kSuccess);
+    fakegpu::testing::SetStreamDelay(absl::Milliseconds(200));
+    EXPECT_EQ(fakegpu::MemcpyAsync(x.data_ptr(), host.data_ptr(), host.nbytes(),
+                                   fakegpu::kHostToDevice, callers),
+              fakegpu::kSuccess);
+    fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
+    return std::async(std::launch::async,
+                      [&, x] { return client_->Pack({x}, d_mask); });
+  };
+
+  gpu_->SetCallersStream(callers);
+  absl::Notification release;
+  auto call = pack_written(&release);
+  const bool served =
+      call.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  release.Notify();
+  ASSERT_TRUE(served) << "the call waited for another stream's work";
+  absl::StatusOr<PackedBatch> batch = call.get();
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(
+      testing::SameBytes(testing::ReferencePack(host, mask), batch->packed[0]));
+
+  gpu_->SetCallersStream(nullptr);
+  absl::Notification release_device;
+  auto waits = pack_written(&release_device);
+  EXPECT_EQ(waits.wait_for(std::chrono::milliseconds(500)),
+            std::future_status::timeout);
+  release_device.Notify();
+  batch = waits.get();
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(
+      testing::SameBytes(testing::ReferencePack(host, mask), batch->packed[0]));
 }
 
 }  // namespace

@@ -26,9 +26,44 @@
 #include "absl/synchronization/mutex.h"
 #include "base/tensor_view.h"
 #include "client/device_memory.h"
+#include "client/stream_order.h"
 #include "tests/fake_gpu/fake_gpu_runtime.h"
 
 namespace packd::testing {
+
+// The fake GPU's calls WaitForCallersWork makes (the CUDA runtime's in
+// client/cuda_device_memory.cc).
+struct FakeGpuRuntime {
+  using Event = fakegpu::Event;
+  static absl::Status Check(const char* what, fakegpu::Error err) {
+    if (err == fakegpu::kSuccess) return absl::OkStatus();
+    (void)fakegpu::GetLastError();
+    return absl::InternalError(
+        absl::StrCat("fake GPU ", what, ": ", fakegpu::GetErrorString(err)));
+  }
+  absl::Status SynchronizeDevice() {
+    return Check("device synchronisation", fakegpu::DeviceSynchronize());
+  }
+  absl::StatusOr<Event> RecordEvent(void* stream) {
+    Event event = nullptr;
+    if (absl::Status made = Check("event", fakegpu::EventCreate(&event));
+        !made.ok()) {
+      return made;
+    }
+    if (absl::Status recorded = Check(
+            "event record",
+            fakegpu::EventRecord(event, static_cast<fakegpu::Stream>(stream)));
+        !recorded.ok()) {
+      fakegpu::EventDestroy(event);
+      return recorded;
+    }
+    return event;
+  }
+  absl::Status SynchronizeEvent(Event event) {
+    return Check("event synchronisation", fakegpu::EventSynchronize(event));
+  }
+  void DestroyEvent(Event event) { fakegpu::EventDestroy(event); }
+};
 
 class FakeGpuMemory : public DeviceMemory,
                       public std::enable_shared_from_this<FakeGpuMemory> {
@@ -121,10 +156,19 @@ class FakeGpuMemory : public DeviceMemory,
     return Put(host, index);
   }
 
-  absl::Status Synchronize(int) const override {
+  // As the CUDA client's: the caller's current stream when the build can see
+  // it (SetCallersStream), else the device.
+  absl::Status Synchronize(int index) const override {
     ++synchronized_;
-    return absl::OkStatus();
+    if (fakegpu::SetDevice(index) != fakegpu::kSuccess) {
+      return FakeGpuRuntime::Check("set device", fakegpu::GetLastError());
+    }
+    FakeGpuRuntime runtime;
+    return WaitForCallersWork(runtime, callers_stream_.load());
   }
+  // The stream a caller queues its work on, as libtorch's current stream;
+  // null: a build that cannot see it.
+  void SetCallersStream(fakegpu::Stream stream) { callers_stream_ = stream; }
 
   void Watch(uintptr_t base, std::function<void()> freed) const override {
     absl::MutexLock lock(&watchers_->mu);
@@ -143,6 +187,7 @@ class FakeGpuMemory : public DeviceMemory,
   std::shared_ptr<std::atomic<int>> live_ =
       std::make_shared<std::atomic<int>>(0);
   mutable std::atomic<int> synchronized_{0};
+  std::atomic<fakegpu::Stream> callers_stream_{nullptr};
 };
 
 }  // namespace packd::testing

@@ -385,6 +385,65 @@ Error StreamSynchronize(Stream stream) {
   return Record(work);
 }
 
+struct EventImpl {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = true;  // never recorded: complete
+};
+
+Error EventCreate(Event* event) {
+  if (Error e = Enter("EventCreate", current_device); e != kSuccess) return e;
+  *event = new EventImpl;
+  return kSuccess;
+}
+
+Error EventRecord(Event event, Stream stream) {
+  if (Error e = Enter("EventRecord", current_device); e != kSuccess) return e;
+  if (event == nullptr) return Record(kErrorInvalidResourceHandle);
+  {
+    absl::MutexLock lock(&event->mu);
+    event->done = false;
+  }
+  Resolve(stream)->Queue([event] {
+    absl::MutexLock lock(&event->mu);
+    event->done = true;
+    return kSuccess;
+  });
+  return kSuccess;
+}
+
+Error EventSynchronize(Event event) {
+  if (event == nullptr) return Record(kErrorInvalidResourceHandle);
+  {
+    absl::MutexLock lock(&event->mu);
+    event->mu.Await(absl::Condition(&event->done));
+  }
+  return Enter("EventSynchronize", current_device);
+}
+
+Error EventDestroy(Event event) {
+  delete event;
+  return kSuccess;
+}
+
+Error DeviceSynchronize() {
+  std::vector<StreamImpl*> streams;
+  {
+    absl::MutexLock lock(&St().mu);
+    for (StreamImpl* s : St().streams) {
+      if (s->device == current_device) streams.push_back(s);
+    }
+  }
+  Error first = kSuccess;
+  for (StreamImpl* s : streams) {
+    const Error e = s->Wait();
+    if (first == kSuccess) first = e;
+  }
+  if (Error e = Enter("DeviceSynchronize", current_device); e != kSuccess) {
+    return e;
+  }
+  return Record(first);
+}
+
 Error GetLastError() {
   const Error e = last_error;
   State& s = St();

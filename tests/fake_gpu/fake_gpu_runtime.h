@@ -52,6 +52,8 @@ constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;
 
 struct StreamImpl;
 using Stream = StreamImpl*;
+struct EventImpl;
+using Event = EventImpl*;
 struct IpcMemHandle {
   unsigned char reserved[64];
 };
@@ -77,6 +79,14 @@ Error MemGetInfo(size_t* free, size_t* total);
 Error StreamCreateWithFlags(Stream* stream, unsigned flags);
 Error StreamDestroy(Stream stream);
 Error StreamSynchronize(Stream stream);
+// Events: a marker recorded on a stream, complete once the work queued there
+// before it has run.
+Error EventCreate(Event* event);
+Error EventRecord(Event event, Stream stream);
+Error EventSynchronize(Event event);
+Error EventDestroy(Event event);
+// Waits for every stream of the current device.
+Error DeviceSynchronize();
 Error GetLastError();
 Error PeekAtLastError();
 const char* GetErrorString(Error error);

@@ -9,6 +9,9 @@ on the GPU:
   - documents (segment ids) and a layout (padding, CP, a shift) on the GPU;
   - Ulysses sequence parallelism (every SP rank's slice, and its Scatter) on the GPU;
   - shared prompts (GRPO groups: the stream, its targets and metadata, both Scatters);
+  - the step (PackMicroBatches) with the batch on the GPU, against the host step and timed
+    against Plan + one Pack per micro-batch on the GPU; the host batch packed on the GPU;
+    shared prompts and Ulysses in the step;
   - the server's devices by UUID, as torch names them;
   - the regions' lifecycle: register_cuda_tensor (a tensor inside its allocation), a segment
     freed and another allocated at the same address (a new handle, a new registration), a
@@ -230,6 +233,108 @@ def check_region_lifecycle(address, gen):
             % (len(ours), len(client._gpu.allocations), len(segments)))
 
 
+def step_results(step):
+    """Every micro-batch of a StepPlan, by (rank, index)."""
+    return {(mb.rank, mb.index): mb for mb in step}
+
+
+def same_micro_batches(got, want, on_gpu):
+    """Whether two steps' micro-batches agree: the same keys and samples, every result equal
+    byte for byte (those of `got` on the GPU when `on_gpu`), the same cu_seqlens and position
+    ids."""
+    if sorted(got) != sorted(want):
+        return False
+    for key, mb in got.items():
+        w = want[key]
+        if mb.samples != w.samples:
+            return False
+        for a, b in zip(mb.result.packed + mb.result.shifted, w.result.packed + w.result.shifted):
+            if (on_gpu and not a.is_cuda) or not same(a.cpu(), b.cpu()):
+                return False
+        if mb.result.cu_seqlens.tolist() != w.result.cu_seqlens.tolist():
+            return False
+        if (mb.result.position_ids is not None
+                and mb.result.position_ids.tolist() != w.result.position_ids.tolist()):
+            return False
+    return True
+
+
+def check_step(client, gen):
+    """PackMicroBatches with the batch on the GPU (device regions: the mask and ids copied to
+    the host and planned, each micro-batch gathered and packed on the GPU, its results in an
+    arena there), against the same step on the host and against Plan + one Pack per
+    micro-batch on the GPU (the rows gathered by torch); then the host batch through shared
+    memory packed on the GPU, shared prompts and Ulysses."""
+    B, S = 64, 2048
+    lengths = torch.randint(S // 8, S + 1, (B,), generator=gen, device="cuda")
+    mask = torch.arange(S, device="cuda")[None, :] < lengths[:, None]
+    tokens = torch.randint(0, 50000, (B, S), generator=gen, device="cuda")
+    logprobs = random_bytes(torch.float32, (B, S), gen)
+    ids = torch.randint(0, 4, (B, S), generator=gen, device="cuda").cumsum(1).to(torch.int32)
+    loss_mask = mask & (torch.rand(B, S, generator=gen, device="cuda") < 0.9)
+    budget = 16384
+    kw = dict(num_ranks=4, segment_ids=ids, loss_mask=loss_mask, with_position_ids=True,
+              pad_multiple=8, shifts=[(0, -100)])
+    host = step_results(client.pack_micro_batches(
+        [tokens.cpu(), logprobs.cpu()], mask.cpu(), budget,
+        **dict(kw, segment_ids=ids.cpu(), loss_mask=loss_mask.cpu())))
+    step_results(client.pack_micro_batches([tokens, logprobs], mask, budget, **kw))  # arena
+    got, step_ms = timed(lambda: step_results(
+        client.pack_micro_batches([tokens, logprobs], mask, budget, **kw)))
+    through = sum(mb.result.packed[0].is_cuda for mb in got.values())
+
+    def plan_and_pack():
+        counts = (mask.sum(1) + 7) // 8 * 8  # lengths as the step measures them: padded docs
+        plan = client.plan_micro_batches([int(v) for v in counts.tolist()], budget,
+                                         num_ranks=4)
+        out = {}
+        for mb in plan.micro_batches:
+            rows = torch.tensor(mb.samples, device="cuda", dtype=torch.long)
+            out[(mb.rank, mb.index)] = client.pack(
+                [tokens[rows], logprobs[rows]], mask[rows], segment_ids=ids[rows],
+                with_position_ids=True, pad_multiple=8, shifts=[(0, -100)])
+        return out
+
+    _, pack_ms = timed(plan_and_pack)
+    row("step on the GPU (device regions)", same_micro_batches(got, host, True), step_ms,
+        pack_ms, "%d micro-batches, %d into the GPU arena; torch ms column: Plan + N x Pack"
+        % (len(got), through))
+
+    host_batch = [tokens.cpu(), logprobs.cpu()]
+    hkw = dict(kw, segment_ids=ids.cpu(), loss_mask=loss_mask.cpu(), device="cuda:0")
+    staged, staged_ms = timed(lambda: step_results(
+        client.pack_micro_batches(host_batch, mask.cpu(), budget, **hkw)))
+    row("step, host batch packed on cuda:0", same_micro_batches(staged, host, False),
+        staged_ms, None, "through shared memory when large")
+
+    groups = [b // 4 for b in range(B)]
+    counts = mask.sum(1).tolist()
+    prefix = [min(counts[g * 4:(g + 1) * 4]) // 2 for g in groups]
+    shared_tokens = tokens.clone()
+    for b in range(B):  # every member's prompt its group's first row's (prefix masks)
+        shared_tokens[b, :prefix[b]] = tokens[groups[b] * 4, :prefix[b]]
+    skw = dict(num_ranks=2, loss_mask=loss_mask, with_position_ids=True,
+               shared_prefix=packd.SharedPrefix(groups, prefix, same_inputs=(0,)),
+               shifts=[(0, -100)])
+    want = step_results(client.pack_micro_batches(
+        [shared_tokens.cpu(), logprobs.cpu()], mask.cpu(), budget,
+        **dict(skw, loss_mask=loss_mask.cpu())))
+    got, ms = timed(lambda: step_results(client.pack_micro_batches(
+        [shared_tokens, logprobs], mask, budget, **skw)))
+    row("step, shared prompts (groups 4)", same_micro_batches(got, want, True), ms, None,
+        "%d micro-batches" % len(got))
+
+    ukw = dict(num_ranks=2, segment_ids=ids, loss_mask=loss_mask, with_position_ids=True,
+               sp_size=4, sp_rank=1, shifts=[(0, -100)])
+    want = step_results(client.pack_micro_batches(
+        [tokens.cpu(), logprobs.cpu()], mask.cpu(), budget // 4,
+        **dict(ukw, segment_ids=ids.cpu(), loss_mask=loss_mask.cpu())))
+    got, ms = timed(lambda: step_results(client.pack_micro_batches(
+        [tokens, logprobs], mask, budget // 4, **ukw)))
+    row("step, ulysses (sp 4, rank 1)", same_micro_batches(got, want, True), ms, None,
+        "%d micro-batches" % len(got))
+
+
 def main():
     gen = torch.Generator(device="cuda").manual_seed(int(os.environ.get("SEED", "1234")))
     print("%-34s %-8s %9s %9s  %s" % ("check", "result", "packd ms", "torch ms", "detail"))
@@ -331,6 +436,7 @@ def main():
         known = {name for name, _ in client._gpu.allocations.values()}
         row("device regions registered", 0 < len(ours) and set(ours) == known,
             detail="%d regions, one per allocation known" % len(ours))
+        check_step(client, gen)
         check_region_lifecycle(address, gen)
     print("gpu client checks: %d failed" % failures)
     return 1 if failures else 0

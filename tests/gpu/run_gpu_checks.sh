@@ -5,10 +5,12 @@
 #      correctness cases and the benchmark table;
 #   2. packd itself on the GPU with the Python client (tests/gpu/gpu_client_check.py): a device
 #      region exported by a child process, Pack and Scatter of CUDA tensors of every dtype,
-#      RemotePackOp backward and documents, all byte for byte against torch on the GPU; this
-#      needs the bundle tests/gpu/make_gpu_bundle.sh makes (.gpu/, carried with the tree);
+#      RemotePackOp backward, documents, layouts, Ulysses, shared prompts, the step
+#      (PackMicroBatches) on device regions against the host step and against Plan + N x Pack,
+#      and the regions' lifecycle, all byte for byte; this needs the bundle
+#      tests/gpu/make_gpu_bundle.sh makes (.gpu/, carried with the tree);
 #   3. torch's x[mask] on the kernel table's shapes.
-# Ends with one summary table; exits non-zero on any mismatch, and, where nvidia-smi sees a GPU,
+# Ends with one table ($OUT/summary.txt: the parts, then part 2's rows); exits non-zero on any mismatch, and, where nvidia-smi sees a GPU,
 # when any part was skipped (a missing bundle, torch without CUDA): a run on a GPU machine that
 # tested nothing must not pass. About 2 minutes on an H200.
 #
@@ -89,8 +91,15 @@ else
 fi
 
 echo "== summary"
-printf '%-28s %-9s %s\n' part result detail
-printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+{
+  printf '%-28s %-9s %s\n' part result detail
+  printf '%s\n' "${summary[@]}"
+  # Part 2's rows (one per check, packd's and the peer's times): the table docs/gpu.md lists.
+  if [ -s "$out/gpu_client_check.txt" ]; then
+    echo
+    grep -E '^check | (ok|MISMATCH) ' "$out/gpu_client_check.txt"
+  fi
+} | tee "$out/summary.txt"
 if [ "$has_gpu" = yes ] && printf '%s\n' "${summary[@]}" | grep -q ' skipped '; then
   echo "FAILED: nvidia-smi sees a GPU, but a part was skipped (see the table): on a GPU machine" \
     "every part must run" | tee -a "$out/summary.txt"
