@@ -4,13 +4,24 @@
 #include <cuda_runtime_api.h>
 
 #if defined(PACKD_CLIENT_TORCH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/version.h>
+// libtorch 2.1 and later say when the caching allocator frees a segment.
+#if TORCH_VERSION_MAJOR > 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define PACKD_CLIENT_WATCHES_SEGMENTS 1
+#endif
 #endif
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/cuda_address_range.h"
 #include "base/tensor_view.h"
 #include "client/device_memory.h"
@@ -94,6 +105,54 @@ void* CallersStream(int index) {
   return nullptr;
 #endif
 }
+
+#if defined(PACKD_CLIENT_WATCHES_SEGMENTS)
+// The segments a client watches, by base address, and what to call when the
+// caching allocator frees one (empty_cache, its out-of-memory retry): the
+// client then unregisters its region, so that packd lets the memory go
+// (docs/gpu.md). Process-wide, as the allocator's trace trackers are; the
+// callbacks only queue work for the client's next call.
+class SegmentWatch {
+ public:
+  static SegmentWatch& Global() {
+    static auto* watch = new SegmentWatch;
+    return *watch;
+  }
+  void Add(uintptr_t base, std::function<void()> freed) {
+    std::call_once(attached_, [] {
+      c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
+          [](const c10::cuda::CUDACachingAllocator::TraceEntry& entry) {
+            using Action = c10::cuda::CUDACachingAllocator::TraceEntry::Action;
+            // Called with the allocator's lock held: SegmentWatch's lock
+            // and the callbacks' never call into the allocator.
+            if (entry.action_ == Action::SEGMENT_FREE) {
+              Global().Freed(static_cast<uintptr_t>(entry.addr_));
+            }
+          });
+    });
+    absl::MutexLock lock(&mu_);
+    by_base_[base].push_back(std::move(freed));
+  }
+
+ private:
+  void Freed(uintptr_t base) {
+    std::vector<std::function<void()>> freed;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = by_base_.find(base);
+      if (it == by_base_.end()) return;
+      freed = std::move(it->second);
+      by_base_.erase(it);
+    }
+    for (auto& f : freed) f();
+  }
+
+  std::once_flag attached_;
+  absl::Mutex mu_;
+  std::map<uintptr_t, std::vector<std::function<void()>>> by_base_
+      ABSL_GUARDED_BY(mu_);
+};
+#endif
 
 // Runs the torch calls that may throw (allocation, copies) as a Status.
 template <typename F>
@@ -179,6 +238,12 @@ class CudaMemory : public DeviceMemory {
     CudaRuntime runtime;
     return WaitForCallersWork(runtime, CallersStream(index));
   }
+
+#if defined(PACKD_CLIENT_WATCHES_SEGMENTS)
+  void Watch(uintptr_t base, std::function<void()> freed) const override {
+    SegmentWatch::Global().Add(base, std::move(freed));
+  }
+#endif
 };
 
 }  // namespace

@@ -65,10 +65,12 @@ class DeviceMemory {
 };
 
 // libtorch's CUDA tensors through the CUDA runtime (results from libtorch's
-// caching allocator); null where the client was built without CUDA. The
-// caching allocator says nothing when it frees memory, so the region of a
-// freed allocation goes when its address comes back as another allocation
-// (its IPC handle differs), when its lease runs out, or with the client.
+// caching allocator); null where the client was built without CUDA. With
+// libtorch 2.1 or later with CUDA it watches the allocator and says when a
+// segment is freed (Watch); elsewhere the allocator says nothing, so the
+// region of a freed allocation goes when its address comes back as another
+// allocation (its IPC handle differs), when its lease runs out, or with the
+// client.
 std::shared_ptr<DeviceMemory> MakeCudaDeviceMemory();
 
 }  // namespace packd
