@@ -181,14 +181,18 @@ class Regions:
 
     def with_regions(self, call: Callable[[], Any], scratch: Optional[Segment],
                      regions: Sequence[str] = ()) -> Any:
-        """call(), and once more if it finds a region gone (NOT_FOUND) and registering this
-        call's scratch segment or the device regions it names (`regions`) again helps."""
-        try:
-            return call()
-        except PackdError as e:
-            if e.code != grpc.StatusCode.NOT_FOUND or not self._reregister(scratch, regions):
-                raise
-        return call()
+        """call(), and again (up to 3 times in all) while it finds a region gone (NOT_FOUND)
+        and registering this call's scratch segment or the device regions it names (`regions`)
+        again helps, or a device region it named was unregistered by this client meanwhile
+        (unregister_gpu_regions from another thread: call() registers that memory afresh)."""
+        for attempt in range(3):
+            try:
+                return call()
+            except PackdError as e:
+                if (attempt == 2 or e.code != grpc.StatusCode.NOT_FOUND
+                        or not self._reregister(scratch, regions)):
+                    raise
+        raise AssertionError("unreachable")
 
     def _reregister(self, scratch, regions=()):
         """Registers again what the server no longer holds (a lease ran out, or the server
@@ -205,10 +209,11 @@ class Regions:
         with self._lock:
             devices = [self._device[name] for name in set(regions)
                        if name not in known and name in self._device]
+            forgotten = [name for name in set(regions) if name not in self._device]
         for request in devices:
             conn.call(conn.stub.RegisterDeviceRegion, request)
             count += 1
-        return count
+        return count + len(forgotten)
 
     def close(self) -> None:
         """Unregisters the idle scratch segments (those of calls still running go when they

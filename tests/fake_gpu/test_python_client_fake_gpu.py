@@ -478,3 +478,50 @@ def test_a_step_with_tensors_on_two_devices_is_a_value_error(client, gpu):
         client.pack_micro_batches([gpu.put(tokens, 1)], gpu.put(mask, 0), 80)
     with pytest.raises(ValueError, match=r"mask is on cpu but inputs\[0\] is on cuda:0"):
         client.pack_micro_batches([gpu.put(tokens, 0)], mask, 80)
+
+
+def test_unregister_gpu_regions_while_threads_call(client, gpu):
+    """unregister_gpu_regions from one thread while four others pack, scatter and step on the
+    GPU with the same client: every call succeeds with its own results (a call whose regions
+    went meanwhile registers them again), and the regions left are those of the last calls."""
+    failures = []
+    stop = threading.Event()
+
+    def work(t):
+        g = torch.Generator().manual_seed(300 + t)
+        for i in range(12):
+            host = random_tensor(torch.float16, (4, 24, 3), g)
+            mask_host = random_mask((4, 24), g)
+            try:
+                x, mask = gpu.put(host, 0), gpu.put(mask_host, 0)
+                r = client.pack(x, mask)
+                assert same(r.packed, host[mask_host])
+                assert same(client.scatter(r.packed, mask),
+                            reference_scatter(host[mask_host], mask_host, host))
+                if i % 4 == 0:
+                    for mb in client.pack_micro_batches([x], mask, 40):
+                        assert same(mb.result.packed[0],
+                                    host[mb.samples][mask_host[mb.samples]])
+            except Exception as e:  # an assert in a thread fails nothing by itself
+                failures.append("thread %d call %d: %r" % (t, i, e))
+
+    def unregister():
+        while not stop.is_set():
+            try:
+                client.unregister_gpu_regions()
+            except Exception as e:
+                failures.append("unregister_gpu_regions: %r" % e)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    remover = threading.Thread(target=unregister)
+    remover.start()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    stop.set()
+    remover.join()
+    assert not failures, failures[:5]
+    client.unregister_gpu_regions()
+    assert not [n for n in regions(client) if n.startswith("py-gpu-")]
