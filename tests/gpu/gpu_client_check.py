@@ -278,21 +278,27 @@ def check_step(client, gen):
     host = step_results(client.pack_micro_batches(
         [tokens.cpu(), logprobs.cpu()], mask.cpu(), budget,
         **dict(kw, segment_ids=ids.cpu(), loss_mask=loss_mask.cpu())))
-    step_results(client.pack_micro_batches([tokens, logprobs], mask, budget, **kw))  # arena
-    got, step_ms = timed(lambda: step_results(
-        client.pack_micro_batches([tokens, logprobs], mask, budget, **kw)))
-    through = sum(mb.result.packed[0].is_cuda for mb in got.values())
+    last = {}
+
+    def device_step():
+        step = client.pack_micro_batches([tokens, logprobs], mask, budget, **kw)
+        out = step_results(step)
+        last["through"] = step.through_shared_memory  # results written into the GPU arena
+        return out
+
+    got, step_ms = timed(device_step)
+    through = last["through"]
 
     def plan_and_pack():
         counts = (mask.sum(1) + 7) // 8 * 8  # lengths as the step measures them: padded docs
         plan = client.plan_micro_batches([int(v) for v in counts.tolist()], budget,
                                          num_ranks=4)
-        out = {}
+        out = []
         for mb in plan.micro_batches:
-            rows = torch.tensor(mb.samples, device="cuda", dtype=torch.long)
-            out[(mb.rank, mb.index)] = client.pack(
+            rows = torch.tensor(list(mb.samples), device="cuda", dtype=torch.long)
+            out.append(client.pack(
                 [tokens[rows], logprobs[rows]], mask[rows], segment_ids=ids[rows],
-                with_position_ids=True, pad_multiple=8, shifts=[(0, -100)])
+                with_position_ids=True, pad_multiple=8, shifts=[(0, -100)]))
         return out
 
     _, pack_ms = timed(plan_and_pack)
