@@ -3,6 +3,9 @@
 span:     packd_testing, cpu calls on the span backend (the default)
 torch:    packd_testing --cpu_impl=torch, cpu calls on libtorch
 fake_gpu: the first server's cuda:0, the fake GPU of tests/fake_gpu (host tensors staged to it)
+gpu_memory: the same server, every tensor of the call in fake GPU memory of this process
+          (tests/support/fake_gpu_memory.py): the clients' GPU path, device regions, results
+          (a step's: its arena) on the device
 """
 import collections
 import os
@@ -21,7 +24,7 @@ def servers():
     with PackdServer(binary, "--fake_gpu_devices=1") as span, \
             PackdServer(binary, "--cpu_impl=torch") as torch_address:
         yield {"span": (span, "cpu"), "torch": (torch_address, "cpu"),
-               "fake_gpu": (span, "cuda:0")}
+               "fake_gpu": (span, "cuda:0"), "gpu_memory": (span, "gpu_memory")}
 
 
 def pytest_terminal_summary(terminalreporter):

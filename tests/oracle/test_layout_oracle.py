@@ -3,7 +3,7 @@
 The cross product of the layout options (documents, padding, CP or Ulysses SP, fixed shapes,
 shifts, seq_idx, a shared prefix) for Pack, for Scatter (the options that place rows, and a
 shared prefix's stream or targets) and for PackMicroBatches,
-on each backend (span, torch, fake GPU), each combination on fresh random data with 1- to
+on each backend (span, torch, fake GPU; and every tensor in fake GPU memory), each combination on fresh random data with 1- to
 16-byte rows (and a wide one), pad values, position ids and a random rank. A combination the
 design refuses (CP without a multiple of 2 * cp_size, CP with SP, ...) is checked for its named
 INVALID_ARGUMENT, and the server serves the next call. Each test asserts that every one of its
@@ -11,6 +11,7 @@ combinations ran; the summary prints how many did. Shared prompts (§14) also ru
 groupings of their own, and each of their errors.
 
 PACKD_ORACLE_SEED=N repeats a run (the seed is printed with every failure)."""
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -55,7 +56,7 @@ SCATTER_DIMS["shared"] = ("none", "stream", "targets")
 OPS = {"pack": LAYOUT_DIMS, "scatter": SCATTER_DIMS, "step": LAYOUT_DIMS}
 PLAIN = dict(docs=False, pad=False, parallel="none", fixed=False, shifts=False, seq_idx=False,
              shared=False)
-BACKENDS = ("span", "torch", "fake_gpu")
+BACKENDS = ("span", "torch", "fake_gpu", "gpu_memory")
 
 # Combinations the design refuses whatever the batch, with the words packd must say; the
 # option sets each op takes (Scatter takes no shifts).
@@ -397,6 +398,67 @@ def expect_refused(client, device, op, case, o, what, rng, gen, message):
     assert message in e.value.details, "%s: %s" % (what, e.value.details)
 
 
+_GPU = []
+
+
+class OnGpu:
+    """A client whose every call has its tensors in fake GPU memory (the gpu_memory backend):
+    the tensor arguments are copied there, `device` is left to the tensors, and the results
+    are the GPU's (fake device memory reads as host memory)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    @staticmethod
+    def _put(t):
+        if not _GPU:
+            from fake_gpu_memory import FakeGpuMemory
+            _GPU.append(FakeGpuMemory(os.environ["PACKD_FAKE_GPU_LIB"], devices=1))
+        if t is None or not isinstance(t, torch.Tensor):
+            return t
+        return _GPU[0].put(t.contiguous(), 0)
+
+    def _call(self, method, tensors, mask, **kwargs):
+        kwargs.pop("device", None)
+        for name in ("segment_ids", "loss_mask"):
+            if name in kwargs:
+                kwargs[name] = self._put(kwargs[name])
+        tensors = ([self._put(t) for t in tensors] if isinstance(tensors, (list, tuple))
+                   else self._put(tensors))
+        return getattr(self._client, method)(tensors, self._put(mask), **kwargs)
+
+    @staticmethod
+    def _on_gpu(result):
+        first = result[0] if isinstance(result, (list, tuple)) else result
+        # (An empty tensor has no address to tell apart.)
+        assert first.numel() == 0 or _GPU[0].device_of(first) == 0, \
+            "a result of the GPU path in host memory"
+        return result
+
+    def pack(self, tensors, mask, **kwargs):
+        r = self._call("pack", tensors, mask, **kwargs)
+        self._on_gpu(r.packed)
+        return r
+
+    def scatter(self, tensors, mask, **kwargs):
+        return self._on_gpu(self._call("scatter", tensors, mask, **kwargs))
+
+    def pack_micro_batches(self, tensors, mask, budget, **kwargs):
+        return self._call("pack_micro_batches", tensors, mask, max_tokens=budget, **kwargs)
+
+
+@contextlib.contextmanager
+def connect(address, device):
+    """The client of a backend: for gpu_memory, one over fake GPU memory (OnGpu)."""
+    if device != "gpu_memory":
+        with packd.Client(address, shm_threshold_bytes=0) as client:
+            yield client
+        return
+    OnGpu._put(None)  # the fake GPU, before the client that uses it
+    with packd.Client(address, shm_threshold_bytes=0, device_memory=_GPU[0]) as client:
+        yield OnGpu(client)
+
+
 def seeded(*names):
     """A random.Random and a torch.Generator for one test, from the run's seed."""
     rng = random.Random(" ".join(str(n) for n in (SEED,) + names))
@@ -411,7 +473,7 @@ def test_every_layout_combination(servers, op, backend):
     coverage = COVERAGE[(op, backend)]
     ran, refused_keys, widths = set(), set(), set()
     width_cycle = sorted(ROWS)
-    with packd.Client(address, shm_threshold_bytes=0) as client:
+    with connect(address, device) as client:
         for cell in cells(op):
             # The widths cycle over the combinations served, so that each is served.
             width = width_cycle[sum(coverage[key] for key in ran - refused_keys)
@@ -450,7 +512,7 @@ def test_refused_combinations_name_their_field(servers, op, backend):
     address, device = servers[backend]
     rng, gen = seeded("refused", op, backend)
     coverage = COVERAGE[(op, backend)]
-    with packd.Client(address, shm_threshold_bytes=0) as client:
+    with connect(address, device) as client:
         for name, options, message in REFUSED:
             case = Case(rng, gen, PLAIN, 8, op)
             case.options = dict(options)
@@ -479,7 +541,7 @@ def test_shared_prompts(servers, op, backend):
     address, device = servers[backend]
     rng, gen = seeded("shared", op, backend)
     coverage = COVERAGE[(op, backend)]
-    with packd.Client(address, shm_threshold_bytes=0) as client:
+    with connect(address, device) as client:
         for n in range(SHARED_REPEATS):
             for cell in SHARED_CELLS[op]:
                 case = Case(rng, gen, cell, sorted(ROWS)[n % len(ROWS)], op)
@@ -541,7 +603,7 @@ def test_refused_shared_prompts(servers, op, backend):
     rng, gen = seeded("shared refused", op, backend)
     coverage = COVERAGE[(op, backend)]
     cell = dict(PLAIN, shared="stream" if op == "scatter" else True)
-    with packd.Client(address, shm_threshold_bytes=0) as client:
+    with connect(address, device) as client:
         for name, ops, spoil in SHARED_REFUSED:
             if op not in ops:
                 continue
