@@ -495,6 +495,55 @@ TEST_F(ClientFakeGpuTest, AStepOnTheGpuEqualsTheHostStep) {
   }
 }
 
+// Steps on the GPU from four threads sharing one client, each on its own
+// batch: every micro-batch equals that batch's host step (each step's arena is
+// its own).
+TEST_F(ClientFakeGpuTest, StepsFromThreadsSharingOneClient) {
+  constexpr int kThreads = 4;
+  std::vector<at::Tensor> tokens, masks;
+  std::vector<Steps> expected(kThreads);
+  StepCallOptions options;
+  options.plan.num_ranks = 2;
+  options.pack.layout.shifts = {{0, -100}};
+  for (int t = 0; t < kThreads; ++t) {
+    masks.push_back(RandomMask(8, 30));
+    tokens.push_back(testing::RandomTensor(rng_, DType::kInt64, {8, 30}));
+    v1::PlanResponse plan;
+    absl::StatusOr<Steps> host =
+        RunStep(*client_, {tokens[t]}, masks[t], options, &plan);
+    ASSERT_TRUE(host.ok()) << host.status();
+    expected[t] = std::move(*host);
+  }
+  std::vector<std::future<std::string>> runs;
+  for (int t = 0; t < kThreads; ++t) {
+    runs.push_back(std::async(std::launch::async, [&, t]() -> std::string {
+      for (int round = 0; round < 3; ++round) {
+        v1::PlanResponse plan;
+        absl::StatusOr<Steps> step =
+            RunStep(*client_, {gpu_->Put(tokens[t], 0)}, gpu_->Put(masks[t], 0),
+                    options, &plan);
+        if (!step.ok()) return step.status().ToString();
+        if (step->size() != expected[t].size()) return "another plan";
+        for (const auto& [key, mb] : *step) {
+          const StepMicroBatch& want = expected[t].at(key);
+          if (gpu_->DeviceOf(mb.batch.packed[0]) != 0 &&
+              mb.batch.packed[0].numel() > 0) {
+            return "a result in host memory";
+          }
+          if (!testing::SameBytes(want.batch.packed[0], mb.batch.packed[0]) ||
+              !testing::SameBytes(want.batch.shifted[0], mb.batch.shifted[0])) {
+            return absl::StrCat("micro-batch ", key.second, " of rank ",
+                                key.first, " differs");
+          }
+        }
+      }
+      return "";
+    }));
+  }
+  for (int t = 0; t < kThreads; ++t)
+    EXPECT_EQ(runs[t].get(), "") << "thread " << t;
+}
+
 // The client waits for its caller's GPU work on the caller's stream only: an
 // input written there is read as written, while work that another stream
 // (NCCL's, say) still runs does not hold the call up. A build that cannot see
