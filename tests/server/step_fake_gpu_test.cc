@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,25 @@ std::vector<LayoutCase> Layouts() {
 
 class StepOnFakeGpuTest : public FakeGpuTest {
  protected:
+  // A batch copied into memory on fake device `device`, its tensors at `at`
+  // (Offsets), registered as region `name` on cuda:`device`.
+  struct OnDevice {
+    std::vector<uint64_t> at;
+    std::unique_ptr<DeviceBuffer> memory;
+  };
+  OnDevice Put(const Batch& batch, int device, const std::string& name) {
+    OnDevice out{Offsets(batch.Tensors()), nullptr};
+    out.memory = std::make_unique<DeviceBuffer>(device, out.at.back());
+    for (size_t i = 0; i + 1 < out.at.size(); ++i) {
+      out.memory->Put(batch.Tensors()[i], out.at[i]);
+    }
+    EXPECT_TRUE(RegisterDevice(name, *out.memory,
+                               absl::StrCat("cuda:", device).c_str(),
+                               out.at.back())
+                    .ok());
+    return out;
+  }
+
   // A step's request over `batch`: its tensors inline, or in region `region`
   // at `offsets`; with position ids, a shift of the token ids, a loss mask
   // (the mask, inline) and two ranks' plan.
@@ -214,12 +234,8 @@ TEST_F(StepOnFakeGpuTest, EveryLayoutOnTheDeviceEqualsTheHostStep) {
   for (const LayoutCase& layout : Layouts()) {
     SCOPED_TRACE(layout.name);
     const Batch batch = Batch::Random(rng, 24, 96, 12);
-    const std::vector<uint64_t> at = Offsets(batch.Tensors());
-    DeviceBuffer memory(0, at.back());
-    for (size_t i = 0; i + 1 < at.size(); ++i) {
-      memory.Put(batch.Tensors()[i], at[i]);
-    }
-    ASSERT_TRUE(RegisterDevice("batch", memory, "cuda:0", at.back()).ok());
+    const OnDevice on_device = Put(batch, 0, "batch");
+    const std::vector<uint64_t>& at = on_device.at;
 
     v1::PackMicroBatchesRequest host = Request(batch, nullptr, at);
     layout.apply(&host);
@@ -269,12 +285,9 @@ TEST_F(StepOnFakeGpuTest, TensorsOnAnotherDeviceAreRefusedBeforeThePlan) {
   StartServer();
   testing::Rng rng = testing::Rng::Fresh();
   const Batch batch = Batch::Random(rng, 6, 40, 4);
-  const std::vector<uint64_t> at = Offsets(batch.Tensors());
-  DeviceBuffer memory(0, at.back()), other(1, 1 << 20);
-  for (size_t i = 0; i + 1 < at.size(); ++i) {
-    memory.Put(batch.Tensors()[i], at[i]);
-  }
-  ASSERT_TRUE(RegisterDevice("batch", memory, "cuda:0", at.back()).ok());
+  const OnDevice on_device = Put(batch, 0, "batch");
+  const std::vector<uint64_t>& at = on_device.at;
+  DeviceBuffer other(1, 1 << 20);
   ASSERT_TRUE(RegisterDevice("other", other, "cuda:1", 1 << 20).ok());
   v1::PackMicroBatchesRequest request = Request(batch, "batch", at);
   request.mutable_batch()->set_device("cuda:1");
@@ -319,12 +332,8 @@ TEST_F(StepOnFakeGpuTest, ASlowReaderHoldsTheServerToTwoMicroBatches) {
   testing::Rng rng = testing::Rng::Fresh();
   // Micro-batches of about 1.2 MB: more than a socket's buffers take.
   const Batch batch = Batch::Random(rng, 48, 96, 2048);
-  const std::vector<uint64_t> at = Offsets(batch.Tensors());
-  DeviceBuffer memory(0, at.back());
-  for (size_t i = 0; i + 1 < at.size(); ++i) {
-    memory.Put(batch.Tensors()[i], at[i]);
-  }
-  ASSERT_TRUE(RegisterDevice("batch", memory, "cuda:0", at.back()).ok());
+  const OnDevice on_device = Put(batch, 0, "batch");
+  const std::vector<uint64_t>& at = on_device.at;
   v1::PackMicroBatchesRequest host = Request(batch, nullptr, at);
   const Ran on_host = Run(host);
   ASSERT_TRUE(on_host.status.ok()) << on_host.status.error_message();
@@ -363,12 +372,8 @@ TEST_F(StepOnFakeGpuTest, ADeviceErrorMidStepEndsItCleanly) {
   StartServer(Device{DeviceKind::kCuda, 2});
   testing::Rng rng = testing::Rng::Fresh();
   const Batch batch = Batch::Random(rng, 24, 96, 12);
-  const std::vector<uint64_t> at = Offsets(batch.Tensors());
-  DeviceBuffer memory(2, at.back());
-  for (size_t i = 0; i + 1 < at.size(); ++i) {
-    memory.Put(batch.Tensors()[i], at[i]);
-  }
-  ASSERT_TRUE(RegisterDevice("batch", memory, "cuda:2", at.back()).ok());
+  const OnDevice on_device = Put(batch, 2, "batch");
+  const std::vector<uint64_t>& at = on_device.at;
   v1::PackMicroBatchesRequest host = Request(batch, nullptr, at);
   host.mutable_batch()->set_device("cpu");
   const Ran on_host = Run(host);
@@ -419,18 +424,15 @@ TEST_F(StepOnFakeGpuTest, StepsFromThreadsSharingOneChannel) {
   constexpr int kThreads = 4;
   testing::Rng rng = testing::Rng::Fresh();
   std::vector<Batch> batches;
-  std::vector<std::unique_ptr<DeviceBuffer>> memory, arenas;
+  std::vector<OnDevice> memory;
+  std::vector<std::unique_ptr<DeviceBuffer>> arenas;
   std::vector<Messages> expected;
   std::vector<v1::PackMicroBatchesRequest> requests;
   for (int i = 0; i < kThreads; ++i) {
     batches.push_back(Batch::Random(rng, 16, 96, 8));
-    const std::vector<uint64_t> at = Offsets(batches[i].Tensors());
-    memory.push_back(std::make_unique<DeviceBuffer>(0, at.back()));
-    for (size_t j = 0; j + 1 < at.size(); ++j) {
-      memory[i]->Put(batches[i].Tensors()[j], at[j]);
-    }
     const std::string name = absl::StrCat("batch", i);
-    ASSERT_TRUE(RegisterDevice(name, *memory[i], "cuda:0", at.back()).ok());
+    memory.push_back(Put(batches[i], 0, name));
+    const std::vector<uint64_t>& at = memory[i].at;
     const Ran on_host = Run(Request(batches[i], nullptr, at));
     ASSERT_TRUE(on_host.status.ok()) << on_host.status.error_message();
     expected.push_back(on_host.messages);
