@@ -14,7 +14,7 @@ TSAN_DIR ?= build-tsan
 TSAN_TESTS = server_regions_test memory_budget_test metrics_test regions_test service_test soak_test \
   shared_client_test client_fake_gpu_test
 
-.PHONY: all deps configure build test run bench bench-step bench-grpo plots image check-image fuzz tsan clean format
+.PHONY: all deps configure build test run wheel bench bench-step bench-grpo plots image check-image fuzz tsan clean format
 
 all: build
 
@@ -37,6 +37,10 @@ test: build
 run: build
 	$(BUILD_DIR)/bin/packd --listen=127.0.0.1:50051 --device=cpu
 
+# The Python client's wheel, $(BUILD_DIR)/dist/packd-VERSION-py3-none-any.whl (python/make_wheel.sh).
+wheel: configure
+	cmake --build $(BUILD_DIR) --target packd_wheel
+
 bench: build
 	$(BUILD_DIR)/bin/bench_pack
 
@@ -45,10 +49,12 @@ plots: build
 	benchmarks/plots.sh $(BUILD_DIR)/bin docs/plots
 
 # A training step's preparation three ways (benchmarks/bench_step.py): PackMicroBatches, a plan
-# and a Pack per micro-batch, and verl's way in torch; through handles and inline.
+# and a Pack per micro-batch, and verl's own step on PyPI's torch 2 (the PyPI stack's venv);
+# through handles and inline. BENCH_STACK=debian runs it on Debian's torch 1.13 instead.
+BENCH_STACK ?= pypi
 bench-step: build
-	cd $(BUILD_DIR) && ctest -R python_install > /dev/null && \
-	  venv/bin/python $(CURDIR)/benchmarks/bench_step.py --packd bin/packd
+	cd $(BUILD_DIR) && ctest -R '^python_install$(if $(filter pypi,$(BENCH_STACK)),_pypi)$$' > /dev/null && \
+	  venv$(if $(filter pypi,$(BENCH_STACK)),-pypi)/bin/python $(CURDIR)/benchmarks/bench_step.py --packd bin/packd
 
 # A GRPO batch's forward and backward with its prompts shared and not (benchmarks/bench_grpo.py).
 bench-grpo: build

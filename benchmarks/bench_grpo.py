@@ -64,7 +64,7 @@ def shared_step(model, r):
     loss = (pg_token_loss(logits[r.shared.pred_index], labels, old, advantages)
             * weights).sum() / weights.sum()
     loss.backward()
-    return float(loss)
+    return loss.item()
 
 
 def unshared_step(model, r):
@@ -75,7 +75,7 @@ def unshared_step(model, r):
     loss = (pg_token_loss(logits, labels.clamp(min=0), old, advantages)
             * weights).sum() / weights.sum()
     loss.backward()
-    return float(loss)
+    return loss.item()
 
 
 def main():

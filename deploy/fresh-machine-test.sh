@@ -8,7 +8,8 @@
 #   deploy/fresh-machine-test.sh                  # clone, make test: the whole build (~11 min on 2 cores)
 #   deploy/fresh-machine-test.sh --tests-only DIR # no build: the fresh root installs the packages
 #                                                 # and runs the tests of the build in DIR (absolute, a
-#                                                 # Release build of this checkout) against them
+#                                                 # Release build of this checkout) against them, but
+#                                                 # for the PyPI stack's (label pypi)
 #   KEEP=1 deploy/fresh-machine-test.sh ...       # keep the root afterwards (its path is printed)
 #
 # Needs root, debootstrap and a Debian mirror (MIRROR, default http://deb.debian.org/debian). The
@@ -74,8 +75,8 @@ mount_into /dev --rbind /dev
 # A clean environment, but for this machine's proxy and trust settings (a proxy's CA bundle is
 # copied to the same path in the root), which a fresh machine here would have too.
 passed=()
-for var in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY NODE_EXTRA_CA_CERTS \
-  SSL_CERT_FILE; do
+for var in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY SSL_CERT_FILE \
+  PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_TRUSTED_HOST PIP_CERT PIP_DEFAULT_TIMEOUT; do
   [[ -n "${!var:-}" ]] || continue
   passed+=("$var=${!var}")
   if [[ "${!var}" == /* && -f "${!var}" ]]; then
@@ -83,6 +84,8 @@ for var in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY NODE_
     cp "${!var}" "$root${!var}"
   fi
 done
+# pip's own settings file, as this machine's pip reads it (the PyPI stack's downloads).
+if [[ -f /etc/pip.conf ]]; then cp /etc/pip.conf "$root/etc/pip.conf"; fi
 in_root() { chroot "$root" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
   DEBIAN_FRONTEND=noninteractive "${passed[@]}" "$@"; }
 
@@ -104,7 +107,9 @@ else
   # The checkout at its own path, so that the build's absolute paths hold in the root.
   mount_into "$checkout" --bind "$checkout"
   if [[ -d /usr/local/cuda ]]; then mount_into /usr/local/cuda --bind /usr/local/cuda; fi
-  in_root bash -c "cd '$checkout' && deploy/install-deps.sh >/dev/null"
-  in_root bash -c "cd '$tests_only' && ctest --output-on-failure -j $(nproc)"
+  # Without the PyPI stack: its tests (label pypi) ran against this build already, on the same
+  # Debian python3, and a venv made here would download its 3 GB again.
+  in_root bash -c "cd '$checkout' && PACKD_PYPI=0 deploy/install-deps.sh >/dev/null"
+  in_root bash -c "cd '$tests_only' && ctest --output-on-failure -j $(nproc) -LE pypi"
 fi
 step "passed"

@@ -153,7 +153,7 @@ def shared_step(model, client, batch, *, num_ranks, max_tokens):
         token_loss = pg_token_loss(logits, labels, old, advantages) * weights
         loss = token_loss.sum() * num_ranks / plan.global_loss_tokens
         loss.backward()
-        total += float(token_loss.sum()) / plan.global_loss_tokens
+        total += token_loss.sum().item() / plan.global_loss_tokens
     for p in model.parameters():  # the all-reduce mean over ranks
         if p.grad is not None:
             p.grad /= num_ranks
@@ -196,7 +196,7 @@ def dense_step(model, batch):
     weights = batch.loss_mask[:, 1:][at].to(token_loss.dtype)
     loss = (token_loss * weights).sum() / weights.sum()
     loss.backward()
-    return float(loss)
+    return loss.item()
 
 
 def train(client, steps=3, num_ranks=2, max_tokens=160, check=False, log=print):

@@ -153,7 +153,7 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
             # the ranks' gradients is then the gradient of the global token mean.
             loss = token_loss.sum() * num_ranks / plan.global_loss_tokens
         loss.backward()
-        total += float(token_loss.sum()) / plan.global_loss_tokens
+        total += token_loss.sum().item() / plan.global_loss_tokens
     for p in model.parameters():  # the all-reduce mean over ranks
         if p.grad is not None:
             p.grad /= num_ranks
@@ -170,7 +170,7 @@ def dense_step(model, batch, hidden=None):
     token_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
     loss = (token_loss * weights.flatten()).sum() / weights.sum()
     loss.backward()
-    return float(loss)
+    return loss.item()
 
 
 def relative_difference(a, b):

@@ -107,7 +107,7 @@ def parallel_step(model, client, batch, hidden, *, mode, size, num_ranks, max_to
             # Summed over every micro-batch of every rank (CP and data-parallel), divided once.
             loss = token_loss.sum() / plan.global_loss_tokens
             loss.backward(retain_graph=r + 1 < size)
-            total += float(loss)
+            total += loss.item()
     return total
 
 

@@ -204,7 +204,7 @@ def parser(message_type, tensor_type):
         message = message_type.FromString(b"".join(rest))
         for number, header in headers:
             field = descriptor.fields_by_number[number]
-            if field.label == field.LABEL_REPEATED:
+            if is_repeated(field):
                 getattr(message, field.name).add().CopyFrom(header)
             else:
                 getattr(message, field.name).MergeFrom(header)
@@ -213,7 +213,16 @@ def parser(message_type, tensor_type):
     return parse
 
 
+def is_repeated(field):
+    """Whether a field descriptor is a repeated field: `is_repeated` where the runtime has it
+    (newer ones; 7.x removed `label`), else `label`, all that 4.21 (the oldest supported) has."""
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is not None:
+        return repeated
+    return field.label == field.LABEL_REPEATED
+
+
 def message_type_of(message_type, field):
     """The generated class of a message field's type."""
     value = getattr(message_type(), field.name)
-    return type(value.add() if field.label == field.LABEL_REPEATED else value)
+    return type(value.add() if is_repeated(field) else value)

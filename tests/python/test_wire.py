@@ -77,3 +77,35 @@ def test_truncated_replies_are_refused():
         # A prefix that parses is a valid shorter message: protobuf agrees.
         expected = pb.PackResponse.FromString(buf[:n])
         assert len(message.packed) == len(expected.packed)
+
+
+def test_repeated_fields_are_told_apart_on_every_protobuf():
+    """_wire.is_repeated on every field of packd.v1, against the labels the file's own descriptor
+    proto records (FieldDescriptorProto.label, a message field every runtime keeps): protobuf
+    4.21 has only FieldDescriptor.label, 7.x only is_repeated."""
+    from google.protobuf import descriptor_pb2
+
+    file_proto = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(file_proto)
+    expected = {}
+
+    def walk(messages, prefix):
+        for m in messages:
+            for f in m.field:
+                expected[f"{prefix}{m.name}.{f.name}"] = (
+                    f.label == descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
+            walk(m.nested_type, f"{prefix}{m.name}.")
+
+    walk(file_proto.message_type, "packd.v1.")
+    got = {}
+
+    def visit(descriptor):
+        for f in descriptor.fields:
+            got[f.full_name] = _wire.is_repeated(f)
+        for nested in descriptor.nested_types:
+            visit(nested)
+
+    for message in pb.DESCRIPTOR.message_types_by_name.values():
+        visit(message)
+    assert got == expected
+    assert sum(got.values()) >= 10  # packd.v1 has repeated fields to tell apart

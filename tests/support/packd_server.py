@@ -110,8 +110,8 @@ class PackdServer:
     def stop(self):
         """SIGTERM, then the exit code (0 after a clean drain)."""
         self._proc.terminate()
-        self._proc.stderr.read()
-        code = self._proc.wait(timeout=60)
+        self._proc.communicate(timeout=60)
+        code = self._proc.returncode
         self._dir.cleanup()
         return code
 
