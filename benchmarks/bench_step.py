@@ -3,8 +3,12 @@
   packd     one PackMicroBatches call: the batch uploaded once, planned and packed by the
             server, the micro-batches streamed back;
   (a)       PlanMicroBatches, then one Pack per micro-batch of its rows (index_select here);
-  (b)       in process, the way verl does it: Karmarkar-Karp in Python over the ranks, then
-            over each rank's micro-batches, index_select and a boolean pack per micro-batch.
+  (b)       in process, verl's own step where verl is installed (the PyPI stack): ranks
+            balanced by get_seqlen_balanced_partitions over its workload (its trainer's
+            _balance_batch), each rank's micro-batches by rearrange_micro_batches on a TensorDict,
+            then a boolean pack per micro-batch and labels rolled over its stream (verl's
+            FSDP engine), on the venv's torch with its default threads, as users run it;
+            without verl, a transcription of the same step (Karmarkar-Karp in Python).
 
 The batch is a rollout's: token ids (int64), log-probs and advantages (float32), [B, S], each
 row a prompt and response of a lognormal length, right-padded; labels are the token ids
@@ -30,6 +34,14 @@ import torch
 
 import packd
 
+try:  # verl's own functions (the PyPI stack, deploy/pypi-constraints.txt)
+    import verl
+    from tensordict import TensorDict
+    from verl.utils.seqlen_balancing import (calculate_workload, get_seqlen_balanced_partitions,
+                                             rearrange_micro_batches)
+except ImportError:
+    verl = None
+
 COST = (24576.0, 1.0)
 
 
@@ -44,7 +56,8 @@ def rollout(B, S, seed):
 
 
 def karmarkar_karp(costs, k):
-    """verl's balanced partitioning (the largest differencing method): k sets of indices."""
+    """verl's balanced partitioning (the largest differencing method): k sets of indices. A
+    transcription, for stacks without verl (verl/utils/seqlen_balancing.py)."""
     heap = []
     for i, c in enumerate(costs):
         sets = [[] for _ in range(k)]
@@ -71,8 +84,34 @@ def labels_of(tokens, mask):
     return labels
 
 
+def verl_step(batch, ranks, max_tokens):
+    """(b) with verl's own functions. batch: (TensorDict of the [B, S] tensors, mask). Returns
+    the micro-batches: (rows, packed tensors, labels rolled over the micro-batch's stream)."""
+    td, mask = batch
+    lengths = mask.sum(1)
+    out = []
+    for part in get_seqlen_balanced_partitions(calculate_workload(lengths).tolist(),
+                                               k_partitions=ranks, equal_size=True):
+        rank_rows = torch.tensor(part, dtype=torch.long)
+        micro_batches, indices = rearrange_micro_batches(td[rank_rows], max_token_len=max_tokens)
+        for mb, idx in zip(micro_batches, indices):
+            m = mb["attention_mask"].bool()
+            packed = [mb["input_ids"][m], mb["old_log_probs"][m], mb["advantages"][m]]
+            labels = torch.roll(packed[0].view(1, -1), shifts=-1, dims=1).view(-1)
+            out.append((rank_rows[torch.tensor(idx, dtype=torch.long)], packed, labels))
+    return out
+
+
+def as_tensordict(batch):
+    tokens, logprobs, advantages, mask = batch
+    return TensorDict({"input_ids": tokens, "attention_mask": mask.long(),
+                       "old_log_probs": logprobs, "advantages": advantages},
+                      batch_size=[mask.shape[0]]), mask
+
+
 def in_process(batch, ranks, max_tokens):
-    """(b): verl's step in torch. Returns the micro-batches: (rows, packed tensors, labels)."""
+    """(b) transcribed: verl's step in torch. Returns the micro-batches: (rows, packed tensors,
+    labels)."""
     tokens, logprobs, advantages, mask = batch
     lengths = mask.sum(1).tolist()
     cost = [COST[0] * n + COST[1] * n * n for n in lengths]
@@ -119,7 +158,10 @@ def step(client, batch, ranks, max_tokens, first):
     return out
 
 
-def check(name, batch, micro_batches):
+def check(name, batch, micro_batches, rolled=False):
+    """Every micro-batch against torch's. rolled: labels rolled over the micro-batch's stream
+    (verl's), so each row's last label is the next row's first token (the stream's first at its
+    end) where torch's shift within the row has -100 (docs/design.md §10)."""
     tokens, logprobs, advantages, mask = batch
     seen = []
     for rows, packed, labels in micro_batches:
@@ -127,7 +169,13 @@ def check(name, batch, micro_batches):
         for x, p in zip((tokens, logprobs, advantages), packed):
             if not torch.equal(x.index_select(0, rows)[m], p):
                 raise SystemExit("bench_step: %s packed other values" % name)
-        if not torch.equal(labels_of(tokens.index_select(0, rows), m)[m], labels):
+        want = labels_of(tokens.index_select(0, rows), m)[m]
+        if rolled:
+            ends = m.sum(1).cumsum(0) - 1
+            ends = ends[m.sum(1) > 0]
+            stream = packed[0]
+            want[ends] = stream[(ends + 1) % max(1, stream.numel())]
+        if not torch.equal(want, labels):
             raise SystemExit("bench_step: %s shifted other labels" % name)
         seen += rows.tolist()
     if sorted(seen) != list(range(mask.shape[0])):
@@ -147,6 +195,7 @@ def timed(fn, repeats):
 def start_server(binary, address):
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([binary, "--listen=" + address], stdout=log, stderr=log)
+    log.close()  # the child holds its own descriptor
     for _ in range(200):
         try:
             with packd.Client(address, timeout=1, retries=0) as c:
@@ -213,8 +262,17 @@ def main():
                 a = timed(lambda: through_pack(client, batch, args.ranks, args.max_tokens),
                           args.repeats)
                 rows.append((transport, ours, statistics.median(firsts), a))
-        check("(b)", batch, in_process(batch, args.ranks, args.max_tokens))
-        b = timed(lambda: in_process(batch, args.ranks, args.max_tokens), args.repeats)
+        if verl is not None:
+            td = as_tensordict(batch)
+            check("(b)", batch, verl_step(td, args.ranks, args.max_tokens), rolled=True)
+            b = timed(lambda: verl_step(td, args.ranks, args.max_tokens), args.repeats)
+            b_name = "verl %s's own functions" % verl.__version__
+        else:
+            check("(b)", batch, in_process(batch, args.ranks, args.max_tokens))
+            b = timed(lambda: in_process(batch, args.ranks, args.max_tokens), args.repeats)
+            b_name = "a transcription of verl's step (verl not installed)"
+        print("(b): %s on torch %s, %d threads" % (b_name, torch.__version__,
+                                                   torch.get_num_threads()))
         print("%-24s %10s %14s %10s %10s %10s %10s" % ("", "packd ms", "first mb ms",
                                                        "(a) ms", "(b) ms", "(a)/packd",
                                                        "(b)/packd"))
@@ -227,6 +285,8 @@ def main():
                 for transport, ours, first_ms, a in rows:
                     f.write(json.dumps({"transport": transport, "packd_ms": ours,
                                         "plan_and_pack_ms": a, "verl_torch_ms": b,
+                                        "verl": b_name, "torch": torch.__version__,
+                                        "torch_threads": torch.get_num_threads(),
                                         "first_ms": first_ms}) + "\n")
         handles = rows[0]
         met = handles[3] / handles[1] >= 2 and b / handles[1] >= 1.5 and (

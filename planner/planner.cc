@@ -31,6 +31,7 @@ using planner_internal::KarmarkarKarp;
 using planner_internal::LowerBound;
 using planner_internal::Packing;
 using planner_internal::PackingOf;
+using planner_internal::RanksByCost;
 using planner_internal::RanksByTokens;
 using planner_internal::RoundUp;
 using planner_internal::SplitAndDeal;
@@ -104,8 +105,9 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
   // Candidates at the fewest micro-batches per rank any of them reaches:
   // the greedy packing by cost (or, where the cap is too tight for it, by
   // tokens), the Karmarkar-Karp partition by cost, first fit dealt by cost
-  // (slime's plan), and ranks balanced by tokens split by cost (verl's); the
-  // best is balanced by local search, across ranks, then within each.
+  // (slime's plan), and ranks balanced by tokens or by cost with equal counts,
+  // split by cost (verl's); the best is balanced by local search, across
+  // ranks, then within each.
   const std::vector<std::vector<int64_t>> partition =
       KarmarkarKarp(c.units.cost, AllUnits(c), c.ranks, /*equal_size=*/false);
   double mean_cost = 0;
@@ -115,7 +117,7 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
   // when first needed).
   const std::vector<int64_t> by_cost = Descending(c, /*by_cost=*/true);
   std::vector<int64_t> by_padded;
-  std::vector<std::vector<int64_t>> by_tokens;
+  std::vector<std::vector<int64_t>> by_tokens, by_rank_cost;
   std::vector<Packing> candidates;
   for (;; m += c.multiple) {
     Packing p(c, 0);
@@ -135,13 +137,18 @@ absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
           return q.MaxRankCost() <= mean_cost * (1 + 1e-7);
         });
     if (!level) {
-      // First fit dealt by cost; ranks balanced by tokens, split by cost.
+      // First fit dealt by cost; ranks balanced by tokens or by cost, split
+      // by cost.
       if (auto batches = FirstFit(c, int64_t{c.ranks} * m)) {
         candidates.push_back(
             PackingOf(c, SplitAndDeal(c, *std::move(batches), m)));
       }
       if (by_tokens.empty()) by_tokens = RanksByTokens(c);
       if (std::optional<Bins> bins = SplitByCost(c, by_tokens, m)) {
+        candidates.push_back(PackingOf(c, *bins));
+      }
+      if (by_rank_cost.empty()) by_rank_cost = RanksByCost(c);
+      if (std::optional<Bins> bins = SplitByCost(c, by_rank_cost, m)) {
         candidates.push_back(PackingOf(c, *bins));
       }
     }

@@ -87,6 +87,11 @@ std::vector<std::vector<int64_t>> RanksByTokens(const Checked& c) {
                        c.units.size() % c.ranks == 0);
 }
 
+std::vector<std::vector<int64_t>> RanksByCost(const Checked& c) {
+  return KarmarkarKarp(c.units.cost, AllUnits(c), c.ranks,
+                       c.units.size() % c.ranks == 0);
+}
+
 std::optional<Bins> SplitByCost(const Checked& c,
                                 const std::vector<std::vector<int64_t>>& ranks,
                                 int64_t m) {

@@ -31,11 +31,14 @@ std::optional<std::vector<std::vector<int64_t>>> FirstFit(const Checked& c,
 Bins SplitAndDeal(const Checked& c, std::vector<std::vector<int64_t>> batches,
                   int64_t m);
 
-// The units over ranks balanced by padded tokens with Karmarkar-Karp, equal
-// counts when they divide; SplitByCost then splits each rank by cost into m
-// micro-batches with Karmarkar-Karp, nullopt when one breaks the cap. verl's
-// plan, and a candidate of packd's.
+// The units over ranks balanced with Karmarkar-Karp, equal counts when they
+// divide: by padded tokens, or by cost (as verl 0.9's trainer balances its
+// ranks, by its workload: verl/trainer/ppo/ray_trainer.py, _balance_batch);
+// SplitByCost then splits each rank by cost into m micro-batches with
+// Karmarkar-Karp, nullopt when one breaks the cap (verl's
+// rearrange_micro_batches). verl's plan, and two candidates of packd's.
 std::vector<std::vector<int64_t>> RanksByTokens(const Checked& c);
+std::vector<std::vector<int64_t>> RanksByCost(const Checked& c);
 std::optional<Bins> SplitByCost(const Checked& c,
                                 const std::vector<std::vector<int64_t>>& ranks,
                                 int64_t m);

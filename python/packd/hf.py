@@ -4,12 +4,14 @@
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [9, 8]}])
 
-`DataCollatorWithFlattening` behaves as transformers' collator of that name: the features are
-concatenated into one row, `input_ids`, `labels` and `position_ids` int64 `[1, N]`, `seq_idx`
-int32 `[1, N]`, `cu_seq_lens_q` / `cu_seq_lens_k` int32 `[features + 1]` and `max_length_q` /
-`max_length_k` Python ints; with `return_tensors="np"` (in the constructor or the call) the
-same as numpy arrays. The features are packed by packd: one Pack of the padded batch, whose rows
-are the features.
+`DataCollatorWithFlattening` behaves as transformers' collator of that name (5.x, tested against
+it side by side): the features with tokens (empty ones are left out) are concatenated into one
+row, `input_ids`, `labels` and `position_ids` (from `position_ids_start`) int64 `[1, N]`,
+`seq_idx` int32 `[1, N]`, `cu_seq_lens_q` / `cu_seq_lens_k` int32 `[features + 1]` and
+`max_length_q` / `max_length_k` Python ints; with `return_tensors="np"` (in the constructor or
+the call) the same as numpy arrays. The features are packed by packd: one Pack of the padded
+batch, whose rows are the features. One difference, on purpose: a feature whose `labels` are not
+as long as its `input_ids` is a ValueError, where transformers' would misalign the two rows.
 
 Extensions (docs/design.md §10): `pad_multiple=` pads each feature to a multiple of it (pad
 tokens carry `pad_token_id` in input_ids, `separator_id` in labels, and positions that go on
@@ -34,7 +36,7 @@ class DataCollatorWithFlattening:
     def __init__(self, return_position_ids: bool = True, separator_id: int = -100,
                  return_flash_attn_kwargs: bool = False, return_seq_idx: bool = False,
                  client: Optional[Client] = None, *, pad_multiple: int = 0, cp_size: int = 0,
-                 cp_rank: int = 0, pad_token_id: int = 0,
+                 cp_rank: int = 0, pad_token_id: int = 0, position_ids_start: int = 0,
                  return_tensors: str = "pt") -> None:
         _check_return_tensors(return_tensors)
         self.return_tensors = return_tensors
@@ -47,22 +49,26 @@ class DataCollatorWithFlattening:
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         self.pad_token_id = pad_token_id
+        self.position_ids_start = position_ids_start
 
     def __call__(self, features: Sequence[Dict[str, Any]], return_tensors: Optional[str] = None,
                  separator_id: Optional[int] = None) -> Dict[str, Any]:
         return_tensors = self.return_tensors if return_tensors is None else return_tensors
         _check_return_tensors(return_tensors)
-        if not features:
-            raise ValueError("no features to collate")
-        separator = self.separator_id if separator_id is None else separator_id
-        with_labels = "labels" in features[0]
-        lengths = [len(f["input_ids"]) for f in features]
-        for i, f in enumerate(features):
-            if lengths[i] == 0:  # transformers would add a label without a token
-                raise ValueError(f"feature {i} has no input_ids")
-            if with_labels and len(f["labels"]) != lengths[i]:
+        # As transformers does: features without tokens are left out, seq_idx counts the rest.
+        kept = [i for i, f in enumerate(features) if len(f["input_ids"]) > 0]
+        if not kept:
+            raise ValueError("DataCollatorWithFlattening received a batch where every example "
+                             "is empty.")
+        with_labels = "labels" in features[kept[0]]
+        for i in kept:
+            f = features[i]
+            if with_labels and len(f["labels"]) != len(f["input_ids"]):
                 raise ValueError(f"feature {i}: {len(f['labels'])} labels for "
-                                 f"{lengths[i]} input_ids")
+                                 f"{len(f['input_ids'])} input_ids")
+        features = [features[i] for i in kept]
+        separator = self.separator_id if separator_id is None else separator_id
+        lengths = [len(f["input_ids"]) for f in features]
         F, S = len(features), max(max(lengths), 1)
         input_ids = torch.full((F, S), self.pad_token_id, dtype=torch.int64)
         labels = torch.full((F, S), separator, dtype=torch.int64)
@@ -87,7 +93,8 @@ class DataCollatorWithFlattening:
         batch: Dict[str, Any] = {"input_ids": result.packed[0].view(1, -1),
                                  "labels": result.packed[1].view(1, -1)}
         if self.return_position_ids:
-            batch["position_ids"] = result.position_ids.to(torch.int64).view(1, -1)
+            batch["position_ids"] = (result.position_ids.to(torch.int64).view(1, -1)
+                                     + self.position_ids_start)
         if self.return_seq_idx:
             batch["seq_idx"] = result.seq_idx.to(torch.int32).view(1, -1)
         if self.return_flash_attn_kwargs:

@@ -444,12 +444,13 @@ TEST(Planner, HugeBudgetsAndTotalsAreSafe) {
 }
 
 // On the bench's workloads, fresh each round, under both cost models: packd
-// needs no more micro-batches per rank than verl's planner and at most the
-// bound + 1 (rounded to the multiple), balances cost at least as well (to
-// within 1e-6) as each peer that plans as many micro-batches per rank, and
-// none of the three plans breaks the cap. (A peer with more micro-batches
-// per rank has more room; packd's plans take the fewest first, §11.)
-TEST(Planner, BeatsThePeersAndMeetsTheBound) {
+// needs at most the bound + 1 micro-batches per rank (rounded to the
+// multiple), balances cost at least as well (to within 1e-6) as slime's
+// planner (a transcription: slime is not on PyPI) when that plans as many,
+// and neither plan breaks the cap. (A peer with more micro-batches per rank
+// has more room; packd's plans take the fewest first, §11.) verl is compared
+// with its own code: tests/python/test_verl.py.
+TEST(Planner, BeatsSlimeAndMeetsTheBound) {
   std::mt19937_64 rng = Fresh();
   int compared = 0;
   for (int round = 0; round < 3; ++round) {
@@ -460,22 +461,17 @@ TEST(Planner, BeatsThePeersAndMeetsTheBound) {
         o.cost_per_token = model.per_token;
         o.cost_per_token_squared = model.per_token_squared;
         absl::StatusOr<Plan> ours = PlanMicroBatches(w.lengths, {}, o);
-        absl::StatusOr<Plan> verl = PlanMicroBatchesLikeVerl(w.lengths, {}, o);
         absl::StatusOr<Plan> slime =
             PlanMicroBatchesLikeSlime(w.lengths, {}, o);
-        ASSERT_TRUE(ours.ok() && verl.ok() && slime.ok());
-        for (const Plan* plan : {&*ours, &*verl, &*slime}) {
+        ASSERT_TRUE(ours.ok() && slime.ok());
+        for (const Plan* plan : {&*ours, &*slime}) {
           EXPECT_TRUE(CheckPlan(*plan, w.lengths, {}, o).ok())
               << CheckPlan(*plan, w.lengths, {}, o);
         }
-        for (const Plan* peer : {&*verl, &*slime}) {
-          if (peer->micro_batches_per_rank != ours->micro_batches_per_rank) {
-            continue;
-          }
+        if (slime->micro_batches_per_rank == ours->micro_batches_per_rank) {
           ++compared;
-          EXPECT_LE(ours->cost_imbalance, peer->cost_imbalance + 1e-6);
+          EXPECT_LE(ours->cost_imbalance, slime->cost_imbalance + 1e-6);
         }
-        EXPECT_LE(ours->micro_batches_per_rank, verl->micro_batches_per_rank);
         const int64_t multiple = std::max(1, o.micro_batch_multiple);
         const int64_t bound = MicroBatchLowerBound(w.lengths, o);
         EXPECT_LE(ours->micro_batches_per_rank,
@@ -483,7 +479,7 @@ TEST(Planner, BeatsThePeersAndMeetsTheBound) {
       }
     }
   }
-  EXPECT_GT(compared, 20);  // most peers plan as many
+  EXPECT_GT(compared, 10);  // slime mostly plans as many
 }
 
 struct Workload {
@@ -509,22 +505,16 @@ std::vector<Workload> Workloads(std::mt19937_64& rng) {
   return w;
 }
 
-// packd never needs more micro-batches per rank than the peer, never balances
-// worse, and stays within the bound + one micro-batch (rounded to the
-// multiple) at imbalance <= 1.01.
-TEST(Planner, BeatsThePeerAndMeetsTheBound) {
+// packd stays within the bound + one micro-batch (rounded to the multiple) at
+// token imbalance <= 1.01.
+TEST(Planner, MeetsTheBoundLevel) {
   std::mt19937_64 rng = Fresh();
   for (int round = 0; round < 5; ++round) {
     for (const Workload& w : Workloads(rng)) {
       SCOPED_TRACE(w.name);
       absl::StatusOr<Plan> ours = PlanMicroBatches(w.lengths, {}, w.options);
-      absl::StatusOr<Plan> peer =
-          PlanMicroBatchesLikeVerl(w.lengths, {}, w.options);
-      ASSERT_TRUE(ours.ok() && peer.ok());
-      EXPECT_TRUE(CheckPlan(*peer, w.lengths, {}, w.options).ok())
-          << CheckPlan(*peer, w.lengths, {}, w.options);
-      EXPECT_LE(ours->micro_batches_per_rank, peer->micro_batches_per_rank);
-      EXPECT_LE(ours->imbalance, peer->imbalance + 1e-9);
+      ASSERT_TRUE(ours.ok());
+      EXPECT_TRUE(CheckPlan(*ours, w.lengths, {}, w.options).ok());
       const int64_t multiple = std::max(1, w.options.micro_batch_multiple);
       const int64_t bound = MicroBatchLowerBound(w.lengths, w.options);
       EXPECT_LE(ours->micro_batches_per_rank,

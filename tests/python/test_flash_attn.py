@@ -1,8 +1,16 @@
-"""packd.flash_attn against a reference written from flash-attn's published
-`flash_attn/bert_padding.py` (>= 2.6) in plain torch: every returned value equal, with its dtype,
-on 0/1 masks of every shape and dtype, hidden states of several tails; the gradients of every
-function equal torch autograd's through the reference; the one documented difference (a mask
-holding 2s) as documented; wrong shapes a ValueError."""
+"""packd.flash_attn against flash-attn's own `flash_attn/bert_padding.py`: every returned value
+equal, with its dtype, on 0/1 masks of every shape and dtype, hidden states of several tails; the
+gradients of every function equal torch autograd's through the reference; the one documented
+difference (a mask holding 2s) as documented; wrong shapes a ValueError.
+
+The reference: on the PyPI stack, flash-attn 2.8.3's file itself (flash-attn ships only sources
+that compile CUDA when installed, so deploy/pypi-venv.sh takes that file from its pinned source
+archive into PACKD_PEERS_DIR); on Debian's, which has neither it nor einops, the transcription
+below of flash-attn 2.8.3's flash_attn/bert_padding.py (einops' rearrange spelled with reshape).
+test_the_reference_is_flash_attn_itself_where_it_can_be says which."""
+import glob
+import importlib.util
+import os
 import random
 
 import pytest
@@ -13,7 +21,7 @@ import packd
 from packd import flash_attn
 
 
-# -- the reference, as flash-attn writes it (einops' rearrange spelled with reshape) -----------
+# -- the transcription, for Debian's stack: flash-attn 2.8.3, flash_attn/bert_padding.py --------
 
 def ref_unpad_input(hidden_states, attention_mask, unused_mask=None):
     all_masks = (attention_mask + unused_mask) if unused_mask is not None else attention_mask
@@ -44,6 +52,35 @@ def ref_pad_input(hidden_states, indices, batch, seqlen):
     output = torch.zeros(batch * seqlen, *hidden_states.shape[1:], dtype=hidden_states.dtype)
     output[indices] = hidden_states
     return output.reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def _flash_attn_itself():
+    """flash-attn's bert_padding module, loaded from PACKD_PEERS_DIR, or None."""
+    found = sorted(glob.glob(os.path.join(os.environ.get("PACKD_PEERS_DIR", "/nonexistent"),
+                                          "flash_attn-*", "bert_padding.py")))
+    if not found:
+        return None
+    spec = importlib.util.spec_from_file_location("flash_attn_bert_padding", found[-1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PEER = _flash_attn_itself()
+if PEER is not None:
+    ref_unpad_input = PEER.unpad_input
+    ref_unpad_input_for_concatenated_sequences = PEER.unpad_input_for_concatenated_sequences
+    ref_pad_input = PEER.pad_input
+
+
+def test_the_reference_is_flash_attn_itself_where_it_can_be():
+    """On the PyPI stack (PACKD_PEERS_DIR set) the reference must be flash-attn's own file: a
+    missing file fails here rather than falling back to the transcription unseen."""
+    if os.environ.get("PACKD_PEERS_DIR"):
+        assert PEER is not None, f"no flash_attn-*/bert_padding.py in {os.environ['PACKD_PEERS_DIR']}"
+        assert ref_unpad_input is PEER.unpad_input
+    else:
+        pytest.skip("Debian's stack: the transcription is the reference (no flash-attn, no einops)")
 
 
 # -- helpers -----------------------------------------------------------------------------------
