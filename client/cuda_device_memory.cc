@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,7 +45,10 @@ absl::Status CudaError(const char* what, cudaError_t err) {
 
 // Makes a device current for the calls of one scope, and the caller's own
 // current device current again when it ends: the client never moves the
-// device a caller's thread works on.
+// device a caller's thread works on. cudaSetDevice runs even when the index
+// is already current: on a thread that has made no CUDA call yet it is what
+// makes the device's primary context current, which the driver calls that
+// follow (cuMemGetAddressRange) need.
 class DeviceScope {
  public:
   DeviceScope() = default;
@@ -55,11 +59,8 @@ class DeviceScope {
   }
   absl::Status Set(int index) {
     PACKD_CUDA_CHECK("current device", cudaGetDevice(&previous_));
-    current_ = previous_;
-    if (index != previous_) {
-      PACKD_CUDA_CHECK("set device", cudaSetDevice(index));
-      current_ = index;
-    }
+    PACKD_CUDA_CHECK("set device", cudaSetDevice(index));
+    current_ = index;
     return absl::OkStatus();
   }
 
@@ -95,14 +96,17 @@ struct CudaRuntime {
 };
 
 // The caller's current stream on GPU `index`: libtorch's, where its CUDA
-// headers are built in; else null (the device is waited for).
-void* CallersStream(int index) {
+// runtime is linked in (null when it is the default stream, CUDA's legacy
+// one); else nullopt (the device is waited for).
+std::optional<void*> CallersStream(int index) {
 #if defined(PACKD_CLIENT_TORCH_CUDA)
-  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index))
-      .stream();
+  cudaStream_t stream =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index))
+          .stream();
+  return static_cast<void*>(stream);
 #else
   (void)index;
-  return nullptr;
+  return std::nullopt;
 #endif
 }
 
@@ -231,8 +235,9 @@ class CudaMemory : public DeviceMemory {
   }
 
   absl::Status Synchronize(int index) const override {
-    // The caller's current stream (libtorch with CUDA), else every stream of
-    // the device: a CPU-only libtorch's headers cannot name its stream.
+    // The caller's current stream (libtorch with CUDA; the legacy default
+    // stream is one), else every stream of the device: a CPU-only libtorch
+    // cannot name its stream.
     DeviceScope scope;
     if (absl::Status set = scope.Set(index); !set.ok()) return set;
     CudaRuntime runtime;

@@ -552,7 +552,8 @@ TEST_F(ClientFakeGpuTest, CallsWaitOnTheCallersStreamNotTheDevice) {
   ASSERT_EQ(fakegpu::SetDevice(0), fakegpu::kSuccess);
   fakegpu::Stream callers = nullptr, other = nullptr;
   ASSERT_EQ(fakegpu::StreamCreateWithFlags(&callers, 0), fakegpu::kSuccess);
-  ASSERT_EQ(fakegpu::StreamCreateWithFlags(&other, 0), fakegpu::kSuccess);
+  ASSERT_EQ(fakegpu::StreamCreateWithFlags(&other, fakegpu::kStreamNonBlocking),
+            fakegpu::kSuccess);
   const at::Tensor host =
       testing::RandomTensor(rng_, DType::kFloat32, {4, 30, 5});
   const at::Tensor mask = RandomMask(4, 30);
@@ -589,13 +590,62 @@ TEST_F(ClientFakeGpuTest, CallsWaitOnTheCallersStreamNotTheDevice) {
   EXPECT_TRUE(
       testing::SameBytes(testing::ReferencePack(host, mask), batch->packed[0]));
 
-  gpu_->SetCallersStream(nullptr);
+  gpu_->SetCallersStream(std::nullopt);  // a build that cannot see it
   absl::Notification release_device;
   auto waits = pack_written(&release_device);
   EXPECT_EQ(waits.wait_for(std::chrono::milliseconds(500)),
             std::future_status::timeout);
   release_device.Notify();
   batch = waits.get();
+  // The other stream's work is done with the notifications before they go.
+  ASSERT_EQ(fakegpu::StreamSynchronize(other), fakegpu::kSuccess);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(
+      testing::SameBytes(testing::ReferencePack(host, mask), batch->packed[0]));
+}
+
+// The caller's work on the default stream (libtorch's, CUDA's legacy stream:
+// a null cudaStream_t) is waited for there, by an event, and not by waiting
+// for the device: another stream, non-blocking as NCCL's are, stays busy
+// until after the call, and the call does not wait for it. (A client that
+// takes a null stream for "no stream known" waits for the device and hangs
+// here.)
+TEST_F(ClientFakeGpuTest, CallsWaitOnTheDefaultStreamNotTheDevice) {
+  ASSERT_EQ(fakegpu::SetDevice(0), fakegpu::kSuccess);
+  fakegpu::Stream other = nullptr;
+  ASSERT_EQ(fakegpu::StreamCreateWithFlags(&other, fakegpu::kStreamNonBlocking),
+            fakegpu::kSuccess);
+  const at::Tensor host =
+      testing::RandomTensor(rng_, DType::kFloat32, {3, 40, 6});
+  const at::Tensor mask = RandomMask(3, 40);
+  const at::Tensor d_mask = gpu_->Put(mask, 0);
+  at::Tensor x = *gpu_->Empty({3, 40, 6}, at::kFloat, 0);
+  x.zero_();
+  absl::Notification release;
+  ASSERT_EQ(fakegpu::Launch(other,
+                            [&release](const fakegpu::Accessible&) {
+                              release.WaitForNotification();
+                              return fakegpu::kSuccess;
+                            }),
+            fakegpu::kSuccess);
+  // The input, written late by the default stream.
+  fakegpu::testing::SetStreamDelay(absl::Milliseconds(200));
+  ASSERT_EQ(fakegpu::MemcpyAsync(x.data_ptr(), host.data_ptr(), host.nbytes(),
+                                 fakegpu::kHostToDevice, nullptr),
+            fakegpu::kSuccess);
+  fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
+  gpu_->SetCallersStream(fakegpu::Stream{nullptr});  // the default stream
+  auto call = std::async(std::launch::async,
+                         [&] { return client_->Pack({x}, d_mask); });
+  const bool served =
+      call.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  release.Notify();
+  gpu_->SetCallersStream(std::nullopt);
+  // The busy stream's work is done with `release` before it goes.
+  ASSERT_EQ(fakegpu::StreamSynchronize(other), fakegpu::kSuccess);
+  ASSERT_TRUE(served) << "the call waited for the device, not the default "
+                         "stream";
+  absl::StatusOr<PackedBatch> batch = call.get();
   ASSERT_TRUE(batch.ok()) << batch.status();
   EXPECT_TRUE(
       testing::SameBytes(testing::ReferencePack(host, mask), batch->packed[0]));

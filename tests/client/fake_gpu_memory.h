@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -157,18 +158,28 @@ class FakeGpuMemory : public DeviceMemory,
   }
 
   // As the CUDA client's: the caller's current stream when the build can see
-  // it (SetCallersStream), else the device.
+  // it (SetCallersStream; null is the legacy default stream), else the
+  // device.
   absl::Status Synchronize(int index) const override {
     ++synchronized_;
     if (fakegpu::SetDevice(index) != fakegpu::kSuccess) {
       return FakeGpuRuntime::Check("set device", fakegpu::GetLastError());
     }
     FakeGpuRuntime runtime;
-    return WaitForCallersWork(runtime, callers_stream_.load());
+    std::optional<void*> stream;
+    {
+      absl::MutexLock lock(&callers_mu_);
+      if (callers_stream_) stream = static_cast<void*>(*callers_stream_);
+    }
+    return WaitForCallersWork(runtime, stream);
   }
-  // The stream a caller queues its work on, as libtorch's current stream;
-  // null: a build that cannot see it.
-  void SetCallersStream(fakegpu::Stream stream) { callers_stream_ = stream; }
+  // The stream a caller queues its work on, as libtorch's current stream
+  // (nullptr: the legacy default stream, libtorch's default); nullopt: a
+  // build that cannot see it.
+  void SetCallersStream(std::optional<fakegpu::Stream> stream) {
+    absl::MutexLock lock(&callers_mu_);
+    callers_stream_ = stream;
+  }
 
   void Watch(uintptr_t base, std::function<void()> freed) const override {
     absl::MutexLock lock(&watchers_->mu);
@@ -187,7 +198,8 @@ class FakeGpuMemory : public DeviceMemory,
   std::shared_ptr<std::atomic<int>> live_ =
       std::make_shared<std::atomic<int>>(0);
   mutable std::atomic<int> synchronized_{0};
-  std::atomic<fakegpu::Stream> callers_stream_{nullptr};
+  mutable absl::Mutex callers_mu_;
+  std::optional<fakegpu::Stream> callers_stream_ ABSL_GUARDED_BY(callers_mu_);
 };
 
 }  // namespace packd::testing

@@ -1,7 +1,10 @@
 #include "tests/fake_gpu/fake_gpu_runtime.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 
 namespace fakegpu {
@@ -33,6 +37,7 @@ struct Allocation {
   int fd = -1;        // -1: pinned host memory
   bool ipc_mapping = false;
   uint64_t id = 0;  // of the memory (a mapping has its origin's)
+  int opens = 0;    // an IPC mapping: opens not yet closed
 };
 
 // What an IPC handle carries: enough for any process to open the memfd.
@@ -65,6 +70,9 @@ struct State {
   int ipc_mappings ABSL_GUARDED_BY(mu) = 0;
   std::vector<StreamImpl*> streams ABSL_GUARDED_BY(mu);
   std::map<int, StreamImpl*> default_streams ABSL_GUARDED_BY(mu);
+  // testing::IpcGetMemHandleFromAnotherProcess: the process holding each
+  // allocation's memory for its handles, by the memory's id.
+  std::map<uint64_t, pid_t> exporters ABSL_GUARDED_BY(mu);
 };
 
 State& St() {
@@ -135,17 +143,46 @@ bool AccessibleFrom(int device, const void* p, size_t n) {
 }  // namespace
 
 struct StreamImpl {
-  explicit StreamImpl(int device) : device(device) {
+  // blocking: created without kStreamNonBlocking, so ordered against the
+  // legacy default stream; legacy: the device's default (null) stream.
+  StreamImpl(int device, bool blocking, bool legacy)
+      : device(device), blocking(blocking), legacy(legacy) {
     worker = std::thread([this] { Run(); });
   }
 
-  void Queue(std::function<Error()> work) {
-    const absl::Duration delay = [] {
+  // A marker that completes once the work queued here so far has run (one
+  // already complete when the stream is idle).
+  using Fence = std::shared_ptr<absl::Notification>;
+
+  // Queues `work`, to run after every fence in `after` and (when `delayed`)
+  // the delay tests set.
+  void Queue(std::function<Error()> work, std::vector<Fence> after = {},
+             bool delayed = true) {
+    const absl::Duration delay = [delayed] {
+      if (!delayed) return absl::ZeroDuration();
       absl::MutexLock lock(&St().mu);
       return St().delay;
     }();
     absl::MutexLock lock(&mu);
-    queue.push_back({absl::Now() + delay, std::move(work)});
+    queue.push_back({absl::Now() + delay, std::move(after), std::move(work)});
+  }
+
+  Fence MakeFence() {
+    auto fence = std::make_shared<absl::Notification>();
+    {
+      absl::MutexLock lock(&mu);
+      if (queue.empty() && !running) {
+        fence->Notify();
+        return fence;
+      }
+    }
+    Queue(
+        [fence] {
+          fence->Notify();
+          return kSuccess;
+        },
+        {}, /*delayed=*/false);
+    return fence;
   }
 
   // Waits until everything queued so far has run; the first error of that
@@ -176,6 +213,7 @@ struct StreamImpl {
         queue.pop_front();
         running = true;
       }
+      for (const Fence& f : item.after) f->WaitForNotification();
       absl::SleepFor(item.at - absl::Now());
       const Error e = item.work();
       absl::MutexLock lock(&mu);
@@ -186,9 +224,12 @@ struct StreamImpl {
 
   struct Item {
     absl::Time at;
+    std::vector<Fence> after;
     std::function<Error()> work;
   };
   const int device;
+  const bool blocking;
+  const bool legacy;
   absl::Mutex mu;
   std::deque<Item> queue ABSL_GUARDED_BY(mu);
   bool running ABSL_GUARDED_BY(mu) = false;
@@ -198,22 +239,54 @@ struct StreamImpl {
 
 namespace {
 
+// The null stream is the device's legacy default stream.
 StreamImpl* Resolve(Stream stream) {
   if (stream != nullptr) return stream;
   State& s = St();
   absl::MutexLock lock(&s.mu);
   StreamImpl*& d = s.default_streams[current_device];
   if (d == nullptr) {
-    d = new StreamImpl(current_device);
+    d = new StreamImpl(current_device, /*blocking=*/true, /*legacy=*/true);
     s.streams.push_back(d);
   }
   return d;
 }
 
+// What work queued on `stream` now must wait for, as CUDA orders the legacy
+// default stream: work there waits for the work queued before it on every
+// blocking stream of the device, and work on a blocking stream for the work
+// queued before it on the legacy stream. Non-blocking streams (packd's own,
+// NCCL's) wait for nothing and are waited for by nothing.
+std::vector<StreamImpl::Fence> OrderedAfter(StreamImpl* stream) {
+  std::vector<StreamImpl*> others;
+  {
+    State& s = St();
+    absl::MutexLock lock(&s.mu);
+    if (stream->legacy) {
+      for (StreamImpl* o : s.streams) {
+        if (o != stream && o->device == stream->device && o->blocking) {
+          others.push_back(o);
+        }
+      }
+    } else if (stream->blocking) {
+      auto it = s.default_streams.find(stream->device);
+      if (it != s.default_streams.end()) others.push_back(it->second);
+    }
+  }
+  std::vector<StreamImpl::Fence> fences;
+  for (StreamImpl* o : others) fences.push_back(o->MakeFence());
+  return fences;
+}
+
+// Queues work in CUDA's order for its stream.
+void Enqueue(StreamImpl* stream, std::function<Error()> work) {
+  stream->Queue(std::move(work), OrderedAfter(stream));
+}
+
 // Queues work that faults the device (sticky) when it fails.
 void QueueFaulting(StreamImpl* stream, std::function<Error()> work) {
   const int device = stream->device;
-  stream->Queue([device, work = std::move(work)]() {
+  Enqueue(stream, [device, work = std::move(work)]() {
     const Error e = work();
     if (e == kErrorIllegalAddress) Lose(device, e);
     return e;
@@ -289,6 +362,12 @@ Error Free(void* p) {
   munmap(p, it->second.size);
   close(it->second.fd);
   s.used[it->second.device] -= it->second.size;
+  if (auto exporter = s.exporters.find(it->second.id);
+      exporter != s.exporters.end()) {
+    kill(exporter->second, SIGKILL);
+    waitpid(exporter->second, nullptr, 0);
+    s.exporters.erase(exporter);
+  }
   s.allocations.erase(it);
   return kSuccess;
 }
@@ -361,11 +440,13 @@ Error MemGetInfo(size_t* free, size_t* total) {
   return kSuccess;
 }
 
-Error StreamCreateWithFlags(Stream* stream, unsigned) {
+Error StreamCreateWithFlags(Stream* stream, unsigned flags) {
   if (Error e = Enter("StreamCreateWithFlags", current_device); e != kSuccess) {
     return e;
   }
-  auto* s = new StreamImpl(current_device);
+  auto* s = new StreamImpl(current_device,
+                           /*blocking=*/(flags & kStreamNonBlocking) == 0,
+                           /*legacy=*/false);
   absl::MutexLock lock(&St().mu);
   St().streams.push_back(s);
   *stream = s;
@@ -378,6 +459,8 @@ Error StreamDestroy(Stream) {
 
 Error StreamSynchronize(Stream stream) {
   StreamImpl* s = Resolve(stream);
+  // The legacy stream's work includes the blocking streams' before it.
+  if (s->legacy) Enqueue(s, [] { return kSuccess; });
   const Error work = s->Wait();
   if (Error e = Enter("StreamSynchronize", s->device); e != kSuccess) {
     return e;
@@ -385,9 +468,15 @@ Error StreamSynchronize(Stream stream) {
   return Record(work);
 }
 
+// An event's state is shared with the work that completes it: the stream's
+// worker still unlocks its mutex after the waiter may have woken and
+// destroyed the event.
 struct EventImpl {
-  absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = true;  // never recorded: complete
+  struct State {
+    absl::Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = true;  // never recorded: complete
+  };
+  std::shared_ptr<State> state = std::make_shared<State>();
 };
 
 Error EventCreate(Event* event) {
@@ -399,13 +488,14 @@ Error EventCreate(Event* event) {
 Error EventRecord(Event event, Stream stream) {
   if (Error e = Enter("EventRecord", current_device); e != kSuccess) return e;
   if (event == nullptr) return Record(kErrorInvalidResourceHandle);
+  std::shared_ptr<EventImpl::State> state = event->state;
   {
-    absl::MutexLock lock(&event->mu);
-    event->done = false;
+    absl::MutexLock lock(&state->mu);
+    state->done = false;
   }
-  Resolve(stream)->Queue([event] {
-    absl::MutexLock lock(&event->mu);
-    event->done = true;
+  Enqueue(Resolve(stream), [state] {
+    absl::MutexLock lock(&state->mu);
+    state->done = true;
     return kSuccess;
   });
   return kSuccess;
@@ -413,9 +503,10 @@ Error EventRecord(Event event, Stream stream) {
 
 Error EventSynchronize(Event event) {
   if (event == nullptr) return Record(kErrorInvalidResourceHandle);
+  std::shared_ptr<EventImpl::State> state = event->state;
   {
-    absl::MutexLock lock(&event->mu);
-    event->mu.Await(absl::Condition(&event->done));
+    absl::MutexLock lock(&state->mu);
+    state->mu.Await(absl::Condition(&state->done));
   }
   return Enter("EventSynchronize", current_device);
 }
@@ -467,6 +558,8 @@ const char* GetErrorString(Error error) {
       return "no CUDA-capable device is detected";
     case kErrorInvalidDevice:
       return "invalid device ordinal";
+    case kErrorDeviceUninitialized:
+      return "invalid device context";
     case kErrorInvalidResourceHandle:
       return "invalid resource handle";
     case kErrorIllegalAddress:
@@ -516,6 +609,21 @@ Error IpcOpenMemHandle(void** p, IpcMemHandle handle, unsigned) {
   if (std::memcmp(h.magic, "fakegpu", 8) != 0) {
     return Record(kErrorInvalidResourceHandle);
   }
+  // As CUDA: the exporting process cannot open its own handle.
+  if (h.pid == getpid()) return Record(kErrorDeviceUninitialized);
+  {
+    // As CUDA: the same memory opened again in this process is the same
+    // mapping, counted; each open needs its close.
+    State& s = St();
+    absl::MutexLock lock(&s.mu);
+    for (auto& [address, a] : s.allocations) {
+      if (a.ipc_mapping && a.id == h.id) {
+        ++a.opens;
+        *p = reinterpret_cast<void*>(address);
+        return kSuccess;
+      }
+    }
+  }
   // The exporter's descriptor, if it still is that memory: freed memory, or
   // an exporter that exited, leaves nothing (or something else) there.
   const std::string fd_path =
@@ -551,6 +659,7 @@ Error IpcOpenMemHandle(void** p, IpcMemHandle handle, unsigned) {
   mapping.fd = fd;
   mapping.ipc_mapping = true;
   mapping.id = h.id;
+  mapping.opens = 1;
   s.allocations[reinterpret_cast<uintptr_t>(mapped)] = mapping;
   ++s.ipc_mappings;
   *p = mapped;
@@ -564,6 +673,7 @@ Error IpcCloseMemHandle(void* p) {
   if (it == s.allocations.end() || !it->second.ipc_mapping) {
     return Record(kErrorInvalidValue);
   }
+  if (--it->second.opens > 0) return kSuccess;
   munmap(p, it->second.size);
   close(it->second.fd);
   s.allocations.erase(it);
@@ -665,6 +775,40 @@ size_t PinnedBytesInUse() {
 int OpenIpcMappings() {
   absl::MutexLock lock(&St().mu);
   return St().ipc_mappings;
+}
+
+Error IpcGetMemHandleFromAnotherProcess(IpcMemHandle* handle, void* p) {
+  if (Error e = IpcGetMemHandle(handle, p); e != kSuccess) return e;
+  HandleBytes h;
+  std::memcpy(&h, handle->reserved, sizeof(h));
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  const int max_fd = static_cast<int>(std::min<rlim_t>(
+      files.rlim_cur == RLIM_INFINITY ? 65536 : files.rlim_cur, 65536));
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  auto found = s.exporters.find(h.id);
+  if (found == s.exporters.end()) {
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      // The exporter: holds the memory's descriptor, at the same number, and
+      // nothing else (no socket or pipe of the test's), until killed (the
+      // memory freed) or until the test's process is gone. Only
+      // async-signal-safe calls here. (PR_SET_PDEATHSIG would follow the
+      // forking thread, which may end first.)
+      for (int fd = 0; fd < max_fd; ++fd) {
+        if (fd != h.fd) close(fd);
+      }
+      while (getppid() == parent) sleep(1);
+      _exit(0);
+    }
+    if (pid < 0) return Record(kErrorMemoryAllocation);
+    found = s.exporters.emplace(h.id, pid).first;
+  }
+  h.pid = found->second;
+  std::memcpy(handle->reserved, &h, sizeof(h));
+  return kSuccess;
 }
 
 }  // namespace testing

@@ -9,9 +9,13 @@
 //     makes every later call on that device fail, and GetLastError never
 //     clears it;
 //   - device memory with bounds: allocations per device under a memory limit,
-//     IPC handles that open whole allocations, in this process or in another
-//     (the memory is a memfd the importer opens through /proc), and
-//     MemGetAddressRange;
+//     IPC handles that open whole allocations in another process (the memory
+//     is a memfd the importer opens through /proc; the exporter's own open
+//     fails as CUDA's does, and a second open of the same memory is the same
+//     mapping, counted), and MemGetAddressRange;
+//   - the legacy default stream (null): its work waits for the work queued
+//     before it on every blocking stream, and theirs for its, as CUDA orders
+//     it; non-blocking streams (kStreamNonBlocking) are ordered by nothing;
 //   - devices that are physical devices seen under an index of each
 //     process's own (CUDA_VISIBLE_DEVICES), with a UUID per physical device;
 //   - injected failures (FailNext) and counters (pinned memory, mappings).
@@ -41,6 +45,7 @@ enum Error : int {
   kErrorMemoryAllocation = 2,
   kErrorNoDevice = 100,
   kErrorInvalidDevice = 101,
+  kErrorDeviceUninitialized = 201,  // "invalid device context"
   kErrorInvalidResourceHandle = 400,
   kErrorIllegalAddress = 700,
   kErrorLaunchFailure = 719,
@@ -140,6 +145,11 @@ size_t LargestPinnedAllocation();
 size_t PinnedBytesInUse();
 // IPC mappings now open.
 int OpenIpcMappings();
+// An IPC handle for device memory `p` as another process would give it: a
+// child process holds the memory (until it is freed) and the handle names
+// it, so that a server in this process can open it, as CUDA lets a process
+// open only other processes' handles.
+Error IpcGetMemHandleFromAnotherProcess(IpcMemHandle* handle, void* p);
 
 }  // namespace testing
 }  // namespace fakegpu

@@ -33,7 +33,8 @@ namespace packd {
 
 constexpr size_t kDeviceMemory = size_t{768} << 20;
 // Memory on a fake device, readable from the test (fake device memory is
-// host memory), exported with an IPC handle.
+// host memory), exported with an IPC handle as another process's (the server
+// runs in this process, and CUDA opens no handle in its exporter).
 class DeviceBuffer {
  public:
   DeviceBuffer(int device, size_t bytes) : bytes_(bytes) {
@@ -45,7 +46,9 @@ class DeviceBuffer {
   char* data() const { return static_cast<char*>(data_); }
   std::string Handle() const {
     fakegpu::IpcMemHandle handle;
-    EXPECT_EQ(fakegpu::IpcGetMemHandle(&handle, data_), fakegpu::kSuccess);
+    EXPECT_EQ(
+        fakegpu::testing::IpcGetMemHandleFromAnotherProcess(&handle, data_),
+        fakegpu::kSuccess);
     return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
   }
   void Put(const at::Tensor& t, size_t offset = 0) {

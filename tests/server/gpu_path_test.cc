@@ -10,9 +10,11 @@
 
 #include <cstring>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/proto_util.h"
@@ -332,6 +334,80 @@ TEST_F(FakeGpuTest, StagingUsesBoundedPinnedBuffers) {
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
   EXPECT_THAT(std::string(status.message()),
               HasSubstr("pinned host allocation: out of memory"));
+}
+
+// The fake refuses what CUDA refuses, so that no test here passes on
+// something a GPU would not do: the exporting process cannot open its own
+// handle ("invalid device context"), and a handle opened twice in one process
+// is one mapping, counted, each open closed in turn.
+TEST_F(FakeGpuTest, IpcHandlesOpenAsCudaOpensThem) {
+  ASSERT_EQ(fakegpu::SetDevice(0), fakegpu::kSuccess);
+  DeviceBuffer buffer(0, 4096);
+  fakegpu::IpcMemHandle own;
+  ASSERT_EQ(fakegpu::IpcGetMemHandle(&own, buffer.data()), fakegpu::kSuccess);
+  void* p = nullptr;
+  EXPECT_EQ(
+      fakegpu::IpcOpenMemHandle(&p, own, fakegpu::kIpcMemLazyEnablePeerAccess),
+      fakegpu::kErrorDeviceUninitialized);
+  EXPECT_STREQ(fakegpu::GetErrorString(fakegpu::GetLastError()),
+               "invalid device context");
+
+  fakegpu::IpcMemHandle theirs;
+  ASSERT_EQ(fakegpu::testing::IpcGetMemHandleFromAnotherProcess(&theirs,
+                                                                buffer.data()),
+            fakegpu::kSuccess);
+  const int mappings = fakegpu::testing::OpenIpcMappings();
+  void* first = nullptr;
+  void* second = nullptr;
+  ASSERT_EQ(fakegpu::IpcOpenMemHandle(&first, theirs, 0), fakegpu::kSuccess);
+  ASSERT_EQ(fakegpu::IpcOpenMemHandle(&second, theirs, 0), fakegpu::kSuccess);
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(fakegpu::testing::OpenIpcMappings(), mappings + 1);
+  std::memset(buffer.data(), 0x5a, 64);  // one memory, seen through the mapping
+  EXPECT_EQ(static_cast<unsigned char*>(first)[63], 0x5a);
+  ASSERT_EQ(fakegpu::IpcCloseMemHandle(first), fakegpu::kSuccess);
+  EXPECT_EQ(fakegpu::testing::OpenIpcMappings(), mappings + 1);
+  ASSERT_EQ(fakegpu::IpcCloseMemHandle(second), fakegpu::kSuccess);
+  EXPECT_EQ(fakegpu::testing::OpenIpcMappings(), mappings);
+  EXPECT_EQ(fakegpu::IpcCloseMemHandle(second), fakegpu::kErrorInvalidValue);
+  (void)fakegpu::GetLastError();
+}
+
+// The legacy default stream (null) as CUDA orders it: an event recorded there
+// completes after the work queued before it on a blocking stream, and never
+// waits for a non-blocking stream's.
+TEST_F(FakeGpuTest, TheDefaultStreamWaitsForBlockingStreamsOnly) {
+  ASSERT_EQ(fakegpu::SetDevice(0), fakegpu::kSuccess);
+  for (const bool blocking : {false, true}) {
+    SCOPED_TRACE(blocking ? "blocking" : "non-blocking");
+    fakegpu::Stream busy = nullptr;
+    ASSERT_EQ(fakegpu::StreamCreateWithFlags(
+                  &busy, blocking ? 0 : fakegpu::kStreamNonBlocking),
+              fakegpu::kSuccess);
+    auto release = std::make_shared<absl::Notification>();
+    ASSERT_EQ(fakegpu::Launch(busy,
+                              [release](const fakegpu::Accessible&) {
+                                release->WaitForNotification();
+                                return fakegpu::kSuccess;
+                              }),
+              fakegpu::kSuccess);
+    fakegpu::Event event = nullptr;
+    ASSERT_EQ(fakegpu::EventCreate(&event), fakegpu::kSuccess);
+    ASSERT_EQ(fakegpu::EventRecord(event, nullptr), fakegpu::kSuccess);
+    auto done = std::async(std::launch::async, [event] {
+      return fakegpu::EventSynchronize(event);
+    });
+    // Ordering, not speed: the non-blocking stream's work never completes
+    // before `release`, so an event that waited for it could not be done.
+    const bool before_release =
+        done.wait_for(std::chrono::milliseconds(blocking ? 300 : 20000)) ==
+        std::future_status::ready;
+    release->Notify();
+    EXPECT_EQ(before_release, !blocking);
+    EXPECT_EQ(done.get(), fakegpu::kSuccess);
+    EXPECT_EQ(fakegpu::StreamSynchronize(busy), fakegpu::kSuccess);
+    fakegpu::EventDestroy(event);
+  }
 }
 
 }  // namespace
