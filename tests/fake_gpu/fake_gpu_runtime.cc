@@ -2,8 +2,8 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -781,32 +781,39 @@ Error IpcGetMemHandleFromAnotherProcess(IpcMemHandle* handle, void* p) {
   if (Error e = IpcGetMemHandle(handle, p); e != kSuccess) return e;
   HandleBytes h;
   std::memcpy(&h, handle->reserved, sizeof(h));
-  rlimit files{};
-  getrlimit(RLIMIT_NOFILE, &files);
-  const int max_fd = static_cast<int>(std::min<rlim_t>(
-      files.rlim_cur == RLIM_INFINITY ? 65536 : files.rlim_cur, 65536));
+  // The exporter holds the memory's descriptor as its fd 3, its standard
+  // streams on /dev/null (never a pipe of the test's), nothing else, until
+  // killed (the memory freed) or until the test's process is gone. Spawned,
+  // not forked: a fork would make every page of this process (an in-process
+  // server's buffers among them) copy on its next write.
+  constexpr int kExporterFd = 3;
   State& s = St();
   absl::MutexLock lock(&s.mu);
   auto found = s.exporters.find(h.id);
   if (found == s.exporters.end()) {
-    const pid_t parent = getpid();
-    const pid_t pid = fork();
-    if (pid == 0) {
-      // The exporter: holds the memory's descriptor, at the same number, and
-      // nothing else (no socket or pipe of the test's), until killed (the
-      // memory freed) or until the test's process is gone. Only
-      // async-signal-safe calls here. (PR_SET_PDEATHSIG would follow the
-      // forking thread, which may end first.)
-      for (int fd = 0; fd < max_fd; ++fd) {
-        if (fd != h.fd) close(fd);
-      }
-      while (getppid() == parent) sleep(1);
-      _exit(0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    for (int fd = 0; fd < 3; ++fd) {
+      posix_spawn_file_actions_addopen(&actions, fd, "/dev/null", O_RDWR, 0);
     }
-    if (pid < 0) return Record(kErrorMemoryAllocation);
+    posix_spawn_file_actions_adddup2(&actions, h.fd, kExporterFd);
+    posix_spawn_file_actions_addclosefrom_np(&actions, kExporterFd + 1);
+    const std::string parent = std::to_string(getpid());
+    const std::string script =
+        "while kill -0 " + parent + " 2>/dev/null; do sleep 1; done";
+    char sh[] = "/bin/sh";
+    char dash_c[] = "-c";
+    std::vector<char> body(script.begin(), script.end());
+    body.push_back('\0');
+    char* argv[] = {sh, dash_c, body.data(), nullptr};
+    pid_t pid = -1;
+    const int spawned = posix_spawn(&pid, sh, &actions, nullptr, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (spawned != 0) return Record(kErrorMemoryAllocation);
     found = s.exporters.emplace(h.id, pid).first;
   }
   h.pid = found->second;
+  h.fd = kExporterFd;
   std::memcpy(handle->reserved, &h, sizeof(h));
   return kSuccess;
 }
