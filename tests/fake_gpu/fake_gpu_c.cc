@@ -40,6 +40,21 @@ int packd_fake_gpu_ipc_handle(void* p, unsigned char* out) {
   return e;
 }
 
+// Opens a handle that another process exported, as cudaIpcOpenMemHandle does
+// (the exporting process's own handle is refused).
+int packd_fake_gpu_ipc_open(const unsigned char* in, void** p) {
+  fakegpu::IpcMemHandle handle;
+  std::memcpy(handle.reserved, in, 64);
+  return fakegpu::IpcOpenMemHandle(p, handle,
+                                   fakegpu::kIpcMemLazyEnablePeerAccess);
+}
+
+int packd_fake_gpu_ipc_close(void* p) { return fakegpu::IpcCloseMemHandle(p); }
+
+const char* packd_fake_gpu_error_string(int error) {
+  return fakegpu::GetErrorString(static_cast<fakegpu::Error>(error));
+}
+
 // The allocation holding `p`, and its device; an error for host memory.
 int packd_fake_gpu_address_range(const void* p, void** base, size_t* size,
                                  int* device) {

@@ -2,29 +2,75 @@
 # Prepares, on a machine with packd's build dependencies, what run_gpu_checks.sh needs on a GPU
 # machine that has none of them (only nvcc, Python and torch with CUDA): packd built with CUDA
 # and without libtorch, the shared libraries it loads (less the C and C++ runtimes and the
-# driver), the Python client with its generated stubs, and this machine's protobuf for Python as
-# a fallback for an older or newer one there. Writes .gpu/ (ignored by git) at the top of the
-# tree; carry it to the GPU machine with the tree.
+# driver) behind a wrapper that gives them to packd alone, the Python client with its generated
+# stubs, and the wheels of the client's dependencies that such a machine may lack (grpcio,
+# typing_extensions, protobuf: the constraints file's versions, for CPython 3.12 by default),
+# unpacked there only for a module its Python cannot import. Writes .gpu/ (ignored by git) at the
+# top of the tree; carry it to the GPU machine with the tree.
 #
 #   tests/gpu/make_gpu_bundle.sh          # then, there: tests/gpu/run_gpu_checks.sh
+#
+#   .gpu/bin/packd        the wrapper: LD_LIBRARY_PATH=.gpu/lib for packd only, then
+#   .gpu/libexec/packd    the server
+#   .gpu/python/packd     the Python client and its stubs
+#   .gpu/wheels/          grpcio, typing_extensions, protobuf
+#
+# BUNDLE_PYTHONS: the CPython versions to carry grpcio for ("3.12"; "" for none). FROM_BUILD=DIR
+# bundles the binaries of an existing build (packd and, where built, packd_testing) instead of
+# building packd: tests/gpu/rehearse.sh bundles the build under test that way.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bundle=${BUNDLE:-.gpu}
-build=${BUILD:-/tmp/packd-gpu-bundle}
+pythons=${BUNDLE_PYTHONS-3.12}
 start=$(date +%s)
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPACKD_WITH_TORCH=OFF \
-  -DPACKD_WITH_CUDA=ON >/dev/null
-cmake --build "$build" --target packd packd_python
+if [[ -n "${FROM_BUILD:-}" ]]; then
+  build=$FROM_BUILD
+  cmake --build "$build" --target packd packd_python >/dev/null
+else
+  build=${BUILD:-/tmp/packd-gpu-bundle}
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPACKD_WITH_TORCH=OFF \
+    -DPACKD_WITH_CUDA=ON >/dev/null
+  cmake --build "$build" --target packd packd_python
+fi
 rm -rf "$bundle"
-mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/python" "$bundle/pyproto/google"
-cp "$build/bin/packd" "$bundle/bin/"
-ldd "$build/bin/packd" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' |
-  grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcuda)\.so' |
-  while read -r lib; do cp -L "$lib" "$bundle/lib/"; done
+mkdir -p "$bundle/bin" "$bundle/libexec" "$bundle/lib" "$bundle/python" "$bundle/wheels"
+for binary in packd packd_testing; do
+  [[ -x "$build/bin/$binary" ]] || continue
+  cp "$build/bin/$binary" "$bundle/libexec/"
+  cat >"$bundle/bin/$binary" <<'EOF'
+#!/bin/sh
+# The bundle's libraries (Debian's gRPC, protobuf, abseil, OpenSSL, ...) on this server's library
+# path alone: the Python process that starts it, and torch there, keep their own.
+here=$(cd "$(dirname "$0")/.." && pwd)
+LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/libexec/$(basename "$0")" "$@"
+EOF
+  chmod +x "$bundle/bin/$binary"
+  ldd "$build/bin/$binary" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' |
+    grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcuda)\.so' |
+    while read -r lib; do cp -L -n "$lib" "$bundle/lib/"; done
+done
 cp -r python/packd "$bundle/python/"
 cp -r "$build/python/packd/v1" "$bundle/python/packd/"
 find "$bundle/python" -name __pycache__ -prune -exec rm -rf {} +
-protobuf=$(/usr/bin/python3 -c 'import google.protobuf, os; print(os.path.dirname(google.protobuf.__file__))')
-cp -r "$protobuf" "$bundle/pyproto/google/"
-find "$bundle/pyproto" \( -name __pycache__ -o -name '*.so' \) -prune -exec rm -rf {} +
+
+# The client's dependencies as wheels, from PyPI (cached with the PyPI stack's wheels).
+if [[ -n "$pythons" ]]; then
+  cache=${PACKD_PYPI_CACHE:-$HOME/.cache/packd}/wheels
+  mkdir -p "$cache"
+  pip=()
+  for py in python3 /usr/bin/python3; do
+    if "$py" -m pip --version >/dev/null 2>&1; then pip=("$py" -m pip); break; fi
+  done
+  [[ ${#pip[@]} -gt 0 ]] || { echo "make_gpu_bundle: no pip to fetch the client's wheels" >&2; exit 1; }
+  pinned() { grep -E "^$1==" deploy/pypi-constraints.txt; }
+  for version in $pythons; do
+    "${pip[@]}" download --quiet --no-deps --only-binary=:all: --dest "$cache" \
+      --python-version "$version" --implementation cp --platform manylinux2014_x86_64 \
+      "$(pinned grpcio)" "$(pinned protobuf)" "$(pinned typing_extensions)"
+    tag=cp${version/./}
+    cp "$cache"/grpcio-"$(pinned grpcio | cut -d= -f3)"-"$tag"-*.whl "$bundle/wheels/"
+  done
+  cp "$cache"/protobuf-"$(pinned protobuf | cut -d= -f3)"-*abi3*.whl "$bundle/wheels/"
+  cp "$cache"/typing_extensions-"$(pinned typing_extensions | cut -d= -f3)"-*.whl "$bundle/wheels/"
+fi
 echo "bundle $bundle: $(du -sh "$bundle" | cut -f1), made in $(($(date +%s) - start)) s"

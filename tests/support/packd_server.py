@@ -108,9 +108,9 @@ class PackdServer:
         return self._proc.pid
 
     def stop(self):
-        """SIGTERM, then the exit code (0 after a clean drain)."""
+        """SIGTERM, then the exit code (0 after a clean drain); its log is kept in `log`."""
         self._proc.terminate()
-        self._proc.communicate(timeout=60)
+        self.log = self._proc.communicate(timeout=60)[1]
         code = self._proc.returncode
         self._dir.cleanup()
         return code
