@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace packd {
 
 // Shapes for CUDA graphs; each 0 = not fixed.
@@ -80,6 +82,14 @@ struct LayoutOptions {
            !shifts.empty() || shared_prefix.has_value();
   }
 };
+
+// A Scatter takes only the layout fields that place rows (pad_multiple,
+// cp_size, cp_rank, sp_size, sp_rank, fixed, shared_prefix); pad_values,
+// shifts and with_seq_idx are Pack's. The one statement of that rule:
+// INVALID_ARGUMENT, saying so, when `layout` sets one of Pack's.
+absl::Status CheckScatterFields(const LayoutOptions& layout);
+// `layout` less Pack's own fields: what the Scatter of its result takes.
+LayoutOptions ScatterFields(LayoutOptions layout);
 
 // An allocator whose vectors grow without zeroing their new elements: for
 // arrays filled right after, in parallel (a shared stream's kv_index is

@@ -33,12 +33,8 @@ struct PackFunction : public torch::autograd::Function<PackFunction> {
     ctx->saved_data["tail"] = x.sizes().slice(2).vec();
     // What Scatter takes of the layout (every field that places rows), kept
     // as the wire encodes it: one codec, so no field is left behind.
-    LayoutOptions places = *layout;
-    places.pad_values.clear();
-    places.shifts.clear();
-    places.with_seq_idx = false;
     v1::ScatterRequest kept;
-    const absl::Status encoded = EncodeLayout(places, &kept);
+    const absl::Status encoded = EncodeLayout(ScatterFields(*layout), &kept);
     TORCH_CHECK(encoded.ok(), encoded.ToString());
     ctx->saved_data["layout"] = kept.SerializeAsString();
     return batch->packed[0];

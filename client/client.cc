@@ -78,7 +78,7 @@ absl::StatusOr<std::vector<Part>> InParts(
 int64_t FirstRow(int64_t rows, int parts, int k) { return rows * k / parts; }
 
 // An uninitialised tensor in pooled memory that stays mapped (HostBufferPool,
-// kernels/buffer.h): results of large calls, written once, without the page
+// base/buffer.h): results of large calls, written once, without the page
 // faults of fresh memory.
 at::Tensor PooledEmpty(at::IntArrayRef shape, at::TensorOptions options) {
   int64_t bytes = static_cast<int64_t>(options.dtype().itemsize());
@@ -95,7 +95,7 @@ at::Tensor PooledEmpty(at::IntArrayRef shape, at::TensorOptions options) {
 
 // Shared-memory room a call needs, rounded up so that slightly larger batches
 // reuse the segment: a quarter more, plus 1 MiB. (The Python client's rule is
-// the same: python/packd/client.py, _scratch_for.)
+// the same: python/packd/_regions.py, Regions.scratch_for.)
 int64_t ScratchBytes(int64_t bytes) { return bytes + bytes / 4 + (1 << 20); }
 
 }  // namespace

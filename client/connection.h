@@ -81,7 +81,7 @@ struct ClientOptions {
   // once and keeps this many after.
   int idle_scratch_segments = 4;
   // Keep memory freed by finished calls mapped for the next ones: tunes this
-  // process's malloc (KeepFreedMemoryMapped, kernels/buffer.h), which
+  // process's malloc (KeepFreedMemoryMapped, base/buffer.h), which
   // makes large inline calls several times faster; the process then keeps up
   // to 1 GiB of freed heap.
   bool keep_freed_memory = true;

@@ -542,13 +542,7 @@ absl::StatusOr<Shape> RowsShape(const TensorView& x, int64_t rows,
 
 // A Scatter takes only the layout fields that place rows.
 absl::Status ValidateScatterLayout(const LayoutOptions& layout, size_t packed) {
-  if (!layout.pad_values.empty() || !layout.shifts.empty() ||
-      layout.with_seq_idx) {
-    return absl::InvalidArgumentError(
-        "Scatter takes the layout's pad_multiple, cp_size, cp_rank, sp_size, "
-        "sp_rank, fixed and shared_prefix; pad_values, shifts and "
-        "with_seq_idx are Pack's");
-  }
+  PACKD_RETURN_IF_ERROR(CheckScatterFields(layout));
   return ValidateLayout(layout, packed);
 }
 

@@ -13,7 +13,7 @@ namespace packd {
 // unix sockets ("unix:PATH", "unix-abstract:NAME") and loopback hosts
 // (127.0.0.0/8, "localhost", "[::1]"), with or without a gRPC scheme
 // ("ipv4:", "ipv6:", "dns:///"). The Python client applies the same rule
-// (python/packd/client.py, _is_node_local).
+// (python/packd/_connection.py, is_node_local).
 bool IsNodeLocal(absl::string_view address);
 
 }  // namespace packd

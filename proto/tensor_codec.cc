@@ -95,13 +95,7 @@ void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
 
 absl::Status EncodeLayout(const LayoutOptions& layout,
                           v1::ScatterRequest* request) {
-  if (!layout.pad_values.empty() || !layout.shifts.empty() ||
-      layout.with_seq_idx) {
-    return absl::InvalidArgumentError(
-        "Scatter takes the layout's pad_multiple, cp_size, cp_rank, sp_size, "
-        "sp_rank, fixed and shared_prefix; pad_values, shifts and "
-        "with_seq_idx are Pack's");
-  }
+  PACKD_RETURN_IF_ERROR(CheckScatterFields(layout));
   request->set_pad_multiple(layout.pad_multiple);
   request->set_cp_size(layout.cp_size);
   request->set_cp_rank(layout.cp_rank);

@@ -39,7 +39,6 @@ void EncodeInlineTensor(DType dtype, absl::Span<const int64_t> shape,
 absl::StatusOr<TensorView> DecodeTensorHeader(const v1::Tensor& tensor,
                                               absl::string_view field);
 
-// absl and gRPC codes are equal by number.
 // A layout's fields (docs/design.md §10) on a request, and back. A Scatter
 // carries only those that place rows: encoding pad_values, shifts or
 // with_seq_idx into one is INVALID_ARGUMENT.
@@ -52,6 +51,7 @@ LayoutOptions DecodeLayout(const v1::ScatterRequest& request);
 // A shared stream's metadata (docs/design.md §14) into a PackResponse.shared.
 void EncodeSharedLayout(const SharedLayout& shared, v1::SharedLayout* out);
 
+// A status across gRPC: absl and gRPC codes are equal by number.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

@@ -210,14 +210,14 @@ absl::Status PackServiceImpl::TEST_PackMicroBatches(
   PACKD_ASSIGN_OR_RETURN(
       std::unique_ptr<TrainingStep> step,
       TrainingStep::Make(wire, decoder_, options_.max_message_bytes));
-  responses->emplace_back();
-  *responses->back().mutable_plan() = step->plan();
-  for (size_t k = 0; k < step->size(); ++k) {
+  for (size_t k = 0; k < step->messages(); ++k) {
     Wire<v1::PackMicroBatchesResponse> reply;
     std::vector<Buffer> buffers;
-    PACKD_RETURN_IF_ERROR(metrics_.OnDevice(
-        step->device(), step->PackMicroBatch(k, &reply, &buffers)));
+    PACKD_RETURN_IF_ERROR(
+        metrics_.OnDevice(step->device(), step->Message(k, &reply, &buffers)));
     reply.CopyPayloadsIntoData();
+    PACKD_RETURN_IF_ERROR(
+        decoder_.CheckSize("response", reply.message().ByteSizeLong()));
     responses->push_back(std::move(reply.message()));
   }
   return absl::OkStatus();

@@ -135,7 +135,8 @@ class PackServiceImpl final
   // Extra methods (for testing) that are not part of the service.
   //
   // A PackMicroBatches call's messages, in order (the plan, then each
-  // micro-batch), without gRPC: the fuzz target's way in.
+  // micro-batch, each made by TrainingStep::Message as StepCall makes it),
+  // without gRPC: the fuzz target's way in.
   absl::Status TEST_PackMicroBatches(
       const v1::PackMicroBatchesRequest& request,
       std::vector<v1::PackMicroBatchesResponse>* responses);

@@ -43,7 +43,7 @@ struct ServerOptions {
   // "HOST:PORT" for Prometheus metrics at /metrics; empty: none.
   std::string metrics_listen;
   // Keep memory freed by finished calls mapped for the next ones
-  // (KeepFreedMemoryMapped, kernels/buffer.h) instead of returning it to
+  // (KeepFreedMemoryMapped, base/buffer.h) instead of returning it to
   // the system.
   bool keep_freed_memory = true;
 };

@@ -506,6 +506,15 @@ absl::StatusOr<TensorView> TrainingStep::GatherRows(
   return out;
 }
 
+absl::Status TrainingStep::Message(size_t k,
+                                   Wire<v1::PackMicroBatchesResponse>* response,
+                                   std::vector<Buffer>* buffers) const {
+  if (k > 0) return PackMicroBatch(k - 1, response, buffers);
+  *response->message().mutable_plan() = plan_;
+  response->message().set_output_bytes(output_bytes_);
+  return absl::OkStatus();
+}
+
 absl::Status TrainingStep::PackMicroBatch(
     size_t k, Wire<v1::PackMicroBatchesResponse>* response,
     std::vector<Buffer>* buffers) const {

@@ -74,15 +74,18 @@ class TrainingStep {
   // The bytes the results of every micro-batch sent take in the request's
   // outputs, each tensor from a multiple of 64 (the first message says it).
   int64_t output_bytes() const { return output_bytes_; }
-  // Whether the results are written into the request's outputs (given, and
-  // holding output_bytes) rather than sent inline.
-  bool into_outputs() const { return outputs_.has_value(); }
   // Packs sent micro-batch k into `response` (rank, index, samples, packed),
   // its results in pooled buffers that `buffers` keeps, carried by the
   // response without a copy. Safe to call from several threads at once.
   absl::Status PackMicroBatch(size_t k,
                               Wire<v1::PackMicroBatchesResponse>* response,
                               std::vector<Buffer>* buffers) const;
+  // The call's messages: the plan, then one per micro-batch sent.
+  size_t messages() const { return size() + 1; }
+  // Message k into `response`: 0 the plan with output_bytes, k > 0 sent
+  // micro-batch k - 1 (PackMicroBatch). What every driver of a step sends.
+  absl::Status Message(size_t k, Wire<v1::PackMicroBatchesResponse>* response,
+                       std::vector<Buffer>* buffers) const;
 
  private:
   struct Sent {

@@ -48,7 +48,7 @@ void StepCall::OnWriteDone(bool ok) {
 absl::StatusOr<int64_t> StepCall::Prepare() {
   PACKD_ASSIGN_OR_RETURN(step_, TrainingStep::Make(parsed_, *env_.decoder,
                                                    env_.max_message_bytes));
-  messages_ = step_->size() + 1;
+  messages_ = step_->messages();
   return SaturatingMul(2, step_->max_micro_batch_bytes());
 }
 
@@ -102,14 +102,8 @@ void StepCall::PrepareNext() {
 
 absl::Status StepCall::Make(size_t k, Message* out) {
   auto reply = std::make_shared<CallReply<v1::PackMicroBatchesResponse>>();
-  if (k == 0) {
-    *reply->response->mutable_plan() = step_->plan();
-    reply->response->set_output_bytes(step_->output_bytes());
-  } else {
-    PACKD_RETURN_IF_ERROR(env_.metrics->OnDevice(
-        step_->device(),
-        step_->PackMicroBatch(k - 1, &reply->response, &reply->buffers)));
-  }
+  PACKD_RETURN_IF_ERROR(env_.metrics->OnDevice(
+      step_->device(), step_->Message(k, &reply->response, &reply->buffers)));
   const Spliced spliced = reply->response.Serialize();
   PACKD_RETURN_IF_ERROR(env_.decoder->CheckSize("response", spliced.size()));
   out->buffer = ToByteBuffer(spliced, reply);

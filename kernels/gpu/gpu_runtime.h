@@ -38,7 +38,6 @@ constexpr gpuError_t gpuErrorMemoryAllocation = fakegpu::kErrorMemoryAllocation;
 #define gpuMemGetInfo fakegpu::MemGetInfo
 #define gpuStreamSynchronize fakegpu::StreamSynchronize
 #define gpuStreamCreateWithFlags fakegpu::StreamCreateWithFlags
-#define gpuStreamDestroy fakegpu::StreamDestroy
 #define gpuStreamNonBlocking fakegpu::kStreamNonBlocking
 #define gpuGetDeviceProperties fakegpu::GetDeviceProperties
 #define gpuIpcOpenMemHandle fakegpu::IpcOpenMemHandle
@@ -95,7 +94,6 @@ constexpr gpuError_t gpuSuccess = hipSuccess;
 #define gpuMemGetInfo hipMemGetInfo
 #define gpuStreamSynchronize hipStreamSynchronize
 #define gpuStreamCreateWithFlags hipStreamCreateWithFlags
-#define gpuStreamDestroy hipStreamDestroy
 #define gpuStreamNonBlocking hipStreamNonBlocking
 using gpuDeviceProp_t = hipDeviceProp_t;
 #define gpuGetDeviceProperties hipGetDeviceProperties
@@ -161,7 +159,6 @@ constexpr gpuError_t gpuSuccess = cudaSuccess;
 #define gpuMemGetInfo cudaMemGetInfo
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
-#define gpuStreamDestroy cudaStreamDestroy
 #define gpuStreamNonBlocking cudaStreamNonBlocking
 using gpuDeviceProp_t = cudaDeviceProp;
 #define gpuGetDeviceProperties cudaGetDeviceProperties

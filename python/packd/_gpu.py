@@ -272,8 +272,11 @@ class Gpu:
                 encode, "uuid:" + self.uuid(index), with_position_ids, layout, mask, tensors,
                 segment_ids),
             outputs)
-        return (reply, self.results(reply.packed, inline.get(1, []), outputs, index),
-                self.results(reply.shifted, inline.get(14, []), [], index))
+        return (reply,
+                self.results(reply.packed, inline.get(pb.PackResponse.PACKED_FIELD_NUMBER, []),
+                             outputs, index),
+                self.results(reply.shifted,
+                             inline.get(pb.PackResponse.SHIFTED_FIELD_NUMBER, []), [], index))
 
     def scatter(self, index, tensors, mask, tail_shape, segment_ids, layout):
         """The dense tensors of a Scatter on GPU `index`, written by packd into tensors
@@ -291,4 +294,6 @@ class Gpu:
                 encode, "uuid:" + self.uuid(index), layout, tail_shape, mask, tensors,
                 segment_ids),
             outputs)
-        return self.results(reply.dense, inline.get(1, []), outputs, index)
+        return self.results(reply.dense,
+                            inline.get(pb.ScatterResponse.DENSE_FIELD_NUMBER, []), outputs,
+                            index)
