@@ -100,6 +100,10 @@ ABSL_FLAG(int, groups, 0,
 ABSL_FLAG(int64_t, prefix, 0,
           "pack --groups: the prompt's length, below S; each row's response "
           "after it is 1 .. S - prefix tokens");
+ABSL_FLAG(int, warm_calls, 3,
+          "pack: calls after the first, timed apart from it (the first pays "
+          "for the connection and the first touch of fresh memory); the best "
+          "is shown");
 ABSL_FLAG(int, concurrency, 1, "bench: calls in flight");
 ABSL_FLAG(double, duration, 5, "bench: seconds to run");
 ABSL_FLAG(std::string, transport, "inline",
@@ -526,6 +530,19 @@ int PackCommand(Connection& connection) {
   if (!layout.ok()) return Fail(kUsage, std::string(layout.status().message()));
   absl::StatusOr<PackResult> r = PackInline(connection, *batch, true, *layout);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
+  // The same call again, warm: what a caller that keeps its client pays.
+  const int warm_calls = std::max(0, absl::GetFlag(FLAGS_warm_calls));
+  double warm_ms = 0;
+  for (int i = 0; i < warm_calls; ++i) {
+    absl::StatusOr<PackResult> again =
+        PackInline(connection, *batch, true, *layout);
+    if (!again.ok()) return Fail(kRpcError, again.status().ToString());
+    if (again->packed != r->packed) {
+      return Fail(kCheckFailed,
+                  "pack: a warm call returned other bytes than the first");
+    }
+    warm_ms = i == 0 ? again->ms : std::min(warm_ms, again->ms);
+  }
   const v1::PackResponse& response = r->reply.message();
   std::printf("x:            [%s] %s (%.1f MiB)\n",
               absl::StrJoin(batch->shape, ", ").c_str(),
@@ -547,7 +564,14 @@ int PackCommand(Connection& connection) {
     std::printf("position_ids: %s\n", Head(response.position_ids()).c_str());
   }
   if (shared) PrintStream(*batch, absl::GetFlag(FLAGS_groups), response);
-  std::printf("time:         %.2f ms\n", r->ms);
+  std::printf(
+      "time:         %.2f ms the first call (the connection, the first touch "
+      "of fresh memory)\n",
+      r->ms);
+  if (warm_calls > 0) {
+    std::printf("              %.2f ms a warm call (the best of %d)\n", warm_ms,
+                warm_calls);
+  }
   const std::string output = absl::GetFlag(FLAGS_output);
   if (!output.empty()) {
     std::ofstream f(output, std::ios::binary);

@@ -59,6 +59,7 @@ rm -f "$out/gpu_client_check.txt"
 summary=()
 status=0
 ipc_refused=no
+has_gpu=no  # nvidia-smi sees a GPU (below)
 note() { summary+=("$(printf '%-28s %-9s %s' "$1" "$2" "$3")"); }
 run_start=$(date +%s)
 elapsed() { echo "$(($(date +%s) - $1)) s"; }
@@ -92,7 +93,6 @@ trap finish EXIT
 trap 'note "run" INTERRUPTED "signal after $(elapsed "$run_start")"; status=1; exit' TERM INT
 
 # Whether the machine has a GPU: then every part must run.
-has_gpu=no
 cap=
 if [ -z "$fake" ] && command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader; then
