@@ -19,6 +19,7 @@ import packd
 from packd.v1 import pack_service_pb2 as pb
 from fake_gpu_memory import FakeGpuMemory
 from packd_server import PackdServer
+from region_requests import region_pack_request
 from torch_reference import DTYPES, bits, random_tensor, reference_scatter, same
 
 # This process's GPU i is physical device i; the server's index 0 is physical 1 and 1 is 0.
@@ -175,14 +176,8 @@ def test_register_cuda_tensor_addresses_a_tensor_inside_its_allocation(client, g
     info = regions(client)["mine"]
     assert info.byte_size == alloc.size and info.kind == "device"
     mask = random_mask((4, 9))
-    request = pb.PackRequest(device="uuid:" + client._gpu.uuid(0))
-    request.mask.dtype = pb.DTYPE_BOOL
-    request.mask.shape.extend([4, 9])
-    request.mask.data = mask.numpy().tobytes()
-    tensor = request.inputs.add()
-    tensor.dtype = pb.DTYPE_FLOAT32
-    tensor.shape.extend([4, 9, 3])
-    tensor.region.CopyFrom(s)
+    request = region_pack_request("uuid:" + client._gpu.uuid(0), mask, s, pb.DTYPE_FLOAT32,
+                                  [4, 9, 3])
     packed = client._stub.Pack(request).packed[0]
     got = torch.frombuffer(bytearray(packed.data), dtype=torch.float32).view(-1, 3)
     assert same(got, x.cpu()[mask])

@@ -48,6 +48,7 @@ from packd.v1 import pack_service_pb2 as pb
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 from packd_server import PackdServer  # noqa: E402
+from region_requests import region_pack_request  # noqa: E402
 from torch_reference import DTYPES, reference_scatter  # noqa: E402  (any device)
 
 failures = 0
@@ -216,14 +217,9 @@ def check_child_region(gpu, client, gen):
             device_uuid=uuid, byte_size=int(size), lease_seconds=60))
         x = child_pattern(n).reshape(B, S, H)
         mask = torch.rand(B, S, generator=gen) < 0.4
-        request = pb.PackRequest(device="uuid:" + uuid)
-        request.mask.dtype = pb.DTYPE_BOOL
-        request.mask.shape.extend([B, S])
-        request.mask.data = mask.numpy().tobytes()
-        t = request.inputs.add()
-        t.dtype = pb.DTYPE_INT32
-        t.shape.extend([B, S, H])
-        t.region.region, t.region.offset, t.region.byte_size = "child-region", int(offset), n * 4
+        request = region_pack_request(
+            "uuid:" + uuid, mask, pb.RegionSlice(region="child-region", offset=int(offset),
+                                                 byte_size=n * 4), pb.DTYPE_INT32, [B, S, H])
         reply = client._stub.Pack(request)
         got = torch.frombuffer(bytearray(reply.packed[0].data), dtype=torch.int32)
         name = "region exported by a child process"
@@ -516,14 +512,8 @@ class Lifecycle:
         mask = torch.rand(4, 64, generator=self.gen) < 0.5
         alloc = client.device_memory.allocation(x)
         s = client.register_cuda_tensor("gpu-check-tensor", x)
-        request = pb.PackRequest(device="uuid:" + gpu.memory.uuid(0))
-        request.mask.dtype = pb.DTYPE_BOOL
-        request.mask.shape.extend([4, 64])
-        request.mask.data = mask.numpy().tobytes()
-        t = request.inputs.add()
-        t.dtype = pb.DTYPE_FLOAT32
-        t.shape.extend([4, 64, 8])
-        t.region.CopyFrom(s)
+        request = region_pack_request("uuid:" + gpu.memory.uuid(0), mask, s, pb.DTYPE_FLOAT32,
+                                      [4, 64, 8])
         got = torch.frombuffer(bytearray(client._stub.Pack(request).packed[0].data),
                                dtype=torch.float32).view(-1, 8)
         name = "register_cuda_tensor"
