@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
+import numpy
 import torch
 
 from packd._connection import error
@@ -131,6 +132,15 @@ def joined(replies: Sequence[Tuple[pb.PackResponse, dict]],
     return out
 
 
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A repeated int64 field as an int64 tensor of its own: through numpy's array protocol
+    where the protobuf runtime offers it (upb, PyPI's: a copy, ~7 us for 20,000 values), else
+    through a list (~0.9 ms for as many)."""
+    if hasattr(values, "__array__"):
+        return torch.from_numpy(numpy.array(values, dtype=numpy.int64))
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
 def pack_result(reply: pb.PackResponse, packed: list, shifted: list, single: bool,
                 cu_seqlens_dtype: torch.dtype, docs: bool, with_position_ids: bool,
                 layout: Layout, place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
@@ -138,7 +148,7 @@ def pack_result(reply: pb.PackResponse, packed: list, shifted: list, single: boo
     """The PackResult of a PackResponse and its packed and shifted tensors; `place` puts the
     metadata tensors where the packed ones are."""
     def ints(values, dtype=torch.int64):
-        return place(torch.tensor(list(values), dtype=torch.int64).to(dtype))
+        return place(int64_tensor(values).to(dtype))
 
     return PackResult(
         doc_cu_seqlens=ints(reply.doc_cu_seqlens, cu_seqlens_dtype) if docs else None,

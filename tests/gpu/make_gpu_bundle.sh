@@ -14,6 +14,9 @@
 #   .gpu/libexec/packd    the server
 #   .gpu/python/packd     the Python client and its stubs
 #   .gpu/wheels/          grpcio, typing_extensions, protobuf
+#   .gpu/bin/gpu_check    the kernels' standalone check, prebuilt for sm_80 and sm_90 (with PTX)
+#                         for a GPU machine without nvcc (run_gpu_checks.sh builds it with nvcc
+#                         where there is one)
 #
 # BUNDLE_PYTHONS: the CPython versions to carry grpcio for ("3.12"; "" for none). FROM_BUILD=DIR
 # bundles the binaries of an existing build (packd and, where built, packd_testing) instead of
@@ -49,6 +52,15 @@ EOF
     grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcuda)\.so' |
     while read -r lib; do cp -L -n "$lib" "$bundle/lib/"; done
 done
+# The kernels' check for a machine without nvcc (GPU_CHECK_ARCHS: compute capabilities).
+if [[ -z "${FROM_BUILD:-}" ]]; then
+  nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+  gencode=()
+  for cc in ${GPU_CHECK_ARCHS:-80 90}; do gencode+=(-gencode "arch=compute_$cc,code=sm_$cc"); done
+  gencode+=(-gencode "arch=compute_$cc,code=compute_$cc")  # PTX of the newest, for later GPUs
+  "$nvcc" -std=c++17 -O3 "${gencode[@]}" -I. tests/gpu/gpu_check.cu kernels/gpu/gpu_kernels.cu \
+    -o "$bundle/bin/gpu_check"
+fi
 cp -r python/packd "$bundle/python/"
 cp -r "$build/python/packd/v1" "$bundle/python/packd/"
 find "$bundle/python" -name __pycache__ -prune -exec rm -rf {} +

@@ -109,3 +109,19 @@ def test_repeated_fields_are_told_apart_on_every_protobuf():
         visit(message)
     assert got == expected
     assert sum(got.values()) >= 10  # packd.v1 has repeated fields to tell apart
+
+
+def test_repeated_int64_fields_become_tensors_exactly():
+    """results.int64_tensor: numpy's array protocol where protobuf offers it (upb), else a
+    list; either way the field's values, int64, in a tensor of its own."""
+    from packd.results import int64_tensor
+    rng = torch.Generator().manual_seed(3)
+    values = torch.randint(-2**62, 2**62, (20000,), generator=rng).tolist()
+    values[:4] = [-1, 0, 2**63 - 1, -2**63]
+    reply = pb.PackResponse.FromString(pb.PackResponse(position_ids=values).SerializeToString())
+    got = int64_tensor(reply.position_ids)
+    assert got.dtype == torch.int64 and got.tolist() == values
+    got[0] = 5  # its own memory: the message is unchanged
+    assert reply.position_ids[0] == -1
+    empty = int64_tensor(pb.PackResponse().last_index)
+    assert empty.dtype == torch.int64 and empty.shape == (0,)
