@@ -8,27 +8,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
-#include "kernels/cpu/cpu_backend.h"
-#if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
-#include "kernels/gpu/gpu_backend.h"
-#endif
-#ifdef PACKD_HAVE_TORCH
-#include "kernels/torch/torch_backend.h"
-#endif
 
 namespace packd {
 
 Registry& Registry::Global() {
   static Registry* registry = [] {
     auto* r = new Registry;
-    r->SetRuntime(MakeHostRuntime());
-    RegisterCpuBackends(*r);
-#ifdef PACKD_HAVE_TORCH
-    RegisterTorchBackends(*r);
-#endif
-#if defined(PACKD_HAVE_CUDA) || defined(PACKD_HAVE_HIP)
-    gpu::RegisterGpuBackends(*r);
-#endif
+    RegisterBuiltinBackends(*r);
     return r;
   }();
   return *registry;

@@ -110,6 +110,12 @@ class Registry {
   mutable std::optional<std::vector<DeviceInfo>> gpus_ ABSL_GUARDED_BY(mu_);
 };
 
+// Adds what this build was compiled with to `registry`: the host runtime with
+// the CPU backends, then libtorch's, CUDA's or HIP's where built. The one list
+// of them is kernels/builtin_backends.cc, so that the registry itself names no
+// backend; Global() calls it once.
+void RegisterBuiltinBackends(Registry& registry);
+
 }  // namespace packd
 
 #endif  // PACKD_KERNELS_REGISTRY_H_
