@@ -409,6 +409,19 @@ class Client {
   absl::StatusOr<std::vector<at::Tensor>> GpuResults(
       const Tensors& results, const WireMessage& reply,
       const std::vector<at::Tensor>& outputs, int index);
+  // How a step's micro-batch results are read (step_call.cc): copied out of
+  // the shared-memory arena or the reply; on a GPU, views of the step's arena
+  // there (which they keep) or inline ones copied to it.
+  using StepResults = std::function<absl::StatusOr<std::vector<at::Tensor>>(
+      const Tensors&, const WireMessage&)>;
+  // A step's batch on GPU `index` encoded into `request` (slices of its
+  // device regions), with its results' arena of `arena` bytes (0: none, the
+  // results come inline) allocated there; returns once the GPU's queued work
+  // is done, with how the micro-batches' results are read.
+  absl::StatusOr<StepResults> EncodeStepOnGpu(
+      int index, const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
+      const StepCallOptions& options, int64_t arena,
+      v1::PackMicroBatchesRequest* request, Outgoing* outgoing);
   // A packed batch's metadata tensors (cu_seqlens, position ids, ...) copied
   // to GPU `index`.
   absl::Status MetadataToDevice(int index, PackedBatch* batch);

@@ -356,4 +356,73 @@ absl::StatusOr<at::Tensor> Client::ToDeviceOf(const at::Tensor& t,
   return device_memory_->ToDevice(t.detach().cpu().contiguous(), *index);
 }
 
+absl::StatusOr<Client::StepResults> Client::EncodeStepOnGpu(
+    int index, const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
+    const StepCallOptions& options, int64_t arena,
+    v1::PackMicroBatchesRequest* request, Outgoing* outgoing) {
+  const PackCallOptions& pack = options.pack;
+  at::Tensor gpu_arena;
+  int64_t gpu_arena_offset = 0;
+  UnregisterFreed();
+  const at::Tensor mask_c = mask.contiguous();
+  std::vector<at::Tensor> tensors_c;
+  for (const at::Tensor& t : tensors) tensors_c.push_back(t.contiguous());
+  PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
+  PACKD_RETURN_IF_ERROR(EncodePack(
+      absl::StrCat("uuid:", uuid), pack, tensors_c, mask_c,
+      pack.segment_ids.defined() ? pack.segment_ids.contiguous() : at::Tensor(),
+      GpuEncoder(index), request->mutable_batch(), outgoing));
+  if (options.loss_mask.defined()) {
+    PACKD_RETURN_IF_ERROR(EncodeGpuTensor(options.loss_mask.contiguous(), index,
+                                          request->mutable_loss_mask(),
+                                          outgoing));
+  }
+  if (arena > 0) {
+    PACKD_ASSIGN_OR_RETURN(gpu_arena,
+                           device_memory_->Empty({arena}, at::kByte, index));
+    PACKD_ASSIGN_OR_RETURN(*request->mutable_outputs(),
+                           GpuSlice(gpu_arena, index, outgoing));
+    gpu_arena_offset = static_cast<int64_t>(request->outputs().offset());
+  }
+  // The inputs written and the arena's memory free before packd touches
+  // them.
+  PACKD_RETURN_IF_ERROR(device_memory_->Synchronize(index));
+  // The arena lives as long as the reader, and each view of it as long as its
+  // tensor.
+  return StepResults([this, index, gpu_arena, gpu_arena_offset](
+                         const Tensors& got, const WireMessage& reply)
+                         -> absl::StatusOr<std::vector<at::Tensor>> {
+    std::vector<at::Tensor> out;
+    for (const v1::Tensor& t : got) {
+      if (!t.has_region()) {
+        PACKD_ASSIGN_OR_RETURN(at::Tensor host,
+                               DecodeResult(t, /*copy_out=*/true, reply));
+        PACKD_ASSIGN_OR_RETURN(at::Tensor placed,
+                               device_memory_->ToDevice(host, index));
+        out.push_back(std::move(placed));
+        continue;
+      }
+      const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+      const at::ScalarType dtype = ToScalarType(static_cast<DType>(t.dtype()));
+      const int64_t begin =
+          static_cast<int64_t>(t.region().offset()) - gpu_arena_offset;
+      const int64_t n = static_cast<int64_t>(t.region().byte_size());
+      if (n == 0) {
+        PACKD_ASSIGN_OR_RETURN(at::Tensor empty,
+                               device_memory_->Empty(shape, dtype, index));
+        out.push_back(std::move(empty));
+        continue;
+      }
+      if (!gpu_arena.defined() || begin < 0 || begin + n > gpu_arena.numel()) {
+        return absl::InternalError(absl::StrCat(
+            "packd wrote a result at ", begin, "..", begin + n,
+            ", outside the step's arena of ",
+            gpu_arena.defined() ? gpu_arena.numel() : 0, " bytes"));
+      }
+      out.push_back(gpu_arena.narrow(0, begin, n).view(dtype).reshape(shape));
+    }
+    return out;
+  });
+}
+
 }  // namespace packd
