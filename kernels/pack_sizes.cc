@@ -69,7 +69,8 @@ int64_t PackSizes::MetadataBytes(int64_t rows, int64_t batch_rows,
                                  int64_t sequences) const {
   return SaturatingAdd(
       SaturatingAdd(64, SaturatingMul(rows, metadata_bytes_per_row)),
-      SaturatingAdd(SaturatingMul(20, SaturatingAdd(batch_rows, 1)),
+      SaturatingAdd(SaturatingMul(kMetadataBytesPerBatchRow,
+                                  SaturatingAdd(batch_rows, 1)),
                     SaturatingMul(40, SaturatingAdd(sequences, 1))));
 }
 

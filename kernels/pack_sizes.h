@@ -35,6 +35,11 @@ inline int64_t MaxEntriesPerMessage(int64_t max_message_bytes) {
   return max_message_bytes / 8;
 }
 
+// A response's bytes per batch row besides its tensors: cu_seqlens and
+// last_index, varints of up to 10 bytes each. What a mask's rows cost a
+// response (and a plan) before any token: the bound on B a message limit sets.
+inline constexpr int64_t kMetadataBytesPerBatchRow = 20;
+
 // Plain values; safe to share across threads.
 struct PackSizes {
   // Result bytes of one output row: each input's row, then each shift's

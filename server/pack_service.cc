@@ -159,7 +159,7 @@ absl::Status PackServiceImpl::RunPack(const Wire<v1::PackRequest>& wire,
     return SetPackResponse(std::move(result), response);
   };
   return RunCall("Pack", wire, PackSlots(response, request.inputs_size()),
-                 RequestDecoder::kBytesPerMaskRow, reply, pack);
+                 kMetadataBytesPerBatchRow, reply, pack);
 }
 
 absl::Status PackServiceImpl::RunScatter(

@@ -9,6 +9,7 @@
 #include "base/buffer.h"
 #include "base/dtype.h"
 #include "base/status_macros.h"
+#include "kernels/pack_sizes.h"
 #include "kernels/registry.h"
 #include "proto/tensor_codec.h"
 
@@ -160,12 +161,12 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   // the plan and the response hold about 20 bytes per row: hold B against the
   // limit before anything is allocated.
   const int64_t rows = call.mask.shape[0];
-  if (rows > max_message_bytes_ / kBytesPerMaskRow) {
+  if (rows > max_message_bytes_ / kMetadataBytesPerBatchRow) {
     return absl::ResourceExhaustedError(
         absl::StrCat(prefix, "mask has B = ", rows,
                      " rows: their cu_seqlens and last_index alone "
                      "need about ",
-                     kBytesPerMaskRow,
+                     kMetadataBytesPerBatchRow,
                      " bytes each, over the server's "
                      "limit of ",
                      max_message_bytes_, " bytes (--max_message_bytes)"));

@@ -52,10 +52,6 @@ struct DecodedCall {
 // it reads is safe to share.
 class RequestDecoder {
  public:
-  // What one mask row costs in a plan and a response (cu_seqlens and
-  // last_index as varints of up to 10 bytes).
-  static constexpr int64_t kBytesPerMaskRow = 20;
-
   // `regions` must outlive the decoder.
   RequestDecoder(const RegionRegistry& regions, Device default_device,
                  int64_t max_message_bytes)

@@ -570,9 +570,9 @@ absl::Status TrainingStep::PackMicroBatch(
     }
     base.allocate = IntoSlices(&places);
   } else {
-    base.allocate = IntoReply(response, slot, buffers, max_message_bytes_,
-                              RequestDecoder::kBytesPerMaskRow *
-                                  (static_cast<int64_t>(rows.size()) + 1));
+    base.allocate = IntoReply(
+        response, slot, buffers, max_message_bytes_,
+        kMetadataBytesPerBatchRow * (static_cast<int64_t>(rows.size()) + 1));
   }
   PackOptions options =
       PackOptionsOf(batch_, base, segment_ids, max_message_bytes_);
