@@ -892,7 +892,14 @@ TEST(ClientStep, ASlowReaderHoldsTheServerToTwoMicroBatches) {
       },
       [&](StepMicroBatch mb) {
         if (++received <= 4) {
-          absl::SleepFor(absl::Milliseconds(received == 1 ? 400 : 100));
+          // While this reader waits, the server packs ahead (however slowly
+          // a loaded machine lets it: up to 10 s), then stops: given another
+          // 100 ms, it still holds no more than two.
+          const absl::Time deadline = absl::Now() + absl::Seconds(10);
+          while (MicroBatchesHeld(metrics) < 1 && absl::Now() < deadline) {
+            absl::SleepFor(absl::Milliseconds(20));
+          }
+          absl::SleepFor(absl::Milliseconds(100));
           held.push_back(MicroBatchesHeld(metrics));
         }
         EXPECT_TRUE(SameBytes(testing::ReferencePack(RowsOf(x, mb.samples),

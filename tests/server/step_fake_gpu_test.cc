@@ -349,7 +349,14 @@ TEST_F(StepOnFakeGpuTest, ASlowReaderHoldsTheServerToTwoMicroBatches) {
   while (reader->Read(&message)) {
     messages.push_back(message);
     if (messages.size() >= 2 && messages.size() <= 5) {
-      absl::SleepFor(absl::Milliseconds(messages.size() == 2 ? 300 : 100));
+      // While this reader waits, the server packs ahead (however slowly a
+      // loaded machine lets it: up to 10 s), then stops: given another 100
+      // ms, it still holds no more than two.
+      const absl::Time deadline = absl::Now() + absl::Seconds(10);
+      while (held() < 1 && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      absl::SleepFor(absl::Milliseconds(100));
       seen.push_back(held());
     }
   }
