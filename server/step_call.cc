@@ -116,9 +116,12 @@ absl::Status StepCall::Make(size_t k, Message* out) {
 }
 
 void StepCall::Write() {
-  response_bytes_ += current_->bytes;
+  // Read before the hand-off: once gRPC has the reactor, OnWriteDone may move
+  // current_ on its thread.
+  Message* const message = current_.get();
+  response_bytes_ += message->bytes;
   HandOff(this);  // OnWriteDone runs on one of gRPC's threads
-  StartWrite(&current_->buffer);
+  StartWrite(&message->buffer);
 }
 
 }  // namespace packd
