@@ -246,7 +246,7 @@ class Client:
                     layout)
             finally:
                 self._regions.give_back(scratch)
-            place = None
+            place = lambda t: t
         return pack_result(reply, packed, shifted, single, cu_seqlens_dtype,
                            segment_ids is not None, with_position_ids, layout, place)
 

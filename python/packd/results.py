@@ -143,62 +143,38 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
 
 def pack_result(reply: pb.PackResponse, packed: list, shifted: list, single: bool,
                 cu_seqlens_dtype: torch.dtype, docs: bool, with_position_ids: bool,
-                layout: Layout, place: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                layout: Layout, place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
                 ) -> PackResult:
     """The PackResult of a PackResponse and its packed and shifted tensors; `place` puts the
-    metadata tensors where the packed ones are (a GPU: all of them in one copy, each a view of
-    one buffer there)."""
-    fields = {"cu_seqlens": reply.cu_seqlens, "last_index": reply.last_index}
-    if docs:
-        fields.update(doc_cu_seqlens=reply.doc_cu_seqlens, doc_row=reply.doc_row,
-                      doc_last_index=reply.doc_last_index)
-    if with_position_ids:
-        fields["position_ids"] = reply.position_ids
-    if reply.cu_seqlens_padded:
-        fields["cu_seqlens_padded"] = reply.cu_seqlens_padded
-    if layout.with_seq_idx:
-        fields["seq_idx"] = reply.seq_idx
-    shared = reply.shared if reply.HasField("shared") else None
-    if shared is not None:
-        fields.update({"shared." + name: getattr(shared, name) for name in _SHARED_ARRAYS})
-    t = _placed({name: int64_tensor(values) for name, values in fields.items()}, place)
-    for name in ("cu_seqlens", "doc_cu_seqlens", "cu_seqlens_padded"):
-        if name in t:
-            t[name] = t[name].to(cu_seqlens_dtype)
+    metadata tensors where the packed ones are."""
+    def ints(values, dtype=torch.int64):
+        return place(int64_tensor(values).to(dtype))
+
     return PackResult(
-        doc_cu_seqlens=t.get("doc_cu_seqlens"),
+        doc_cu_seqlens=ints(reply.doc_cu_seqlens, cu_seqlens_dtype) if docs else None,
         doc_max_seqlen=reply.doc_max_seqlen,
-        doc_row=t.get("doc_row"),
-        doc_last_index=t.get("doc_last_index"),
+        doc_row=ints(reply.doc_row) if docs else None,
+        doc_last_index=ints(reply.doc_last_index) if docs else None,
         packed=packed[0] if single else packed,
-        cu_seqlens=t["cu_seqlens"],
+        cu_seqlens=ints(reply.cu_seqlens, cu_seqlens_dtype),
         total_active=reply.total_active,
         max_seqlen=reply.max_seqlen,
-        position_ids=t.get("position_ids"),
-        last_index=t["last_index"],
-        cu_seqlens_padded=t.get("cu_seqlens_padded"),
+        position_ids=ints(reply.position_ids) if with_position_ids else None,
+        last_index=ints(reply.last_index),
+        cu_seqlens_padded=(ints(reply.cu_seqlens_padded, cu_seqlens_dtype)
+                           if reply.cu_seqlens_padded else None),
         max_seqlen_padded=reply.max_seqlen_padded,
-        seq_idx=t.get("seq_idx"),
+        seq_idx=ints(reply.seq_idx) if layout.with_seq_idx else None,
         shifted=list(shifted) if layout.shifts else None,
-        shared=None if shared is None else SharedResult(
-            max_seqlen_q=shared.max_seqlen_q, max_seqlen_k=shared.max_seqlen_k,
-            **{name: t["shared." + name] for name in _SHARED_ARRAYS}))
+        shared=_shared_result(reply.shared, ints) if reply.HasField("shared") else None)
 
 
-# A SharedLayout's arrays, named alike in SharedResult.
-_SHARED_ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "kv_index", "pred_index", "target_cu_seqlens",
-                  "segment_row")
-
-
-def _placed(tensors: Dict[str, torch.Tensor],
-            place: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """Host int64 tensors where `place` puts them: in one copy, as views of one buffer there (a
-    copy to a GPU costs a round trip however small); unchanged without `place`."""
-    if place is None or not tensors:
-        return tensors
-    sizes = [t.numel() for t in tensors.values()]
-    moved = place(torch.cat(list(tensors.values())))
-    return dict(zip(tensors, torch.split(moved, sizes)))
+def _shared_result(shared: pb.SharedLayout, ints: Callable[..., torch.Tensor]) -> SharedResult:
+    return SharedResult(
+        cu_seqlens_q=ints(shared.cu_seqlens_q), cu_seqlens_k=ints(shared.cu_seqlens_k),
+        kv_index=ints(shared.kv_index), max_seqlen_q=shared.max_seqlen_q,
+        max_seqlen_k=shared.max_seqlen_k, pred_index=ints(shared.pred_index),
+        target_cu_seqlens=ints(shared.target_cu_seqlens), segment_row=ints(shared.segment_row))
 
 
 @dataclasses.dataclass
