@@ -1,20 +1,15 @@
 #include "client/client.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <functional>
-#include <future>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "base/buffer.h"
 #include "base/dtype.h"
 #include "base/status_macros.h"
 #include "base/torch_interop.h"
 #include "client/call_parts.h"
-#include "proto/address.h"
 #include "proto/grpc_wire.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"

@@ -46,16 +46,18 @@ struct Batch {
 };
 
 // What a batch is made of: --shape, --dtype, --density, --mask, --input,
-// --mask_file, --groups and --prefix.
+// --mask_file, --groups and --prefix. This and the options structs below are
+// filled field by field from the flags in main.cc, whose defaults are the only
+// ones.
 struct BatchSpec {
-  std::string shape = "16,1024,4096";  // B,S[,tail...]
-  std::string dtype = "bfloat16";
-  double density = 0.3;
-  std::string mask = "prefix";  // or holes
-  std::string input;            // x's raw bytes, else random
-  std::string mask_file;        // B*S bytes, else generated
-  int groups = 0;               // GRPO groups of rows sharing a prompt
-  int64_t prefix = 0;           // the groups' prompt length
+  std::string shape;  // B,S[,tail...]
+  std::string dtype;
+  double density = 0;
+  std::string mask;       // prefix or holes
+  std::string input;      // x's raw bytes, else random
+  std::string mask_file;  // B*S bytes, else generated
+  int groups = 0;         // GRPO groups of rows sharing a prompt
+  int64_t prefix = 0;     // the groups' prompt length
 };
 
 // The batch `spec` asks for: x random (a bool 0 or 1) or read from --input,
@@ -103,7 +105,7 @@ struct PackCommandOptions {
   int cp_size = 0;
   int cp_rank = 0;
   std::string fixed;   // TOKENS,SEQUENCES,MAX_SEQLEN
-  int warm_calls = 3;  // after the first, timed apart from it
+  int warm_calls = 0;  // after the first, timed apart from it
   std::string output;  // the packed bytes of x, written here
 };
 int PackCommand(Connection& connection, const PackCommandOptions& options);
@@ -112,18 +114,18 @@ int PackCommand(Connection& connection, const PackCommandOptions& options);
 struct BenchOptions {
   BatchSpec batch;
   ClientOptions client;
-  int concurrency = 1;
-  double duration = 5;               // seconds
-  std::string transport = "inline";  // or shm
-  std::string json;                  // the summary, also written here
+  int concurrency = 0;
+  double duration = 0;    // seconds
+  std::string transport;  // inline or shm
+  std::string json;       // the summary, also written here
 };
 int BenchCommand(const BenchOptions& options);
 
 // plan (plan_command.cc): lengths from a file or generated, planned.
 struct PlanCommandOptions {
   std::string lengths_file;
-  int samples = 1024;
-  std::string distribution = "lognormal";  // uniform, bimodal
+  int samples = 0;
+  std::string distribution;  // lognormal, uniform or bimodal
   PlanOptions plan;      // budget, ranks, multiple, pad, pipeline order, cost
   bool by_cost = false;  // --cost was given
 };
@@ -131,7 +133,7 @@ int PlanCommand(Connection& connection, const PlanCommandOptions& options);
 
 // step (step_command.cc): one PackMicroBatches call on a synthetic rollout.
 struct StepCommandOptions {
-  std::string batch = "512,4096";  // B,S
+  std::string batch;  // B,S
   PlanOptions plan;
 };
 int StepCommand(Connection& connection, const StepCommandOptions& options);
