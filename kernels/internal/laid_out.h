@@ -40,6 +40,7 @@ struct LaidOut {
   std::vector<int64_t> rows;          // of layout.source
   std::vector<int64_t> shifted_rows;  // of layout.shifted_source
   bool placed = false;                // rows computed
+  std::vector<int64_t> positions;  // packed token -> dense position, found once
   // The packed rows of each narrow source, by its index among the call's
   // sources (never by its address: two empty inputs, or one memory viewed
   // as two dtypes, share one), as [1, N, *tail].
@@ -96,8 +97,6 @@ struct LaidOut {
   absl::Status DenseOf(Backend& backend, const MaskPlan& plan,
                        const std::vector<int64_t>& tokens,
                        std::vector<int64_t>* out, const Stream& stream);
-
-  std::vector<int64_t> positions;  // packed token -> dense position
 };
 
 }  // namespace packd::kernels_internal
