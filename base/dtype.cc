@@ -132,4 +132,19 @@ bool ParseDType(absl::string_view name, DType* dtype) {
   return false;
 }
 
+int64_t IntegerAt(const void* data, DType dtype, int64_t k) {
+  switch (dtype) {
+    case DType::kUInt8:
+      return static_cast<const uint8_t*>(data)[k];
+    case DType::kInt8:
+      return static_cast<const int8_t*>(data)[k];
+    case DType::kInt16:
+      return static_cast<const int16_t*>(data)[k];
+    case DType::kInt32:
+      return static_cast<const int32_t*>(data)[k];
+    default:
+      return static_cast<const int64_t*>(data)[k];
+  }
+}
+
 }  // namespace packd

@@ -58,6 +58,10 @@ int64_t CountNonzero(DType dtype, const void* data, int64_t n);
 // otherwise.
 const char* DTypeName(DType dtype);
 
+// Element k of an integer tensor's bytes (uint8, int8, int16, int32, int64),
+// as int64.
+int64_t IntegerAt(const void* data, DType dtype, int64_t k);
+
 // Parses a name as DTypeName prints it (also "bf16", "fp16", "fp32", "half",
 // "float", "double", "long", "int"). Returns false when the name is unknown.
 bool ParseDType(absl::string_view name, DType* dtype);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/buffer.h"
 #include "base/dtype.h"
 #include "base/torch_interop.h"
@@ -93,7 +95,11 @@ absl::StatusOr<at::Tensor> JoinRows(const std::vector<const v1::Tensor*>& heads,
         std::equal(heads[k]->shape().begin() + 1, heads[k]->shape().end(),
                    first.shape().begin() + 1);
     if (!same) {
-      return absl::InternalError("server returned parts that do not join");
+      return absl::InternalError(absl::StrCat(
+          "server returned parts that do not join: part ", k, " of ",
+          heads.size(), " is dtype ", heads[k]->dtype(), " shape [",
+          absl::StrJoin(heads[k]->shape(), ", "), "], part 0 dtype ",
+          first.dtype(), " shape [", absl::StrJoin(first.shape(), ", "), "]"));
     }
     shape[0] += heads[k]->shape(0);
   }

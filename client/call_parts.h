@@ -1,6 +1,7 @@
 // A call of the C++ client in parts (client/client.cc): a large batch sent as
 // row ranges on several connections at once, and the parts' results joined
-// into the whole batch's. Not API: client.h is.
+// into the whole batch's. Not API: client.h is. Free functions of their
+// arguments: safe from any thread.
 //
 //   PACKD_ASSIGN_OR_RETURN(std::vector<Part> parts, InParts<Part>(n, call));
 //   v1::PackResponse whole = JoinPackResponses(responses, first_rows);

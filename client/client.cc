@@ -229,6 +229,18 @@ void Client::FillMetadata(const v1::PackResponse& response,
   if (options.layout.with_seq_idx) {
     batch->seq_idx = long_tensor(response.seq_idx());
   }
+  if (options.with_token_mask) {
+    const std::string& bytes = response.token_mask();
+    batch->token_mask =
+        at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    if (!bytes.empty()) {
+      std::memcpy(batch->token_mask.data_ptr(), bytes.data(), bytes.size());
+    }
+  }
+  if (options.mrope.has_value()) {
+    batch->mrope_position_ids =
+        long_tensor(response.mrope_position_ids()).view({3, -1});
+  }
   if (response.has_shared()) {
     const v1::SharedLayout& s = response.shared();
     batch->shared = PackedBatch::Shared{long_tensor(s.cu_seqlens_q()),
@@ -245,9 +257,12 @@ void Client::FillMetadata(const v1::PackResponse& response,
 absl::StatusOr<std::vector<at::Tensor>> Client::Results(
     const std::vector<const Tensors*>& results,
     const std::vector<const WireMessage*>& replies, bool copy_out) {
-  for (const Tensors* r : results) {
-    if (r->size() != results[0]->size()) {
-      return absl::InternalError("server returned parts that do not join");
+  for (size_t k = 0; k < results.size(); ++k) {
+    if (results[k]->size() != results[0]->size()) {
+      return absl::InternalError(
+          absl::StrCat("server returned parts that do not join: part ", k,
+                       " of ", results.size(), " has ", results[k]->size(),
+                       " results, part 0 has ", results[0]->size()));
     }
   }
   std::vector<at::Tensor> out;
@@ -299,6 +314,10 @@ absl::Status Client::EncodePack(const std::string& device,
   request->set_device(device);
   request->set_with_position_ids(options.with_position_ids);
   EncodeLayout(options.layout, request);
+  request->set_with_token_mask(options.with_token_mask);
+  if (options.mrope.has_value()) {
+    EncodeMRope(*options.mrope, request->mutable_mrope());
+  }
   PACKD_RETURN_IF_ERROR(encode(mask, request->mutable_mask(), outgoing));
   for (const at::Tensor& t : tensors) {
     PACKD_RETURN_IF_ERROR(encode(t, request->add_inputs(), outgoing));
@@ -399,6 +418,8 @@ absl::StatusOr<PackedBatch> Client::Pack(const std::vector<at::Tensor>& tensors,
   // connection, at once.
   const int64_t rows = mask.dim() == 2 ? mask.size(0) : 0;
   const int parts = options.results_in == nullptr && !options.layout.any() &&
+                            !options.with_token_mask &&
+                            !options.mrope.has_value() &&
                             SplitsByRows(tensors, mask, options.segment_ids)
                         ? Parts(bytes, scratch != nullptr, rows)
                         : 1;

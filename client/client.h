@@ -25,8 +25,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/layout_options.h"
+#include "base/mrope_options.h"
 #include "client/connection.h"
 #include "client/device_memory.h"
+#include "client/gpu_allocations.h"
 #include "client/shared_memory.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "planner/planner.h"
@@ -55,6 +57,11 @@ struct PackCallOptions {
   // documents with segment_ids, else the rows. A call with a layout goes
   // whole (not in parts), its results inline (results_in refused).
   LayoutOptions layout;
+  // Also return token_mask (1 for each output row holding a token, 0 for
+  // padding and ghosts) and, with mrope, the rows' multimodal rotary
+  // positions (docs/design.md §17). A call with either goes whole.
+  bool with_token_mask = false;
+  std::optional<MRopeOptions> mrope;
 };
 
 // A Scatter's options: the Pack's layout it inverts (pad_multiple, cp_size /
@@ -121,6 +128,11 @@ struct PackedBatch {
   int64_t max_seqlen_padded = 0;
   at::Tensor seq_idx;
   std::vector<at::Tensor> shifted;
+  // With with_token_mask: [rows] uint8, 1 for a token, 0 for padding and
+  // ghosts. With mrope: [3, rows] int64 (temporal, height, width), a pad or
+  // ghost row holding its position id in all three.
+  at::Tensor token_mask;
+  at::Tensor mrope_position_ids;
   // With layout.shared_prefix (docs/design.md §14): packed holds the stream,
   // shifted[j] one row per target, and these (int64; undefined without one)
   // its attention metadata and targets, as SharedLayout names them.
@@ -432,19 +444,13 @@ class Client {
   absl::StatusOr<std::vector<at::Tensor>> ScatterOnGpu(
       int index, const std::vector<at::Tensor>& packed, const at::Tensor& mask,
       const ScatterCallOptions& options);
-  // Regions of freed GPU allocations, as the device memory reports them (from
-  // wherever memory is freed, maybe after the client is gone: it holds only
-  // this).
-  struct FreedRegions {
-    absl::Mutex mu;
-    std::vector<std::pair<std::pair<int, uintptr_t>, std::string>> regions
-        ABSL_GUARDED_BY(mu);
-  };
 
   const std::unique_ptr<Connection> connection_;
   const ClientOptions& options_;                       // connection_'s
   const std::shared_ptr<DeviceMemory> device_memory_;  // may be null
-  const std::shared_ptr<FreedRegions> freed_ = std::make_shared<FreedRegions>();
+  // The device regions of GPU allocations (safe to share; it has its own
+  // lock, taken without mu_).
+  GpuAllocations gpu_allocations_;
   // Guards what follows; never held across an RPC.
   absl::Mutex mu_;
   // Signalled when a region's registration again ends.
@@ -464,11 +470,7 @@ class Client {
   // The last step's output_bytes: the arena the next step asks its results
   // in (docs/design.md §12).
   int64_t step_output_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // The device regions of GPU allocations: (device, base) -> (region, IPC
-  // handle); and the devices' UUIDs.
-  absl::flat_hash_map<std::pair<int, uintptr_t>,
-                      std::pair<std::string, std::string>>
-      gpu_allocations_ ABSL_GUARDED_BY(mu_);
+  // The devices' UUIDs.
   absl::flat_hash_map<int, std::string> uuids_ ABSL_GUARDED_BY(mu_);
 };
 

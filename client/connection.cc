@@ -273,10 +273,24 @@ absl::StatusOr<v1::PlanResponse> Connection::Plan(
   return response;
 }
 
-Connection::SegmentName Connection::NewSegmentName(
-    absl::string_view tag) const {
-  const std::string prefix =
-      absl::StrCat(options_.shm_key_prefix, "_", tag, "_");
+Connection::SegmentName Connection::NewSegmentName(absl::string_view tag) {
+  std::optional<std::string> known;
+  {
+    absl::MutexLock lock(&mu_);
+    known = key_prefix_;
+  }
+  if (!known.has_value()) {
+    // A server without tenants (or an older one) says nothing: the option.
+    absl::StatusOr<v1::ServerInfo> info = Info();
+    known = info.ok() && !info->shm_key_prefix().empty()
+                ? info->shm_key_prefix()
+                : options_.shm_key_prefix;
+    if (info.ok()) {
+      absl::MutexLock lock(&mu_);
+      key_prefix_ = known;
+    }
+  }
+  const std::string prefix = absl::StrCat(*known, "_", tag, "_");
   SegmentName name;
   name.key = ShmSegment::UniqueKey(prefix.substr(0, prefix.size() - 1));
   name.region = absl::StrCat(tag, "-", name.key.substr(prefix.size()));

@@ -20,11 +20,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/shm_segment.h"
 #include "packd/v1/pack_service.grpc.pb.h"
@@ -161,14 +164,16 @@ class Connection {
   // The micro-batch plan of `request` (docs/design.md §9).
   absl::StatusOr<v1::PlanResponse> Plan(const v1::PlanRequest& request);
   // A fresh name for a shared-memory segment of this process: its key,
-  // "<shm_key_prefix>_<tag>_<pid>_<random>_<n>" (ShmSegment::UniqueKey), and
-  // the region it is registered as, "<tag>-<pid>_<random>_<n>", unique like
-  // the key (across pid namespaces too).
+  // "<prefix>_<tag>_<pid>_<random>_<n>" (ShmSegment::UniqueKey), and the
+  // region it is registered as, "<tag>-<pid>_<random>_<n>", unique like the
+  // key (across pid namespaces too). The prefix is the one the server gives
+  // this caller (ServerInfo.shm_key_prefix: its tenant's, asked once), else
+  // options().shm_key_prefix.
   struct SegmentName {
     std::string key;
     std::string region;
   };
-  SegmentName NewSegmentName(absl::string_view tag) const;
+  SegmentName NewSegmentName(absl::string_view tag);
   // Registers `segment` as region `region`, leased for
   // options().lease_seconds, and unlinks its name: the server has mapped it,
   // so nothing is left in /dev/shm however this process ends.
@@ -193,6 +198,9 @@ class Connection {
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_;
   std::unique_ptr<v1::PackService::Stub> stub_;  // on channels_[0]
+  absl::Mutex mu_;
+  // The server's key prefix for this caller, once asked.
+  std::optional<std::string> key_prefix_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace packd

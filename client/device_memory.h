@@ -26,7 +26,8 @@
 
 namespace packd {
 
-// Devices are this process's indices; packd is told their UUIDs.
+// Devices are this process's indices; packd is told their UUIDs. Safe to
+// share across threads: a client calls it from every thread that calls it.
 class DeviceMemory {
  public:
   // The allocation a tensor's bytes lie in: an IPC handle maps it whole, from

@@ -72,23 +72,10 @@ absl::StatusOr<v1::RegionSlice> Client::GpuSlice(const at::Tensor& t, int index,
                                                  Outgoing* outgoing) {
   PACKD_ASSIGN_OR_RETURN(DeviceMemory::Allocation allocation,
                          device_memory_->AllocationOf(t));
-  const std::pair<int, uintptr_t> key(index, allocation.base);
-  std::string region;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = gpu_allocations_.find(key);
-    if (it != gpu_allocations_.end()) {
-      if (it->second.second == allocation.ipc_handle) {
-        region = it->second.first;
-      } else {
-        // The address is another allocation's now: the one registered was
-        // freed.
-        absl::MutexLock freed(&freed_->mu);
-        freed_->regions.push_back({key, it->second.first});
-      }
-    }
-  }
-  if (region.empty()) {
+  std::optional<std::string> found =
+      gpu_allocations_.Find(index, allocation.base, allocation.ipc_handle);
+  std::string region = found.value_or("");
+  if (!found.has_value()) {
     UnregisterFreed();
     PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
     v1::RegisterDeviceRegionRequest request;
@@ -102,31 +89,19 @@ absl::StatusOr<v1::RegionSlice> Client::GpuSlice(const at::Tensor& t, int index,
     PACKD_RETURN_IF_ERROR(connection_->Call([&](grpc::ClientContext* c) {
       return connection_->stub().RegisterDeviceRegion(c, request, &response);
     }));
-    region = request.name();
-    bool raced = false;
     {
+      // Known before it is found: a region freed at once is forgotten here.
       absl::MutexLock lock(&mu_);
-      auto it = gpu_allocations_.find(key);
-      if (it != gpu_allocations_.end() &&
-          it->second.second == allocation.ipc_handle) {
-        raced = true;  // another call registered it meanwhile: use that one
-        absl::MutexLock freed(&freed_->mu);
-        freed_->regions.push_back({{-1, 0}, region});
-        region = it->second.first;
-      } else {
-        gpu_allocations_[key] = {region, allocation.ipc_handle};
-        device_regions_[region] = request;
-        registrations_[region] = 1;
-      }
+      device_regions_[request.name()] = request;
+      registrations_[request.name()] = 1;
     }
-    if (!raced) {
-      std::weak_ptr<FreedRegions> freed = freed_;
-      device_memory_->Watch(allocation.base, [freed, key, region] {
-        if (std::shared_ptr<FreedRegions> f = freed.lock()) {
-          absl::MutexLock lock(&f->mu);
-          f->regions.push_back({key, region});
-        }
-      });
+    bool added = false;
+    region = gpu_allocations_.Add(index, allocation.base, allocation.ipc_handle,
+                                  request.name(), &added);
+    if (added) {
+      device_memory_->Watch(
+          allocation.base,
+          gpu_allocations_.OnFreed(index, allocation.base, region));
     }
   }
   outgoing->regions.push_back(region);
@@ -135,27 +110,13 @@ absl::StatusOr<v1::RegionSlice> Client::GpuSlice(const at::Tensor& t, int index,
 }
 
 void Client::UnregisterFreed(bool all) {
-  std::vector<std::pair<std::pair<int, uintptr_t>, std::string>> freed;
-  {
-    absl::MutexLock lock(&freed_->mu);
-    freed.swap(freed_->regions);
-  }
-  std::vector<std::string> names;
+  const std::vector<std::string> names = gpu_allocations_.TakeFreed(all);
+  if (names.empty()) return;
   {
     absl::MutexLock lock(&mu_);
-    if (all) {
-      for (const auto& [key, entry] : gpu_allocations_) {
-        freed.push_back({key, entry.first});
-      }
-    }
-    for (const auto& [key, region] : freed) {
-      auto it = gpu_allocations_.find(key);
-      if (it != gpu_allocations_.end() && it->second.first == region) {
-        gpu_allocations_.erase(it);
-      }
+    for (const std::string& region : names) {
       device_regions_.erase(region);
       registrations_.erase(region);
-      names.push_back(region);
     }
   }
   for (const std::string& name : names) {

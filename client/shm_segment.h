@@ -17,6 +17,8 @@
 
 namespace packd {
 
+// Not shared across threads while it is created or moved; its bytes are the
+// caller's to share.
 class ShmSegment {
  public:
   // Creates (exclusively) and maps `bytes` of the object `key` ("/name").

@@ -19,6 +19,7 @@ packages=(
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
   prometheus-cpp-dev
+  libssl-dev  # SHA-256 for tenants named by their token's digest
 )
 case "${PACKD_DEPS:-all}" in
   build)

@@ -5,25 +5,6 @@
 #include "base/status_macros.h"
 
 namespace packd {
-namespace {
-
-// The value of element k of an integer tensor's bytes, as int64.
-int64_t IntAt(const char* data, DType dtype, int64_t k) {
-  switch (dtype) {
-    case DType::kUInt8:
-      return reinterpret_cast<const uint8_t*>(data)[k];
-    case DType::kInt8:
-      return reinterpret_cast<const int8_t*>(data)[k];
-    case DType::kInt16:
-      return reinterpret_cast<const int16_t*>(data)[k];
-    case DType::kInt32:
-      return reinterpret_cast<const int32_t*>(data)[k];
-    default:
-      return reinterpret_cast<const int64_t*>(data)[k];
-  }
-}
-
-}  // namespace
 
 void CutDocuments(const MaskPlan& plan, const std::vector<int64_t>& ids,
                   const std::vector<int64_t>& positions, DocumentCuts* out) {
@@ -52,27 +33,36 @@ absl::Status Backend::GatherRuns(const MaskPlan&, const TensorView&,
   return absl::UnimplementedError("this backend gathers layouts by rows");
 }
 
-absl::Status Backend::Documents(const MaskPlan& plan,
-                                const TensorView& segment_ids,
-                                DeviceRuntime& runtime, DocumentCuts* out,
-                                const Stream& stream) {
+absl::StatusOr<std::vector<int64_t>> GatherInts(Backend& backend,
+                                                const MaskPlan& plan,
+                                                const TensorView& ids,
+                                                DeviceRuntime& runtime,
+                                                const Stream& stream) {
   const int64_t total = plan.total_active();
-  const int64_t item = ItemSize(segment_ids.dtype);
+  const int64_t item = ItemSize(ids.dtype);
   PACKD_ASSIGN_OR_RETURN(Buffer packed,
                          runtime.Allocate(total * item, stream.device()));
   TensorView view;
   view.data = packed.data();
-  view.dtype = segment_ids.dtype;
+  view.dtype = ids.dtype;
   view.shape = {total};
   view.device = stream.device();
-  PACKD_RETURN_IF_ERROR(Gather(plan, segment_ids, view, stream));
+  PACKD_RETURN_IF_ERROR(backend.Gather(plan, ids, view, stream));
   std::vector<char> host(total * item);
   PACKD_RETURN_IF_ERROR(
       runtime.CopyToHost(host.data(), packed.data(), host.size(), stream));
-  std::vector<int64_t> ids(total);
-  for (int64_t k = 0; k < total; ++k) {
-    ids[k] = IntAt(host.data(), segment_ids.dtype, k);
-  }
+  std::vector<int64_t> out(total);
+  for (int64_t k = 0; k < total; ++k)
+    out[k] = IntegerAt(host.data(), ids.dtype, k);
+  return out;
+}
+
+absl::Status Backend::Documents(const MaskPlan& plan,
+                                const TensorView& segment_ids,
+                                DeviceRuntime& runtime, DocumentCuts* out,
+                                const Stream& stream) {
+  PACKD_ASSIGN_OR_RETURN(std::vector<int64_t> ids,
+                         GatherInts(*this, plan, segment_ids, runtime, stream));
   std::vector<int64_t> positions;
   PACKD_RETURN_IF_ERROR(PackedPositions(plan, &positions, stream));
   CutDocuments(plan, ids, positions, out);

@@ -131,6 +131,15 @@ class Backend {
                                  const Stream& stream);
 };
 
+// The packed tokens of `ids` ([B, S], an integer dtype, on the plan's device)
+// as int64 on the host: gathered with the plan into memory of `runtime` and
+// copied back (any device).
+absl::StatusOr<std::vector<int64_t>> GatherInts(Backend& backend,
+                                                const MaskPlan& plan,
+                                                const TensorView& ids,
+                                                DeviceRuntime& runtime,
+                                                const Stream& stream);
+
 // The documents of a row-major run of packed tokens given their segment ids
 // (as int64) and dense positions: the host half of Backend::Documents.
 void CutDocuments(const MaskPlan& plan, const std::vector<int64_t>& ids,

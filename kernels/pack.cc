@@ -11,6 +11,7 @@
 #include "kernels/device_runtime.h"
 #include "kernels/internal/call_steps.h"
 #include "kernels/internal/laid_out.h"
+#include "kernels/mrope.h"
 #include "kernels/pack_sizes.h"
 #include "kernels/shared_prefix.h"
 
@@ -23,9 +24,9 @@ using kernels_internal::CallSources;
 using kernels_internal::LaidOut;
 using kernels_internal::RunSteps;
 using kernels_internal::Scanned;
+using kernels_internal::ValidateIds;
 using kernels_internal::ValidatePackArgs;
 using kernels_internal::ValidateScatterArgs;
-using kernels_internal::ValidateSegmentIds;
 
 // [rows, *x.shape[2:]]: a row-major result of `rows` rows of x's tail,
 // checked for overflow.
@@ -77,10 +78,21 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   const CallDevice call = CallDeviceOf(options, mask);
   PACKD_RETURN_IF_ERROR(ValidatePackArgs(inputs, mask, call));
   if (options.segment_ids.has_value()) {
-    PACKD_RETURN_IF_ERROR(ValidateSegmentIds(*options.segment_ids, mask, call));
+    PACKD_RETURN_IF_ERROR(
+        ValidateIds(*options.segment_ids, "segment_ids", mask, call));
+  }
+  if (options.mrope.has_value()) {
+    PACKD_RETURN_IF_ERROR(ValidateMRope(*options.mrope, inputs.size()));
+    const int32_t input = options.mrope->input;
+    PACKD_RETURN_IF_ERROR(ValidateIds(
+        inputs[input], absl::StrCat("inputs[", input, "] (mrope.input)"), mask,
+        call));
   }
   const LayoutOptions& lo = options.layout;
   const bool laid_out = lo.any();
+  // mrope's pad rows take the layout's position ids.
+  const bool layout_positions =
+      options.with_position_ids || options.mrope.has_value();
   // The pad value of each input and the fill of each shift, as their bytes.
   LayoutValues values;
   CallSources sources{inputs, {}};
@@ -98,6 +110,7 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
   }
   DocumentCuts documents;
   LaidOut laid;
+  std::vector<int64_t> mrope;  // [3 * total_active], packed order
   auto shapes =
       [&](const Scanned& scanned) -> absl::StatusOr<std::vector<Shape>> {
     const MaskPlan& plan = scanned.plan;
@@ -108,13 +121,25 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
       PACKD_ASSIGN_OR_RETURN(
           laid.layout,
           LayoutOf(plan, documents, options.segment_ids.has_value(), lo,
-                   options.with_position_ids));
+                   layout_positions));
       rows = laid.layout.rows();
       shifted_rows = laid.layout.shifted_rows();
       if (lo.shared_prefix.has_value()) {
         PACKD_RETURN_IF_ERROR(
             laid.CheckSamePrompts(scanned, *lo.shared_prefix));
       }
+    }
+    if (options.mrope.has_value()) {
+      PACKD_ASSIGN_OR_RETURN(std::vector<int64_t> ids,
+                             GatherInts(scanned.backend, plan,
+                                        scanned.staged[options.mrope->input],
+                                        scanned.runtime, scanned.stream));
+      PACKD_ASSIGN_OR_RETURN(
+          mrope,
+          MRopePositions(
+              ids,
+              options.segment_ids.has_value() ? documents.cu : plan.cu_seqlens,
+              plan.cu_seqlens, *options.mrope));
     }
     std::vector<Shape> out;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -185,6 +210,10 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
       }
     }
   }
+  if (!laid_out) {
+    if (options.with_token_mask) result.token_mask.assign(total, '\1');
+    result.mrope_position_ids = std::move(mrope);
+  }
   result.cu_seqlens = std::move(plan->cu_seqlens);
   result.last_index = std::move(plan->last_index);
   if (laid_out) {
@@ -195,6 +224,13 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
     (docs ? result.doc_max_seqlen : result.max_seqlen) = layout.max_seqlen;
     result.cu_seqlens_padded = std::move(layout.cu_seqlens_padded);
     result.max_seqlen_padded = layout.max_seqlen_padded;
+    if (options.with_token_mask) {
+      result.token_mask = TokenMaskOf(layout.source_runs);
+    }
+    if (options.mrope.has_value()) {
+      result.mrope_position_ids =
+          LayOutMRope(mrope, layout.source_runs, layout.position_ids);
+    }
     if (options.with_position_ids) {
       result.position_ids = std::move(layout.position_ids);
     }
@@ -211,7 +247,8 @@ absl::StatusOr<ScatterResult> Scatter(absl::Span<const TensorView> packed,
   PACKD_RETURN_IF_ERROR(
       ValidateScatterArgs(packed, mask, options.tail_shape, call));
   if (options.segment_ids.has_value()) {
-    PACKD_RETURN_IF_ERROR(ValidateSegmentIds(*options.segment_ids, mask, call));
+    PACKD_RETURN_IF_ERROR(
+        ValidateIds(*options.segment_ids, "segment_ids", mask, call));
   }
   // Documents place rows only through a layout: without one, Scatter is the
   // plain one (the ids were validated, and are not read).

@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "base/buffer.h"
+#include "base/mrope_options.h"
 #include "base/tensor_view.h"
 #include "kernels/layout.h"
 
@@ -87,6 +88,12 @@ struct PackOptions : CallOptions {
   // segment_ids, else the rows. With shifts, `outputs` (when given) holds one
   // view per input and then one per shift.
   LayoutOptions layout;
+  // Also return token_mask: 1 for each output row holding a token, 0 for
+  // padding and ghosts (docs/design.md §17).
+  bool with_token_mask = false;
+  // Multimodal rotary positions from the token ids in inputs[mrope->input]
+  // (kernels/mrope.h): mrope_position_ids.
+  std::optional<MRopeOptions> mrope;
 };
 
 // A call's results, owned by its caller; not shared across threads.
@@ -115,6 +122,12 @@ struct PackResult {
   // (total_active its rows, cu_seqlens and max_seqlen its segments'),
   // shifted[j] one row per target, and this the attention metadata.
   std::optional<SharedLayout> shared;
+  // With with_token_mask: one byte per output row, 1 for a token, 0 for pad
+  // and ghost rows.
+  std::string token_mask;
+  // With mrope: [3 * rows], the temporal, height and width rows in turn; a
+  // pad or ghost row holds its position id in all three.
+  std::vector<int64_t> mrope_position_ids;
 };
 
 struct ScatterOptions : CallOptions {

@@ -23,8 +23,23 @@ int64_t PositionBytes(const TensorView& x) {
   return bytes;
 }
 
+int64_t ScatterResultBytes(absl::Span<const TensorView> packed,
+                           int64_t positions) {
+  int64_t bytes = 0;
+  for (const TensorView& t : packed) {
+    int64_t row = ItemSize(t.dtype);
+    for (size_t d = 1; d < t.shape.size(); ++d) {
+      row = SaturatingMul(row, std::max<int64_t>(t.shape[d], 0));
+    }
+    if (t.shape.empty() || t.shape[0] <= 0) continue;
+    bytes = SaturatingAdd(bytes, SaturatingMul(positions, row));
+  }
+  return bytes;
+}
+
 PackSizes PackSizes::Of(absl::Span<const TensorView> inputs,
-                        const LayoutOptions& layout, bool with_position_ids) {
+                        const LayoutOptions& layout,
+                        const RowMetadata& metadata) {
   PackSizes sizes;
   auto add = [&](const TensorView& x, int64_t* row) {
     *row = SaturatingAdd(*row, PositionBytes(x));
@@ -41,10 +56,14 @@ PackSizes PackSizes::Of(absl::Span<const TensorView> inputs,
     }
   }
   sizes.row_bytes = SaturatingAdd(sizes.input_row_bytes, sizes.shift_row_bytes);
-  if (with_position_ids) sizes.metadata_bytes_per_row += 10;
+  if (metadata.position_ids) sizes.metadata_bytes_per_row += 10;
+  if (metadata.mrope) sizes.metadata_bytes_per_row += 30;
+  if (metadata.token_mask) sizes.metadata_bytes_per_row += 1;
   if (layout.with_seq_idx) sizes.metadata_bytes_per_row += 10;
   sizes.pad_multiple = std::max<int64_t>(layout.pad_multiple, 1);
   sizes.fixed_tokens = std::max<int64_t>(layout.fixed.tokens, 0);
+  sizes.cp_size = std::max<int64_t>(layout.cp_size, 1);
+  sizes.sp_size = std::max<int64_t>(layout.sp_size, 1);
   return sizes;
 }
 
@@ -72,6 +91,14 @@ int64_t PackSizes::MetadataBytes(int64_t rows, int64_t batch_rows,
       SaturatingAdd(SaturatingMul(kMetadataBytesPerBatchRow,
                                   SaturatingAdd(batch_rows, 1)),
                     SaturatingMul(40, SaturatingAdd(sequences, 1))));
+}
+
+int64_t PackSizes::MessageBytes(int64_t rows, int64_t shifted_rows,
+                                int64_t batch_rows, int64_t sequences,
+                                int64_t entries) const {
+  return SaturatingAdd(ResultBytes(rows, shifted_rows),
+                       SaturatingAdd(MetadataBytes(rows, batch_rows, sequences),
+                                     SaturatingMul(10, entries)));
 }
 
 }  // namespace packd

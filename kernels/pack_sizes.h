@@ -6,7 +6,7 @@
 // flash_api.cpp fills one params struct; nothing else computes them.
 //
 // clang-format off
-//   const PackSizes sizes = PackSizes::Of(inputs, options.layout, options.with_position_ids);
+//   const PackSizes sizes = PackSizes::Of(inputs, options.layout, {options.with_position_ids});
 //   const int64_t bytes = sizes.ResultBytes(sizes.MaxRows(active, sequences));
 // clang-format on
 #ifndef PACKD_KERNELS_PACK_SIZES_H_
@@ -40,6 +40,31 @@ inline int64_t MaxEntriesPerMessage(int64_t max_message_bytes) {
 // response (and a plan) before any token: the bound on B a message limit sets.
 inline constexpr int64_t kMetadataBytesPerBatchRow = 20;
 
+// What a batch of `batch_rows` rows costs a response before any token
+// (kMetadataBytesPerBatchRow per row and one more for cu_seqlens' leading 0):
+// reserved out of the message limit while its results are placed.
+inline int64_t BatchMetadataBytes(int64_t batch_rows) {
+  return kMetadataBytesPerBatchRow * (batch_rows + 1);
+}
+
+// The most rows a [B, S] mask may have under `max_message_bytes`: each costs
+// the response kMetadataBytesPerBatchRow before any token.
+inline int64_t MaxBatchRows(int64_t max_message_bytes) {
+  return max_message_bytes / kMetadataBytesPerBatchRow;
+}
+
+// A Scatter's result bytes: each packed tensor ([N, *tail]) scattered over
+// `positions` positions (B * S), a row of its tail at each.
+int64_t ScatterResultBytes(absl::Span<const TensorView> packed,
+                           int64_t positions);
+
+// The per-row metadata a Pack is asked for besides its layout's seq_idx.
+struct RowMetadata {
+  bool position_ids = false;
+  bool token_mask = false;
+  bool mrope = false;
+};
+
 // Plain values; safe to share across threads.
 struct PackSizes {
   // Result bytes of one output row: each input's row, then each shift's
@@ -50,17 +75,21 @@ struct PackSizes {
   // Result bytes over every input and shift when each holds all its
   // positions (what bounds a Pack without a layout whose mask is unknown).
   int64_t input_bytes = 0;
-  // Response bytes per output row besides the tensors: position ids and
-  // seq_idx, each a varint of up to 10 bytes, when asked for.
+  // Response bytes per output row besides the tensors, when asked for:
+  // position ids and seq_idx, each a varint of up to 10 bytes; mrope's three
+  // more; the token mask's byte.
   int64_t metadata_bytes_per_row = 0;
   // What bounds the rows: the layout's pad multiple (>= 1), fixed.tokens.
   int64_t pad_multiple = 1;
   int64_t fixed_tokens = 0;
+  // The CP and SP sizes (>= 1): how many ranks share a batch's rows.
+  int64_t cp_size = 1;
+  int64_t sp_size = 1;
 
   // The sizes of a Pack of inputs with these headers (unchecked: a shift
   // naming no input adds nothing; Pack refuses it later).
   static PackSizes Of(absl::Span<const TensorView> inputs,
-                      const LayoutOptions& layout, bool with_position_ids);
+                      const LayoutOptions& layout, const RowMetadata& metadata);
 
   // The most output rows a Pack has for `active` packed tokens in at most
   // `sequences` sequences (rows, or with documents at most `active`):
@@ -69,6 +98,16 @@ struct PackSizes {
   // holds a share of these, the SP ghost pads to fewer than the unpadded
   // sequences would). -1 when `active` is -1 (not known).
   int64_t MaxRows(int64_t active, int64_t sequences) const;
+  // The rows a sequence of `length` tokens takes, padded to pad_multiple.
+  int64_t PaddedRows(int64_t length) const {
+    return (length + pad_multiple - 1) / pad_multiple * pad_multiple;
+  }
+  // One CP or SP rank's share of `rows` padded rows: what one GPU holds of
+  // them (a CP rank 1 / cp_size of every sequence's, which pad_multiple
+  // divides; an SP rank 1 / sp_size of the stream, rounded up).
+  int64_t RankRows(int64_t rows) const {
+    return (rows / cp_size + sp_size - 1) / sp_size;
+  }
   // The results' bytes for `rows` output rows; input_bytes for -1. With a
   // shared stream, whose shifted results have a row per target: `rows` stream
   // rows and `shifted_rows` targets.
@@ -80,6 +119,11 @@ struct PackSizes {
   // (and the rest of the message within a fixed 64).
   int64_t MetadataBytes(int64_t rows, int64_t batch_rows,
                         int64_t sequences) const;
+  // A whole message of a Pack's results inline, at most: ResultBytes(rows,
+  // shifted_rows) and MetadataBytes, with `entries` more varints of up to 10
+  // bytes (a shared stream's per-segment arrays: keys, targets, segments).
+  int64_t MessageBytes(int64_t rows, int64_t shifted_rows, int64_t batch_rows,
+                       int64_t sequences, int64_t entries) const;
 };
 
 }  // namespace packd

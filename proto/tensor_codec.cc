@@ -108,6 +108,42 @@ absl::Status EncodeLayout(const LayoutOptions& layout,
   return absl::OkStatus();
 }
 
+void EncodeMRope(const MRopeOptions& mrope, v1::MRope* out) {
+  out->set_input(mrope.input);
+  out->set_image_token_id(mrope.image_token_id);
+  out->set_video_token_id(mrope.video_token_id);
+  out->set_vision_start_token_id(mrope.vision_start_token_id);
+  out->set_spatial_merge_size(mrope.spatial_merge_size);
+  out->clear_grids();
+  for (const VisionGrid& grid : mrope.grids) {
+    v1::VisionGrid* g = out->add_grids();
+    g->set_t(grid.t);
+    g->set_h(grid.h);
+    g->set_w(grid.w);
+  }
+  out->set_tokens_per_second(mrope.tokens_per_second);
+  out->mutable_seconds_per_grid()->Assign(mrope.seconds_per_grid.begin(),
+                                          mrope.seconds_per_grid.end());
+}
+
+std::optional<MRopeOptions> DecodeMRope(const v1::PackRequest& request) {
+  if (!request.has_mrope()) return std::nullopt;
+  const v1::MRope& in = request.mrope();
+  MRopeOptions mrope;
+  mrope.input = in.input();
+  mrope.image_token_id = in.image_token_id();
+  mrope.video_token_id = in.video_token_id();
+  mrope.vision_start_token_id = in.vision_start_token_id();
+  mrope.spatial_merge_size = in.spatial_merge_size();
+  for (const v1::VisionGrid& g : in.grids()) {
+    mrope.grids.push_back(VisionGrid{g.t(), g.h(), g.w()});
+  }
+  mrope.tokens_per_second = in.tokens_per_second();
+  mrope.seconds_per_grid.assign(in.seconds_per_grid().begin(),
+                                in.seconds_per_grid().end());
+  return mrope;
+}
+
 LayoutOptions DecodeLayout(const v1::PackRequest& request) {
   LayoutOptions layout;
   layout.pad_multiple = request.pad_multiple();

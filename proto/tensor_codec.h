@@ -14,12 +14,14 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "base/layout_options.h"
+#include "base/mrope_options.h"
 #include "base/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 
@@ -47,6 +49,11 @@ absl::Status EncodeLayout(const LayoutOptions& layout,
                           v1::ScatterRequest* request);
 LayoutOptions DecodeLayout(const v1::PackRequest& request);
 LayoutOptions DecodeLayout(const v1::ScatterRequest& request);
+
+// Multimodal rotary positions' options (docs/design.md §17) on a request, and
+// back: nullopt when the request has none.
+void EncodeMRope(const MRopeOptions& mrope, v1::MRope* out);
+std::optional<MRopeOptions> DecodeMRope(const v1::PackRequest& request);
 
 // A shared stream's metadata (docs/design.md §14) into a PackResponse.shared.
 void EncodeSharedLayout(const SharedLayout& shared, v1::SharedLayout* out);

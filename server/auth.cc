@@ -1,5 +1,6 @@
 #include "server/auth.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -27,10 +28,27 @@ absl::Status TokenAuth::Reload() {
   }
   std::stringstream text;
   text << file.rdbuf();
-  std::vector<std::string> tokens;
+  std::vector<Token> tokens;
   for (absl::string_view line : absl::StrSplit(text.str(), '\n')) {
     line = absl::StripAsciiWhitespace(line);
-    if (!line.empty()) tokens.emplace_back(line);
+    if (line.empty()) continue;
+    // "name:token" when what comes before the first ':' is a name; else the
+    // whole line is a token, its tenant named by its digest.
+    const size_t colon = line.find(':');
+    const absl::string_view name =
+        colon == absl::string_view::npos ? "" : line.substr(0, colon);
+    const bool named = !name.empty() && name.size() <= 64 &&
+                       colon + 1 < line.size() &&
+                       std::all_of(name.begin(), name.end(), [](char c) {
+                         return absl::ascii_isalnum(c) || c == '_' || c == '-';
+                       });
+    if (named) {
+      tokens.push_back({std::string(line.substr(colon + 1)),
+                        Tenant::Named(std::string(name), name)});
+    } else {
+      const std::string digest = Tenant::Digest("token-", line);
+      tokens.push_back({std::string(line), Tenant::Named(digest, digest)});
+    }
   }
   if (tokens.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -53,7 +71,7 @@ bool TokenAuth::ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   return diff == 0;
 }
 
-absl::Status TokenAuth::Check(
+absl::StatusOr<Tenant> TokenAuth::Check(
     const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const {
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {
@@ -68,14 +86,16 @@ absl::Status TokenAuth::Check(
         "the authorization metadata is not \"Bearer <token>\"");
   }
   const absl::string_view token = value.substr(kBearer.size());
-  bool valid = false;
+  const Token* valid = nullptr;
   absl::MutexLock lock(&mu_);
-  for (const std::string& known : tokens_) {
-    valid |= ConstantTimeEquals(token, known);  // no early exit
+  for (const Token& known : tokens_) {
+    // No early exit: every token is compared.
+    if (ConstantTimeEquals(token, known.secret)) valid = &known;
   }
-  if (!valid)
+  if (valid == nullptr) {
     return absl::UnauthenticatedError("the bearer token is not valid");
-  return absl::OkStatus();
+  }
+  return valid->tenant;
 }
 
 }  // namespace packd

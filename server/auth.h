@@ -1,12 +1,15 @@
 // TokenAuth: bearer tokens for every PackService call (--auth_token_file,
-// docs/design.md §5). The file holds one token a line (blank lines and
-// surrounding spaces ignored) and is read again on SIGHUP. A call must carry
-// `authorization: Bearer <token>` metadata with one of them; tokens are
-// compared in constant time. Health is never behind it.
+// docs/design.md §5, §15). The file holds one token a line (blank lines and
+// surrounding spaces ignored), each `name:token` (the name of its tenant:
+// letters, digits, '_' and '-', at most 64) or a bare token (a tenant of its
+// own, named by a short digest of it), and is read again on SIGHUP. A call
+// must carry `authorization: Bearer <token>` metadata with one of them;
+// tokens are compared in constant time. Health is never behind it.
 //
 //   PACKD_ASSIGN_OR_RETURN(auto auth,
 //   TokenAuth::FromFile("/etc/packd/tokens"));
-//   PACKD_RETURN_IF_ERROR(auth->Check(context->client_metadata()));
+//   PACKD_ASSIGN_OR_RETURN(Tenant tenant,
+//   auth->Check(context->client_metadata()));
 #ifndef PACKD_SERVER_AUTH_H_
 #define PACKD_SERVER_AUTH_H_
 
@@ -22,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/tenant.h"
 
 namespace packd {
 
@@ -35,10 +39,10 @@ class TokenAuth {
   // and the error says why.
   absl::Status Reload();
 
-  // OK when `metadata` has "authorization: Bearer <token>" with a current
-  // token; UNAUTHENTICATED (saying which: missing, not a bearer token, not
-  // valid) otherwise.
-  absl::Status Check(
+  // The tenant of the current token that `metadata` has as "authorization:
+  // Bearer <token>"; UNAUTHENTICATED (saying which: missing, not a bearer
+  // token, not valid) otherwise.
+  absl::StatusOr<Tenant> Check(
       const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const;
 
   // a == b, in time that depends on their lengths only.
@@ -51,7 +55,11 @@ class TokenAuth {
 
   const std::string path_;
   mutable absl::Mutex mu_;
-  std::vector<std::string> tokens_ ABSL_GUARDED_BY(mu_);
+  struct Token {
+    std::string secret;
+    Tenant tenant;
+  };
+  std::vector<Token> tokens_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace packd

@@ -32,7 +32,7 @@ absl::Time BudgetDeadline(const grpc::GenericCallbackServerContext* context) {
 // request may be up to --max_message_bytes (gRPC accepts up to twice that,
 // which three times still covers, and packd refuses it before any copy).
 int64_t AdmissionBytes(const CallEnvironment& env, int64_t declared) {
-  const int64_t limit = env.budget->limit();
+  const int64_t limit = env.budget->share();
   if (limit <= 0) return 0;
   const int64_t request = declared > 0 ? declared : env.max_message_bytes;
   return std::min(limit, SaturatingMul(3, request));
@@ -74,12 +74,14 @@ template <typename Request>
 void BudgetedCall<Request>::Start() {
   // Authenticated and counted in flight (UNAVAILABLE while draining), then
   // released in OnDone once the reply has been sent.
-  if (absl::Status admitted = env_.calls->Admit(*context_, Draining::kRefused);
-      !admitted.ok()) {
-    Done(admitted);
+  absl::StatusOr<Tenant> admitted =
+      env_.calls->Admit(*context_, Draining::kRefused);
+  if (!admitted.ok()) {
+    Done(admitted.status());
     return;
   }
   admitted_ = true;
+  tenant_ = *std::move(admitted);
   const auto declared = context_->client_metadata().find(kRequestBytesHeader);
   if (declared != context_->client_metadata().end() &&
       (!absl::SimpleAtoi(
@@ -97,20 +99,22 @@ void BudgetedCall<Request>::Start() {
     return;
   }
   // Waits, off gRPC's threads, until the bytes are free or the deadline.
-  env_.budget->Reserve(AdmissionBytes(env_, declared_bytes_), deadline_,
-                       [this](absl::StatusOr<MemoryBudget::Hold> hold) {
-                         if (!hold.ok()) return Done(hold.status());
-                         hold_ = *std::move(hold);
-                         HandOff(this);  // OnReadDone runs on a gRPC thread
-                         StartRead(&request_);
-                       });
+  env_.budget->Reserve(
+      AdmissionBytes(env_, declared_bytes_), deadline_,
+      [this](absl::StatusOr<MemoryBudget::Hold> hold) {
+        if (!hold.ok()) return Done(hold.status());
+        hold_ = *std::move(hold);
+        HandOff(this);  // OnReadDone runs on a gRPC thread
+        StartRead(&request_);
+      },
+      /*first=*/false, tenant_.name);
 }
 
 template <typename Request>
 void BudgetedCall<Request>::Done(const absl::Status& status) {
   hold_.reset();
   env_.calls->End(method_, start_, status, admitted_, request_bytes_,
-                  status.ok() ? response_bytes_ : 0);
+                  status.ok() ? response_bytes_ : 0, tenant_.name);
   if (status.ok()) return FinishOk();  // hands the reactor to gRPC itself
   HandOff(this);                       // OnDone runs on one of gRPC's threads
   Finish(ToGrpcStatus(status));
@@ -145,7 +149,7 @@ void BudgetedCall<Request>::ParseAndServe(bool may_stay) {
         // Not on the budget's thread: it grants every waiter.
         env_.calls->Submit([this] { Serve(); });
       },
-      /*first=*/true);
+      /*first=*/true, tenant_.name);
 }
 
 template <typename Request>
@@ -163,7 +167,7 @@ absl::Status BudgetedCall<Request>::Parse(int64_t* needed) {
   *needed = SaturatingAdd(SaturatingAdd(static_cast<int64_t>(request_bytes_),
                                         parsed_.SplitPayloadBytes()),
                           results);
-  if (env_.budget->limit() > 0 && *needed > env_.budget->limit()) {
+  if (env_.budget->limit() > 0 && *needed > env_.budget->share()) {
     return env_.budget->TooLarge(*needed);
   }
   return absl::OkStatus();

@@ -111,6 +111,8 @@ class BudgetedCall : public grpc::ServerGenericBidiReactor {
 
   const CallEnvironment& env_;
   const char* const method_;
+  // Whose call it is (CallMechanism::Admit).
+  Tenant tenant_;
   MemoryBudget::Hold hold_;
   Wire<Request> parsed_;
   size_t response_bytes_ = 0;

@@ -1,5 +1,6 @@
 #include "server/call.h"
 
+#include <grpc/grpc_security_constants.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -92,19 +93,45 @@ int64_t CallMechanism::in_flight() const {
   return in_flight_;
 }
 
-absl::Status CallMechanism::Admit(const grpc::ServerContextBase& context,
-                                  Draining draining) {
+absl::StatusOr<Tenant> CallMechanism::TenantOf(
+    const grpc::ServerContextBase& context) const {
   if (options_.auth != nullptr) {
-    absl::Status auth = options_.auth->Check(context.client_metadata());
-    if (!auth.ok()) return auth;
+    return options_.auth->Check(context.client_metadata());
   }
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    const std::vector<grpc::string_ref> subject =
+        auth->FindPropertyValues(GRPC_X509_SUBJECT_PROPERTY_NAME);
+    if (!subject.empty()) {
+      const std::string name(subject[0].data(), subject[0].size());
+      return Tenant::Named(absl::StrCat("cert:", name),
+                           Tenant::Digest("cert-", name));
+    }
+  }
+  if (options_.peer_uid) {
+    if (std::optional<uid_t> uid = options_.peer_uid(context.peer())) {
+      // root's segments keep the bare prefix: it may name any segment.
+      Tenant tenant =
+          Tenant::Named(absl::StrCat("uid:", *uid),
+                        *uid == 0 ? std::string() : absl::StrCat("uid_", *uid));
+      tenant.uid = uid;
+      return tenant;
+    }
+  }
+  return Tenant();
+}
+
+absl::StatusOr<Tenant> CallMechanism::Admit(
+    const grpc::ServerContextBase& context, Draining draining) {
+  absl::StatusOr<Tenant> tenant = TenantOf(context);
+  if (!tenant.ok()) return tenant;
   absl::MutexLock lock(&mu_);
   if (draining_ && draining == Draining::kRefused) {
     return absl::UnavailableError(
         "packd is shutting down; retry on another replica");
   }
   ++in_flight_;
-  return absl::OkStatus();
+  return tenant;
 }
 
 void CallMechanism::Release() {

@@ -7,7 +7,8 @@
 //
 //   grpc::ServerUnaryReactor* Service::ListRegions(ctx, request, response) {
 //     return calls_.Unary(ctx, "ListRegions", Draining::kServed, *request,
-//                         response, [=] { return List(response); });
+//                         response, [=](const Tenant& t) { return List(t,
+//                         response); });
 //   }
 #ifndef PACKD_SERVER_CALL_H_
 #define PACKD_SERVER_CALL_H_
@@ -19,12 +20,15 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -34,6 +38,7 @@
 #include "proto/wire.h"
 #include "server/auth.h"
 #include "server/metrics.h"
+#include "server/tenant.h"
 
 namespace packd {
 
@@ -89,6 +94,9 @@ class CallMechanism {
   struct Options {
     // Bearer tokens every call must carry; null: none.
     std::shared_ptr<TokenAuth> auth;
+    // The uid of each unix-socket connection packd accepted itself, by the
+    // peer gRPC reports for it ("fd:N"); null: none (docs/design.md §15).
+    std::function<std::optional<uid_t>(const std::string& peer)> peer_uid;
     // Worker threads (--threads); at least 1.
     int threads = 1;
     // Called after a failed admitted call, before its reply leaves (the
@@ -105,10 +113,13 @@ class CallMechanism {
   bool WaitForIdle(absl::Time deadline);
   int64_t in_flight() const;
 
-  // Admits a call: UNAUTHENTICATED without a valid token, UNAVAILABLE for a
+  // Admits a call and says whose it is (its tenant: its token's name, its
+  // client certificate's subject, its unix-socket peer's uid, else
+  // anonymous): UNAUTHENTICATED without a valid token, UNAVAILABLE for a
   // refused method while draining. An admitted call is in flight until
   // Release(), which comes once its reply has been sent.
-  absl::Status Admit(const grpc::ServerContextBase& context, Draining draining);
+  absl::StatusOr<Tenant> Admit(const grpc::ServerContextBase& context,
+                               Draining draining);
   void Release();
   // Runs `work` on the worker pool.
   void Submit(std::function<void()> work) { pool_.Submit(std::move(work)); }
@@ -116,16 +127,17 @@ class CallMechanism {
   // failed runs the failure hook (Options::after_failure), and the call is
   // counted in the metrics.
   void End(const char* method, absl::Time start, const absl::Status& status,
-           bool admitted, size_t request_bytes, size_t response_bytes) {
+           bool admitted, size_t request_bytes, size_t response_bytes,
+           const std::string& tenant) {
     if (admitted && !status.ok() && options_.after_failure) {
       options_.after_failure();
     }
     metrics_->Record(method, status.code(), absl::Now() - start, request_bytes,
-                     response_bytes);
+                     response_bytes, admitted ? tenant : "unadmitted");
   }
 
-  // A unary RPC: admits it, runs `handler` (absl::Status(), filling
-  // `response`) on the worker pool under the guard, and finishes it;
+  // A unary RPC: admits it, runs `handler` (absl::Status(const Tenant&),
+  // filling `response`) on the worker pool under the guard, and finishes it;
   // released once the reply has been sent. A failed call answers an empty
   // response.
   template <typename Request, typename Response, typename Handler>
@@ -137,6 +149,9 @@ class CallMechanism {
  private:
   class UnaryReactor;
 
+  // The tenant of a call (Admit's order), authenticated.
+  absl::StatusOr<Tenant> TenantOf(const grpc::ServerContextBase& context) const;
+
   const Options options_;
   Metrics* const metrics_;
   mutable absl::Mutex mu_;
@@ -147,8 +162,9 @@ class CallMechanism {
 
 class CallMechanism::UnaryReactor final : public grpc::ServerUnaryReactor {
  public:
-  UnaryReactor(CallMechanism* calls, bool admitted)
-      : calls_(calls), admitted_(admitted) {}
+  // `tenant`: the admitted call's (Tenant::name).
+  UnaryReactor(CallMechanism* calls, bool admitted, std::string tenant)
+      : calls_(calls), admitted_(admitted), tenant_(std::move(tenant)) {}
   void OnDone() override {
     TakeOver(this);
     if (admitted_) calls_->Release();
@@ -158,8 +174,8 @@ class CallMechanism::UnaryReactor final : public grpc::ServerUnaryReactor {
   // afterwards.
   void Done(const char* method, absl::Time start, const absl::Status& status,
             size_t request_bytes, size_t response_bytes) {
-    calls_->End(method, start, status, admitted_, request_bytes,
-                response_bytes);
+    calls_->End(method, start, status, admitted_, request_bytes, response_bytes,
+                tenant_);
     HandOff(this);  // OnDone runs on one of gRPC's threads
     Finish(ToGrpcStatus(status));
   }
@@ -167,6 +183,7 @@ class CallMechanism::UnaryReactor final : public grpc::ServerUnaryReactor {
  private:
   CallMechanism* const calls_;
   const bool admitted_;
+  const std::string tenant_;
 };
 
 template <typename Request, typename Response, typename Handler>
@@ -174,15 +191,18 @@ grpc::ServerUnaryReactor* CallMechanism::Unary(
     grpc::CallbackServerContext* context, const char* method, Draining draining,
     const Request& request, Response* response, Handler handler) {
   const absl::Time start = absl::Now();
-  const absl::Status admitted = Admit(*context, draining);
-  auto* reactor = new UnaryReactor(this, admitted.ok());
+  absl::StatusOr<Tenant> admitted = Admit(*context, draining);
+  auto* reactor = new UnaryReactor(this, admitted.ok(),
+                                   admitted.ok() ? admitted->name : "");
   if (!admitted.ok()) {
-    reactor->Done(method, start, admitted, 0, 0);
+    reactor->Done(method, start, admitted.status(), 0, 0);
     return reactor;
   }
   Submit([this, reactor, method, start, &request, response,
+          tenant = *std::move(admitted),
           handler = std::move(handler)]() mutable {
-    const absl::Status status = Guarded(method, handler);
+    const absl::Status status =
+        Guarded(method, [&] { return handler(tenant); });
     if (!status.ok()) response->Clear();
     reactor->Done(method, start, status, request.ByteSizeLong(),
                   status.ok() ? response->ByteSizeLong() : 0);

@@ -32,7 +32,13 @@ ABSL_FLAG(std::string, shared_memory, "auto",
           "Tensor handles (shared-memory regions): on, off, or auto (on only "
           "for loopback and unix-socket listeners)");
 ABSL_FLAG(std::string, shm_key_prefix, "/packd",
-          "Every shared-memory key a client registers must start with this");
+          "Every shared-memory key a client registers must start with this "
+          "(then, for a named tenant, its name and a dot: GetServerInfo "
+          "tells each caller its prefix)");
+ABSL_FLAG(int64_t, max_regions_per_tenant, 4096,
+          "The most regions one tenant (a token's name, a client "
+          "certificate, a unix-socket peer's uid) may hold at once; 0: no "
+          "bound");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT to serve Prometheus metrics on at /metrics (port 0 picks "
           "one); empty: no metrics endpoint");
@@ -44,6 +50,10 @@ ABSL_FLAG(int64_t, max_inflight_bytes, -1,
           "Bound on the request and result bytes of inline calls in flight; "
           "calls over it wait until their deadline (-1: half the memory the "
           "process may use, cgroup limit included; 0: no bound)");
+ABSL_FLAG(int64_t, max_inflight_bytes_per_tenant, -1,
+          "The most of --max_inflight_bytes one tenant's calls may hold; a "
+          "call its tenant has no room for waits without holding up other "
+          "tenants' calls (-1: the whole budget)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File of bearer tokens, one a line (re-read on SIGHUP): every "
           "PackService call must send \"authorization: Bearer <token>\" "
@@ -132,6 +142,12 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
         absl::StrCat("--shared_memory=", shm, " must be auto, on or off"));
   }
   options.service.regions.key_prefix = absl::GetFlag(FLAGS_shm_key_prefix);
+  if (absl::GetFlag(FLAGS_max_regions_per_tenant) < 0) {
+    return absl::InvalidArgumentError(
+        "--max_regions_per_tenant must be 0 (no bound) or more");
+  }
+  options.service.regions.max_regions_per_tenant =
+      absl::GetFlag(FLAGS_max_regions_per_tenant);
   options.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.keep_freed_memory = absl::GetFlag(FLAGS_keep_freed_memory);
@@ -149,6 +165,14 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   }
   options.service.max_inflight_bytes =
       inflight == -1 ? MemoryBudget::DefaultLimit() : inflight;
+  const int64_t per_tenant = absl::GetFlag(FLAGS_max_inflight_bytes_per_tenant);
+  if (per_tenant < -1 || per_tenant == 0) {
+    return absl::InvalidArgumentError(
+        "--max_inflight_bytes_per_tenant must be -1 (the whole budget) or a "
+        "number of bytes");
+  }
+  options.service.max_inflight_bytes_per_tenant =
+      std::max<int64_t>(0, per_tenant);
   if (absl::GetFlag(FLAGS_threads) > 0) {
     ThreadPool::SetGlobalThreads(absl::GetFlag(FLAGS_threads));
   }

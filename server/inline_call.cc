@@ -9,7 +9,6 @@
 #include "base/dtype.h"
 #include "base/status_macros.h"
 #include "base/tsan.h"
-#include "kernels/pack_sizes.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/grpc_wire.h"
 #include "proto/tensor_codec.h"
@@ -17,63 +16,29 @@
 namespace packd {
 namespace {
 
-// The header (dtype and shape) of `t`, or one of no bytes when it is not
-// valid (the decoder refuses it later).
-TensorView HeaderOf(const v1::Tensor& t) {
-  absl::StatusOr<TensorView> view = DecodeTensorHeader(t, "");
-  return view.ok() ? *std::move(view) : TensorView{};
-}
-
-// The active positions of an inline [B, S] mask, counted as the op counts them
-// (nonzero: NaN active, -0.0 not); -1 when the mask is not inline or not well
-// formed (the decoder refuses it later). A scan of the mask alone: a small
-// part of what a Pack reads.
-int64_t InlineActive(const Wire<v1::PackRequest>& request) {
+// The active positions of an inline [B, S] mask (its header `spec.mask`),
+// counted as the op counts them (nonzero: NaN active, -0.0 not); -1 when the
+// mask is not inline or not well formed (the decoder refuses it later). A
+// scan of the mask alone: a small part of what a Pack reads.
+int64_t InlineActive(const Wire<v1::PackRequest>& request,
+                     const CallSpec& spec) {
   const v1::Tensor& mask = request->mask();
-  absl::StatusOr<TensorView> view = DecodeTensorHeader(mask, "");
-  if (!view.ok() || view->shape.size() != 2 || mask.has_region()) return -1;
+  if (!spec.mask.ok() || spec.mask->shape.size() != 2 || mask.has_region()) {
+    return -1;
+  }
+  const TensorView& view = *spec.mask;
   const Payload payload = request.BytesOf(mask);
-  if (payload.size != view->nbytes()) return -1;
+  if (payload.size != view.nbytes()) return -1;
   if (payload.contiguous()) {
-    return CountNonzero(view->dtype, payload.data(), view->numel());
+    return CountNonzero(view.dtype, payload.data(), view.numel());
   }
   std::string copy(static_cast<size_t>(payload.size), '\0');
   payload.CopyOut(0, payload.size, copy.data());
-  return CountNonzero(view->dtype, copy.data(), view->numel());
+  return CountNonzero(view.dtype, copy.data(), view.numel());
 }
-
-// The bytes of a call's inline results. Pack's (PackSizes): the rows the
-// layout can have for the inline mask's active count, else (the mask not
-// inline) the inputs' size, which bounds them without a layout.
-int64_t ResultBytes(const Wire<v1::PackRequest>& wire) {
-  const v1::PackRequest& request = wire.message();
-  if (!request.outputs().empty()) return 0;
-  std::vector<TensorView> inputs;
-  for (const v1::Tensor& t : request.inputs()) inputs.push_back(HeaderOf(t));
-  const PackSizes sizes =
-      PackSizes::Of(inputs, DecodeLayout(request), request.with_position_ids());
-  // Known for an inline [B, S] mask only.
-  const int64_t active = InlineActive(wire);
-  if (active < 0) return sizes.ResultBytes(-1);
-  // Sequences: the rows, or with documents at most one per active token.
-  const int64_t sequences = request.has_segment_ids()
-                                ? active
-                                : std::max<int64_t>(0, request.mask().shape(0));
-  return sizes.ResultBytes(sizes.MaxRows(active, sequences));
-}
-int64_t ResultBytes(const Wire<v1::ScatterRequest>& wire) {
-  const v1::ScatterRequest& request = wire.message();
-  if (!request.outputs().empty() || request.mask().shape_size() != 2) return 0;
-  const int64_t positions =
-      SaturatingMul(std::max<int64_t>(0, request.mask().shape(0)),
-                    std::max<int64_t>(0, request.mask().shape(1)));
-  int64_t bytes = 0;
-  for (const v1::Tensor& t : request.packed()) {
-    if (t.shape_size() == 0 || t.shape(0) <= 0) continue;
-    const int64_t row = HeaderOf(t).nbytes() / t.shape(0);
-    bytes = SaturatingAdd(bytes, SaturatingMul(positions, row));
-  }
-  return bytes;
+// A Scatter's results do not depend on its mask's values.
+int64_t InlineActive(const Wire<v1::ScatterRequest>&, const CallSpec&) {
+  return -1;
 }
 
 // What a small call's request may carry besides its inputs' bytes: the mask
@@ -115,7 +80,10 @@ InlineCall<Request, Response>::InlineCall(
 
 template <typename Request, typename Response>
 absl::StatusOr<int64_t> InlineCall<Request, Response>::Prepare() {
-  return std::min(ResultBytes(this->parsed_), this->env_.max_message_bytes);
+  spec_ = CallSpec::Of(this->parsed_.message(), "",
+                       this->env_.max_message_bytes, this->tenant_);
+  return std::min(spec_.ResultBytes(InlineActive(this->parsed_, spec_)),
+                  this->env_.max_message_bytes);
 }
 
 template <typename Request, typename Response>
@@ -151,7 +119,7 @@ absl::Status InlineCall<Request, Response>::Run() {
   // call's share of the budget.
   auto reply = std::make_shared<CallReply<Response>>();
   reply->hold = std::move(this->hold_);
-  absl::Status done = work_(this->parsed_, reply.get());
+  absl::Status done = work_(this->parsed_, spec_, reply.get());
   this->ReleaseRequest();
   PACKD_RETURN_IF_ERROR(done);
   const Spliced spliced = reply->response.Serialize();

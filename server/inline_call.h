@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "proto/wire.h"
 #include "server/budgeted_call.h"
+#include "server/call_spec.h"
 #include "server/pack_reply.h"
 
 namespace packd {
@@ -24,10 +25,10 @@ namespace packd {
 template <typename Request, typename Response>
 class InlineCall final : public BudgetedCall<Request> {
  public:
-  // The handler: the op of a parsed request, its response and results put in
-  // the reply.
-  using Work =
-      std::function<absl::Status(const Wire<Request>&, CallReply<Response>*)>;
+  // The handler: the op of a parsed request (whose spec Prepare made), its
+  // response and results put in the reply.
+  using Work = std::function<absl::Status(const Wire<Request>&, const CallSpec&,
+                                          CallReply<Response>*)>;
 
   InlineCall(const CallEnvironment* env,
              grpc::GenericCallbackServerContext* context, const char* method,
@@ -44,6 +45,8 @@ class InlineCall final : public BudgetedCall<Request> {
   absl::Status Run();
 
   const Work work_;
+  // The request's headers, layout and sizes, made once by Prepare.
+  CallSpec spec_;
   grpc::ByteBuffer response_;
 };
 

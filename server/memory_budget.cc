@@ -29,7 +29,11 @@ int64_t ReadLimit(const char* path) {
 
 }  // namespace
 
-MemoryBudget::MemoryBudget(int64_t limit) : limit_(limit) {}
+MemoryBudget::MemoryBudget(int64_t limit, int64_t tenant_limit)
+    : limit_(limit),
+      tenant_limit_(limit > 0 && tenant_limit > 0 && tenant_limit < limit
+                        ? tenant_limit
+                        : 0) {}
 
 MemoryBudget::~MemoryBudget() {
   {
@@ -60,20 +64,55 @@ int64_t MemoryBudget::waiting() const {
   return static_cast<int64_t>(waiters_.size());
 }
 
-MemoryBudget::Hold MemoryBudget::MakeHold(int64_t bytes) {
-  return Hold(new Reservation(this, bytes));
+MemoryBudget::Hold MemoryBudget::Take(int64_t bytes,
+                                      const std::string& tenant) {
+  in_use_ += bytes;
+  if (tenant_limit_ > 0) tenant_in_use_[tenant] += bytes;
+  return Hold(new Reservation(this, bytes, tenant));
+}
+
+bool MemoryBudget::TenantHasRoom(const std::string& tenant,
+                                 int64_t bytes) const {
+  if (tenant_limit_ <= 0) return true;
+  auto it = tenant_in_use_.find(tenant);
+  return (it == tenant_in_use_.end() ? 0 : it->second) + bytes <= tenant_limit_;
+}
+
+int64_t MemoryBudget::NextReady() const {
+  for (size_t i = 0; i < waiters_.size(); ++i) {
+    const Waiter& w = waiters_[i];
+    if (!TenantHasRoom(w.tenant, w.bytes)) continue;  // waits for its own
+    if (in_use_ + w.bytes <= limit_) return static_cast<int64_t>(i);
+    return -1;  // in order: the first that needs the budget's room waits
+  }
+  return -1;
 }
 
 void MemoryBudget::ShrinkTo(const Hold& hold, int64_t bytes) {
   if (hold != nullptr) hold->ShrinkTo(bytes);
 }
 
-void MemoryBudget::Release(int64_t bytes) {
+void MemoryBudget::Release(int64_t bytes, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
   in_use_ -= bytes;
+  if (tenant_limit_ > 0) {
+    auto it = tenant_in_use_.find(tenant);
+    if (it != tenant_in_use_.end() && (it->second -= bytes) <= 0) {
+      tenant_in_use_.erase(it);
+    }
+  }
 }
 
 absl::Status MemoryBudget::TooLarge(int64_t bytes) const {
+  if (tenant_limit_ > 0 && bytes > tenant_limit_ && bytes <= limit_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the call needs ", bytes,
+        " bytes of inline requests and results, more than one tenant's "
+        "share of ",
+        tenant_limit_,
+        " bytes (--max_inflight_bytes_per_tenant); split the batch or use "
+        "tensor handles"));
+  }
   return absl::ResourceExhaustedError(absl::StrCat(
       "the call needs ", bytes,
       " bytes of inline requests and results, more than the server's whole "
@@ -84,21 +123,29 @@ absl::Status MemoryBudget::TooLarge(int64_t bytes) const {
 }
 
 void MemoryBudget::Reserve(int64_t bytes, absl::Time deadline, Callback done,
-                           bool first) {
+                           bool first, const std::string& tenant) {
   if (limit_ <= 0 || bytes <= 0) {
     done(Hold());
     return;
   }
-  if (bytes > limit_) {
+  if (bytes > limit_ || (tenant_limit_ > 0 && bytes > tenant_limit_)) {
     done(TooLarge(bytes));
     return;
   }
+  Hold hold;
   {
     absl::MutexLock lock(&mu_);
-    if ((first || waiters_.empty()) && in_use_ + bytes <= limit_) {
-      in_use_ += bytes;
+    // In now when it fits and no waiter that the budget's room would let in
+    // is ahead of it (those waiting for their tenant's room do not count).
+    bool waiting_ahead = false;
+    for (const Waiter& w : waiters_) {
+      waiting_ahead = waiting_ahead || TenantHasRoom(w.tenant, w.bytes);
+    }
+    if ((first || !waiting_ahead) && in_use_ + bytes <= limit_ &&
+        TenantHasRoom(tenant, bytes)) {
+      hold = Take(bytes, tenant);
     } else {
-      Waiter waiter{bytes, deadline, std::move(done)};
+      Waiter waiter{bytes, deadline, std::move(done), tenant};
       if (first) {
         waiters_.push_front(std::move(waiter));
       } else {
@@ -108,7 +155,7 @@ void MemoryBudget::Reserve(int64_t bytes, absl::Time deadline, Callback done,
       return;
     }
   }
-  done(MakeHold(bytes));
+  done(std::move(hold));
 }
 
 void MemoryBudget::Run() {
@@ -123,33 +170,39 @@ void MemoryBudget::Run() {
       absl::Time wake = absl::InfiniteFuture();
       for (const Waiter& w : waiters_) wake = std::min(wake, w.deadline);
       auto wake_up = [this, seen]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stop_ || waiters_.size() != seen ||
-               (!waiters_.empty() &&
-                in_use_ + waiters_.front().bytes <= limit_);
+        return stop_ || waiters_.size() != seen || NextReady() >= 0;
       };
       mu_.AwaitWithDeadline(absl::Condition(&wake_up), wake);
       const absl::Time now = absl::Now();
-      while (!waiters_.empty() &&
-             (stop_ || in_use_ + waiters_.front().bytes <= limit_)) {
-        Waiter w = std::move(waiters_.front());
+      while (stop_ && !waiters_.empty()) {
+        ready.emplace_back(std::move(waiters_.front().done),
+                           absl::UnavailableError("packd is shutting down"));
         waiters_.pop_front();
-        if (stop_) {
-          ready.emplace_back(std::move(w.done),
-                             absl::UnavailableError("packd is shutting down"));
-          continue;
-        }
-        in_use_ += w.bytes;
-        ready.emplace_back(std::move(w.done), MakeHold(w.bytes));
+      }
+      for (int64_t i = NextReady(); i >= 0; i = NextReady()) {
+        Waiter w = std::move(waiters_[i]);
+        waiters_.erase(waiters_.begin() + i);
+        ready.emplace_back(std::move(w.done), Take(w.bytes, w.tenant));
       }
       for (auto it = waiters_.begin(); it != waiters_.end();) {
         if (it->deadline <= now) {
+          const bool own = !TenantHasRoom(it->tenant, it->bytes);
           ready.emplace_back(
               std::move(it->done),
-              absl::ResourceExhaustedError(absl::StrCat(
-                  "waited until the deadline for ", it->bytes,
-                  " bytes of the server's inline budget (", limit_,
-                  " bytes, --max_inflight_bytes, ", in_use_,
-                  " in use); retry later, or use tensor handles")));
+              absl::ResourceExhaustedError(
+                  own ? absl::StrCat("waited until the deadline for ",
+                                     it->bytes, " bytes of tenant ", it->tenant,
+                                     "'s share of the inline "
+                                     "budget (",
+                                     tenant_limit_,
+                                     " bytes, --max_inflight_bytes_per_tenant, "
+                                     "all in use by its calls); retry later, "
+                                     "or use tensor handles")
+                      : absl::StrCat(
+                            "waited until the deadline for ", it->bytes,
+                            " bytes of the server's inline budget (", limit_,
+                            " bytes, --max_inflight_bytes, ", in_use_,
+                            " in use); retry later, or use tensor handles")));
           it = waiters_.erase(it);
         } else {
           ++it;

@@ -17,9 +17,12 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -35,7 +38,10 @@ class MemoryBudget {
   using Callback = std::function<void(absl::StatusOr<Hold>)>;
 
   // `limit` bytes; 0 or less: no limit (every reservation succeeds at once).
-  explicit MemoryBudget(int64_t limit);
+  // `tenant_limit` (--max_inflight_bytes_per_tenant): the most one tenant's
+  // calls may hold of it; 0 or less: the whole budget. A call its tenant has
+  // no room for waits without holding up other tenants' calls behind it.
+  explicit MemoryBudget(int64_t limit, int64_t tenant_limit = 0);
   // Waiting reservations get UNAVAILABLE. Holds must not outlive the budget.
   ~MemoryBudget();
   MemoryBudget(const MemoryBudget&) = delete;
@@ -47,19 +53,23 @@ class MemoryBudget {
   // thread, with a hold once enough bytes are released, or with
   // RESOURCE_EXHAUSTED at `deadline`. Waiting calls are served in order.
   // `first`: ahead of every waiting reservation (for a call that already
-  // holds its request and found it needs more than it reserved).
+  // holds its request and found it needs more than it reserved). `tenant`:
+  // whose call it is (Tenant::name), whose share it counts against.
   void Reserve(int64_t bytes, absl::Time deadline, Callback done,
-               bool first = false);
+               bool first = false, const std::string& tenant = "");
 
   // Returns all but `bytes` of `hold` to the budget at once (nothing when it
   // holds no more, or is null). Not safe against a concurrent ShrinkTo of the
   // same hold.
   static void ShrinkTo(const Hold& hold, int64_t bytes);
 
-  // RESOURCE_EXHAUSTED: a call of `bytes` can never fit.
+  // RESOURCE_EXHAUSTED: a call of `bytes` can never fit (in the budget, or in
+  // one tenant's share of it).
   absl::Status TooLarge(int64_t bytes) const;
 
   int64_t limit() const { return limit_; }
+  // The most one call may hold: one tenant's share, or the whole budget.
+  int64_t share() const { return tenant_limit_ > 0 ? tenant_limit_ : limit_; }
   int64_t in_use() const;
   // Reservations waiting for bytes to be released.
   int64_t waiting() const;
@@ -73,14 +83,26 @@ class MemoryBudget {
     int64_t bytes;
     absl::Time deadline;
     Callback done;
+    std::string tenant;
   };
-  Hold MakeHold(int64_t bytes);
-  void Release(int64_t bytes);
+  // Counts `bytes` for `tenant` (mu_ held) and makes their hold.
+  Hold Take(int64_t bytes, const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Release(int64_t bytes, const std::string& tenant);
+  // Whether `tenant`'s share has room for `bytes` more.
+  bool TenantHasRoom(const std::string& tenant, int64_t bytes) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The index of the first waiter that may be let in now, or -1. Waiters are
+  // let in in order, but one whose tenant has no room waits without holding
+  // up those behind it.
+  int64_t NextReady() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void Run();
 
   const int64_t limit_;
+  const int64_t tenant_limit_;
   mutable absl::Mutex mu_;
   int64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, int64_t> tenant_in_use_ ABSL_GUARDED_BY(mu_);
   std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // started with the first waiter
@@ -91,9 +113,9 @@ class MemoryBudget {
 // two threads at once.
 class MemoryBudget::Reservation {
  public:
-  Reservation(MemoryBudget* budget, int64_t bytes)
-      : budget_(budget), bytes_(bytes) {}
-  ~Reservation() { budget_->Release(bytes_); }
+  Reservation(MemoryBudget* budget, int64_t bytes, std::string tenant)
+      : budget_(budget), bytes_(bytes), tenant_(std::move(tenant)) {}
+  ~Reservation() { budget_->Release(bytes_, tenant_); }
   Reservation(const Reservation&) = delete;
   Reservation& operator=(const Reservation&) = delete;
   int64_t bytes() const { return bytes_; }
@@ -103,12 +125,13 @@ class MemoryBudget::Reservation {
     if (bytes_ <= bytes) return;
     const int64_t returned = bytes_ - std::max<int64_t>(bytes, 0);
     bytes_ -= returned;
-    budget_->Release(returned);
+    budget_->Release(returned, tenant_);
   }
 
  private:
   MemoryBudget* const budget_;
   int64_t bytes_;
+  const std::string tenant_;
 };
 
 }  // namespace packd

@@ -153,6 +153,12 @@ Metrics::Metrics(Gauges gauges)
                     .Name("packd_requests_total")
                     .Help("Calls finished, by method and status code.")
                     .Register(*registry_)),
+      tenant_calls_(prometheus::BuildCounter()
+                        .Name("packd_tenant_calls_total")
+                        .Help("Calls finished, by tenant (a token's name, a "
+                              "certificate, a uid; never a token) and status "
+                              "code.")
+                        .Register(*registry_)),
       latency_(prometheus::BuildHistogram()
                    .Name("packd_request_duration_seconds")
                    .Help("Time from a call's arrival in the service to its "
@@ -203,7 +209,11 @@ Metrics::PerMethod& Metrics::MethodLocked(absl::string_view method) {
 
 void Metrics::Record(absl::string_view method, absl::StatusCode code,
                      absl::Duration latency, uint64_t request_bytes,
-                     uint64_t response_bytes) {
+                     uint64_t response_bytes, absl::string_view tenant) {
+  // Safe from any thread: the family finds or makes the labels' counter.
+  tenant_calls_
+      .Add({{"tenant", std::string(tenant)}, {"code", CodeLabel(code)}})
+      .Increment();
   const size_t index = static_cast<size_t>(code);
   // Copied under the lock: the map moves its values when it grows, the
   // metrics they point to stay.

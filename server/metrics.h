@@ -65,9 +65,11 @@ class Metrics {
   Metrics& operator=(const Metrics&) = delete;
 
   // Counts one finished call of `method`.
+  // `tenant`: whose call it was (Tenant::name, never a token), or
+  // "unadmitted" for a call refused before it had one.
   void Record(absl::string_view method, absl::StatusCode code,
               absl::Duration latency, uint64_t request_bytes,
-              uint64_t response_bytes);
+              uint64_t response_bytes, absl::string_view tenant = "anonymous");
 
   // Counts work run on `device` (a Pack, a Scatter, a micro-batch of a step)
   // that ended with `code`; INTERNAL, UNAVAILABLE, DATA_LOSS and UNKNOWN count
@@ -111,6 +113,7 @@ class Metrics {
 
   const std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Counter>& tenant_calls_;
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Family<prometheus::Counter>& request_bytes_;
   prometheus::Family<prometheus::Counter>& response_bytes_;

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "kernels/pack_sizes.h"
 #include "proto/tensor_codec.h"
 
 namespace packd {
@@ -85,6 +84,9 @@ std::vector<ResultTensor> SetPackResponse(PackResult result,
   response->set_max_seqlen_padded(result.max_seqlen_padded);
   response->mutable_seq_idx()->Assign(result.seq_idx.begin(),
                                       result.seq_idx.end());
+  response->set_token_mask(std::move(result.token_mask));
+  response->mutable_mrope_position_ids()->Assign(
+      result.mrope_position_ids.begin(), result.mrope_position_ids.end());
   response->mutable_doc_cu_seqlens()->Assign(result.doc_cu_seqlens.begin(),
                                              result.doc_cu_seqlens.end());
   response->set_doc_max_seqlen(result.doc_max_seqlen);
@@ -107,19 +109,6 @@ std::vector<ResultTensor> SetPackResponse(PackResult result,
     result.packed.push_back(std::move(shifted));
   }
   return std::move(result.packed);
-}
-
-PackOptions PackOptionsOf(const v1::PackRequest& request,
-                          const CallOptions& base,
-                          const std::optional<TensorView>& segment_ids,
-                          int64_t max_message_bytes) {
-  PackOptions options;
-  static_cast<CallOptions&>(options) = base;
-  options.with_position_ids = request.with_position_ids();
-  options.segment_ids = segment_ids;
-  options.layout = DecodeLayout(request);
-  options.layout.max_rows = MaxEntriesPerMessage(max_message_bytes);
-  return options;
 }
 
 }  // namespace packd

@@ -72,14 +72,6 @@ void EncodeResults(
 std::vector<ResultTensor> SetPackResponse(PackResult result,
                                           v1::PackResponse* response);
 
-// The PackOptions of `request` over `base` (device and result places):
-// position ids, segment ids, and the layout, its rows bounded by what a
-// response of `max_message_bytes` can hold.
-PackOptions PackOptionsOf(const v1::PackRequest& request,
-                          const CallOptions& base,
-                          const std::optional<TensorView>& segment_ids,
-                          int64_t max_message_bytes);
-
 }  // namespace packd
 
 #endif  // PACKD_SERVER_PACK_REPLY_H_

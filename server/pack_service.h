@@ -1,4 +1,5 @@
-// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API.
+// PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API,
+// the gRPC face of ServiceCore (server/service_core.h), which does their work.
 // Pack and Scatter are served by a generic handler (inline_calls(): its
 // reactors, server/inline_call.h, are handed what they use, a CallEnvironment)
 // that reads a request only once the memory budget admits the call; the
@@ -16,7 +17,8 @@
 // handlers here only translate between protobuf and the op library.
 //
 //   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
-//   builder.RegisterService(&service);
+//   // the service's own work, without gRPC: service.core().DoPack(request,
+//   &response) builder.RegisterService(&service);
 //   builder.RegisterCallbackGenericService(service.inline_calls());
 #ifndef PACKD_SERVER_PACK_SERVICE_H_
 #define PACKD_SERVER_PACK_SERVICE_H_
@@ -26,54 +28,17 @@
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "base/tensor_view.h"
 #include "grpcpp/generic/async_generic_service.h"
-#include "kernels/pack.h"
 #include "packd/v1/pack_service.grpc.pb.h"
-#include "proto/wire.h"
-#include "server/auth.h"
 #include "server/budgeted_call.h"
 #include "server/call.h"
 #include "server/memory_budget.h"
-#include "server/metrics.h"
-#include "server/pack_reply.h"
-#include "server/regions.h"
-#include "server/request_decoder.h"
+#include "server/service_core.h"
 
 namespace packd {
-
-struct ServiceOptions {
-  Device default_device;
-  // Largest request or response, in bytes (--max_message_bytes).
-  int64_t max_message_bytes = int64_t{1} << 30;
-  // Tensor handles: whether they are enabled, and the shared-memory key prefix.
-  RegionOptions regions;
-  // Bearer tokens every PackService call must carry (--auth_token_file);
-  // nullptr: none.
-  std::shared_ptr<TokenAuth> auth;
-  // Bound on the request and result bytes of inline calls in flight
-  // (--max_inflight_bytes, server/memory_budget.h); 0: none.
-  int64_t max_inflight_bytes = 0;
-  // Called once, with the reason, when a failed call finds the default device
-  // lost (a sticky runtime error: every later call on it fails). PackdServer
-  // turns readiness NOT_SERVING.
-  std::function<void(const absl::Status& reason)> on_device_lost;
-  // Worker threads every call's handler runs on (--threads); 0: the hardware
-  // threads.
-  int worker_threads = 0;
-
-  // Extra options (for testing) that packd itself never sets.
-  //
-  // Called with the method name ("Pack", "Scatter", "PackMicroBatches") once
-  // a call's tensors are decoded (its regions held), before the op runs:
-  // tests hold a call in flight with it (packd_testing --call_delay_ms).
-  std::function<void(absl::string_view method)> TEST_call_hook;
-};
 
 class PackServiceImpl final
     : public v1::PackService::WithGenericMethod_Pack<
@@ -119,27 +84,13 @@ class PackServiceImpl final
       v1::PlanResponse* response) override;
 
   // What /metrics serves: the calls served so far and the state now.
-  std::shared_ptr<prometheus::Collectable> metrics() const {
-    return metrics_.collectable();
+  std::shared_ptr<prometheus::Collectable> metrics() {
+    return core_.metrics().collectable();
   }
 
-  // The work behind the RPCs, callable without gRPC (the start-up self-check
-  // uses DoPack), with inline results copied into the response.
-  absl::Status DoPack(const v1::PackRequest& request,
-                      v1::PackResponse* response);
-  absl::Status DoScatter(const v1::ScatterRequest& request,
-                         v1::ScatterResponse* response);
-  absl::Status DoPlan(const v1::PlanRequest& request,
-                      v1::PlanResponse* response);
-
-  // Extra methods (for testing) that are not part of the service.
-  //
-  // A PackMicroBatches call's messages, in order (the plan, then each
-  // micro-batch, each made by TrainingStep::Message as StepCall makes it),
-  // without gRPC: the fuzz target's way in.
-  absl::Status TEST_PackMicroBatches(
-      const v1::PackMicroBatchesRequest& request,
-      std::vector<v1::PackMicroBatchesResponse>* responses);
+  // The service without its transport: Pack, Scatter and the plan of plain
+  // messages (the start-up self-check packs through it), regions, metrics.
+  ServiceCore& core() { return core_; }
 
  private:
   // Makes the reactor of each Pack, Scatter and PackMicroBatches call, handing
@@ -154,43 +105,12 @@ class PackServiceImpl final
     PackServiceImpl* const service_;
   };
 
-  // The steps every Pack and Scatter call takes: decode, place results
-  // (pooled buffers that `reply` carries for the response tensors `results`
-  // names, or the request's output slices), run `op` with the call's options,
-  // and encode the result headers. `bytes_per_row`: response bytes besides
-  // the tensors for each row of the mask (the per-row metadata: cu_seqlens,
-  // last_index, ...), reserved out of --max_message_bytes.
-  template <typename Request, typename Response, typename Op>
-  absl::Status RunCall(const char* method, const Wire<Request>& request,
-                       const ResultSlot& results, int64_t bytes_per_row,
-                       CallReply<Response>* reply, Op&& op);
-  absl::Status RunPack(const Wire<v1::PackRequest>& request,
-                       CallReply<v1::PackResponse>* reply);
-  // `run` (RunPack, RunScatter) of a plain message, for callers without
-  // gRPC: the request copied into a WireMessage, the inline results copied
-  // into the response's data fields, and the response's size checked.
-  template <typename Request, typename Response, typename Run>
-  absl::Status RunPlain(const Request& request, Response* response, Run&& run);
-  absl::Status RunScatter(const Wire<v1::ScatterRequest>& request,
-                          CallReply<v1::ScatterResponse>* reply);
-  absl::Status DoServerInfo(v1::ServerInfo* response);
-  // After a failed call: whether the default device is lost, and if so, tells
-  // on_device_lost (once).
-  void CheckDefaultDevice();
-  // Opens the request's IPC handle and registers the mapping as a region.
-  absl::Status DoRegisterDeviceRegion(
-      const v1::RegisterDeviceRegionRequest& request);
-
-  const ServiceOptions options_;
-  RegionRegistry regions_;
-  const RequestDecoder decoder_;
-  Metrics metrics_;
+  ServiceCore core_;
   // After the state its handlers use: its workers finish what was submitted
   // before the rest goes.
   CallMechanism calls_;
-  mutable absl::Mutex mu_;
-  bool device_lost_ ABSL_GUARDED_BY(mu_) = false;
-  // Last: destroyed first, its waiting calls finish while the rest is alive.
+  // Destroyed before the calls: its waiting calls finish while the rest is
+  // alive.
   MemoryBudget budget_;
   // What the raw methods' reactors use of all the above.
   const CallEnvironment env_;

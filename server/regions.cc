@@ -9,71 +9,13 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
 namespace packd {
-
-namespace {
-
-// [offset, end) of the shared-memory object `key`, mapped read-write: `base`
-// points at `offset`; `owner` unmaps when the last holder lets go.
-struct SharedMapping {
-  char* base = nullptr;
-  std::shared_ptr<void> owner;
-};
-
-// Maps [offset, end) of `key` for region `name` (for messages). NOT_FOUND
-// when no such object exists; PERMISSION_DENIED when it may not be opened;
-// INVALID_ARGUMENT when the range passes its end; RESOURCE_EXHAUSTED when
-// mmap fails.
-absl::StatusOr<SharedMapping> MapSharedMemory(const std::string& name,
-                                              const std::string& key,
-                                              uint64_t offset, uint64_t end) {
-  const int fd = shm_open(key.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    const int err = errno;
-    const std::string why = absl::StrCat("cannot open shared memory \"", key,
-                                         "\": ", std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(why);
-    if (err == EACCES) return absl::PermissionDeniedError(why);
-    return absl::InvalidArgumentError(why);
-  }
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return absl::InternalError(
-        absl::StrCat("fstat of \"", key, "\": ", std::strerror(err)));
-  }
-  if (end > static_cast<uint64_t>(st.st_size)) {
-    close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "region \"", name, "\": [", offset, ", ", end, ") passes the end of \"",
-        key, "\", which has ", st.st_size, " bytes"));
-  }
-  // mmap offsets must be page-aligned: map from the page holding `offset`.
-  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  const uint64_t map_offset = offset / page * page;
-  const size_t map_length = static_cast<size_t>(end - map_offset);
-  void* mapped = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED,
-                      fd, static_cast<off_t>(map_offset));
-  const int err = errno;
-  close(fd);  // the mapping keeps the object alive; no descriptor is left open
-  if (mapped == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("mmap of \"", key, "\": ", std::strerror(err)));
-  }
-  SharedMapping mapping;
-  mapping.owner = std::shared_ptr<void>(
-      mapped, [map_length](void* p) { munmap(p, map_length); });
-  mapping.base = static_cast<char*>(mapped) + (offset - map_offset);
-  return mapping;
-}
-
-}  // namespace
 
 absl::Status RegionRegistry::ValidateName(absl::string_view name) {
   if (name.empty() || name.size() > kMaxNameLength) {
@@ -152,6 +94,7 @@ int64_t RegionRegistry::ExpireLeases(int64_t now_ns) {
       // use_count 1: only the registry holds it, no call is using it.
       if (it->second->Expired(now_ns) && it->second.use_count() == 1) {
         ended.push_back(std::move(it->second));
+        --per_tenant_[it->first.first];
         regions_.erase(it++);
       } else {
         ++it;
@@ -171,7 +114,7 @@ int64_t RegionRegistry::size() const {
 int64_t RegionRegistry::size(absl::string_view kind) const {
   absl::MutexLock lock(&mu_);
   int64_t n = 0;
-  for (const auto& [name, region] : regions_) n += region->kind() == kind;
+  for (const auto& [key, region] : regions_) n += region->kind() == kind;
   return n;
 }
 
@@ -183,13 +126,102 @@ absl::Status RegionRegistry::CheckEnabled() const {
       "tensors inline");
 }
 
-absl::Status RegionRegistry::RegisterSystem(const std::string& name,
+absl::Status RegionRegistry::CheckKeyOwner(const Tenant& tenant,
+                                           const std::string& key) const {
+  const std::string prefix = KeyPrefix(tenant);
+  if (!absl::StartsWith(key, prefix)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "key \"", key, "\" is outside the key prefix \"", prefix,
+        "\" of this caller (tenant ", tenant.name,
+        "): a caller registers only segments under its own prefix, which "
+        "GetServerInfo reports (shm_key_prefix)"));
+  }
+  if (tenant.anonymous() && options_.anonymous_beside_named &&
+      key.find('.', prefix.size()) != std::string::npos) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "key \"", key, "\" holds a '.' after the key prefix \"", prefix,
+        "\": such keys name the segments of named tenants (unix-socket "
+        "peers), which an anonymous caller may not register"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<char*, std::shared_ptr<void>>> RegionRegistry::Map(
+    const Tenant& tenant, const std::string& name, const std::string& key,
+    uint64_t offset, uint64_t end) {
+  const int fd = shm_open(key.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    const int err = errno;
+    const std::string why = absl::StrCat("cannot open shared memory \"", key,
+                                         "\": ", std::strerror(err));
+    if (err == ENOENT) return absl::NotFoundError(why);
+    if (err == EACCES) return absl::PermissionDeniedError(why);
+    return absl::InvalidArgumentError(why);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::InternalError(
+        absl::StrCat("fstat of \"", key, "\": ", std::strerror(err)));
+  }
+  // packd opens with its own rights what a peer names: a unix-socket peer
+  // may name only its own objects (root's may name any).
+  if (tenant.uid.has_value() && *tenant.uid != 0 && st.st_uid != *tenant.uid) {
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "key \"", key, "\" is a segment of uid ", st.st_uid,
+        ", not of this caller (uid ", *tenant.uid,
+        "): packd opens for a unix-socket peer only the segments it owns"));
+  }
+  if (end > static_cast<uint64_t>(st.st_size)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region \"", name, "\": [", offset, ", ", end, ") passes the end of \"",
+        key, "\", which has ", st.st_size, " bytes"));
+  }
+  // The object mapped whole, once, however many regions name it: a
+  // registration costs no new mapping (the kernel's count of them is
+  // bounded, vm.max_map_count). tmpfs numbers inodes from a counter, so a
+  // live mapping's (device, inode) is its object's.
+  absl::MutexLock lock(&map_mu_);
+  const std::pair<uint64_t, uint64_t> id(st.st_dev, st.st_ino);
+  auto found = mapped_.find(id);
+  std::shared_ptr<void> owner;
+  if (found != mapped_.end()) owner = found->second.owner.lock();
+  if (owner == nullptr || found->second.length < end) {
+    const size_t length = static_cast<size_t>(st.st_size);
+    void* mapped =
+        mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int err = errno;
+    close(fd);
+    if (mapped == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("mmap of \"", key, "\": ", std::strerror(err)));
+    }
+    owner =
+        std::shared_ptr<void>(mapped, [length](void* p) { munmap(p, length); });
+    // Entries whose mappings are gone go first: the map stays as large as
+    // the objects mapped now.
+    absl::erase_if(mapped_, [](const auto& entry) {
+      return entry.second.owner.expired();
+    });
+    mapped_[id] = Mapped{static_cast<char*>(mapped), length, owner};
+    return std::make_pair(static_cast<char*>(mapped) + offset, owner);
+  }
+  close(fd);  // the mapping keeps the object alive; no descriptor is left open
+  return std::make_pair(found->second.base + offset, owner);
+}
+
+absl::Status RegionRegistry::RegisterSystem(const Tenant& tenant,
+                                            const std::string& name,
                                             const std::string& key,
                                             uint64_t offset, uint64_t byte_size,
                                             uint32_t lease_seconds) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   if (absl::Status s = ValidateName(name); !s.ok()) return s;
   if (absl::Status s = ValidateKey(key, options_.key_prefix); !s.ok()) return s;
+  if (absl::Status s = CheckKeyOwner(tenant, key); !s.ok()) return s;
   if (byte_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("region \"", name, "\": byte_size must be positive"));
@@ -202,13 +234,13 @@ absl::Status RegionRegistry::RegisterSystem(const std::string& name,
                      byte_size, " overflows"));
   }
   std::string identity = SystemIdentity(key, offset, byte_size);
-  PACKD_ASSIGN_OR_RETURN(const bool held, HeldAs(name, identity));
+  PACKD_ASSIGN_OR_RETURN(const bool held, HeldAs(tenant, name, identity));
   if (held) return absl::OkStatus();
-  PACKD_ASSIGN_OR_RETURN(SharedMapping mapping,
-                         MapSharedMemory(name, key, offset, end));
-  return Add(std::make_shared<Region>(
-      name, "system", Device::Cpu(), mapping.base, byte_size,
-      std::move(mapping.owner), lease_seconds, std::move(identity)));
+  PACKD_ASSIGN_OR_RETURN(auto mapping, Map(tenant, name, key, offset, end));
+  return Add(tenant, std::make_shared<Region>(
+                         name, "system", Device::Cpu(), mapping.first,
+                         byte_size, std::move(mapping.second), lease_seconds,
+                         std::move(identity)));
 }
 
 std::string RegionRegistry::SystemIdentity(const std::string& key,
@@ -224,12 +256,13 @@ std::string RegionRegistry::DeviceIdentity(const std::string& ipc_handle,
                       device.ToString(), " ", byte_size);
 }
 
-absl::StatusOr<bool> RegionRegistry::HeldAs(const std::string& name,
+absl::StatusOr<bool> RegionRegistry::HeldAs(const Tenant& tenant,
+                                            const std::string& name,
                                             const std::string& identity) const {
   std::shared_ptr<Region> region;
   {
     absl::MutexLock lock(&mu_);
-    auto it = regions_.find(name);
+    auto it = regions_.find(Key(tenant.name, name));
     if (it == regions_.end()) return false;
     region = it->second;
   }
@@ -241,54 +274,71 @@ absl::StatusOr<bool> RegionRegistry::HeldAs(const std::string& name,
   return true;
 }
 
-absl::Status RegionRegistry::RegisterDevice(const std::string& name,
-                                            Device device, char* base,
-                                            uint64_t byte_size,
-                                            std::shared_ptr<void> mapping,
-                                            uint32_t lease_seconds,
-                                            std::string identity) {
+absl::Status RegionRegistry::RegisterDevice(
+    const Tenant& tenant, const std::string& name, Device device, char* base,
+    uint64_t byte_size, std::shared_ptr<void> mapping, uint32_t lease_seconds,
+    std::string identity) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   if (absl::Status s = ValidateName(name); !s.ok()) return s;
-  return Add(std::make_shared<Region>(name, "device", device, base, byte_size,
+  return Add(tenant,
+             std::make_shared<Region>(name, "device", device, base, byte_size,
                                       std::move(mapping), lease_seconds,
                                       std::move(identity)));
 }
 
-absl::Status RegionRegistry::Add(std::shared_ptr<Region> region) {
+absl::Status RegionRegistry::Add(const Tenant& tenant,
+                                 std::shared_ptr<Region> region) {
   absl::MutexLock lock(&mu_);
   const std::string name = region->name();
-  auto [it, added] = regions_.emplace(name, region);
-  // Two copies of one registration racing: the second finds the first's.
-  if (!added && (region->identity().empty() ||
-                 it->second->identity() != region->identity())) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("region \"", name, "\" is already registered"));
+  const Key key(tenant.name, name);
+  if (auto it = regions_.find(key); it != regions_.end()) {
+    // Two copies of one registration racing: the second finds the first's.
+    if (region->identity().empty() ||
+        it->second->identity() != region->identity()) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("region \"", name, "\" is already registered"));
+    }
+    return absl::OkStatus();
   }
+  int64_t& held = per_tenant_[tenant.name];
+  if (options_.max_regions_per_tenant > 0 &&
+      held >= options_.max_regions_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant ", tenant.name, " holds ", held, " regions, the most one may ",
+        "(--max_regions_per_tenant=", options_.max_regions_per_tenant,
+        "): unregister some, or give them leases"));
+  }
+  ++held;
+  regions_.emplace(key, std::move(region));
   return absl::OkStatus();
 }
 
-absl::Status RegionRegistry::Unregister(const std::string& name) {
+absl::Status RegionRegistry::Unregister(const Tenant& tenant,
+                                        const std::string& name) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   std::shared_ptr<Region> region;
   {
     absl::MutexLock lock(&mu_);
-    auto it = regions_.find(name);
+    auto it = regions_.find(Key(tenant.name, name));
     if (it == regions_.end()) {
       return absl::NotFoundError(
           absl::StrCat("region \"", name, "\" is not registered"));
     }
     region = std::move(it->second);
+    --per_tenant_[tenant.name];
     regions_.erase(it);
   }
   // Unmapped here, or when the last call using it ends.
   return absl::OkStatus();
 }
 
-std::vector<v1::RegionInfo> RegionRegistry::List() const {
+std::vector<v1::RegionInfo> RegionRegistry::List(const Tenant& tenant) const {
   std::vector<v1::RegionInfo> out;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [name, region] : regions_) {
+    for (const auto& [key, region] : regions_) {
+      if (key.first != tenant.name) continue;
+      const std::string& name = key.second;
       v1::RegionInfo info;
       info.set_name(name);
       info.set_kind(region->kind());
@@ -304,12 +354,13 @@ std::vector<v1::RegionInfo> RegionRegistry::List() const {
 }
 
 absl::StatusOr<ResolvedSlice> RegionRegistry::Resolve(
-    const v1::RegionSlice& slice, absl::string_view field) const {
+    const Tenant& tenant, const v1::RegionSlice& slice,
+    absl::string_view field) const {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   std::shared_ptr<Region> region;
   {
     absl::MutexLock lock(&mu_);
-    auto it = regions_.find(slice.region());
+    auto it = regions_.find(Key(tenant.name, slice.region()));
     if (it == regions_.end()) {
       return absl::NotFoundError(absl::StrCat(
           field, ": region \"", slice.region(), "\" is not registered"));

@@ -4,9 +4,13 @@
 // never cross the gRPC byte stream.
 //
 // clang-format off
+// Regions belong to the tenant that registered it (docs/design.md §15): each
+// tenant sees only its own, and another's is NOT_FOUND as if absent.
+//
+// clang-format off
 //   RegionRegistry regions({.enabled = true, .key_prefix = "/packd"});
-//   PACKD_RETURN_IF_ERROR(regions.RegisterSystem("hidden", "/packd_w0", 0, 128 << 20));
-//   PACKD_ASSIGN_OR_RETURN(ResolvedSlice s, regions.Resolve(slice, "inputs[0]"));
+//   PACKD_RETURN_IF_ERROR(regions.RegisterSystem(tenant, "hidden", "/packd_w0", 0, 128 << 20));
+//   PACKD_ASSIGN_OR_RETURN(ResolvedSlice s, regions.Resolve(tenant, slice, "inputs[0]"));
 // clang-format on
 #ifndef PACKD_SERVER_REGIONS_H_
 #define PACKD_SERVER_REGIONS_H_
@@ -16,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -26,6 +31,7 @@
 #include "absl/time/time.h"
 #include "base/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
+#include "server/tenant.h"
 
 namespace packd {
 
@@ -91,10 +97,19 @@ struct ResolvedSlice {
 struct RegionOptions {
   // Whether tensor handles are allowed at all (--shared_memory).
   bool enabled = false;
-  // Every system region key must start with this (--shm_key_prefix).
+  // Every system region key must start with this (--shm_key_prefix), then
+  // its tenant's label and a dot for a named tenant (Tenant::KeyPrefix).
   std::string key_prefix = "/packd";
   // How often leases are checked; a region outlives its lease by at most this.
   absl::Duration lease_check_interval = absl::Milliseconds(250);
+  // Whether named tenants share the prefix with the anonymous one (packd
+  // names unix-socket peers by uid while others stay anonymous): then an
+  // anonymous key may not hold a '.' after the prefix, so that it never
+  // names a named tenant's segment.
+  bool anonymous_beside_named = false;
+  // The most regions one tenant may hold at once (--max_regions_per_tenant);
+  // 0: no bound.
+  int64_t max_regions_per_tenant = 4096;
 };
 
 class RegionRegistry {
@@ -120,15 +135,20 @@ class RegionRegistry {
   // size: a client retrying after a lost reply) succeeds and renews the lease.
   // With `lease_seconds` > 0 the region is unregistered once no call has named
   // it for that long.
-  absl::Status RegisterSystem(const std::string& name, const std::string& key,
-                              uint64_t offset, uint64_t byte_size,
-                              uint32_t lease_seconds = 0);
+  // For `tenant`: PERMISSION_DENIED naming the key and the rule for a key
+  // inside --shm_key_prefix but outside the tenant's own prefix, or (a
+  // unix-socket peer) an object another uid owns; RESOURCE_EXHAUSTED past
+  // max_regions_per_tenant. An object is mapped once however many regions
+  // name it (by its device and inode).
+  absl::Status RegisterSystem(const Tenant& tenant, const std::string& name,
+                              const std::string& key, uint64_t offset,
+                              uint64_t byte_size, uint32_t lease_seconds = 0);
 
   // Adds an already opened device mapping (the GPU backend opens IPC handles)
   // whose registration is `identity` (DeviceIdentity). Errors as
   // RegisterSystem's; a repeat of the registration holding the name succeeds.
-  absl::Status RegisterDevice(const std::string& name, Device device,
-                              char* base, uint64_t byte_size,
+  absl::Status RegisterDevice(const Tenant& tenant, const std::string& name,
+                              Device device, char* base, uint64_t byte_size,
                               std::shared_ptr<void> mapping,
                               uint32_t lease_seconds = 0,
                               std::string identity = "");
@@ -137,7 +157,7 @@ class RegionRegistry {
   // true; false when the name is free; ALREADY_EXISTS when another
   // registration holds it. Lets a repeated register call succeed without
   // mapping the memory twice.
-  absl::StatusOr<bool> HeldAs(const std::string& name,
+  absl::StatusOr<bool> HeldAs(const Tenant& tenant, const std::string& name,
                               const std::string& identity) const;
   // The identities of a system and a device registration.
   static std::string SystemIdentity(const std::string& key, uint64_t offset,
@@ -145,11 +165,12 @@ class RegionRegistry {
   static std::string DeviceIdentity(const std::string& ipc_handle,
                                     const Device& device, uint64_t byte_size);
 
-  // NOT_FOUND when the name is not registered. The memory is unmapped once no
-  // call uses it.
-  absl::Status Unregister(const std::string& name);
+  // NOT_FOUND when the tenant has no region of that name. The memory is
+  // unmapped once no call uses it.
+  absl::Status Unregister(const Tenant& tenant, const std::string& name);
 
-  std::vector<v1::RegionInfo> List() const;
+  // The tenant's regions, by name.
+  std::vector<v1::RegionInfo> List(const Tenant& tenant) const;
   // Regions registered now; of one kind ("system", "device").
   int64_t size() const;
   int64_t size(absl::string_view kind) const;
@@ -163,10 +184,16 @@ class RegionRegistry {
   // Checks `slice` against its region, overflow-safe, before any byte moves,
   // and renews the region's lease.
   // FAILED_PRECONDITION when handles are disabled; NOT_FOUND for an
-  // unregistered region; INVALID_ARGUMENT naming `field` when the slice passes
-  // the region's end.
-  absl::StatusOr<ResolvedSlice> Resolve(const v1::RegionSlice& slice,
+  // region the tenant has not registered (another tenant's included, word for
+  // word, and renewing nothing); INVALID_ARGUMENT naming `field` when the
+  // slice passes the region's end.
+  absl::StatusOr<ResolvedSlice> Resolve(const Tenant& tenant,
+                                        const v1::RegionSlice& slice,
                                         absl::string_view field) const;
+  // The key prefix `tenant`'s segments must begin with.
+  std::string KeyPrefix(const Tenant& tenant) const {
+    return tenant.KeyPrefix(options_.key_prefix);
+  }
 
   // OK for a name packd accepts: 1 to 256 characters from letters, digits and
   // ._-:/
@@ -177,12 +204,32 @@ class RegionRegistry {
                                   absl::string_view prefix);
 
  private:
-  absl::Status Add(std::shared_ptr<Region> region);
+  using Key = std::pair<std::string, std::string>;  // tenant, region name
+  // A shared-memory object mapped whole, by its device and inode.
+  struct Mapped {
+    char* base = nullptr;
+    uint64_t length = 0;
+    std::weak_ptr<void> owner;
+  };
+
+  absl::Status Add(const Tenant& tenant, std::shared_ptr<Region> region);
+  // OK when `tenant` may name `key` (its own prefix; a unix-socket peer's
+  // object is checked when opened).
+  absl::Status CheckKeyOwner(const Tenant& tenant,
+                             const std::string& key) const;
+  // [offset, end) of `key`, from the object's one mapping.
+  absl::StatusOr<std::pair<char*, std::shared_ptr<void>>> Map(
+      const Tenant& tenant, const std::string& name, const std::string& key,
+      uint64_t offset, uint64_t end);
 
   const RegionOptions options_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<Region>> regions_
+  absl::flat_hash_map<Key, std::shared_ptr<Region>> regions_
       ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int64_t> per_tenant_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex map_mu_;  // taken before mu_, never after
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, Mapped> mapped_
+      ABSL_GUARDED_BY(map_mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<int64_t> expired_{0};
   std::thread lease_thread_;

@@ -60,18 +60,19 @@ std::vector<int64_t> RowExtents(const TensorView& mask) {
 absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
     const v1::Tensor& tensor, absl::string_view field,
     DecodedCall* call) const {
-  return DecodeTensor(tensor, field, call, nullptr);
+  PACKD_ASSIGN_OR_RETURN(TensorView view, DecodeTensorHeader(tensor, field));
+  return AttachBytes(tensor, std::move(view), field, call, nullptr);
 }
 
-absl::StatusOr<TensorView> RequestDecoder::DecodeTensor(
-    const v1::Tensor& tensor, absl::string_view field, DecodedCall* call,
-    const std::vector<int64_t>* row_extents) const {
-  PACKD_ASSIGN_OR_RETURN(TensorView view, DecodeTensorHeader(tensor, field));
+absl::StatusOr<TensorView> RequestDecoder::AttachBytes(
+    const v1::Tensor& tensor, TensorView view, absl::string_view field,
+    DecodedCall* call, const std::vector<int64_t>* row_extents) const {
   const int64_t bytes = view.nbytes();
   if (tensor.storage_case() == v1::Tensor::kRegion) {
     const std::string slice_field = absl::StrCat(field, ".region");
-    PACKD_ASSIGN_OR_RETURN(ResolvedSlice slice,
-                           regions_.Resolve(tensor.region(), slice_field));
+    PACKD_ASSIGN_OR_RETURN(
+        ResolvedSlice slice,
+        regions_.Resolve(call->tenant, tensor.region(), slice_field));
     if (slice.byte_size != static_cast<uint64_t>(bytes)) {
       return absl::InvalidArgumentError(
           absl::StrCat(slice_field, " has ", slice.byte_size,
@@ -137,21 +138,23 @@ template <typename Request>
 absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
     const Request& request, const WireMessage& wire,
     const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-    absl::string_view field, bool reads_active_only, int results,
-    absl::string_view prefix) const {
+    const CallSpec& spec, bool reads_active_only) const {
+  const std::string& prefix = spec.prefix;
   PACKD_RETURN_IF_ERROR(CheckSize(
       "request",
       request.ByteSizeLong() + static_cast<size_t>(wire.PayloadBytes())));
   DecodedCall call;
   call.wire = &wire;
+  call.tenant = spec.tenant;
   PACKD_ASSIGN_OR_RETURN(call.device, ResolveDevice(request.device()));
   if (!request.has_mask()) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, "mask is missing: give a [B, S] tensor"));
   }
+  PACKD_ASSIGN_OR_RETURN(TensorView mask, spec.mask);
   PACKD_ASSIGN_OR_RETURN(
-      call.mask,
-      DecodeTensor(request.mask(), absl::StrCat(prefix, "mask"), &call));
+      call.mask, AttachBytes(request.mask(), std::move(mask),
+                             absl::StrCat(prefix, "mask"), &call, nullptr));
   if (call.mask.shape.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         prefix, "mask.shape ", ShapeString(call.mask.shape),
@@ -161,7 +164,7 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   // the plan and the response hold about 20 bytes per row: hold B against the
   // limit before anything is allocated.
   const int64_t rows = call.mask.shape[0];
-  if (rows > max_message_bytes_ / kMetadataBytesPerBatchRow) {
+  if (rows > MaxBatchRows(max_message_bytes_)) {
     return absl::ResourceExhaustedError(
         absl::StrCat(prefix, "mask has B = ", rows,
                      " rows: their cu_seqlens and last_index alone "
@@ -181,66 +184,63 @@ absl::StatusOr<DecodedCall> RequestDecoder::DecodeCall(
   }
   call.tensors.reserve(tensors.size());
   for (int i = 0; i < tensors.size(); ++i) {
+    PACKD_ASSIGN_OR_RETURN(TensorView header, spec.tensors[i]);
     PACKD_ASSIGN_OR_RETURN(
         TensorView v,
-        DecodeTensor(tensors[i], absl::StrCat(prefix, field, "[", i, "]"),
-                     &call, extents.empty() ? nullptr : &extents));
+        AttachBytes(
+            tensors[i], std::move(header),
+            absl::StrCat(prefix,
+                         spec.op == CallSpec::Op::kPack ? "inputs" : "packed",
+                         "[", i, "]"),
+            &call, extents.empty() ? nullptr : &extents));
     call.tensors.push_back(std::move(v));
   }
   const auto& outputs = request.outputs();
-  if (outputs.empty()) return call;
-  if (outputs.size() != results) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        prefix, "outputs has ", outputs.size(), " slices but there are ",
-        results,
-        results == tensors.size()
-            ? " tensors: give one slice per tensor"
-            : " results: give one slice per input, then one per shift",
-        ", or none for inline results"));
+  const int results = spec.results;
+  if (!outputs.empty()) {
+    if (outputs.size() != results) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "outputs has ", outputs.size(), " slices but there are ",
+          results,
+          results == tensors.size()
+              ? " tensors: give one slice per tensor"
+              : " results: give one slice per input, then one per shift",
+          ", or none for inline results"));
+    }
+    for (int i = 0; i < outputs.size(); ++i) {
+      PACKD_ASSIGN_OR_RETURN(
+          ResolvedSlice slice,
+          regions_.Resolve(call.tenant, outputs[i],
+                           absl::StrCat("outputs[", i, "]")));
+      call.outputs.push_back(std::move(slice));
+    }
   }
-  for (int i = 0; i < outputs.size(); ++i) {
+  if (spec.segment_ids.has_value()) {
+    PACKD_ASSIGN_OR_RETURN(TensorView header, *spec.segment_ids);
     PACKD_ASSIGN_OR_RETURN(
-        ResolvedSlice slice,
-        regions_.Resolve(outputs[i], absl::StrCat("outputs[", i, "]")));
-    call.outputs.push_back(std::move(slice));
+        call.segment_ids,
+        AttachBytes(request.segment_ids(), std::move(header),
+                    absl::StrCat(prefix, "segment_ids"), &call, nullptr));
   }
   return call;
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
-    const Wire<v1::PackRequest>& wire) const {
-  return Decode(wire.message(), wire, "");
+    const Wire<v1::PackRequest>& wire, const CallSpec& spec) const {
+  return Decode(wire.message(), wire, spec);
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
     const v1::PackRequest& request, const WireMessage& wire,
-    absl::string_view prefix) const {
-  PACKD_ASSIGN_OR_RETURN(
-      DecodedCall call,
-      DecodeCall(request, wire, request.inputs(), "inputs",
-                 /*reads_active_only=*/true,
-                 request.inputs_size() + request.shifts_size(), prefix));
-  if (request.has_segment_ids()) {
-    PACKD_ASSIGN_OR_RETURN(
-        call.segment_ids,
-        DecodeTensor(request.segment_ids(), absl::StrCat(prefix, "segment_ids"),
-                     &call));
-  }
-  return call;
+    const CallSpec& spec) const {
+  return DecodeCall(request, wire, request.inputs(), spec,
+                    /*reads_active_only=*/true);
 }
 
 absl::StatusOr<DecodedCall> RequestDecoder::Decode(
-    const Wire<v1::ScatterRequest>& wire) const {
-  PACKD_ASSIGN_OR_RETURN(
-      DecodedCall call,
-      DecodeCall(wire.message(), wire, wire->packed(), "packed",
-                 /*reads_active_only=*/false, wire->packed_size(), ""));
-  if (wire->has_segment_ids()) {
-    PACKD_ASSIGN_OR_RETURN(
-        call.segment_ids,
-        DecodeTensor(wire->segment_ids(), "segment_ids", &call));
-  }
-  return call;
+    const Wire<v1::ScatterRequest>& wire, const CallSpec& spec) const {
+  return DecodeCall(wire.message(), wire, wire->packed(), spec,
+                    /*reads_active_only=*/false);
 }
 
 }  // namespace packd

@@ -1,13 +1,15 @@
 // RequestDecoder: a Pack or Scatter request, checked and turned into what the
-// op library takes — the call's device, the mask and tensors as views (of the
-// request's bytes in place, or of region memory), and where each result goes.
-// Inline bytes are read in place: from the request's payloads (proto/wire.h,
-// the received slices) or its data fields, which must outlive the call. Bytes
-// split over several slices are first gathered into one pooled buffer.
+// op library takes (its headers and layout decoded once, in its CallSpec) — the
+// call's device, the mask and tensors as views (of the request's bytes in
+// place, or of region memory), and where each result goes. Inline bytes are
+// read in place: from the request's payloads (proto/wire.h, the received
+// slices) or its data fields, which must outlive the call. Bytes split over
+// several slices are first gathered into one pooled buffer.
 //
 // clang-format off
 //   RequestDecoder decoder(regions, Device::Cpu(), max_message_bytes);
-//   PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder.Decode(request));
+//   const CallSpec spec = CallSpec::Of(request.message(), "", max_message_bytes, tenant);
+//   PACKD_ASSIGN_OR_RETURN(DecodedCall call, decoder.Decode(request, spec));
 //   Pack(call.tensors, call.mask, options);
 // clang-format on
 #ifndef PACKD_SERVER_REQUEST_DECODER_H_
@@ -24,6 +26,7 @@
 #include "base/tensor_view.h"
 #include "packd/v1/pack_service.pb.h"
 #include "proto/wire.h"
+#include "server/call_spec.h"
 #include "server/regions.h"
 
 namespace packd {
@@ -46,6 +49,8 @@ struct DecodedCall {
   std::vector<Buffer> gathered;
   // The request as received: where its inline tensors' bytes are.
   const WireMessage* wire = nullptr;
+  // Whose call it is: the regions it names are this tenant's.
+  Tenant tenant;
 };
 
 // Safe to share across threads: it changes nothing, and the region registry
@@ -59,23 +64,25 @@ class RequestDecoder {
         default_device_(default_device),
         max_message_bytes_(max_message_bytes) {}
 
-  // Errors: RESOURCE_EXHAUSTED when the request is over max_message_bytes, or
-  // its mask has more rows than that limit allows metadata for;
+  // The tensors of a call whose headers `spec` holds (CallSpec::Of of this
+  // request), with their bytes and regions attached. Errors:
+  // RESOURCE_EXHAUSTED when the request is over max_message_bytes, or its
+  // mask has more rows than that limit allows metadata for;
   // INVALID_ARGUMENT for a missing mask, a bad device name, a tensor whose
   // dtype, shape or byte count is wrong, or outputs of the wrong count;
   // FAILED_PRECONDITION for a device this build or machine lacks; the region
   // errors of RegionRegistry::Resolve for handles. The call's views of inline
   // tensors point into `request`'s bytes, which must outlive them.
-  absl::StatusOr<DecodedCall> Decode(
-      const Wire<v1::PackRequest>& request) const;
-  absl::StatusOr<DecodedCall> Decode(
-      const Wire<v1::ScatterRequest>& request) const;
+  absl::StatusOr<DecodedCall> Decode(const Wire<v1::PackRequest>& request,
+                                     const CallSpec& spec) const;
+  absl::StatusOr<DecodedCall> Decode(const Wire<v1::ScatterRequest>& request,
+                                     const CallSpec& spec) const;
   // A PackRequest inside another message (PackMicroBatchesRequest.batch),
-  // whose inline bytes `wire` holds; errors name its fields after `prefix`
-  // ("batch.").
+  // whose inline bytes `wire` holds; errors name its fields after the spec's
+  // prefix ("batch.").
   absl::StatusOr<DecodedCall> Decode(const v1::PackRequest& request,
                                      const WireMessage& wire,
-                                     absl::string_view prefix) const;
+                                     const CallSpec& spec) const;
 
   // A view of one tensor's bytes: inline (a cpu view of its payload in
   // call->wire, or of its `data`) or a region slice, whose region is
@@ -87,18 +94,13 @@ class RequestDecoder {
   absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
                                           absl::string_view field,
                                           DecodedCall* call) const;
-  // The same; when `row_extents` is given and the tensor is [B, S, ...] with
-  // one extent per row, split bytes are gathered only for positions
-  // [0, row_extents[b]) of each row b (the others are left undefined).
-  absl::StatusOr<TensorView> DecodeTensor(
-      const v1::Tensor& tensor, absl::string_view field, DecodedCall* call,
-      const std::vector<int64_t>* row_extents) const;
 
   // A region slice the call writes to (a step's outputs): the region errors
   // of RegionRegistry::Resolve, naming `field`.
-  absl::StatusOr<ResolvedSlice> ResolveSlice(const v1::RegionSlice& slice,
+  absl::StatusOr<ResolvedSlice> ResolveSlice(const Tenant& tenant,
+                                             const v1::RegionSlice& slice,
                                              absl::string_view field) const {
-    return regions_.Resolve(slice, field);
+    return regions_.Resolve(tenant, slice, field);
   }
 
   // Whether a request's `device` field names the host: "cpu", or empty with
@@ -113,12 +115,18 @@ class RequestDecoder {
   absl::Status CheckSize(absl::string_view what, size_t bytes) const;
 
  private:
+  // The bytes of `tensor`, whose header is `view`, attached to it (as
+  // DecodeTensor). When `row_extents` is given and the tensor is [B, S, ...]
+  // with one extent per row, split bytes are gathered only for positions
+  // [0, row_extents[b]) of each row b (the others are left undefined).
+  absl::StatusOr<TensorView> AttachBytes(
+      const v1::Tensor& tensor, TensorView view, absl::string_view field,
+      DecodedCall* call, const std::vector<int64_t>* row_extents) const;
   template <typename Request>
   absl::StatusOr<DecodedCall> DecodeCall(
       const Request& request, const WireMessage& wire,
       const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors,
-      absl::string_view field, bool reads_active_only, int results,
-      absl::string_view prefix) const;
+      const CallSpec& spec, bool reads_active_only) const;
   absl::StatusOr<Device> ResolveDevice(const std::string& text) const;
 
   const RegionRegistry& regions_;

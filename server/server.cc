@@ -31,7 +31,7 @@ namespace packd {
 namespace {
 
 // Packs a small, known batch through the service path and checks every byte.
-absl::Status SelfCheck(PackServiceImpl& service, const Device& device) {
+absl::Status SelfCheck(ServiceCore& service, const Device& device) {
   v1::PackRequest request;
   request.set_device(device.ToString());
   v1::Tensor* mask = request.mutable_mask();
@@ -168,6 +168,10 @@ PackdServer::PackdServer(const ServerOptions& options)
         service.on_device_lost = [this](const absl::Status& reason) {
           OnDeviceLost(reason);
         };
+        // Set before the first connection is accepted, never after.
+        service.peer_uid = [this](const std::string& peer) {
+          return unix_ != nullptr ? unix_->UidOf(peer) : std::nullopt;
+        };
         return service;
       }()) {}
 
@@ -219,12 +223,33 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.RegisterService(&server->service_);
   builder.RegisterCallbackGenericService(server->service_.inline_calls());
-  PACKD_ASSIGN_OR_RETURN(server->server_,
-                         Listen(builder, options.listen, "--listen",
-                                Credentials(options.tls), &server->address_));
+  absl::string_view unix_path = options.listen;
+  if ((absl::ConsumePrefix(&unix_path, "unix://") ||
+       absl::ConsumePrefix(&unix_path, "unix:")) &&
+      options.tls.cert_chain.empty()) {
+    // packd accepts the socket's connections itself, to know each peer's uid
+    // (server/unix_listener.h).
+    const std::string path(unix_path);
+    if (UnixSocketAnswers(path)) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", options.listen,
+                       " (--listen): another server is listening there"));
+    }
+    server->server_ = builder.BuildAndStart();
+    if (server->server_ == nullptr) {
+      return absl::UnavailableError("cannot start the gRPC server");
+    }
+    PACKD_ASSIGN_OR_RETURN(server->unix_, UnixListener::Bind(path));
+    server->unix_->Serve(server->server_.get());
+    server->address_ = options.listen;
+  } else {
+    PACKD_ASSIGN_OR_RETURN(server->server_,
+                           Listen(builder, options.listen, "--listen",
+                                  Credentials(options.tls), &server->address_));
+  }
   server->SetReady(false);
   absl::Status check =
-      SelfCheck(server->service_, options.service.default_device);
+      SelfCheck(server->service_.core(), options.service.default_device);
   if (!check.ok()) {
     server->server_->Shutdown();
     return check;
@@ -250,6 +275,9 @@ void PackdServer::Drain() {
       "waiting up to ",
       absl::FormatDuration(options_.drain), " for calls in flight"));
   const bool idle = service_.WaitForIdle(absl::Now() + options_.drain);
+  // No new connection from now on; the calls on those accepted still find
+  // their peers' uids.
+  if (unix_ != nullptr) unix_->StopAccepting();
   if (!idle) {
     Log(LogLevel::kWarning,
         "drain time is up: cancelling the calls still running");

@@ -20,6 +20,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/metrics.h"
 #include "server/pack_service.h"
+#include "server/unix_listener.h"
 
 namespace packd {
 
@@ -87,6 +88,9 @@ class PackdServer {
   const ServerOptions options_;
   PackServiceImpl service_;
   std::unique_ptr<grpc::Server> server_;
+  // packd's own listener on a plaintext unix socket (its peers' uids name
+  // their tenants); after server_: it stops accepting first.
+  std::unique_ptr<UnixListener> unix_;
   // What the health-only listener answers, and the listener (which goes
   // first).
   std::unique_ptr<grpc::health::v1::Health::CallbackService> health_service_;

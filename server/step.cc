@@ -54,7 +54,8 @@ absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
 
 absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     const Wire<v1::PackMicroBatchesRequest>& request,
-    const RequestDecoder& decoder, int64_t max_message_bytes) {
+    const RequestDecoder& decoder, int64_t max_message_bytes,
+    const Tenant& tenant) {
   const v1::PackMicroBatchesRequest& message = request.message();
   const v1::PlanRequest& asked = message.plan();
   auto must_be_empty = [](const char* field) {
@@ -84,15 +85,15 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
         "batch.outputs must be empty: micro-batches come back in the stream");
   }
   auto step = std::unique_ptr<TrainingStep>(
-      new TrainingStep(message.batch(), max_message_bytes));
+      new TrainingStep(message.batch(), max_message_bytes, tenant));
   PACKD_ASSIGN_OR_RETURN(step->call_,
-                         decoder.Decode(message.batch(), request, "batch."));
+                         decoder.Decode(message.batch(), request, step->spec_));
   PACKD_RETURN_IF_ERROR(step->CheckDevices());
   // Every micro-batch is packed with the batch's layout: a layout Pack would
   // refuse is refused before the plan is sent.
   std::vector<DType> dtypes;
   for (const TensorView& x : step->call_.tensors) dtypes.push_back(x.dtype);
-  const LayoutOptions layout = DecodeLayout(message.batch());
+  const LayoutOptions& layout = step->spec_.layout;
   absl::Status checked = CheckLayout(layout, dtypes).status();
   if (checked.ok()) {
     checked =
@@ -173,12 +174,15 @@ absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
   }
   const TensorView counted = loss.has_value() ? *loss : mask;
   PACKD_ASSIGN_OR_RETURN(PackResult r, Pack({counted}, mask, measure));
+  if (spec_.mrope.has_value()) {
+    PACKD_RETURN_IF_ERROR(MeasureGrids(measure));
+  }
   const int64_t B = mask.shape[0];
   extents_.resize(B);
   for (int64_t b = 0; b < B; ++b) extents_[b] = r.last_index[b] + 1;
   rows->assign(B, {});
   const PlanOptions model = PlanOptionsOf(*plan);
-  if (batch_.has_shared_prefix()) {
+  if (spec_.layout.shared_prefix.has_value()) {
     PACKD_RETURN_IF_ERROR(MeasureShared(r, loss, model, plan, rows));
     plan->clear_cost_per_token();
     plan->clear_cost_per_token_squared();
@@ -194,10 +198,7 @@ absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
       (*rows)[b].sequences.push_back(r.cu_seqlens[b + 1] - r.cu_seqlens[b]);
     }
   }
-  const int64_t m = std::max<int64_t>(batch_.pad_multiple(), 1);
-  // One CP or SP rank's share of a row's rows is what one GPU holds of it.
-  const int64_t c = std::max<int32_t>(batch_.cp_size(), 1);
-  const int64_t u = std::max<int32_t>(batch_.sp_size(), 1);
+  const PackSizes& sizes = spec_.sizes;
   const char* loss_bytes = loss.has_value()
                                ? static_cast<const char*>(r.packed[0].view.data)
                                : nullptr;
@@ -206,11 +207,12 @@ absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
     int64_t padded = 0;
     double cost = 0;
     for (int64_t L : (*rows)[b].sequences) {
-      const int64_t P = (L + m - 1) / m * m;
+      const int64_t P = sizes.PaddedRows(L);
       padded += P;
       cost += SequenceCost(model, P);
     }
-    plan->add_lengths((padded / c + u - 1) / u);
+    // One CP or SP rank's share of a row's rows is what one GPU holds of it.
+    plan->add_lengths(sizes.RankRows(padded));
     plan->add_costs(cost);
     const int64_t active = r.cu_seqlens[b + 1] - r.cu_seqlens[b];
     plan->add_loss_tokens(
@@ -225,15 +227,45 @@ absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
   return absl::OkStatus();
 }
 
+absl::Status TrainingStep::MeasureGrids(PackOptions measure) {
+  const MRopeOptions& mrope = *spec_.mrope;
+  auto in_batch = [](const absl::Status& status) {
+    return absl::Status(status.code(),
+                        absl::StrCat("batch.", status.message()));
+  };
+  if (absl::Status valid = ValidateMRope(mrope, call_.tensors.size());
+      !valid.ok()) {
+    return in_batch(valid);
+  }
+  // The batch's token ids packed on the host, their multimodal positions
+  // computed once over the whole batch (which checks every grid against its
+  // run), then each row's runs counted.
+  PACKD_ASSIGN_OR_RETURN(TensorView ids, OnHost(call_.tensors[mrope.input]));
+  measure.mrope = mrope;
+  absl::StatusOr<PackResult> r = Pack({ids}, host_mask_, measure);
+  if (!r.ok()) return in_batch(r.status());
+  const TensorView& packed = r->packed[0].view;
+  std::vector<int64_t> dense(r->total_active);
+  for (int64_t k = 0; k < r->total_active; ++k) {
+    dense[k] = IntegerAt(packed.data, packed.dtype, k);
+  }
+  mrope_rows_ = VisionRunsByRow(
+      dense, call_.segment_ids.has_value() ? r->doc_cu_seqlens : r->cu_seqlens,
+      r->cu_seqlens, mrope);
+  return absl::OkStatus();
+}
+
 absl::Status TrainingStep::MeasureShared(const PackResult& r,
                                          const std::optional<TensorView>& loss,
                                          const PlanOptions& model,
                                          v1::PlanRequest* plan,
                                          std::vector<Measured>* rows) {
-  const LayoutOptions layout = DecodeLayout(batch_);
+  // The whole batch's stream (never sent, so not bounded by a message):
+  // prompts within their rows' tokens, and the prompts that must agree
+  // checked on the host, before anything is planned.
+  LayoutOptions layout = spec_.layout;
+  layout.max_rows = 0;
   const SharedPrefix& shared = *layout.shared_prefix;
-  // The whole batch's stream: prompts within their rows' tokens, and the
-  // prompts that must agree checked on the host, before anything is planned.
   PACKD_ASSIGN_OR_RETURN(
       const Layout stream,
       MakeSharedLayout(r.cu_seqlens, layout, /*with_position_ids=*/false));
@@ -299,10 +331,8 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
           absl::StrCat("ranks[", i, "] repeats rank ", rank));
     }
   }
-  LayoutOptions layout = DecodeLayout(batch_);
-  layout.max_rows = MaxEntriesPerMessage(max_message_bytes_);
-  const PackSizes sizes =
-      PackSizes::Of(call_.tensors, layout, batch_.with_position_ids());
+  const LayoutOptions& layout = spec_.layout;
+  const PackSizes& sizes = spec_.sizes;
   const TensorView& mask = call_.mask;
   int64_t position_bytes = ItemSize(mask.dtype);  // gathered per position
   if (call_.segment_ids.has_value()) {
@@ -327,7 +357,7 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
     // The micro-batch's rows exactly: a shared stream's are its rows'
     // lengths (the plan's tokens); a layout's, its layout's (which `fixed`,
     // applying to each micro-batch, must hold); else its active tokens.
-    const bool shared = batch_.has_shared_prefix();
+    const bool shared = layout.shared_prefix.has_value();
     int64_t out_rows = starts.back(), shifted_rows = out_rows;
     if (shared) {
       out_rows = mb.padded_tokens();
@@ -342,12 +372,9 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
       }
       out_rows = shifted_rows = laid->rows();
     }
-    const int64_t sequence_count = static_cast<int64_t>(starts.size()) - 1;
-    const int64_t reply = SaturatingAdd(
-        sizes.ResultBytes(out_rows, shifted_rows),
-        SaturatingAdd(
-            sizes.MetadataBytes(out_rows, mb.samples_size(), sequence_count),
-            SaturatingMul(10, entries)));
+    const int64_t reply =
+        sizes.MessageBytes(out_rows, shifted_rows, mb.samples_size(),
+                           static_cast<int64_t>(starts.size()) - 1, entries);
     if (reply > max_message_bytes_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "micro-batch ", at, " of rank ", mb.rank(), " would be about ", reply,
@@ -378,7 +405,7 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
 absl::Status TrainingStep::UseOutputs(const v1::RegionSlice& slice,
                                       const RequestDecoder& decoder) {
   PACKD_ASSIGN_OR_RETURN(ResolvedSlice outputs,
-                         decoder.ResolveSlice(slice, "outputs"));
+                         decoder.ResolveSlice(spec_.tenant, slice, "outputs"));
   const Device& place = outputs.region->device();
   if (place.kind != DeviceKind::kCpu && place != call_.device) {
     return absl::InvalidArgumentError(
@@ -553,6 +580,12 @@ absl::Status TrainingStep::PackMicroBatch(
   *message->mutable_samples() = mb.samples();
   v1::PackResponse* packed = message->mutable_packed();
   const ResultSlot slot = PackSlots(packed, inputs.size());
+  // The micro-batch's spec, derived from the batch's: its rows' shared
+  // prompts, in plan order.
+  CallSpec spec = spec_.OfRows(rows);
+  if (spec.mrope.has_value()) {
+    spec.mrope = MRopeOfRows(*spec_.mrope, mrope_rows_, rows);
+  }
   CallOptions base;
   base.device = call_.device;
   // Into the outputs at the micro-batch's places, or into the reply.
@@ -570,23 +603,13 @@ absl::Status TrainingStep::PackMicroBatch(
     }
     base.allocate = IntoSlices(&places);
   } else {
-    base.allocate = IntoReply(
-        response, slot, buffers, max_message_bytes_,
-        kMetadataBytesPerBatchRow * (static_cast<int64_t>(rows.size()) + 1));
+    base.allocate =
+        IntoReply(response, slot, buffers, max_message_bytes_,
+                  spec.ReservedBytes(static_cast<int64_t>(rows.size())));
   }
-  PackOptions options =
-      PackOptionsOf(batch_, base, segment_ids, max_message_bytes_);
-  if (options.layout.shared_prefix.has_value()) {
-    // The micro-batch's rows' groups and prompts, in plan order.
-    SharedPrefix& shared = *options.layout.shared_prefix;
-    SharedPrefix mine{{}, {}, shared.same_inputs};
-    for (int64_t b : rows) {
-      mine.groups.push_back(shared.groups[b]);
-      mine.prefix_lengths.push_back(shared.prefix_lengths[b]);
-    }
-    shared = std::move(mine);
-  }
-  PACKD_ASSIGN_OR_RETURN(PackResult result, Pack(inputs, mask, options));
+  PACKD_ASSIGN_OR_RETURN(
+      PackResult result,
+      Pack(inputs, mask, spec.PackOptionsFor(base, segment_ids)));
   EncodeResults(SetPackResponse(std::move(result), packed), written, slot);
   return absl::OkStatus();
 }

@@ -9,7 +9,7 @@
 // batch's options.
 //
 // clang-format off
-//   PACKD_ASSIGN_OR_RETURN(auto step, TrainingStep::Make(request, decoder, limit));
+//   PACKD_ASSIGN_OR_RETURN(auto step, TrainingStep::Make(request, decoder, limit, tenant));
 //   send(step->plan());
 //   for (size_t k = 0; k < step->size(); ++k) step->PackMicroBatch(k, &reply, &buffers);
 // clang-format on
@@ -25,10 +25,12 @@
 #include "absl/types/span.h"
 #include "base/buffer.h"
 #include "kernels/device_runtime.h"
+#include "kernels/mrope.h"
 #include "kernels/pack.h"
 #include "packd/v1/pack_service.pb.h"
 #include "planner/planner.h"
 #include "proto/wire.h"
+#include "server/call_spec.h"
 #include "server/request_decoder.h"
 
 namespace packd {
@@ -59,9 +61,11 @@ class TrainingStep {
   // measured, each micro-batch's input rows gathered on the device
   // (DeviceRuntime::CopyRows) and packed there; the device's errors are
   // Pack's (FAILED_PRECONDITION when it is missing, UNAVAILABLE once lost).
+  // The regions it names are `tenant`'s.
   static absl::StatusOr<std::unique_ptr<TrainingStep>> Make(
       const Wire<v1::PackMicroBatchesRequest>& request,
-      const RequestDecoder& decoder, int64_t max_message_bytes);
+      const RequestDecoder& decoder, int64_t max_message_bytes,
+      const Tenant& tenant);
 
   const v1::PlanResponse& plan() const { return plan_; }
   // Where the micro-batches are packed.
@@ -104,8 +108,11 @@ class TrainingStep {
     int64_t segments = 0;
   };
 
-  TrainingStep(const v1::PackRequest& batch, int64_t max_message_bytes)
-      : batch_(batch), max_message_bytes_(max_message_bytes) {}
+  TrainingStep(const v1::PackRequest& batch, int64_t max_message_bytes,
+               const Tenant& tenant)
+      : batch_(batch),
+        max_message_bytes_(max_message_bytes),
+        spec_(CallSpec::Of(batch, "batch.", max_message_bytes, tenant)) {}
   // Measures the rows and fills the plan request's lengths, loss tokens and
   // costs; `rows` gets what it learns of each.
   absl::Status Measure(const v1::Tensor* loss_mask,
@@ -114,6 +121,9 @@ class TrainingStep {
   // A shared prefix's rows measured (docs/design.md §14): a group's stream
   // rows and cost over its rows (its prompt's on its first), each row's
   // targets active in `loss` (the loss mask's active values, packed).
+  // With batch.mrope: checks the batch's grids against its token ids and
+  // counts each row's (mrope_rows_), on the host, with `measure`'s options.
+  absl::Status MeasureGrids(PackOptions measure);
   absl::Status MeasureShared(const PackResult& measured,
                              const std::optional<TensorView>& loss,
                              const PlanOptions& model, v1::PlanRequest* plan,
@@ -159,6 +169,9 @@ class TrainingStep {
 
   const v1::PackRequest& batch_;
   const int64_t max_message_bytes_;
+  // The batch's headers, layout and sizes, decoded once; each micro-batch's
+  // spec is derived from it (CallSpec::OfRows).
+  const CallSpec spec_;
   DecodedCall call_;
   // The mask and segment ids in host memory (call_'s, or copies of them).
   TensorView host_mask_;
@@ -166,6 +179,9 @@ class TrainingStep {
   std::vector<Buffer> host_copies_;
   // Per row: one past its last active position.
   std::vector<int64_t> extents_;
+  // With batch.mrope: the grids and videos of each row (prefix arrays), so
+  // that each micro-batch gets its rows' grids.
+  GridsByRow mrope_rows_;
   v1::PlanResponse plan_;
   std::vector<Sent> sent_;
   int64_t max_micro_batch_bytes_ = 0;

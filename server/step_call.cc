@@ -46,8 +46,9 @@ void StepCall::OnWriteDone(bool ok) {
 }
 
 absl::StatusOr<int64_t> StepCall::Prepare() {
-  PACKD_ASSIGN_OR_RETURN(step_, TrainingStep::Make(parsed_, *env_.decoder,
-                                                   env_.max_message_bytes));
+  PACKD_ASSIGN_OR_RETURN(
+      step_, TrainingStep::Make(parsed_, *env_.decoder, env_.max_message_bytes,
+                                tenant_));
   messages_ = step_->messages();
   return SaturatingMul(2, step_->max_micro_batch_bytes());
 }

@@ -171,9 +171,11 @@ void PackRequestFor(const Batch& batch, const v1::RegionSlice* x_in,
 absl::StatusOr<PackResult> PackInline(Connection& connection,
                                       const Batch& batch,
                                       bool with_position_ids,
-                                      const LayoutOptions& layout) {
+                                      const LayoutOptions& layout,
+                                      bool with_token_mask) {
   Wire<v1::PackRequest> request;
   request->set_with_position_ids(with_position_ids);
+  request->set_with_token_mask(with_token_mask);
   EncodeLayout(layout, &request.message());
   PackRequestFor(batch, nullptr, nullptr, &request);
   PackResult result;

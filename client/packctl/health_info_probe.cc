@@ -24,10 +24,11 @@ int Info(Connection& connection) {
   std::printf(
       "version:          %s\ndefault device:   %s\nmax message:      %llu "
       "bytes\n"
-      "shared memory:    %s\ndevices:\n",
+      "shared memory:    %s (your key prefix: %s)\ndevices:\n",
       info->version().c_str(), info->default_device().c_str(),
       static_cast<unsigned long long>(info->max_message_bytes()),
-      info->shared_memory_enabled() ? "on" : "off");
+      info->shared_memory_enabled() ? "on" : "off",
+      info->shm_key_prefix().c_str());
   for (const v1::DeviceInfo& d : info->devices()) {
     const std::string memory =
         d.memory_bytes() > 0

@@ -72,6 +72,9 @@ ABSL_FLAG(int, cp_size, 0, "pack: context-parallel ranks (0 or 1: none)");
 ABSL_FLAG(int, cp_rank, 0, "pack: the context-parallel rank to return");
 ABSL_FLAG(std::string, fixed, "",
           "pack: fixed shapes TOKENS,SEQUENCES,MAX_SEQLEN (0 = not fixed)");
+ABSL_FLAG(bool, token_mask, false,
+          "pack: ask for the token mask (1 per token row, 0 per pad or ghost "
+          "row), print its counts and check it");
 ABSL_FLAG(int, groups, 0,
           "pack: GRPO groups of this many rows sharing a prompt, packed with "
           "it once (docs/operation.md, \"Shared prompts\"); 0: none");
@@ -244,6 +247,7 @@ int Main(int argc, char** argv) {
     options.cp_size = absl::GetFlag(FLAGS_cp_size);
     options.cp_rank = absl::GetFlag(FLAGS_cp_rank);
     options.fixed = absl::GetFlag(FLAGS_fixed);
+    options.token_mask = absl::GetFlag(FLAGS_token_mask);
     options.warm_calls = absl::GetFlag(FLAGS_warm_calls);
     options.output = absl::GetFlag(FLAGS_output);
     return PackCommand(**connection, options);

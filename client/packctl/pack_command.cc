@@ -146,7 +146,8 @@ int PackCommand(Connection& connection, const PackCommandOptions& options) {
   if (!batch.ok()) return Fail(kUsage, std::string(batch.status().message()));
   absl::StatusOr<LayoutOptions> layout = LayoutOf(options, *batch);
   if (!layout.ok()) return Fail(kUsage, std::string(layout.status().message()));
-  absl::StatusOr<PackResult> r = PackInline(connection, *batch, true, *layout);
+  absl::StatusOr<PackResult> r =
+      PackInline(connection, *batch, true, *layout, options.token_mask);
   if (!r.ok()) return Fail(kRpcError, r.status().ToString());
   // The same call again, warm: what a caller that keeps its client pays.
   const int warm_calls = std::max(0, options.warm_calls);
@@ -183,6 +184,13 @@ int PackCommand(Connection& connection, const PackCommandOptions& options) {
   }
   if (shared)
     PrintStream(*batch, options.batch.groups, options.batch.prefix, response);
+  const std::string& token_mask = response.token_mask();
+  if (options.token_mask) {
+    const auto tokens = std::count(token_mask.begin(), token_mask.end(), '\1');
+    std::printf("token_mask:   %lld token rows, %lld pad or ghost rows\n",
+                static_cast<long long>(tokens),
+                static_cast<long long>(token_mask.size() - tokens));
+  }
   std::printf(
       "time:         %.2f ms the first call (the connection, the first touch "
       "of fresh memory)\n",
@@ -208,15 +216,27 @@ int PackCommand(Connection& connection, const PackCommandOptions& options) {
                 "pack: the packed bytes differ from the rows of x the mask "
                 "selects (laid out)");
   }
+  if (options.token_mask) {
+    std::string want_mask(response.total_active(), '\1');
+    if (layout->any()) {
+      want_mask.clear();
+      for (int64_t token : laid.source) want_mask.push_back(token >= 0);
+    }
+    if (token_mask != want_mask) {
+      return Fail(kCheckFailed,
+                  "pack: the token mask differs from the layout's token rows");
+    }
+  }
   if (shared && !SameStream(*laid.shared, response.shared())) {
     return Fail(kCheckFailed,
                 "pack: the stream's kv_index, pred_index or cu_seqlens differ "
                 "from the op library's");
   }
-  std::printf("checked:      the packed bytes equal the masked rows of x%s\n",
+  std::printf("checked:      the packed bytes equal the masked rows of x%s%s\n",
               shared          ? " in the stream, and its metadata"
               : layout->any() ? ", laid out"
-                              : "");
+                              : "",
+              options.token_mask ? "; the token mask its token rows" : "");
   return kOk;
 }
 

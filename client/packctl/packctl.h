@@ -80,10 +80,12 @@ struct PackResult {
   std::string packed;
   double ms = 0;
 };
+// `with_token_mask`: the response's token_mask too.
 absl::StatusOr<PackResult> PackInline(Connection& connection,
                                       const Batch& batch,
                                       bool with_position_ids,
-                                      const LayoutOptions& layout = {});
+                                      const LayoutOptions& layout = {},
+                                      bool with_token_mask = false);
 
 // "A,B" into the cost model's two coefficients (empty: unchanged).
 absl::Status ParseCost(const std::string& text, PlanOptions* options);
@@ -104,9 +106,10 @@ struct PackCommandOptions {
   int64_t pad_multiple = 0;
   int cp_size = 0;
   int cp_rank = 0;
-  std::string fixed;   // TOKENS,SEQUENCES,MAX_SEQLEN
-  int warm_calls = 0;  // after the first, timed apart from it
-  std::string output;  // the packed bytes of x, written here
+  std::string fixed;        // TOKENS,SEQUENCES,MAX_SEQLEN
+  bool token_mask = false;  // ask for it, count and check it
+  int warm_calls = 0;       // after the first, timed apart from it
+  std::string output;       // the packed bytes of x, written here
 };
 int PackCommand(Connection& connection, const PackCommandOptions& options);
 

@@ -156,10 +156,9 @@ absl::Status ValidatePackArgs(absl::Span<const TensorView> inputs,
   return absl::OkStatus();
 }
 
-absl::Status ValidateSegmentIds(const TensorView& segment_ids,
-                                const TensorView& mask,
-                                const CallDevice& call) {
-  switch (segment_ids.dtype) {
+absl::Status ValidateIds(const TensorView& ids, absl::string_view field,
+                         const TensorView& mask, const CallDevice& call) {
+  switch (ids.dtype) {
     case DType::kUInt8:
     case DType::kInt8:
     case DType::kInt16:
@@ -167,17 +166,16 @@ absl::Status ValidateSegmentIds(const TensorView& segment_ids,
     case DType::kInt64:
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "segment_ids.dtype is ", DTypeName(segment_ids.dtype),
-          "; segment ids must be uint8, int8, int16, int32 or int64"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".dtype is ", DTypeName(ids.dtype), "; ", field,
+                       " must be uint8, int8, int16, int32 or int64"));
   }
-  if (absl::MakeConstSpan(segment_ids.shape) !=
-      absl::MakeConstSpan(mask.shape)) {
+  if (absl::MakeConstSpan(ids.shape) != absl::MakeConstSpan(mask.shape)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("segment_ids.shape ", ShapeString(segment_ids.shape),
+        absl::StrCat(field, ".shape ", ShapeString(ids.shape),
                      " must equal mask shape ", ShapeString(mask.shape)));
   }
-  return ValidateTensor(segment_ids, "segment_ids", call).status();
+  return ValidateTensor(ids, field, call).status();
 }
 
 absl::Status ValidateScatterArgs(absl::Span<const TensorView> packed,

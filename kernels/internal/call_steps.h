@@ -56,9 +56,10 @@ CallDevice CallDeviceOf(const CallOptions& options, const TensorView& mask);
 absl::Status ValidatePackArgs(absl::Span<const TensorView> inputs,
                               const TensorView& mask, const CallDevice& call);
 
-// INVALID_ARGUMENT unless segment_ids is an integer [B, S] tensor.
-absl::Status ValidateSegmentIds(const TensorView& segment_ids,
-                                const TensorView& mask, const CallDevice& call);
+// INVALID_ARGUMENT naming `field` unless `ids` (segment ids, token ids) is an
+// integer [B, S] tensor.
+absl::Status ValidateIds(const TensorView& ids, absl::string_view field,
+                         const TensorView& mask, const CallDevice& call);
 
 // INVALID_ARGUMENT unless there are packed tensors of rank 1 or more, whose
 // tail is tail_shape when given.

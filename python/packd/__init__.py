@@ -16,9 +16,9 @@ __version__ = "0.1.0"
 from packd.client import Client, PackdError, device_slice
 from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, SharedResult,
                            StepPlan, varlen_kwargs)
-from packd.layout import Layout, SharedPrefix
+from packd.layout import Layout, MRope, SharedPrefix
 from packd.ops import RemotePackOp
 
-__all__ = ["__version__", "Client", "Layout", "MicroBatch", "PackdError", "PackResult", "Plan",
-           "PlannedMicroBatch", "RemotePackOp", "SharedPrefix", "SharedResult", "StepPlan",
-           "device_slice", "varlen_kwargs"]
+__all__ = ["__version__", "Client", "Layout", "MRope", "MicroBatch", "PackdError", "PackResult",
+           "Plan", "PlannedMicroBatch", "RemotePackOp", "SharedPrefix", "SharedResult",
+           "StepPlan", "device_slice", "varlen_kwargs"]

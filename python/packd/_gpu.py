@@ -169,11 +169,11 @@ class Gpu:
         return encode
 
     def call(self, index: int, method: Any,
-             request: Callable[[_requests.Encoder], _wire.Outgoing],
+             request: Callable[[_requests.Encoder, str], _wire.Outgoing],
              outputs: Sequence[torch.Tensor]) -> Tuple[Any, dict]:
-        """A call on GPU `index`: request(encode) builds it with the GPU's encoder, the results
-        written into `outputs` (GPU tensors; none has no bytes) when given, else returned
-        inline. The reply and its inline tensors."""
+        """A call on GPU `index`: request(encode, device) builds it with the GPU's encoder and
+        name, the results written into `outputs` (GPU tensors; none has no bytes) when given,
+        else returned inline. The reply and its inline tensors."""
         self.unregister_freed()
         self.memory.synchronize(index)  # the inputs written, the outputs' memory free
         regions: List[str] = []
@@ -181,7 +181,7 @@ class Gpu:
         def attempt():
             del regions[:]
             encode = self.encoder(index, regions)
-            out = request(encode)
+            out = request(encode, "uuid:" + self.uuid(index))
             del out.message.outputs[:]
             out.message.outputs.extend(self.slice(o, index, regions) for o in outputs)
             return self._connection.call(method, out)
@@ -258,42 +258,39 @@ class Gpu:
         """The PackResponse, packed and shifted tensors of a Pack on GPU `index`, written by
         packd into tensors allocated there (a layout's results come inline and are copied
         there)."""
-        mask = mask.contiguous()
-        tensors = [t.contiguous() for t in tensors]
-        segment_ids = None if segment_ids is None else segment_ids.contiguous()
+        mask, tensors, segment_ids = _contiguous(mask, tensors, segment_ids)
         outputs = []
         if mask.dim() == 2 and all(t.dim() >= 2 for t in tensors) and not layout.any():
             active = int(torch.count_nonzero(mask))
             outputs = self.outputs([([active] + list(t.shape[2:]), t.dtype) for t in tensors],
                                    index)
-        reply, inline = self.call(
-            index, self._connection.pack[0],
-            lambda encode: _requests.pack_request(
-                encode, "uuid:" + self.uuid(index), with_position_ids, layout, mask, tensors,
-                segment_ids),
-            outputs)
+        reply, inline = self.call(index, self._connection.pack[0], lambda encode, device: (
+            _requests.pack_request(encode, device, with_position_ids, layout, mask, tensors,
+                                   segment_ids)), outputs)
+        field = pb.PackResponse
         return (reply,
-                self.results(reply.packed, inline.get(pb.PackResponse.PACKED_FIELD_NUMBER, []),
-                             outputs, index),
-                self.results(reply.shifted,
-                             inline.get(pb.PackResponse.SHIFTED_FIELD_NUMBER, []), [], index))
+                self.results(reply.packed, inline.get(field.PACKED_FIELD_NUMBER, []), outputs,
+                             index),
+                self.results(reply.shifted, inline.get(field.SHIFTED_FIELD_NUMBER, []), [],
+                             index))
 
     def scatter(self, index, tensors, mask, tail_shape, segment_ids, layout):
         """The dense tensors of a Scatter on GPU `index`, written by packd into tensors
         allocated there."""
-        mask = mask.contiguous()
-        tensors = [t.contiguous() for t in tensors]
-        segment_ids = None if segment_ids is None else segment_ids.contiguous()
+        mask, tensors, segment_ids = _contiguous(mask, tensors, segment_ids)
         outputs = []
         if mask.dim() == 2 and all(t.dim() >= 1 for t in tensors):
             outputs = self.outputs([(list(mask.shape) + list(t.shape[1:]), t.dtype)
                                     for t in tensors], index)
-        reply, inline = self.call(
-            index, self._connection.scatter[0],
-            lambda encode: _requests.scatter_request(
-                encode, "uuid:" + self.uuid(index), layout, tail_shape, mask, tensors,
-                segment_ids),
-            outputs)
+        reply, inline = self.call(index, self._connection.scatter[0], lambda encode, device: (
+            _requests.scatter_request(encode, device, layout, tail_shape, mask, tensors,
+                                      segment_ids)), outputs)
         return self.results(reply.dense,
                             inline.get(pb.ScatterResponse.DENSE_FIELD_NUMBER, []), outputs,
                             index)
+
+
+def _contiguous(mask, tensors, segment_ids):
+    """A call's mask, tensors and segment ids (or None), each contiguous."""
+    return (mask.contiguous(), [t.contiguous() for t in tensors],
+            None if segment_ids is None else segment_ids.contiguous())

@@ -76,10 +76,14 @@ class Regions:
             allowed = self._shm_allowed
         if allowed is None:
             conn = self._connection
-            allowed = conn.call(conn.stub.GetServerInfo,
-                                pb.GetServerInfoRequest()).shared_memory_enabled
+            info = conn.call(conn.stub.GetServerInfo, pb.GetServerInfoRequest())
+            allowed = info.shared_memory_enabled
             with self._lock:
                 self._shm_allowed = allowed
+                # The prefix this caller's keys must carry (its tenant's); an older server
+                # says nothing, and the option stands.
+                if info.shm_key_prefix:
+                    self.shm_key_prefix = info.shm_key_prefix
         if not allowed:
             return None
         with self._lock:
@@ -138,6 +142,19 @@ class Regions:
                 copy(raw.numpy(), scratch.view(msg.region.offset, msg.region.byte_size).numpy())
             return raw.view(dtype).reshape(list(msg.shape))
         return tensor
+
+    @staticmethod
+    def request_in(scratch: Optional[Segment], make: Callable[[], Any],
+                   output_sizes: Optional[Iterable[int]]) -> Any:
+        """make()'s request (an Outgoing), its tensors encoded into `scratch` from its start,
+        with results into slices of it of `output_sizes` bytes each when given and all fit
+        (else the results come inline)."""
+        if scratch is not None:
+            scratch.reset()
+        out = make()
+        if output_sizes is not None:
+            Regions.outputs(scratch, output_sizes, out.message.outputs)
+        return out
 
     @staticmethod
     def outputs(scratch: Optional[Segment], sizes: Iterable[int], outputs: Any) -> None:

@@ -15,7 +15,7 @@ from packd import _device, _memory, _requests, _wire
 from packd._connection import Connection, Interceptor, PackdError, PackdValueError
 from packd._gpu import Gpu
 from packd._regions import Regions
-from packd.layout import Layout, SharedPrefix
+from packd.layout import Layout, MRope, SharedPrefix
 from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, SharedResult,
                            StepPlan, joined, pack_result, varlen_kwargs)
 from packd.v1 import pack_service_pb2 as pb
@@ -27,19 +27,19 @@ Shifts = Sequence[Tuple[int, Number]]
 # fixed=(tokens, sequences, max_seqlen): the shapes every call of a compiled graph sees.
 Fixed = Optional[Sequence[int]]
 
-__all__ = ["Client", "MicroBatch", "PackResult", "PackdError", "PackdValueError", "Plan",
+__all__ = ["Client", "MRope", "MicroBatch", "PackResult", "PackdError", "PackdValueError", "Plan",
            "PlannedMicroBatch", "SharedPrefix", "SharedResult", "StepPlan", "device_slice",
            "varlen_kwargs"]
 
 
 def _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed, sp_size,
-            sp_rank, shared_prefix=None):
+            sp_rank, shared_prefix=None, with_token_mask=False, mrope=None):
     """The Layout of a call's keyword arguments."""
     return Layout(pad_multiple=pad_multiple, pad_values=pad_values, cp_size=cp_size,
                   cp_rank=cp_rank, with_seq_idx=with_seq_idx,
                   shifts=tuple(tuple(s) for s in shifts),
                   fixed=tuple(fixed) if fixed else None, sp_size=sp_size, sp_rank=sp_rank,
-                  shared_prefix=shared_prefix)
+                  shared_prefix=shared_prefix, with_token_mask=with_token_mask, mrope=mrope)
 
 
 def _rows(t, rows):
@@ -178,17 +178,13 @@ class Client:
         regions = self._regions
         encode = lambda t, number, out: regions.encode(t, number, out, scratch)
 
+        sizes = None if laid_out else [t.numel() * t.element_size() for t in tensors]
+
         def request(rows):
-            if scratch is not None:
-                scratch.reset()
-            out = _requests.pack_request(
+            return regions.request_in(scratch, lambda: _requests.pack_request(
                 encode, device, with_position_ids, layout, _rows(mask, rows),
                 [_rows(t, rows) for t in tensors],
-                None if segment_ids is None else _rows(segment_ids, rows))
-            if not laid_out:
-                regions.outputs(scratch, [t.numel() * t.element_size() for t in tensors],
-                                out.message.outputs)
-            return out
+                None if segment_ids is None else _rows(segment_ids, rows)), sizes)
 
         extra = [] if segment_ids is None else [segment_ids]
         parts = (self._parts(nbytes, scratch, mask.shape[0])
@@ -212,7 +208,8 @@ class Client:
              pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
              cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
              shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
-             sp_rank: int = 0, shared_prefix: Optional[SharedPrefix] = None) -> PackResult:
+             sp_rank: int = 0, shared_prefix: Optional[SharedPrefix] = None,
+             with_token_mask: bool = False, mrope: Optional[MRope] = None) -> PackResult:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
         packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
         active tokens of each row are also cut into documents where the id changes: the doc_*
@@ -223,10 +220,12 @@ class Client:
         ([(input, fill)]: next-token views in `shifted`) and fixed ((tokens, sequences,
         max_seqlen)). shared_prefix (packd.SharedPrefix): GRPO groups with their prompt once,
         the result's `shared` their attention metadata and targets (docs/operation.md, "Shared
-        prompts"). Raises PackdValueError (a ValueError) for malformed input, PackdError for
-        the rest."""
+        prompts"). with_token_mask: the result's token_mask, 1 for each output row holding a
+        token, 0 for padding and ghosts; mrope (packd.MRope): its mrope_position_ids, [3, rows]
+        (docs/design.md §17). Raises PackdValueError (a ValueError) for malformed input,
+        PackdError for the rest."""
         layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
-                         sp_size, sp_rank, shared_prefix)
+                         sp_size, sp_rank, shared_prefix, with_token_mask, mrope)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         gpu = self._gpu.device_of([("mask", mask), ("segment_ids", segment_ids)]
@@ -288,16 +287,13 @@ class Client:
         scratch = regions.scratch_for(nbytes)
         encode = lambda t, number, out: regions.encode(t, number, out, scratch)
 
+        sizes = dense_sizes if all(n > 0 for n in dense_sizes) else None
+
         def request(mask_rows, packed_rows):
-            if scratch is not None:
-                scratch.reset()
-            out = _requests.scatter_request(
+            return regions.request_in(scratch, lambda: _requests.scatter_request(
                 encode, device, layout, tail_shape, _rows(mask, mask_rows),
                 [_rows(t, packed_rows) for t in tensors],
-                None if segment_ids is None else _rows(segment_ids, mask_rows))
-            if all(n > 0 for n in dense_sizes):
-                regions.outputs(scratch, dense_sizes, out.message.outputs)
-            return out
+                None if segment_ids is None else _rows(segment_ids, mask_rows)), sizes)
 
         scatter = self._connection.scatter
         try:
@@ -373,7 +369,9 @@ class Client:
                            cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
                            shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
                            sp_rank: int = 0,
-                           shared_prefix: Optional[SharedPrefix] = None) -> StepPlan:
+                           shared_prefix: Optional[SharedPrefix] = None,
+                           with_token_mask: bool = False,
+                           mrope: Optional[MRope] = None) -> StepPlan:
         """A training step in one call (docs/design.md §12): the batch's rows planned into
         micro-batches of at most max_tokens tokens over num_ranks data-parallel ranks, each
         micro-batch packed with the layout, from one upload of the batch.
@@ -385,8 +383,9 @@ class Client:
         positions active in both mask and loss_mask ([B, S], default: mask), counted whole
         (every CP or SP rank gets the same plan and global_loss_tokens). groups= gives
         rows that must share a micro-batch. ranks= chooses the ranks whose micro-batches are
-        sent (default: all). The layout options and with_position_ids are Pack's, and `fixed`
-        applies to every micro-batch.
+        sent (default: all). The layout options, with_position_ids, with_token_mask and mrope
+        (the batch's grids: each micro-batch gets its rows') are Pack's, and `fixed` applies to
+        every micro-batch.
 
         Returns a StepPlan: `.plan` at once (global_loss_tokens is the one denominator of the
         summed token loss), then iterate it for MicroBatch(rank, index, samples, result), each
@@ -399,7 +398,7 @@ class Client:
         its loss tokens are its targets active in loss_mask. Raises PackdValueError (a
         ValueError) for malformed input."""
         layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
-                         sp_size, sp_rank, shared_prefix)
+                         sp_size, sp_rank, shared_prefix, with_token_mask, mrope)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         named = ([("mask", mask), ("segment_ids", segment_ids), ("loss_mask", loss_mask)]

@@ -17,15 +17,23 @@ Extensions (docs/design.md §10): `pad_multiple=` pads each feature to a multipl
 tokens carry `pad_token_id` in input_ids, `separator_id` in labels, and positions that go on
 counting through the padding), `cp_size=` / `cp_rank=` keep the context-parallel rank's slices;
 `cu_seq_lens_q/k` are then the padded whole sequences' (with CP too, as Transformer Engine's
-context-parallel attention takes them) and `max_length_q/k` the longest padded one."""
+context-parallel attention takes them) and `max_length_q/k` the longest padded one.
+
+`register_varlen_attention()` registers `attn_implementation="packd_varlen"`: each packed
+sequence's attention alone, from `cu_seq_lens_q` or the position ids, on any device, without
+flash-attn (packd/_varlen.py). `mrope_of()` gives a vision-language batch's packd.MRope, and
+`mrope_position_ids()` a Pack's [4, 1, rows] position ids for the model (packd/_mrope.py)."""
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from packd import _default
+from packd._mrope import mrope_of, mrope_position_ids
+from packd._varlen import register_varlen_attention, shared_attention_kwargs, varlen_attention
 from packd.client import Client
 
-__all__ = ["DataCollatorWithFlattening"]
+__all__ = ["DataCollatorWithFlattening", "mrope_of", "mrope_position_ids",
+           "register_varlen_attention", "shared_attention_kwargs", "varlen_attention"]
 
 
 class DataCollatorWithFlattening:

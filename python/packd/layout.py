@@ -34,6 +34,37 @@ class SharedPrefix:
 
 
 @dataclasses.dataclass(frozen=True)
+class MRope:
+    """Multimodal rotary positions (docs/design.md §17) of a vision-language family (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL): the result's mrope_position_ids, [3, rows], equal for every sequence
+    (row, or document) to transformers' get_rope_index. image_token_id / video_token_id: the
+    tokens a vision run is made of; grids: one (t, h, w) per run of vision tokens in order over
+    the batch's rows (packd.hf.mrope_of builds it from a processor's output);
+    spatial_merge_size: the vision tower's; vision_start_token_id: when nonzero, every run must
+    follow it; tokens_per_second and seconds_per_grid (one per video): Qwen2.5-VL's temporal
+    spacing; input: the input holding the token ids ([B, S], integers)."""
+    image_token_id: int
+    video_token_id: int
+    grids: Sequence[Tuple[int, int, int]]
+    spatial_merge_size: int = 2
+    vision_start_token_id: int = 0
+    tokens_per_second: float = 0
+    seconds_per_grid: Sequence[float] = ()
+    input: int = 0
+
+    def to(self, message: pb.MRope) -> None:
+        message.image_token_id = int(self.image_token_id)
+        message.video_token_id = int(self.video_token_id)
+        message.vision_start_token_id = int(self.vision_start_token_id)
+        message.spatial_merge_size = int(self.spatial_merge_size)
+        for t, h, w in self.grids:
+            message.grids.add(t=int(t), h=int(h), w=int(w))
+        message.tokens_per_second = float(self.tokens_per_second)
+        message.seconds_per_grid.extend(float(v) for v in self.seconds_per_grid)
+        message.input = int(self.input)
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """pad_multiple: every sequence (a document with segment ids, else a row) padded to a
     multiple of it; pad_values: one per input (default zeros), in its dtype; cp_size / cp_rank:
@@ -44,7 +75,9 @@ class Layout:
     parallelism, the rows padded to a multiple of sp_size by a trailing ghost and this rank's
     contiguous 1 / sp_size of them (not with cp_size); shared_prefix: a SharedPrefix, the
     stream of GRPO groups with their prompt once (then shifts are per target, with_seq_idx
-    each row's group; not with padding, CP, SP, fixed or documents)."""
+    each row's group; not with padding, CP, SP, fixed or documents); with_token_mask: a 1/0
+    byte per output row, 0 for padding and ghosts (for a router's auxiliary loss); mrope: an
+    MRope, the rows' multimodal rotary positions. The last two are Pack's."""
     pad_multiple: int = 0
     pad_values: Optional[Sequence[float]] = None
     cp_size: int = 0
@@ -55,11 +88,14 @@ class Layout:
     sp_size: int = 0
     sp_rank: int = 0
     shared_prefix: Optional[SharedPrefix] = None
+    with_token_mask: bool = False
+    mrope: Optional[MRope] = None
 
     def any(self) -> bool:
         return bool(self.pad_multiple or self.pad_values or self.cp_size or self.cp_rank
                     or self.sp_size or self.sp_rank or self.with_seq_idx or self.shifts
-                    or (self.fixed and any(self.fixed)) or self.shared_prefix is not None)
+                    or (self.fixed and any(self.fixed)) or self.shared_prefix is not None
+                    or self.with_token_mask or self.mrope is not None)
 
     def pack_kwargs(self) -> Dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -92,13 +128,17 @@ class Layout:
         self._fixed(message)
         if self.shared_prefix is not None:
             self.shared_prefix.to(message.shared_prefix)
+        message.with_token_mask = bool(self.with_token_mask)
+        if self.mrope is not None:
+            self.mrope.to(message.mrope)
 
     def to_scatter(self, message: pb.ScatterRequest) -> None:
         """Sets a ScatterRequest's layout fields (pad_values, shifts and seq_idx are Pack's)."""
-        if self.pad_values or self.shifts or self.with_seq_idx:
+        if (self.pad_values or self.shifts or self.with_seq_idx or self.with_token_mask
+                or self.mrope is not None):
             raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank, sp_size, sp_rank, "
-                             "fixed and shared_prefix; pad_values, shifts and with_seq_idx "
-                             "are Pack's")
+                             "fixed and shared_prefix; pad_values, shifts, with_seq_idx, "
+                             "with_token_mask and mrope are Pack's")
         message.pad_multiple = int(self.pad_multiple)
         message.cp_size = int(self.cp_size)
         message.cp_rank = int(self.cp_rank)

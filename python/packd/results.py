@@ -60,6 +60,11 @@ class PackResult:
     # With a shared prefix: packed holds the stream (total_active its rows, cu_seqlens and
     # max_seqlen its segments'), shifted[j] one row per target, and this the metadata.
     shared: Optional[SharedResult] = None
+    # With with_token_mask: [rows] uint8, 1 for a token, 0 for padding and ghost rows.
+    token_mask: Optional[torch.Tensor] = None
+    # With mrope: [3, rows] int64 (temporal, height, width); a pad or ghost row holds its
+    # position id in all three. packd.hf gives a model [4, 1, rows]: position_ids above these.
+    mrope_position_ids: Optional[torch.Tensor] = None
 
 
 def varlen_kwargs(result: PackResult, style: str = "flash_attn") -> Dict[str, Any]:
@@ -166,7 +171,17 @@ def pack_result(reply: pb.PackResponse, packed: list, shifted: list, single: boo
         max_seqlen_padded=reply.max_seqlen_padded,
         seq_idx=ints(reply.seq_idx) if layout.with_seq_idx else None,
         shifted=list(shifted) if layout.shifts else None,
-        shared=_shared_result(reply.shared, ints) if reply.HasField("shared") else None)
+        shared=_shared_result(reply.shared, ints) if reply.HasField("shared") else None,
+        token_mask=place(_bytes_tensor(reply.token_mask)) if layout.with_token_mask else None,
+        mrope_position_ids=(ints(reply.mrope_position_ids).view(3, -1)
+                            if layout.mrope is not None else None))
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    """A bytes field as a uint8 tensor of its own."""
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _shared_result(shared: pb.SharedLayout, ints: Callable[..., torch.Tensor]) -> SharedResult:

@@ -146,15 +146,42 @@ TEST_F(ClientTest, LayoutsForParallelAttention) {
   options.layout.with_seq_idx = true;
   options.layout.pad_values = {0.5, -1};
   options.layout.shifts = {{1, -100}};
-  absl::StatusOr<PackedBatch> r = client_->Pack({x, tok}, mask, options);
+  options.with_token_mask = true;
+  // Multimodal positions from tok: a run of three image tokens (value 9)
+  // after the first token of row 0's first document.
+  at::Tensor tok_ids = tok.clone();
+  tok_ids.masked_fill_(tok_ids.eq(9), 8);
+  const at::Tensor row0 = at::nonzero(mask[0]).flatten();
+  ASSERT_GE(row0.numel(), 4);
+  at::Tensor doc_ids = ids.clone();
+  for (int k = 0; k < 4; ++k) {
+    const int64_t s = row0[k].item<int64_t>();
+    doc_ids[0][s] = ids[0][row0[0].item<int64_t>()];
+    if (k > 0) tok_ids[0][s] = 9;
+  }
+  options.segment_ids = doc_ids;
+  options.mrope = MRopeOptions{};
+  options.mrope->input = 1;
+  options.mrope->image_token_id = 9;
+  options.mrope->video_token_id = 10;
+  options.mrope->spatial_merge_size = 2;
+  options.mrope->grids = {{1, 2, 6}};
+  absl::StatusOr<PackedBatch> r = client_->Pack({x, tok_ids}, mask, options);
   ASSERT_TRUE(r.ok()) << r.status();
   PackOptions op;
-  op.segment_ids = AsView(ids);
+  op.segment_ids = AsView(doc_ids);
   op.with_position_ids = true;
   op.layout = options.layout;
+  op.with_token_mask = true;
+  op.mrope = options.mrope;
   absl::StatusOr<PackResult> want =
-      packd::Pack({AsView(x), AsView(tok)}, AsView(mask), op);
+      packd::Pack({AsView(x), AsView(tok_ids)}, AsView(mask), op);
   ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(std::string(static_cast<const char*>(r->token_mask.data_ptr()),
+                        r->token_mask.numel()),
+            want->token_mask);
+  EXPECT_TRUE(at::equal(r->mrope_position_ids,
+                        at::tensor(want->mrope_position_ids).view({3, -1})));
   EXPECT_TRUE(SameBytes(r->packed[0], want->packed[0].view));
   EXPECT_TRUE(SameBytes(r->packed[1], want->packed[1].view));
   ASSERT_EQ(r->shifted.size(), 1u);
@@ -199,6 +226,8 @@ TEST_F(ClientTest, LayoutsForParallelAttention) {
   }
 
   // Errors carry the server's code and message.
+  options.mrope.reset();
+  options.segment_ids = ids;
   options.layout.pad_multiple = 6;
   r = client_->Pack({x, tok}, mask, options);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
@@ -1276,84 +1305,69 @@ TEST(Tools, PackctlDoesNotLinkLibtorch) {
   EXPECT_THAT(out, Not(HasSubstr("libc10")));
 }
 
+// Runs packctl with `args`: it exits with `code`, and says each of `says`.
+void ExpectPackctl(const std::string& args, int code,
+                   std::initializer_list<std::string> says = {}) {
+  std::string out;
+  EXPECT_EQ(Packctl(args, &out), code) << args << "\n" << out;
+  for (const std::string& s : says) {
+    EXPECT_THAT(out, HasSubstr(s)) << args;
+  }
+}
+
 TEST_F(ClientTest, PackctlCommandsAndExitCodes) {
   const std::string at = absl::StrCat("--address=", server_->address(), " ");
   std::string out;
-  EXPECT_EQ(Packctl(at + "health", &out), 0) << out;
-  EXPECT_THAT(out, HasSubstr("readiness (packd.v1.PackService): SERVING"));
-  EXPECT_EQ(Packctl(at + "info", &out), 0) << out;
-  EXPECT_THAT(out, HasSubstr("default device:   cpu"));
-  EXPECT_EQ(Packctl(at + "probe", &out), 0) << out;
-  EXPECT_THAT(out, HasSubstr("probe ok"));
-  EXPECT_EQ(Packctl(at + "probe --max_latency_ms=0.000001", &out), 1) << out;
-  EXPECT_THAT(out, HasSubstr("over --max_latency_ms"));
-  EXPECT_EQ(
-      Packctl(at + "pack --shape=4,64,8 --dtype=float32 --density=1", &out), 0)
-      << out;
-  EXPECT_THAT(out, HasSubstr("total_active: 256   max_seqlen: 64"));
-  EXPECT_THAT(out, HasSubstr("cu_seqlens:   [0, 64, 128, 192, 256]"));
+  ExpectPackctl(at + "health", 0,
+                {"readiness (packd.v1.PackService): SERVING"});
+  ExpectPackctl(at + "info", 0, {"default device:   cpu"});
+  ExpectPackctl(at + "probe", 0, {"probe ok"});
+  ExpectPackctl(at + "probe --max_latency_ms=0.000001", 1,
+                {"over --max_latency_ms"});
+  ExpectPackctl(at + "pack --shape=4,64,8 --dtype=float32 --density=1", 0,
+                {"total_active: 256   max_seqlen: 64",
+                 "cu_seqlens:   [0, 64, 128, 192, 256]"});
+  ExpectPackctl(at + "pack --shape=4,64,8 --dtype=float32 --density=1 "
+                     "--pad_multiple=48 --token_mask",
+                0,
+                {"token_mask:   256 token rows, 128 pad or ghost rows",
+                 "laid out; the token mask its token rows"});
 
   const std::string lengths = ::testing::TempDir() + "/packctl_lengths.txt";
   {
     std::ofstream f(lengths);
     f << "100\n200\n300\n400\n";
   }
-  EXPECT_EQ(
-      Packctl(at + "plan --ranks=2 --max_tokens=500 --lengths_file=" + lengths,
-              &out),
-      0)
-      << out;
-  EXPECT_THAT(out, HasSubstr("packd:       1 micro-batches per rank (lower "
-                             "bound 1), cost imbalance 1.00000"));
-  EXPECT_THAT(out, HasSubstr("global_loss_tokens: 1000"));
   // The picture: 100 + 400 and 200 + 300, each rank one full-width bar.
-  EXPECT_THAT(out, HasSubstr("rank 1    |" + std::string(64, '#') +
-                             "|  1.0000 of mean, 500 tokens"));
-  EXPECT_EQ(Packctl(at +
-                        "plan --ranks=2 --max_tokens=300 --cost=0,1 "
-                        "--pad_multiple=64 --pipeline_order --lengths_file=" +
-                        lengths,
-                    &out),
-            0)
-      << out;
-  EXPECT_THAT(out, HasSubstr("cost 0*P + 1*P^2"));
-  EXPECT_THAT(out, HasSubstr("peer slime"));
-  EXPECT_EQ(Packctl(at + "plan --distribution=zipf", &out), 2) << out;
-  EXPECT_EQ(Packctl(at + "plan --cost=24576", &out), 2) << out;
-  EXPECT_THAT(out, HasSubstr("--cost must be A,B"));
+  ExpectPackctl(
+      at + "plan --ranks=2 --max_tokens=500 --lengths_file=" + lengths, 0,
+      {"packd:       1 micro-batches per rank (lower bound 1), cost imbalance "
+       "1.00000",
+       "global_loss_tokens: 1000",
+       "rank 1    |" + std::string(64, '#') + "|  1.0000 of mean, 500 tokens"});
+  ExpectPackctl(at +
+                    "plan --ranks=2 --max_tokens=300 --cost=0,1 "
+                    "--pad_multiple=64 --pipeline_order --lengths_file=" +
+                    lengths,
+                0, {"cost 0*P + 1*P^2", "peer slime"});
+  ExpectPackctl(at + "plan --distribution=zipf", 2);
+  ExpectPackctl(at + "plan --cost=24576", 2, {"--cost must be A,B"});
   // A step: the plan, its picture, every micro-batch's token ids checked.
-  EXPECT_EQ(Packctl(at + "step --batch=32,512 --ranks=2 --max_tokens=2048 "
-                         "--cost=1024,1",
-                    &out),
-            0)
-      << out;
-  EXPECT_THAT(out, HasSubstr("batch 32 x 512"));
-  EXPECT_THAT(out, HasSubstr("rank 1    |"));
-  EXPECT_THAT(out, HasSubstr("rank 1   #0 "));
-  EXPECT_THAT(out, HasSubstr("micro-batches in"));
+  ExpectPackctl(
+      at + "step --batch=32,512 --ranks=2 --max_tokens=2048 --cost=1024,1", 0,
+      {"batch 32 x 512", "rank 1    |", "rank 1   #0 ", "micro-batches in"});
   // A GRPO batch with its prompts once: the stream, its saving and metadata,
   // checked; and the combinations shared prompts are not defined with.
-  EXPECT_EQ(Packctl(at + "pack --shape=8,64,2 --dtype=float32 --groups=4 "
-                         "--prefix=16",
-                    &out),
-            0)
-      << out;
-  EXPECT_THAT(out, HasSubstr("shared:       2 groups of 4, prompt 16"));
-  EXPECT_THAT(out, HasSubstr("fewer"));
-  EXPECT_THAT(out, HasSubstr("kv_index:     [0, 1, 2, 3,"));
-  EXPECT_THAT(out, HasSubstr("in the stream, and its metadata"));
-  EXPECT_EQ(Packctl(at + "pack --shape=8,64 --groups=4 --prefix=64", &out), 2)
-      << out;
-  EXPECT_THAT(out, HasSubstr("need a prompt of 0 < P < S = 64"));
-  EXPECT_EQ(Packctl(at + "pack --shape=8,64 --groups=4 --prefix=8 "
-                         "--pad_multiple=8",
-                    &out),
-            3)
-      << out;
-  EXPECT_THAT(out, HasSubstr("shared_prefix with pad_multiple 8 is not"));
-  EXPECT_EQ(Packctl(at + "step --batch=32", &out), 2) << out;
-  EXPECT_THAT(out, HasSubstr("is not B,S"));
-  EXPECT_EQ(Packctl(at + "step --batch=4,8 --max_tokens=0", &out), 3) << out;
+  ExpectPackctl(
+      at + "pack --shape=8,64,2 --dtype=float32 --groups=4 --prefix=16", 0,
+      {"shared:       2 groups of 4, prompt 16", "fewer",
+       "kv_index:     [0, 1, 2, 3,", "in the stream, and its metadata"});
+  ExpectPackctl(at + "pack --shape=8,64 --groups=4 --prefix=64", 2,
+                {"need a prompt of 0 < P < S = 64"});
+  ExpectPackctl(at + "pack --shape=8,64 --groups=4 --prefix=8 --pad_multiple=8",
+                3, {"shared_prefix with pad_multiple 8 is not"});
+  ExpectPackctl(at + "step --batch=32", 2, {"is not B,S"});
+  ExpectPackctl(at + "step --batch=4,8 --max_tokens=0", 3);
 
   const std::string input = ::testing::TempDir() + "/packctl_input.bin";
   {

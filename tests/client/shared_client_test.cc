@@ -173,8 +173,27 @@ TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
         if (op == 0) {
           PackCallOptions pack;
           pack.with_position_ids = true;
-          absl::StatusOr<PackedBatch> r = client->Pack({c.x}, c.mask, pack);
+          // Every other call also asks for the token mask and the (text-only)
+          // multimodal positions of a token-ids input: such a call goes whole.
+          const bool per_row = i % 2 == 1;
+          std::vector<at::Tensor> inputs = {c.x};
+          if (per_row) {
+            pack.with_token_mask = true;
+            pack.mrope = MRopeOptions{};
+            pack.mrope->input = 1;
+            pack.mrope->image_token_id = -1;
+            pack.mrope->video_token_id = -2;
+            inputs.push_back(
+                at::arange(c.mask.numel(), at::kLong).view(c.mask.sizes()));
+          }
+          absl::StatusOr<PackedBatch> r = client->Pack(inputs, c.mask, pack);
           ASSERT_TRUE(r.ok()) << r.status();
+          if (per_row) {
+            EXPECT_TRUE(at::equal(r->token_mask,
+                                  at::ones({r->total_active}, at::kByte)));
+            EXPECT_TRUE(at::equal(r->mrope_position_ids,
+                                  r->position_ids.expand({3, -1})));
+          }
           EXPECT_TRUE(
               SameBytes(testing::ReferencePack(c.x, c.mask), r->packed[0]));
           const testing::ReferenceMeta meta =

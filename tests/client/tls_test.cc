@@ -5,12 +5,15 @@
 #include <ATen/ATen.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/shm_segment.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
@@ -141,6 +144,77 @@ TEST_F(TlsTest, MutualTlsRequiresAClientCertificate) {
   EXPECT_EQ(HealthOn(absl::StrCat("unix:", server->dir(), "/health.sock"),
                      "packd.v1.PackService"),
             "SERVING");
+}
+
+// Under mutual TLS each client certificate's subject is a tenant
+// (docs/design.md §15): B, with another certificate, cannot see, read,
+// unregister or name the key of A's region.
+TEST_F(TlsTest, EachClientCertificateIsATenant) {
+  auto server = Start(/*mutual=*/true, "--shared_memory=on");
+  ASSERT_NE(server, nullptr);
+  auto connect = [&](const std::string& cert) {
+    ClientOptions options = Trusting("ca.pem");
+    options.address = server->address();
+    options.tls_server_name = "localhost";
+    options.tls_cert_file = Cert(cert + ".pem");
+    options.tls_key_file = Cert(cert + ".key");
+    return Client::Connect(std::move(options)).value();
+  };
+  std::unique_ptr<Client> a = connect("client"), b = connect("client-b");
+  const std::string prefix_a = a->connection().Info()->shm_key_prefix();
+  const std::string prefix_b = b->connection().Info()->shm_key_prefix();
+  EXPECT_EQ(prefix_a.rfind("/packdcert-", 0), 0u) << prefix_a;
+  EXPECT_EQ(prefix_b.rfind("/packdcert-", 0), 0u) << prefix_b;
+  EXPECT_NE(prefix_a, prefix_b);
+
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey(prefix_a), 4096).value();
+  const std::string key = seg->key();
+  std::memset(seg->data(), 0xA5, 4096);
+  ASSERT_TRUE(a->connection().RegisterSegment(*seg, "A-secret").ok());
+
+  auto list = [](Client& c) {
+    grpc::ClientContext context;
+    v1::ListRegionsResponse response;
+    EXPECT_TRUE(c.stub().ListRegions(&context, {}, &response).ok());
+    std::vector<std::string> names;
+    for (const auto& r : response.regions()) names.push_back(r.name());
+    return names;
+  };
+  EXPECT_TRUE(list(*b).empty());
+  EXPECT_EQ(list(*a), std::vector<std::string>{"A-secret"});
+  EXPECT_EQ(b->connection().UnregisterRegion("A-secret").code(),
+            absl::StatusCode::kNotFound);
+  v1::PackRequest read;
+  read.mutable_mask()->set_dtype(v1::DTYPE_BOOL);
+  read.mutable_mask()->add_shape(1);
+  read.mutable_mask()->add_shape(4);
+  read.mutable_mask()->set_data(std::string(4, '\1'));
+  v1::Tensor* x = read.add_inputs();
+  x->set_dtype(v1::DTYPE_UINT8);
+  x->add_shape(1);
+  x->add_shape(4);
+  x->mutable_region()->set_region("A-secret");
+  x->mutable_region()->set_byte_size(4);
+  auto pack = [&](Client& c, v1::PackResponse* response) {
+    grpc::ClientContext context;
+    return c.stub().Pack(&context, read, response);
+  };
+  v1::PackResponse response;
+  EXPECT_EQ(pack(*b, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  v1::RegisterSystemRegionRequest steal;
+  steal.set_name("stolen");
+  steal.set_key(key);
+  steal.set_byte_size(4096);
+  grpc::ClientContext context;
+  v1::RegisterRegionResponse registered;
+  const grpc::Status denied =
+      b->stub().RegisterSystemRegion(&context, steal, &registered);
+  EXPECT_EQ(denied.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(denied.error_message().find(prefix_b), std::string::npos);
+  // A's region is as it was.
+  ASSERT_TRUE(pack(*a, &response).ok());
+  EXPECT_EQ(response.packed(0).data(), std::string(4, '\xA5'));
 }
 
 TEST_F(TlsTest, TokensOverMutualTlsAndHealthWithoutEither) {

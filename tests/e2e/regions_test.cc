@@ -8,11 +8,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <future>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/torch_interop.h"
@@ -21,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "tests/e2e/proto_util.h"
+#include "tests/e2e/region_calls.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
 
@@ -30,6 +34,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing::Header;
 using testing::InRegion;
+using ::testing::Not;
 using testing::Rng;
 using testing::SameBytesAt;
 using testing::ServerProcess;
@@ -77,21 +82,10 @@ class RegionsTest : public ::testing::Test {
 
   grpc::Status Register(const std::string& name, const std::string& key,
                         uint64_t offset, uint64_t bytes) {
-    v1::RegisterSystemRegionRequest r;
-    r.set_name(name);
-    r.set_key(key);
-    r.set_offset(offset);
-    r.set_byte_size(bytes);
-    grpc::ClientContext context;
-    v1::RegisterRegionResponse response;
-    return stub_->RegisterSystemRegion(&context, r, &response);
+    return testing::RegisterSystemRegion(*stub_, name, key, offset, bytes);
   }
   grpc::Status Unregister(const std::string& name) {
-    v1::UnregisterRegionRequest r;
-    r.set_name(name);
-    grpc::ClientContext context;
-    v1::UnregisterRegionResponse response;
-    return stub_->UnregisterRegion(&context, r, &response);
+    return testing::UnregisterRegion(*stub_, name);
   }
   grpc::Status CallPack(const v1::PackRequest& r, v1::PackResponse* out) {
     grpc::ClientContext context;
@@ -479,6 +473,219 @@ TEST(RegionsDevice, DeviceRegionsNeedAGpuBackend) {
   status = stub->RegisterDeviceRegion(&c2, reg, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("ipc_handle has 5 bytes"));
+}
+
+// Tenants named by their tokens (docs/design.md §15): job B, with its own
+// token, cannot list, read, write, scatter into, step from or into,
+// unregister or name the key of job A's region; every try is NOT_FOUND
+// (PERMISSION_DENIED for the key), in the words of an absent region, and A's
+// region and bytes are as they were, byte for byte.
+TEST(TenantsTest, AnotherTokensTenantCannotTouchARegion) {
+  const std::string tokens = ::testing::TempDir() + "/packd_tenant_tokens";
+  {
+    std::ofstream f(tokens);
+    f << "job-a:token-of-a\njob-b:token-of-b\n";
+  }
+  std::unique_ptr<ServerProcess> server = ServerProcess::Start(
+      {"--shm_key_prefix=/packd_test", "--shared_memory=on",
+       "--auth_token_file=" + tokens, "--metrics_listen=127.0.0.1:0"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  const std::string a = "token-of-a", b = "token-of-b";
+  auto info = [&](const std::string& token) {
+    grpc::ClientContext context;
+    testing::WithToken(&context, token);
+    v1::ServerInfo response;
+    EXPECT_TRUE(stub->GetServerInfo(&context, {}, &response).ok());
+    return response.shm_key_prefix();
+  };
+  ASSERT_EQ(info(a), "/packd_testjob-a.");
+  ASSERT_EQ(info(b), "/packd_testjob-b.");
+
+  // A's batch, and room for results, in A's own region.
+  Rng rng = Rng::Fresh();
+  const int64_t B = 4, S = 32, H = 8;
+  const at::Tensor x = testing::RandomTensor(rng, DType::kFloat32, {B, S, H});
+  const at::Tensor mask = at::ones({B, S}, at::kBool);
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey(info(a)), 1 << 20).value();
+  Put(seg, 0, x);
+  std::memset(seg->data() + x.nbytes(), 0x5A, seg->size() - x.nbytes());
+  ASSERT_TRUE(testing::RegisterSystemRegion(*stub, "A-secret", seg->key(), 0,
+                                            seg->size(), a)
+                  .ok());
+  const std::string before(seg->data(), seg->size());
+
+  // B's view: none of A's regions, and every use of its name is NOT_FOUND
+  // as for a region that does not exist.
+  grpc::Status listed;
+  EXPECT_TRUE(testing::ListRegionNames(*stub, b, &listed).empty());
+  EXPECT_TRUE(listed.ok());
+  EXPECT_EQ(testing::ListRegionNames(*stub, a),
+            std::vector<std::string>{"A-secret"});
+  auto pack = [&](const std::string& token, const v1::PackRequest& request) {
+    grpc::ClientContext context;
+    testing::WithToken(&context, token);
+    v1::PackResponse response;
+    return stub->Pack(&context, request, &response);
+  };
+  auto expect_absent = [&](const grpc::Status& status,
+                           const std::string& what) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << what;
+    EXPECT_THAT(status.error_message(),
+                HasSubstr("region \"A-secret\" is not registered"))
+        << what;
+  };
+  v1::PackRequest read;
+  *read.mutable_mask() = testing::ToProto(mask);
+  *read.add_inputs() = InRegion(x, "A-secret", 0);
+  expect_absent(pack(b, read), "B reads A's region");
+  v1::PackRequest write;
+  *write.mutable_mask() = testing::ToProto(mask);
+  *write.add_inputs() = testing::ToProto(x);
+  *write.add_outputs() = Slice("A-secret", x.nbytes(), x.nbytes());
+  expect_absent(pack(b, write), "B writes A's region");
+  {
+    v1::ScatterRequest scatter;
+    *scatter.mutable_mask() = testing::ToProto(mask);
+    *scatter.add_packed() = testing::ToProto(x.reshape({B * S, H}));
+    *scatter.add_outputs() = Slice("A-secret", x.nbytes(), x.nbytes());
+    grpc::ClientContext context;
+    testing::WithToken(&context, b);
+    v1::ScatterResponse response;
+    expect_absent(stub->Scatter(&context, scatter, &response),
+                  "B scatters into A's region");
+  }
+  for (const bool into : {false, true}) {
+    v1::PackMicroBatchesRequest step;
+    step.mutable_plan()->set_max_tokens_per_micro_batch(S);
+    *step.mutable_batch() = into ? write : read;
+    step.mutable_batch()->clear_outputs();
+    if (into) *step.mutable_outputs() = Slice("A-secret", 0, seg->size());
+    grpc::ClientContext context;
+    testing::WithToken(&context, b);
+    auto reader = stub->PackMicroBatches(&context, step);
+    v1::PackMicroBatchesResponse message;
+    while (reader->Read(&message)) {
+    }
+    expect_absent(reader->Finish(),
+                  into ? "B's step writes A's region" : "B's step reads it");
+  }
+  expect_absent(testing::UnregisterRegion(*stub, "A-secret", b),
+                "B unregisters A's region");
+  // A's key: inside --shm_key_prefix but not B's prefix.
+  const grpc::Status key =
+      testing::RegisterSystemRegion(*stub, "mine", seg->key(), 0, 4096, b);
+  EXPECT_EQ(key.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(key.error_message(), HasSubstr(seg->key()));
+  EXPECT_THAT(key.error_message(), HasSubstr("/packd_testjob-b."));
+  // B may use the same name for a region of its own.
+  std::unique_ptr<ShmSegment> mine =
+      ShmSegment::Create(ShmSegment::UniqueKey(info(b)), 4096).value();
+  EXPECT_TRUE(
+      testing::RegisterSystemRegion(*stub, "A-secret", mine->key(), 0, 4096, b)
+          .ok());
+
+  // A's region and bytes are intact, and A reads its batch as before.
+  EXPECT_EQ(std::string(seg->data(), seg->size()), before);
+  EXPECT_EQ(testing::ListRegionNames(*stub, a),
+            std::vector<std::string>{"A-secret"});
+  grpc::ClientContext context;
+  testing::WithToken(&context, a);
+  v1::PackResponse packed;
+  ASSERT_TRUE(stub->Pack(&context, read, &packed).ok());
+  EXPECT_TRUE(testing::SameTensor(x.reshape({B * S, H}), packed.packed(0)));
+
+  // The metrics name each tenant's calls, never a token.
+  const std::string metrics =
+      testing::HttpGet(server->MetricsAddress(), "/metrics");
+  EXPECT_THAT(metrics,
+              HasSubstr("packd_tenant_calls_total{code=\"not_found\",tenant="
+                        "\"job-b\"} 6"));
+  EXPECT_THAT(metrics, HasSubstr("tenant=\"job-a\""));
+  EXPECT_THAT(metrics, Not(HasSubstr("token-of-")));
+}
+
+// A fair share: tenant A floods packd with registrations (one segment named
+// by more regions than --max_regions_per_tenant) and with 16 MiB inline calls
+// from eight threads, and B's registration and calls are served within their
+// deadlines. However many regions name A's segment, packd maps it once.
+TEST(TenantsTest, AFloodingTenantLeavesAnotherServed) {
+  const std::string tokens = ::testing::TempDir() + "/packd_flood_tokens";
+  {
+    std::ofstream f(tokens);
+    f << "job-a:token-of-a\njob-b:token-of-b\n";
+  }
+  std::unique_ptr<ServerProcess> server = ServerProcess::Start(
+      {"--shm_key_prefix=/packd_test", "--shared_memory=on",
+       "--auth_token_file=" + tokens, "--max_regions_per_tenant=300",
+       "--max_inflight_bytes=134217728",
+       "--max_inflight_bytes_per_tenant=67108864"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PackService::NewStub(server->Channel());
+  const std::string a = "token-of-a", b = "token-of-b";
+  std::unique_ptr<ShmSegment> seg =
+      ShmSegment::Create(ShmSegment::UniqueKey("/packd_testjob-a."), 1 << 16)
+          .value();
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_TRUE(testing::RegisterSystemRegion(*stub, absl::StrCat("r", i),
+                                              seg->key(), i, 4096, a)
+                    .ok())
+        << i;
+  }
+  const grpc::Status full =
+      testing::RegisterSystemRegion(*stub, "r300", seg->key(), 0, 4096, a);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(full.error_message(), HasSubstr("--max_regions_per_tenant=300"));
+  std::ifstream maps(absl::StrCat("/proc/", server->pid(), "/maps"));
+  int mapped = 0;
+  for (std::string line; std::getline(maps, line);) {
+    mapped += line.find(seg->key().substr(1)) != std::string::npos;
+  }
+  EXPECT_EQ(mapped, 1);
+
+  // A's calls, as large as its share allows, from eight threads at once.
+  const at::Tensor big = at::zeros({8, 1024, 2048}, at::kByte);  // 16 MiB
+  v1::PackRequest flood;
+  *flood.mutable_mask() = testing::ToProto(at::ones({8, 1024}, at::kBool));
+  *flood.add_inputs() = testing::ToProto(big);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      while (!stop.load()) {
+        grpc::ClientContext context;
+        testing::WithToken(&context, a);
+        context.set_deadline(std::chrono::system_clock::now() +
+                             std::chrono::seconds(20));
+        v1::PackResponse response;
+        (void)stub->Pack(&context, flood, &response);
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the flood is under way
+  v1::PackRequest small;
+  *small.mutable_mask() = testing::ToProto(at::ones({2, 8}, at::kBool));
+  *small.add_inputs() = testing::ToProto(at::ones({2, 8, 4}, at::kFloat));
+  for (int i = 0; i < 10; ++i) {
+    grpc::ClientContext context;
+    testing::WithToken(&context, b);
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+    v1::PackResponse response;
+    const grpc::Status status = stub->Pack(&context, small, &response);
+    EXPECT_TRUE(status.ok()) << i << ": " << status.error_message();
+  }
+  EXPECT_TRUE(
+      testing::RegisterSystemRegion(
+          *stub, "b0",
+          ShmSegment::Create(ShmSegment::UniqueKey("/packd_testjob-b."), 4096)
+              .value()
+              ->key(),
+          0, 4096, b)
+          .ok());
+  stop = true;
+  for (std::thread& t : threads) t.join();
 }
 
 }  // namespace

@@ -351,24 +351,32 @@ Error Malloc(void** p, size_t bytes) {
   return kSuccess;
 }
 
-Error Free(void* p) {
-  State& s = St();
-  absl::MutexLock lock(&s.mu);
+// The device allocation (not pinned host memory, not an IPC mapping) that
+// begins at `p`, or null.
+Allocation* DeviceAllocationAt(State& s, void* p)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   auto it = s.allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == s.allocations.end() || it->second.fd < 0 ||
       it->second.ipc_mapping) {
-    return Record(kErrorInvalidValue);
+    return nullptr;
   }
-  munmap(p, it->second.size);
-  close(it->second.fd);
-  s.used[it->second.device] -= it->second.size;
-  if (auto exporter = s.exporters.find(it->second.id);
-      exporter != s.exporters.end()) {
+  return &it->second;
+}
+
+Error Free(void* p) {
+  State& s = St();
+  absl::MutexLock lock(&s.mu);
+  const Allocation* a = DeviceAllocationAt(s, p);
+  if (a == nullptr) return Record(kErrorInvalidValue);
+  munmap(p, a->size);
+  close(a->fd);
+  s.used[a->device] -= a->size;
+  if (auto exporter = s.exporters.find(a->id); exporter != s.exporters.end()) {
     kill(exporter->second, SIGKILL);
     waitpid(exporter->second, nullptr, 0);
     s.exporters.erase(exporter);
   }
-  s.allocations.erase(it);
+  s.allocations.erase(reinterpret_cast<uintptr_t>(p));
   return kSuccess;
 }
 
@@ -583,18 +591,15 @@ Error GetDeviceProperties(DeviceProp* prop, int device) {
 Error IpcGetMemHandle(IpcMemHandle* handle, void* p) {
   State& s = St();
   absl::MutexLock lock(&s.mu);
-  auto it = s.allocations.find(reinterpret_cast<uintptr_t>(p));
-  if (it == s.allocations.end() || it->second.fd < 0 ||
-      it->second.ipc_mapping) {
-    return Record(kErrorInvalidValue);
-  }
+  const Allocation* a = DeviceAllocationAt(s, p);
+  if (a == nullptr) return Record(kErrorInvalidValue);
   HandleBytes h{};
   std::memcpy(h.magic, "fakegpu", 8);
   h.pid = getpid();
-  h.fd = it->second.fd;
-  h.size = it->second.size;
-  h.physical = s.physical[it->second.device];
-  h.id = it->second.id;
+  h.fd = a->fd;
+  h.size = a->size;
+  h.physical = s.physical[a->device];
+  h.id = a->id;
   std::memset(handle, 0, sizeof(*handle));
   std::memcpy(handle->reserved, &h, sizeof(h));
   return kSuccess;

@@ -21,6 +21,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   packd::v1::PlanRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
   packd::v1::PlanResponse response;
-  service->DoPlan(request, &response).IgnoreError();
+  service->core().DoPlan(request, &response).IgnoreError();
   return 0;
 }

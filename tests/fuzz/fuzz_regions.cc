@@ -1,9 +1,11 @@
-// libFuzzer target: region names, shared-memory keys and slices. One real
-// 64 KiB segment is registered as region "r" at start; each input is a
-// RegisterSystemRegionRequest (a name and key to register, then unregister)
-// followed by a RegionSlice to resolve against the registry, whose bytes are
-// then read end to end (an out-of-bounds slice that resolved would be caught
-// by AddressSanitizer).
+// libFuzzer target: region names, shared-memory keys, slices and tenants. One
+// real 64 KiB segment is registered as region "r" of the anonymous tenant at
+// start; each input is a RegisterSystemRegionRequest (a name and key to
+// register, then unregister) followed by a RegionSlice to resolve against the
+// registry, whose bytes are then read end to end (an out-of-bounds slice that
+// resolved would be caught by AddressSanitizer). The first byte's top bits
+// choose the tenant of each (anonymous or "job-a"): job-a resolving "r" is a
+// crash, as another tenant's region must never resolve.
 #include <google/protobuf/stubs/logging.h>
 #include <unistd.h>
 
@@ -37,7 +39,10 @@ World& TheWorld() {
     options.enabled = true;
     options.key_prefix = "/packd_fuzz";
     w->regions = std::make_unique<packd::RegionRegistry>(options);
-    if (!w->regions->RegisterSystem("r", w->segment->key(), 0, 64 << 10).ok()) {
+    if (!w->regions
+             ->RegisterSystem(packd::Tenant(), "r", w->segment->key(), 0,
+                              64 << 10)
+             .ok()) {
       abort();
     }
     // Mapped: the name can go now, so that no exit (libFuzzer's ends without
@@ -54,23 +59,27 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   World& world = TheWorld();
   if (size < 1) return 0;
   const size_t cut = data[0] % size;
+  const packd::Tenant anyone, job_a = packd::Tenant::Named("job-a", "job-a");
+  const packd::Tenant& registering = (data[0] & 0x40) ? job_a : anyone;
+  const packd::Tenant& resolving = (data[0] & 0x80) ? job_a : anyone;
   const char* bytes = reinterpret_cast<const char*>(data);
   packd::v1::RegisterSystemRegionRequest reg;
   if (reg.ParseFromArray(bytes + 1, static_cast<int>(cut > 0 ? cut - 1 : 0)) &&
       reg.name() != "r") {
     packd::RegionRegistry::ValidateName(reg.name()).IgnoreError();
     if (world.regions
-            ->RegisterSystem(reg.name(), reg.key(), reg.offset(),
+            ->RegisterSystem(registering, reg.name(), reg.key(), reg.offset(),
                              reg.byte_size())
             .ok()) {
-      world.regions->Unregister(reg.name()).IgnoreError();
+      world.regions->Unregister(registering, reg.name()).IgnoreError();
     }
   }
   packd::v1::RegionSlice slice;
   if (!slice.ParseFromArray(bytes + cut, static_cast<int>(size - cut))) {
     return 0;
   }
-  auto resolved = world.regions->Resolve(slice, "slice");
+  auto resolved = world.regions->Resolve(resolving, slice, "slice");
+  if (resolved.ok() && &resolving == &job_a && slice.region() == "r") abort();
   if (resolved.ok() && resolved->byte_size > 0) {
     volatile char sum = 0;
     const char* p = static_cast<const char*>(resolved->data);

@@ -16,7 +16,7 @@
 
 namespace {
 
-packd::PackServiceImpl& Service() {
+packd::ServiceCore& Service() {
   static auto* service = [] {
     // Protobuf logs every string that is not UTF-8: quiet.
     google::protobuf::SetLogHandler(nullptr);
@@ -27,7 +27,7 @@ packd::PackServiceImpl& Service() {
     options.regions.key_prefix = "/packd_fuzz";
     return new packd::PackServiceImpl(options);
   }();
-  return *service;
+  return service->core();
 }
 
 // Parses `chunks` as a `Request` and, when that works, runs it through
@@ -54,11 +54,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       bytes.substr(0, std::min(cut, bytes.size())),
       bytes.substr(std::min(cut, bytes.size()))};
   if (scatter) {
-    Run(chunks, &packd::PackServiceImpl::DoScatter);
+    Run(chunks, &packd::ServiceCore::DoScatter);
   } else if (data[0] & 0x80) {
-    Run(chunks, &packd::PackServiceImpl::TEST_PackMicroBatches);
+    Run(chunks, &packd::ServiceCore::TEST_PackMicroBatches);
   } else {
-    Run(chunks, &packd::PackServiceImpl::DoPack);
+    Run(chunks, &packd::ServiceCore::DoPack);
   }
   return 0;
 }

@@ -251,7 +251,7 @@ TEST_F(LayoutTest, PackMatchesTheReferenceForEveryLayout) {
     }
     o.with_seq_idx = true;
     o.shifts = {{1, -100}, {0, 1}};
-    o.pad_values = {dtype == DType::kBool ? 1.0 : 3.0, -7};
+    o.pad_values = {dtype == DType::kBool ? 1.0 : 3.0, -7, 0};
     SCOPED_TRACE(::testing::Message()
                  << "trial " << trial << " B " << B << " S " << S << " m "
                  << o.pad_multiple << " cp " << o.cp_size << "/" << o.cp_rank
@@ -279,12 +279,19 @@ TEST_F(LayoutTest, PackMatchesTheReferenceForEveryLayout) {
     PackOptions options;
     options.layout = o;
     options.with_position_ids = true;
+    options.with_token_mask = true;
+    // Text only (no token is a vision one): each sequence's multimodal
+    // positions are its position ids, in all three rows.
+    options.mrope = MRopeOptions{};
+    options.mrope->input = 2;
+    options.mrope->image_token_id = std::numeric_limits<int64_t>::min();
+    options.mrope->video_token_id = std::numeric_limits<int64_t>::min() + 1;
     // Both host implementations: the span backend's row copies and torch's
     // index ops.
     options.impl = trial / 2 % 2 == 0 ? "span" : "torch";
     if (docs) options.segment_ids = View(ids);
     absl::StatusOr<PackResult> r =
-        Pack({View(x), View(tok.unsqueeze(2))}, View(mask), options);
+        Pack({View(x), View(tok.unsqueeze(2)), View(tok)}, View(mask), options);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_TRUE(testing::SameBytes(Gathered(x, ref.rows, o.pad_values[0]),
                                    r->packed[0].view));
@@ -303,6 +310,15 @@ TEST_F(LayoutTest, PackMatchesTheReferenceForEveryLayout) {
     EXPECT_EQ(r->position_ids, ref.position_ids);
     EXPECT_EQ(r->seq_idx, ref.seq_idx);
     EXPECT_EQ(r->total_active, mask.ne(0).sum().item<int64_t>());
+    std::string token_mask;
+    for (int64_t row : ref.rows) token_mask.push_back(row >= 0 ? 1 : 0);
+    EXPECT_EQ(r->token_mask, token_mask);
+    std::vector<int64_t> three;
+    for (int d = 0; d < 3; ++d) {
+      three.insert(three.end(), ref.position_ids.begin(),
+                   ref.position_ids.end());
+    }
+    EXPECT_EQ(r->mrope_position_ids, three);
   }
 }
 

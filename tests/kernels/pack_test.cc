@@ -147,73 +147,37 @@ TEST_P(PackTest, ShapesTailsDensitiesAndMaskPatterns) {
 // paths: the typed loop (rows of 1 to 16 bytes under fragmented masks) and one
 // copy per run.
 TEST_P(PackTest, LargeMultiThreaded) {
-  Check(
-      {DType::kInt64, DType::kBool, 1024, 1031, {}, 0.5, MaskPattern::kHoles});
-  Check({DType::kInt64, DType::kBool, 64, 4096, {}, 0.1, MaskPattern::kHoles});
-  Check(
-      {DType::kInt64, DType::kInt32, 64, 4096, {}, 0.5, MaskPattern::kPrefix});
-  Check({DType::kFloat32,
-         DType::kBool,
-         257,
-         1031,
-         {4},
-         0.3,
-         MaskPattern::kHoles});
-  Check({DType::kUInt8,
-         DType::kFloat16,
-         1024,
-         1031,
-         {3},
-         0.5,
-         MaskPattern::kHoles});
-  Check({DType::kBFloat16,
-         DType::kBool,
-         16,
-         1024,
-         {512},
-         0.3,
-         MaskPattern::kHoles});
-  Check({DType::kBFloat16,
-         DType::kBool,
-         16,
-         1024,
-         {512},
-         0.3,
-         MaskPattern::kPrefix});
-  Check({DType::kBFloat16,
-         DType::kBool,
-         16,
-         1024,
-         {512},
-         1.0,
-         MaskPattern::kPrefix});
-  Check({DType::kBFloat16,
-         DType::kBool,
-         1,
-         9001,
-         {128},
-         0.9,
-         MaskPattern::kHoles});
+  using P = MaskPattern;
+  const DType bf16 = DType::kBFloat16, i64 = DType::kInt64, b = DType::kBool;
+  const Case cases[] = {
+      // clang-format off
+      {i64,              b,               1024, 1031, {},    0.5, P::kHoles},
+      {i64,              b,               64,   4096, {},    0.1, P::kHoles},
+      {i64,              DType::kInt32,   64,   4096, {},    0.5, P::kPrefix},
+      {DType::kFloat32,  b,               257,  1031, {4},   0.3, P::kHoles},
+      {DType::kUInt8,    DType::kFloat16, 1024, 1031, {3},   0.5, P::kHoles},
+      {bf16,             b,               16,   1024, {512}, 0.3, P::kHoles},
+      {bf16,             b,               16,   1024, {512}, 0.3, P::kPrefix},
+      {bf16,             b,               16,   1024, {512}, 1.0, P::kPrefix},
+      {bf16,             b,               1,    9001, {128}, 0.9, P::kHoles},
+      // clang-format on
+  };
+  for (const Case& c : cases) Check(c);
 }
 
 // The fast paths: all active is one contiguous copy, none active moves
 // nothing.
 TEST_P(PackTest, AllActiveAndNoneActiveFastPaths) {
   for (DType mask_dtype : {DType::kBool, DType::kFloat32, DType::kInt64}) {
-    Check({DType::kFloat32,
-           mask_dtype,
-           4,
-           100,
-           {2, 5},
-           1.0,
-           MaskPattern::kHoles});
-    Check({DType::kFloat32,
-           mask_dtype,
-           4,
-           100,
-           {2, 5},
-           0.0,
-           MaskPattern::kHoles});
+    for (double density : {1.0, 0.0}) {
+      Check({DType::kFloat32,
+             mask_dtype,
+             4,
+             100,
+             {2, 5},
+             density,
+             MaskPattern::kHoles});
+    }
   }
 }
 

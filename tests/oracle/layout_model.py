@@ -26,6 +26,7 @@ class Options:
     sp_size: int = 0
     sp_rank: int = 0
     with_seq_idx: bool = False
+    with_token_mask: bool = False  # per-row metadata, not a layout: any() leaves it out
     shifts: Tuple[Tuple[int, float], ...] = ()
     fixed: Tuple[int, int, int] = (0, 0, 0)  # tokens, sequences, max_seqlen
     # §14: (groups, prefix_lengths, same_inputs, targets), or None.
@@ -94,6 +95,42 @@ def sequences(mask: List[List[bool]], ids: Optional[List[List[int]]]) -> List[Se
             if i == 0 or ids[b][s] != ids[b][active[i - 1]]:
                 out.append(Seq(b, []))
             out[-1].positions.append(s)
+    return out
+
+
+def mrope_positions(mask, ids, tokens, image: int, video: int,
+                    grids: Sequence[Tuple[int, int, int]], merge: int) -> dict:
+    """§17: {dense flat position: (temporal, height, width)} of every active token, from the
+    token ids `tokens` ([B][S]). Each sequence starts at 0; a text token takes the next position
+    in all three; a run of image (video) tokens is the next grid, t x h/merge x w/merge tokens
+    from the next position p: (p + i, p + y, p + x); the text after it goes on from
+    p + max(h, w) // merge."""
+    S = len(mask[0]) if mask else 0
+    out, g = {}, 0
+    for seq in sequences(mask, ids):
+        flat = [seq.row * S + s for s in seq.positions]
+        kinds = [tokens[seq.row][s] for s in seq.positions]
+        p = i = 0
+        while i < len(flat):
+            if kinds[i] not in (image, video):
+                out[flat[i]] = (p, p, p)
+                p, i = p + 1, i + 1
+                continue
+            j = i
+            while j < len(flat) and kinds[j] == kinds[i]:
+                j += 1
+            if g >= len(grids):
+                raise Refused("mrope.grids has %d grids" % len(grids))
+            t, h, w = grids[g]
+            cells = [(a, y, x) for a in range(t) for y in range(h // merge)
+                     for x in range(w // merge)]
+            if len(cells) != j - i:
+                raise Refused("mrope.grids[%d]" % g)
+            for k, (a, y, x) in zip(range(i, j), cells):
+                out[flat[k]] = (p + a, p + y, p + x)
+            p, g, i = p + max(h, w) // merge, g + 1, j
+    if g != len(grids):
+        raise Refused("mrope.grids has %d grids; the batch's rows have %d runs" % (len(grids), g))
     return out
 
 

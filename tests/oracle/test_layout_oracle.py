@@ -1,8 +1,9 @@
 """Every layout in every call, against the plain-Python model (layout_model.py).
 
 The cross product of the layout options (documents, padding, CP or Ulysses SP, fixed shapes,
-shifts, seq_idx, a shared prefix) for Pack, for Scatter (the options that place rows, and a
-shared prefix's stream or targets) and for PackMicroBatches,
+shifts, seq_idx with the token mask and, for Pack, multimodal positions of image and video runs,
+a shared prefix) for Pack, for Scatter (the options that place rows, and a shared prefix's
+stream or targets) and for PackMicroBatches,
 on each backend (span, torch, fake GPU; and every tensor in fake GPU memory), each combination on fresh random data with 1- to
 16-byte rows (and a wide one), pad values, position ids and a random rank. A combination the
 design refuses (CP without a multiple of 2 * cp_size, CP with SP, ...) is checked for its named
@@ -23,8 +24,9 @@ import torch
 import packd
 from conftest import COVERAGE
 from layout_model import (Options, Refused, check_same_prompts, documents, gather, layout,
-                          loss_tokens, plan_lengths, row_metadata, scatter, shared_loss_tokens,
-                          shared_stream, validate, validate_shared)
+                          loss_tokens, mrope_positions, plan_lengths, row_metadata, scatter,
+                          sequences, shared_loss_tokens, shared_stream, validate,
+                          validate_shared)
 from torch_reference import random_tensor, raw
 
 SEED = int(os.environ.get("PACKD_ORACLE_SEED", random.randrange(1 << 31)))
@@ -124,7 +126,31 @@ class Case:
                                              for _ in range(rng.randint(0, 2))]
         self.inputs = [random_tensor(dtype, (self.B, self.S) + tail, gen) for dtype, tail in specs]
         self.with_position_ids = rng.random() < 0.7
+        self.mrope = None
+        if op == "pack" and cell["seq_idx"] and not is_shared(cell):
+            self._vision_tokens(rng, gen)
         self.options = self._options(rng, cell, op)
+        if self.mrope is not None:
+            self.options["mrope"] = self.mrope
+
+    def _vision_tokens(self, rng, gen):
+        """§17 with the per-row arrays: one more input, token ids holding runs of image and
+        video tokens (9, 10) inside the sequences, and the MRope of their grids (merge 2)."""
+        tokens = torch.randint(11, 100, (self.B, self.S), generator=gen)
+        grids = []
+        for seq in sequences(self.mask_lists, self.ids_lists):
+            room = len(seq.positions)
+            if room < 2 or rng.random() < 0.3:
+                continue
+            t = 2 if room > 2 and rng.random() < 0.3 else 1
+            lh, lw = 1, rng.randint(1, max(1, (room - 1) // t))
+            start = rng.randrange(0, room - t * lh * lw + 1)
+            for s in seq.positions[start:start + t * lh * lw]:
+                tokens[seq.row, s] = 10 if t > 1 else 9
+            grids.append((t, 2 * lh, 2 * lw))
+        self.inputs.append(tokens)
+        self.mrope = packd.MRope(image_token_id=9, video_token_id=10, grids=grids,
+                                 input=len(self.inputs) - 1)
 
     def _options(self, rng, cell, op):
         o = {}
@@ -147,6 +173,7 @@ class Case:
                 o["shifts"] = [(j, VALUE[self.inputs[j].dtype]) for j in
                                rng.sample(range(len(self.inputs)), rng.randint(1, len(self.inputs)))]
             o["with_seq_idx"] = cell["seq_idx"]
+            o["with_token_mask"] = cell["seq_idx"]  # the other per-row array rides with it
         if cell["fixed"]:
             o["fixed"] = self._fixed(rng, o, whole_batch=op == "step")
         if is_shared(cell):
@@ -200,6 +227,7 @@ class Case:
 
     def model_options(self, op):
         o = dict(self.options)
+        o.pop("mrope", None)  # per-row metadata: expect_row_metadata checks it
         if "pad_values" in o:
             o["pad_values"] = tuple(o["pad_values"])
         if "shifts" in o:
@@ -235,6 +263,32 @@ def case_call(op, case, o):
     return model_call(op, case.mask_lists, case.ids_lists, inputs, o)
 
 
+def expect_row_metadata(r, case, mask, o, want, total_active, what):
+    """r's shifted (none without shifts), position ids and seq_idx as `want` (a layout or a
+    shared stream) has them, and its last_index and total_active."""
+    if not o.shifts:
+        assert r.shifted is None, what
+    if case.with_position_ids:
+        assert r.position_ids.tolist() == want.position_ids, "%s: position_ids" % what
+    if o.with_seq_idx:
+        assert r.seq_idx.tolist() == want.seq_idx, "%s: seq_idx" % what
+    if o.with_token_mask:
+        assert r.token_mask.tolist() == [int(at is not None) for at in want.rows], (
+            "%s: token_mask" % what)
+    else:
+        assert r.token_mask is None, what
+    if getattr(case, "mrope", None) is not None:
+        m = case.mrope
+        positions = mrope_positions(mask, case.ids_lists, case.inputs[m.input].tolist(),
+                                    m.image_token_id, m.video_token_id, m.grids, 2)
+        rows = [positions[at] if at is not None else (p, p, p)
+                for at, p in zip(want.rows, want.position_ids)]
+        want_mrope = [[row[d] for row in rows] for d in range(3)]
+        assert r.mrope_position_ids.tolist() == want_mrope, "%s: mrope_position_ids" % what
+    _, last = row_metadata(mask)
+    assert r.last_index.tolist() == last and r.total_active == total_active, what
+
+
 def expect_shared_pack(r, case, mask, inputs, o, what):
     """r is the model's Pack with a shared prefix: the stream, targets and metadata (§14)."""
     st = shared_stream(mask, o)
@@ -248,14 +302,7 @@ def expect_shared_pack(r, case, mask, inputs, o, what):
         assert raw(r.shifted[j]) == gather(rows[source], st.targets, b""), (
             "%s: shifted[%d]" % (what, j))
         assert list(r.shifted[j].shape) == [len(st.targets)] + list(x.shape[2:]), what
-    if not o.shifts:
-        assert r.shifted is None, what
-    if case.with_position_ids:
-        assert r.position_ids.tolist() == st.position_ids, "%s: position_ids" % what
-    if o.with_seq_idx:
-        assert r.seq_idx.tolist() == st.seq_idx, "%s: seq_idx" % what
-    _, last = row_metadata(mask)
-    assert r.last_index.tolist() == last and r.total_active == len(st.rows), what
+    expect_row_metadata(r, case, mask, o, st, len(st.rows), what)
     assert r.cu_seqlens.tolist() == st.cu_q and r.max_seqlen == st.max_q, "%s: cu_seqlens" % what
     assert r.cu_seqlens_padded is None and r.max_seqlen_padded == 0, what
     s = r.shared
@@ -282,14 +329,8 @@ def expect_pack(r, case, mask, ids, inputs, o, what):
         x = inputs[source]
         want = gather(rows[source], laid.shifted, value_bytes(x.dtype, x.shape[2:], fill))
         assert raw(r.shifted[j]) == want, "%s: shifted[%d]" % (what, j)
-    if not o.shifts:
-        assert r.shifted is None, what
-    if case.with_position_ids:
-        assert r.position_ids.tolist() == laid.position_ids, "%s: position_ids" % what
-    if o.with_seq_idx:
-        assert r.seq_idx.tolist() == laid.seq_idx, "%s: seq_idx" % what
-    cu_rows, last = row_metadata(mask)
-    assert r.last_index.tolist() == last and r.total_active == cu_rows[-1], what
+    cu_rows, _ = row_metadata(mask)
+    expect_row_metadata(r, case, mask, o, laid, cu_rows[-1], what)
     if ids is not None:
         assert r.cu_seqlens.tolist() == cu_rows, "%s: cu_seqlens" % what
         assert r.doc_cu_seqlens.tolist() == laid.cu_real, "%s: doc_cu_seqlens" % what

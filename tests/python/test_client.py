@@ -518,6 +518,29 @@ def test_pack_micro_batches_are_their_rows_packed(address, shm):
         assert sorted(seen) == list(range(B))
 
 
+def test_routing_tensors_pack_and_scatter_in_a_step_like_any_input(address):
+    """A MoE router's choices, [B, S, layers, top_k] of uint8, int16 and int32, ride a training
+    step beside the tokens: each micro-batch's are exactly the rows' active positions, and
+    Scatter puts them back where they were (zeros elsewhere), as for any input."""
+    with packd.Client(address, shm_threshold_bytes=0) as client:
+        B, S, layers, top_k = 13, 40, 3, 2
+        mask = torch.rand(B, S) < 0.6
+        tokens = torch.randint(0, 1000, (B, S))
+        routes = [torch.randint(0, 127, (B, S, layers, top_k)).to(dtype)
+                  for dtype in (torch.uint8, torch.int16, torch.int32)]
+        step = client.pack_micro_batches([tokens] + routes, mask, 64, num_ranks=2)
+        seen = []
+        for mb in step:
+            seen += mb.samples
+            m = _step_rows(mask, mb.samples)
+            for route, packed in zip(routes, mb.result.packed[1:]):
+                rows = _step_rows(route, mb.samples)
+                assert packed.dtype == route.dtype and torch.equal(rows[m], packed)
+                dense = client.scatter(packed, m)
+                assert torch.equal(dense, rows * m[:, :, None, None].to(route.dtype))
+        assert sorted(seen) == list(range(B))
+
+
 def test_a_steps_results_come_through_shared_memory_from_its_second_call(address):
     """Node-local with shared memory: the first step of a shape comes inline and says what its
     results take (output_bytes); the client keeps an arena of that size, so every later step of

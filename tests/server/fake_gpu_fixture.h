@@ -26,6 +26,7 @@
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "server/pack_service.h"
 #include "server/server.h"
+#include "tests/e2e/region_calls.h"
 #include "tests/fake_gpu/fake_gpu_runtime.h"
 #include "tests/kernels/test_util.h"
 
@@ -128,11 +129,7 @@ class FakeGpuTest : public ::testing::Test {
         response.status());
   }
   grpc::Status Unregister(const std::string& name) {
-    v1::UnregisterRegionRequest request;
-    request.set_name(name);
-    v1::UnregisterRegionResponse response;
-    grpc::ClientContext context;
-    return stub_->UnregisterRegion(&context, request, &response);
+    return testing::UnregisterRegion(*stub_, name);
   }
 
   // The metrics endpoint StartServer asks for; empty: none.

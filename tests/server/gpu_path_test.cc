@@ -30,6 +30,22 @@ using testing::InRegion;
 using testing::Slice;
 using testing::ToProto;
 
+// A service whose default device is fake GPU 0.
+ServiceOptions OnCuda0() {
+  ServiceOptions options;
+  options.default_device = Device{DeviceKind::kCuda, 0};
+  return options;
+}
+
+// A Pack of x under mask through `service`'s core, as plain messages.
+absl::Status PackPlain(PackServiceImpl& service, const at::Tensor& x,
+                       const at::Tensor& mask, v1::PackResponse* response) {
+  v1::PackRequest request;
+  *request.mutable_mask() = ToProto(mask);
+  *request.add_inputs() = ToProto(x);
+  return service.core().DoPack(request, response);
+}
+
 // The GPU runtime's pinned staging chunk (gpu_device_runtime.h).
 constexpr size_t kStagingChunkBytes = size_t{8} << 20;
 
@@ -52,8 +68,8 @@ TEST_F(FakeGpuTest, HostTensorsStageThroughTheDeviceAndMatchTheCpuPath) {
 
   fakegpu::testing::SetStreamDelay(absl::Milliseconds(5));
   v1::PackResponse on_gpu, on_cpu;
-  ASSERT_TRUE(gpu.DoPack(request, &on_gpu).ok());
-  ASSERT_TRUE(cpu.DoPack(request, &on_cpu).ok());
+  ASSERT_TRUE(gpu.core().DoPack(request, &on_gpu).ok());
+  ASSERT_TRUE(cpu.core().DoPack(request, &on_cpu).ok());
   EXPECT_EQ(on_gpu.SerializeAsString(), on_cpu.SerializeAsString());
   const at::Tensor expected_x = testing::ReferencePack(x, mask);
   EXPECT_TRUE(testing::SameTensor(expected_x, on_gpu.packed(0)));
@@ -65,7 +81,7 @@ TEST_F(FakeGpuTest, HostTensorsStageThroughTheDeviceAndMatchTheCpuPath) {
   *scatter.add_packed() = ToProto(expected_x);
   scatter.set_device("cuda:0");
   v1::ScatterResponse dense;
-  ASSERT_TRUE(cpu.DoScatter(scatter, &dense).ok());
+  ASSERT_TRUE(cpu.core().DoScatter(scatter, &dense).ok());
   EXPECT_TRUE(testing::SameTensor(
       testing::ReferenceScatter(expected_x, mask, {5, 97, 12}),
       dense.dense(0)));
@@ -74,10 +90,10 @@ TEST_F(FakeGpuTest, HostTensorsStageThroughTheDeviceAndMatchTheCpuPath) {
   request.mutable_inputs(0)->set_shape(1, 96);
   request.mutable_inputs(0)->set_data(std::string(5 * 96 * 12 * 2, '\0'));
   v1::PackResponse bad;
-  EXPECT_EQ(gpu.DoPack(request, &bad).code(),
+  EXPECT_EQ(gpu.core().DoPack(request, &bad).code(),
             absl::StatusCode::kInvalidArgument);
   request.set_device("cuda:3");
-  EXPECT_EQ(gpu.DoPack(request, &bad).code(),
+  EXPECT_EQ(gpu.core().DoPack(request, &bad).code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
@@ -222,29 +238,22 @@ TEST_F(FakeGpuTest, SlicesOnAnotherDeviceThanTheCallAreRefused) {
 // Bug: a failed runtime call left its error in the thread's runtime state, and
 // the next, unrelated call on that thread failed with it.
 TEST_F(FakeGpuTest, AnErrorDoesNotStickToTheNextCallOnTheSameThread) {
-  ServiceOptions options;
-  options.default_device = Device{DeviceKind::kCuda, 0};
-  PackServiceImpl service(options);
+  PackServiceImpl service(OnCuda0());
   testing::Rng rng = testing::Rng::Fresh();
   // Large enough that the device pool has no block to reuse for it.
   const at::Tensor big = at::zeros({1, 1, 100 << 20}, at::kByte);
-  v1::PackRequest request;
-  *request.mutable_mask() = ToProto(at::ones({1, 1}, at::kBool));
-  *request.add_inputs() = ToProto(big);
   fakegpu::testing::FailNext("Malloc", fakegpu::kErrorMemoryAllocation);
   v1::PackResponse response;
-  const absl::Status oom = service.DoPack(request, &response);
+  const absl::Status oom =
+      PackPlain(service, big, at::ones({1, 1}, at::kBool), &response);
   EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted) << oom;
   EXPECT_THAT(std::string(oom.message()), HasSubstr("out of memory"));
 
   const at::Tensor mask =
       testing::RandomMask(rng, DType::kBool, 3, 40, 0.5, MaskPattern::kPrefix);
   const at::Tensor x = testing::RandomTensor(rng, DType::kFloat16, {3, 40, 2});
-  v1::PackRequest small;
-  *small.mutable_mask() = ToProto(mask);
-  *small.add_inputs() = ToProto(x);
   v1::PackResponse packed;
-  const absl::Status ok = service.DoPack(small, &packed);
+  const absl::Status ok = PackPlain(service, x, mask, &packed);
   ASSERT_TRUE(ok.ok()) << ok;
   EXPECT_TRUE(
       testing::SameTensor(testing::ReferencePack(x, mask), packed.packed(0)));
@@ -306,19 +315,14 @@ TEST_F(FakeGpuTest, DeviceRegionsAreCheckedAgainstTheExportedAllocation) {
 // Bug: each staged tensor took a pinned buffer as large as itself, and a
 // failed pinned allocation said "out of device memory".
 TEST_F(FakeGpuTest, StagingUsesBoundedPinnedBuffers) {
-  ServiceOptions options;
-  options.default_device = Device{DeviceKind::kCuda, 0};
-  PackServiceImpl service(options);
+  PackServiceImpl service(OnCuda0());
   testing::Rng rng = testing::Rng::Fresh();
   const at::Tensor mask =
       testing::RandomMask(rng, DType::kBool, 4, 1000, 0.6, MaskPattern::kHoles);
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kFloat32, {4, 1000, 2600});  // 40 MB
-  v1::PackRequest request;
-  *request.mutable_mask() = ToProto(mask);
-  *request.add_inputs() = ToProto(x);
   v1::PackResponse response;
-  ASSERT_TRUE(service.DoPack(request, &response).ok());
+  ASSERT_TRUE(PackPlain(service, x, mask, &response).ok());
   EXPECT_TRUE(
       testing::SameTensor(testing::ReferencePack(x, mask), response.packed(0)));
   EXPECT_LE(fakegpu::testing::LargestPinnedAllocation(), kStagingChunkBytes);
@@ -326,11 +330,9 @@ TEST_F(FakeGpuTest, StagingUsesBoundedPinnedBuffers) {
   // 3 MiB: no pinned block cached so far fits it, so one is allocated.
   const at::Tensor odd =
       testing::RandomTensor(rng, DType::kUInt8, {3, 7, (3 << 20) / 21});
-  v1::PackRequest small;
-  *small.mutable_mask() = ToProto(at::ones({3, 7}, at::kBool));
-  *small.add_inputs() = ToProto(odd);
   fakegpu::testing::FailNext("MallocHost", fakegpu::kErrorMemoryAllocation);
-  const absl::Status status = service.DoPack(small, &response);
+  const absl::Status status =
+      PackPlain(service, odd, at::ones({3, 7}, at::kBool), &response);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
   EXPECT_THAT(std::string(status.message()),
               HasSubstr("pinned host allocation: out of memory"));

@@ -3,10 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 
 namespace packd {
 namespace {
@@ -138,4 +141,74 @@ TEST(MemoryBudgetTest, NoLimitAndDestructionWithWaiters) {
 }
 
 }  // namespace
+// One tenant's share (--max_inflight_bytes_per_tenant): a call its tenant
+// has no room for waits without holding up another tenant's calls, and is
+// let in, in order, once its tenant's bytes come back; a call larger than a
+// share is refused at once, naming the flag.
+TEST(MemoryBudgetTest, ATenantOverItsShareWaitsWithoutHoldingUpOthers) {
+  MemoryBudget budget(100, 60);
+  EXPECT_EQ(budget.share(), 60);
+  Outcome a1, a2, b1, b2, too_large;
+  budget.Reserve(60, absl::InfiniteFuture(), a1.Callback(), false, "a");
+  ASSERT_TRUE(a1.result->ok());
+  budget.Reserve(30, absl::InfiniteFuture(), a2.Callback(), false, "a");
+  EXPECT_FALSE(a2.done.HasBeenNotified());  // a's share is full
+  budget.Reserve(40, absl::InfiniteFuture(), b1.Callback(), false, "b");
+  ASSERT_TRUE(b1.done.HasBeenNotified()) << "b waited behind a's call";
+  EXPECT_TRUE(b1.result->ok());
+  budget.Reserve(10, absl::InfiniteFuture(), b2.Callback(), false, "b");
+  EXPECT_FALSE(b2.done.HasBeenNotified());  // the budget is full
+  budget.Reserve(61, absl::InfiniteFuture(), too_large.Callback(), false, "b");
+  EXPECT_EQ(too_large.result->status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(too_large.result->status().message()),
+              HasSubstr("--max_inflight_bytes_per_tenant"));
+  a1.result.reset();  // a's 60 come back: a2, then b2
+  ASSERT_TRUE(a2.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(b2.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(a2.result->ok() && b2.result->ok());
+  EXPECT_EQ(budget.in_use(), 80);
+
+  // Waiting for its own share past the deadline says so.
+  Outcome a3;
+  budget.Reserve(31, absl::Now() + absl::Milliseconds(50), a3.Callback(), false,
+                 "a");
+  ASSERT_TRUE(a3.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_THAT(std::string(a3.result->status().message()),
+              HasSubstr("tenant a's share"));
+}
+
+// A fair share under load (run under ThreadSanitizer in CI): one tenant
+// floods the budget from sixteen threads with calls as large as its share,
+// each held 100 ms, and every call of another tenant is let in within its
+// 300 ms deadline. Strictly in order, it would wait behind the flood's queue
+// (fourteen calls, two at a time: 700 ms) and fail.
+TEST(MemoryBudgetTest, AFloodingTenantLeavesAnotherServedWithinItsDeadlines) {
+  MemoryBudget budget(1000, 500);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> flood;
+  for (int t = 0; t < 16; ++t) {
+    flood.emplace_back([&] {
+      while (!stop.load()) {
+        Outcome o;
+        budget.Reserve(500, absl::Now() + absl::Seconds(10), o.Callback(),
+                       false, "flood");
+        o.done.WaitForNotification();
+        absl::SleepFor(absl::Milliseconds(100));  // the call runs, holding it
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // the flood's queue builds up
+  for (int i = 0; i < 20; ++i) {
+    Outcome o;
+    budget.Reserve(400, absl::Now() + absl::Milliseconds(300), o.Callback(),
+                   false, "other");
+    ASSERT_TRUE(o.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    ASSERT_TRUE(o.result->ok()) << i << ": " << o.result->status();
+  }
+  stop = true;
+  for (std::thread& t : flood) t.join();
+  EXPECT_EQ(budget.in_use(), 0);
+}
+
 }  // namespace packd

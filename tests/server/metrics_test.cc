@@ -78,8 +78,13 @@ TEST(Metrics, CountsCallsByMethodAndCodeWithTheirLatencyAndBytes) {
   metrics.Record("Pack", absl::StatusCode::kOk, absl::Seconds(7), 1, 2);
   metrics.Record("Pack", absl::StatusCode::kInvalidArgument,
                  absl::Microseconds(50), 10, 0);
-  metrics.Record("Scatter", absl::StatusCode::kOk, absl::Milliseconds(2), 5, 6);
+  metrics.Record("Scatter", absl::StatusCode::kOk, absl::Milliseconds(2), 5, 6,
+                 "job-a");
   const std::string text = metrics.Render();
+  EXPECT_THAT(text, HasSubstr("packd_tenant_calls_total{code=\"ok\",tenant="
+                              "\"anonymous\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("packd_tenant_calls_total{code=\"ok\",tenant="
+                              "\"job-a\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("# TYPE packd_requests_total counter\n"));
   EXPECT_THAT(
       text, HasSubstr("packd_requests_total{code=\"ok\",method=\"Pack\"} 2\n"));

@@ -404,12 +404,16 @@ TEST_F(StepOnFakeGpuTest, ADeviceErrorMidStepEndsItCleanly) {
   ASSERT_TRUE(ran.status.ok()) << ran.status.error_message();
   ExpectSameSteps(on_host.messages, ran.messages);
 
-  // Lost after the plan.
+  // Lost after the plan, while the first micro-batch's device work is
+  // queued: each takes 100 ms, so that a busy machine cannot finish the step
+  // before the loss.
+  fakegpu::testing::SetStreamDelay(absl::Milliseconds(100));
   grpc::ClientContext context;
   auto reader = stub_->PackMicroBatches(&context, device);
   v1::PackMicroBatchesResponse message;
   ASSERT_TRUE(reader->Read(&message));
   fakegpu::testing::LoseDevice(2, fakegpu::kErrorIllegalAddress);
+  fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
   while (reader->Read(&message)) {
   }
   const grpc::Status lost = reader->Finish();

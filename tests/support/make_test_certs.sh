@@ -3,6 +3,7 @@
 #   ca.pem / ca.key              the CA that signs the rest
 #   server.pem / server.key      for "localhost" and 127.0.0.1, signed by ca
 #   client.pem / client.key      a client certificate signed by ca (mutual TLS)
+#   client-b.pem / client-b.key  another client's, another subject (another tenant)
 #   other-ca.pem                 an unrelated CA (a client that trusts the wrong CA)
 #
 #   tests/support/make_test_certs.sh /tmp/certs
@@ -29,3 +30,4 @@ ca other-ca "another CA"
 leaf server localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
 extendedKeyUsage=serverAuth"
 leaf client "packd test client" "extendedKeyUsage=clientAuth"
+leaf client-b "packd test client b" "extendedKeyUsage=clientAuth"

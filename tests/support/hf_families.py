@@ -1,0 +1,93 @@
+"""transformers' model families as packd's tests build them (tests/python/test_varlen_attention.py,
+tests/models): each from its config class at a tiny size (2 layers, hidden 32, vocab 128) with
+random weights, in float64, no download; and the float32 steps transformers takes whatever the
+model's dtype, kept in float64 with the same formulas so that a float64 model is float64 through
+and through."""
+import copy
+import importlib
+
+import torch
+
+VOCAB = 128
+
+# family: (config class, what it adds to a plain transformer)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),  # grouped-query attention
+    "mistral": ("MistralConfig", {"sliding_window": 4}),
+    "qwen2": ("Qwen2Config", {}),  # biased q, k, v projections
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),  # q and k norms
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": 4,
+                                "attn_logit_softcapping": 50.0,
+                                "final_logit_softcapping": 30.0,
+                                "query_pre_attn_scalar": 8}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 4,
+                                    "query_pre_attn_scalar": 8}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # MoE
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8,
+                                     "moe_intermediate_size": 32}),  # routers, q and k norms
+}
+
+
+def config_of(family):
+    import transformers
+    name, extra = FAMILIES[family]
+    return getattr(transformers, name)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **extra)
+
+
+def padded_and_packed(family):
+    """(the family's model through eager attention, a copy through packd_varlen), float64, the
+    experts in plain loops (the grouped matrix products take no float64)."""
+    from transformers import AutoModelForCausalLM
+    from packd.hf import register_varlen_attention
+    register_varlen_attention()
+    padded = AutoModelForCausalLM.from_config(config_of(family), attn_implementation="eager",
+                                              experts_implementation="eager",
+                                              dtype=torch.float64).eval()
+    packed = copy.deepcopy(padded)
+    packed.config._attn_implementation = "packd_varlen"
+    return padded, packed
+
+
+def keep_float64(monkeypatch, modules):
+    """Eager attention's softmax (softmax(..., dtype=torch.float32)), every RMSNorm of the
+    families' modeling modules `modules` (Llama's casts its input to float32, Gemma's input and
+    weight) and Mixtral's router (which casts its logits) kept in float64 for float64 inputs.
+    Otherwise a float64 reference differs by 4e-8 to 1e-7: a norm weight's gradient summed in
+    float32 in the order of the tokens, a shared prompt's gradient summed over its members
+    before those steps in a stream and after them in a padded batch."""
+    softmax = torch.nn.functional.softmax
+
+    def in_float64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", in_float64)
+
+    def llama(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
+                                              self.variance_epsilon))
+
+    def gemma(self, x):
+        return self._norm(x) * (1.0 + self.weight)
+
+    def router(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
+                                            self.weight)
+        top, indices = torch.topk(torch.nn.functional.softmax(logits, dim=-1), self.top_k,
+                                  dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), indices
+
+    for family in modules:
+        module = importlib.import_module("transformers.models.%s.modeling_%s"
+                                         % (family, family))
+        for name in dir(module):
+            if name.endswith("RMSNorm"):
+                monkeypatch.setattr(getattr(module, name), "forward",
+                                    gemma if family.startswith("gemma") else llama)
+            if name == "MixtralTopKRouter":
+                monkeypatch.setattr(getattr(module, name), "forward", router)
+
+
+def relative(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
