@@ -1,6 +1,7 @@
 #include "kernels/mrope.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -113,8 +114,23 @@ absl::StatusOr<std::vector<int64_t>> MRopePositions(
         const double seconds = videos < options.seconds_per_grid.size()
                                    ? options.seconds_per_grid[videos]
                                    : 1.0;
-        interval = static_cast<float>(options.tokens_per_second) *
-                   static_cast<float>(seconds);
+        // A double past float32's range would make the spacing inf (and
+        // frame 0's offset inf * 0 = NaN); an offset past 2^52 is no position.
+        const bool fits = options.tokens_per_second <= FLT_MAX &&
+                          seconds <= FLT_MAX;
+        if (fits) {
+          interval = static_cast<float>(options.tokens_per_second) *
+                     static_cast<float>(seconds);
+        }
+        if (!fits || !std::isfinite(interval) ||
+            static_cast<double>(grid.t - 1) * interval >= 0x1p52) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "mrope: video ", videos, " at ", WhereIs(row_starts, i),
+              " spaces its ", grid.t,
+              " frames by tokens_per_second * seconds_per_grid = ",
+              options.tokens_per_second, " * ", seconds,
+              " positions (float32); its last frame's offset is past 2^52"));
+        }
       }
       int64_t j = i;
       for (int64_t a = 0; a < grid.t; ++a) {

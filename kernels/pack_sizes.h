@@ -99,14 +99,19 @@ struct PackSizes {
   // sequences would). -1 when `active` is -1 (not known).
   int64_t MaxRows(int64_t active, int64_t sequences) const;
   // The rows a sequence of `length` tokens takes, padded to pad_multiple.
+  // Both saturate at int64's end (a pad_multiple or sp_size near it is the
+  // caller's to refuse, as the planner refuses sums past 2^53).
   int64_t PaddedRows(int64_t length) const {
-    return (length + pad_multiple - 1) / pad_multiple * pad_multiple;
+    const int64_t blocks =
+        length / pad_multiple + (length % pad_multiple != 0 ? 1 : 0);
+    return SaturatingMul(blocks, pad_multiple);
   }
   // One CP or SP rank's share of `rows` padded rows: what one GPU holds of
   // them (a CP rank 1 / cp_size of every sequence's, which pad_multiple
   // divides; an SP rank 1 / sp_size of the stream, rounded up).
   int64_t RankRows(int64_t rows) const {
-    return (rows / cp_size + sp_size - 1) / sp_size;
+    const int64_t share = rows / cp_size;
+    return share / sp_size + (share % sp_size != 0 ? 1 : 0);
   }
   // The results' bytes for `rows` output rows; input_bytes for -1. With a
   // shared stream, whose shifted results have a row per target: `rows` stream

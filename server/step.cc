@@ -208,7 +208,7 @@ absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
     double cost = 0;
     for (int64_t L : (*rows)[b].sequences) {
       const int64_t P = sizes.PaddedRows(L);
-      padded += P;
+      padded = SaturatingAdd(padded, P);
       cost += SequenceCost(model, P);
     }
     // One CP or SP rank's share of a row's rows is what one GPU holds of it.

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -268,6 +269,23 @@ TEST_F(ServiceTest, PackMicroBatchesStreamsThePlanThenEachMicroBatch) {
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(refused.error_message(),
                 HasSubstr("does not start with batch.mask shape [40, 256]"));
+  }
+  // A pad_multiple near int64's end (found by fuzzing: a row's padded length
+  // overflowed while the rows were measured): the planner refuses the sum,
+  // with and without Ulysses' share of it.
+  for (int32_t sp : {0, 3}) {
+    v1::PackMicroBatchesRequest padded = request;
+    padded.mutable_batch()->set_pad_multiple(
+        std::numeric_limits<int64_t>::max() - 1);
+    padded.mutable_batch()->set_sp_size(sp);
+    grpc::ClientContext padded_context;
+    auto padded_reader = stub_->PackMicroBatches(&padded_context, padded);
+    EXPECT_FALSE(padded_reader->Read(&message));
+    const grpc::Status refused = padded_reader->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(refused.error_message(),
+                HasSubstr("the sum of lengths passes 2^53"))
+        << "sp_size " << sp;
   }
   ExpectStillServing();
 }

@@ -182,6 +182,14 @@ def test_layouts_keep_each_tokens_positions(client, family, layout):
                  "vision_start_token_id 7"),
     ("bad_input", "mrope.input 3 names no input"),
     ("float_ids", "inputs[0] (mrope.input).dtype is float32"),
+    # A spacing past float32's range (inf, and inf * 0 = NaN for frame 0), and one in range
+    # whose last frame lands past 2^52.
+    ("inf_spacing", "mrope: video 0 at row 1 (active position 2) spaces its 2 frames by "
+                    "tokens_per_second * seconds_per_grid = 1e+300 * 1 positions (float32); "
+                    "its last frame's offset is past 2^52"),
+    ("far_spacing", "mrope: video 0 at row 1 (active position 2) spaces its 2 frames by "
+                    "tokens_per_second * seconds_per_grid = 1e+16 * 1 positions (float32); "
+                    "its last frame's offset is past 2^52"),
 ])
 def test_bad_grids_are_refused_naming_grid_and_row(client, case, message):
     ids = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 7, 9, 9, 9, 5]])
@@ -198,6 +206,11 @@ def test_bad_grids_are_refused_naming_grid_and_row(client, case, message):
         mrope = packd.MRope(image_token_id=9, video_token_id=10, grids=[(1, 2, 6)], input=3)
     elif case == "float_ids":
         ids = ids.float()
+    elif case in ("inf_spacing", "far_spacing"):
+        ids[1] = torch.tensor([1, 7, 10, 10, 5, 6])
+        mrope = packd.MRope(image_token_id=9, video_token_id=10, grids=[(2, 2, 2)],
+                            tokens_per_second=1e300 if case == "inf_spacing" else 1e16,
+                            seconds_per_grid=[1.0])
     with pytest.raises(packd.client.PackdValueError, match=re.escape(message)):
         client.pack([ids], mask, mrope=mrope)
     # The server keeps serving: the same batch with a matching grid packs.
