@@ -1,9 +1,9 @@
 """Multimodal rotary positions (docs/design.md §17): for Qwen2-VL, Qwen2.5-VL and Qwen3-VL, a
 Pack's mrope_position_ids equal, for every sequence, transformers' own get_rope_index of that
-sequence alone, over random batches of images and videos mixed, several per row, with
-documents, left and right padding (vision tokens in the padding too), and the layouts (padding,
-CP): each laid-out row holds its token's positions, each pad row its position id, and the token
-mask says which is which. Bad grids are refused naming the grid and the row. Without
+sequence alone, over random batches of images and videos mixed (at least 216 grids a run),
+several per row, with documents, left and right padding (vision tokens in the padding too), and
+the layouts (padding, CP): each laid-out row holds its token's positions, each pad row its
+position id, and the token mask says which is which. Bad grids are refused naming the grid and the row. Without
 transformers (Debian 12) the comparisons skip, saying so; the refusals run on both stacks."""
 import random
 import re
@@ -123,14 +123,25 @@ def mrope_of_batch(config, ids, mask, documents, family):
                     torch.tensor(seconds, dtype=torch.float32) if seconds else None)
 
 
+GRIDS_PER_TRIAL = 6  # 3 families x 12 trials: at least 216 grids a run
+
+
 @needs_transformers
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("trial", range(12))
 def test_equals_get_rope_index(client, family, trial):
+    """Random batches until GRIDS_PER_TRIAL grids have been compared."""
     rng = random.Random(hash((family, trial)) & 0xFFFF)
     config, model = family_of(family)
-    ids, mask, segments, documents = random_batch(rng, family,
-                                                  config.vision_config.spatial_merge_size)
+    grids = 0
+    while grids < GRIDS_PER_TRIAL:
+        ids, mask, segments, documents = random_batch(rng, family,
+                                                      config.vision_config.spatial_merge_size)
+        grids += sum(len(d.images) + len(d.videos) for d in documents)
+        check_batch(client, family, model, config, ids, mask, segments, documents)
+
+
+def check_batch(client, family, model, config, ids, mask, segments, documents):
     mrope = mrope_of_batch(config, ids, mask, documents, family)
     r = client.pack([ids], mask, with_position_ids=True, segment_ids=segments, mrope=mrope)
     expected = torch.cat([d.reference(model, family) for d in documents], dim=1)

@@ -112,6 +112,14 @@ def test_router_aux_loss_over_the_token_mask_is_the_padded_batchs(client, family
     rng = random.Random()
     torch.manual_seed(rng.randrange(1 << 30))
     padded, packed = padded_and_packed(family)
+    # The tiny models route almost uniformly, so the pad rows move the loss over every row by as
+    # little as 1.4e-6; routers 100x sharper move it by 3.6e-4 or more (the least of 200
+    # batches per family).
+    with torch.no_grad():
+        for model in (padded, packed):
+            for name, p in model.named_parameters():
+                if name.endswith("gate.weight"):
+                    p.mul_(100)
     lengths = [5] + [rng.randint(1, 20) for _ in range(rng.randint(1, 4))]
     width = max(lengths)
     ids = torch.randint(1, VOCAB, (len(lengths), width))
@@ -131,4 +139,4 @@ def test_router_aux_loss_over_the_token_mask_is_the_padded_batchs(client, family
     # Over every row (pad rows included), the loss is another.
     every_row = packed(input_ids=r.packed[None], position_ids=r.position_ids[None],
                        output_router_logits=True)
-    assert relative(every_row.aux_loss.detach(), want.aux_loss.detach()) > 1e-4, family
+    assert relative(every_row.aux_loss.detach(), want.aux_loss.detach()) > 1e-5, family
