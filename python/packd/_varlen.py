@@ -8,8 +8,9 @@ at every document, on any device and in any dtype.
 
 It honours what transformers' families use: grouped-query attention, sliding windows, logit
 soft-capping, the module's scaling, and dropout only in training. Sequences of equal length are
-computed together; flash-attn's varlen kernel runs them where it is installed and the tensors
-are half precision on a GPU.
+computed together, through torch's fused scaled_dot_product_attention (torch 2.1 and later)
+unless the family soft-caps its logits (then the eager formula, as transformers'); flash-attn's
+varlen kernel runs them where it is installed and the tensors are half precision on a GPU.
 
 A stream of shared prompts (docs/design.md §14) attends through its metadata: pass
 packd.hf.shared_attention_kwargs(result) to the model (cu_seq_lens_q / _k and kv_index): each
@@ -21,6 +22,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 NAME = "packd_varlen"
+
+# torch's fused attention takes `scale` from torch 2.1.
+_FUSED = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 1)
 
 
 def sequence_bounds(batch: int, length: int, kwargs: Dict[str, Any]) -> List[List[Tuple[int, int]]]:
@@ -167,21 +171,26 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
         i = torch.arange(n, device=query.device)
         allowed = torch.ones(n, n, dtype=torch.bool, device=query.device)
         if causal:
             allowed &= i[None, :] <= i[:, None]
         if sliding_window:
             allowed &= i[None, :] > i[:, None] - sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        # In float32 at least, as transformers' eager attention; float64 stays float64.
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float64 if query.dtype ==
-                              torch.float64 else torch.float32).to(query.dtype)
-        probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0)
-        out = torch.matmul(probs, v).transpose(1, 2)  # [m, n, Hq, Dv]
+        if _FUSED and not softcap:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed if sliding_window else None, dropout_p=dropout,
+                is_causal=causal and not sliding_window, scale=scaling).transpose(1, 2)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            # In float32 at least, as transformers' eager attention; float64 stays float64.
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float64 if query.dtype ==
+                                  torch.float64 else torch.float32).to(query.dtype)
+            probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0)
+            out = torch.matmul(probs, v).transpose(1, 2)  # [m, n, Hq, Dv]
         for j, (b, s) in enumerate(starts):
             pieces[(b, s)] = out[j]
     rows = [torch.cat([pieces[(b, s)] for s, _ in row]) for b, row in enumerate(bounds)]
