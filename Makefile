@@ -14,7 +14,7 @@ TSAN_DIR ?= build-tsan
 TSAN_TESTS = server_regions_test memory_budget_test metrics_test regions_test service_test soak_test \
   shared_client_test client_fake_gpu_test
 
-.PHONY: all deps configure build test run wheel bench bench-step bench-grpo plots image check-image fuzz tsan clean format
+.PHONY: all deps configure build test run wheel bench bench-step bench-grpo bench-train plots image check-image fuzz tsan clean format
 
 all: build
 
@@ -60,6 +60,12 @@ bench-step: build
 bench-grpo: build
 	cd $(BUILD_DIR) && ctest -R python_install > /dev/null && \
 	  venv/bin/python $(CURDIR)/benchmarks/bench_grpo.py --packd bin/packd
+
+# A transformers model's training step on a GRPO rollout, padded, flattened by transformers and
+# packed by packd (benchmarks/bench_train.py), on PyPI's stack (transformers).
+bench-train: build
+	cd $(BUILD_DIR) && ctest -R '^python_install_pypi$$' > /dev/null && \
+	  venv-pypi/bin/python $(CURDIR)/benchmarks/bench_train.py --packd bin/packd
 
 # The server image (Dockerfile; a running Docker daemon), and its end-to-end check.
 IMAGE ?= packd:latest
