@@ -26,7 +26,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from bench_step import start_server  # noqa: E402
+from bench_step import server  # noqa: E402
 from train_grpo_shared import (VOCAB, Rollout, TinyLM, pg_token_loss,  # noqa: E402
                                shared_logits, shared_prefix_of)
 
@@ -99,14 +99,7 @@ def main():
         args.repeats, dtype = 1, torch.float64
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(dtype)
-    proc = None
-    address = args.address
-    if address is None:
-        if not args.packd:
-            parser.error("give --address or --packd")
-        address = "unix:/tmp/packd-bench-grpo-%d.sock" % os.getpid()
-        proc = start_server(args.packd, address)
-    try:
+    with server(args.address, args.packd, "bench-grpo") as address:
         with packd.Client(address) as client:
             batch = rollout(args.groups, args.members, args.prompt, responses)
             shifts = [(0, -100), (1, 0), (2, 0), (3, 0)]
@@ -114,10 +107,6 @@ def main():
                                  shared_prefix=shared_prefix_of(batch), shifts=shifts)
             plain = client.pack(inputs_of(batch, dtype), batch.mask, with_position_ids=True,
                                 shifts=shifts)
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
     model = TinyLM().to(dtype)
     times = {"shared": [], "unshared": []}
     losses = {}

@@ -20,6 +20,7 @@ trainer on the node dials) and inline over loopback TCP. Every micro-batch of ev
     bench_step.py --address 127.0.0.1:50051 --batch 512,4096 --ranks 8 --repeats 5
 """
 import argparse
+import contextlib
 import heapq
 import json
 import os
@@ -205,6 +206,24 @@ def start_server(binary, address):
             time.sleep(0.05)
     proc.kill()
     raise SystemExit("bench_step: packd did not start on %s" % address)
+
+
+@contextlib.contextmanager
+def server(address, binary, name):
+    """`address` (a running packd), or else a packd started from `binary` on a unix socket for
+    the block and ended after it."""
+    if address:
+        yield address
+        return
+    if not binary:
+        raise SystemExit("%s: give --address or --packd" % name)
+    address = "unix:/tmp/packd-%s-%d.sock" % (name, os.getpid())
+    proc = start_server(binary, address)
+    try:
+        yield address
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def main():

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_step import start_server  # noqa: E402
+from bench_step import server  # noqa: E402
 
 import packd  # noqa: E402
 from packd.hf import register_varlen_attention, shared_attention_kwargs  # noqa: E402
@@ -206,24 +206,13 @@ def main():
     batch = Rollout(0, args.vocab, args.groups, args.members, prompt, responses)
     initial = model_of(args.vocab, args.hidden, args.layers, dtype)
     parameters = sum(p.numel() for p in initial.parameters())
-    proc = None
-    address = args.address
-    if address is None:
-        if not args.packd:
-            parser.error("give --address or --packd")
-        address = "unix:/tmp/packd-bench-train-%d.sock" % os.getpid()
-        proc = start_server(args.packd, address)
     rows = {}
-    try:
+    with server(args.address, args.packd, "bench-train") as address:
         with packd.Client(address) as client:
             for name in WAYS:
                 loss, grads, seconds = run_way(name, copy.deepcopy(initial), client, batch,
                                                args.steps)
                 rows[name] = (loss, grads, statistics.median(seconds[1:] or seconds))
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
     print("bench_train: Qwen 3, %.1f M parameters, %s, %d threads; %d groups x %d, prompts "
           "%d..%d, responses %d..%d: %d tokens, %.0f%% of the padded [%d, %d]"
           % (parameters / 1e6, str(dtype).replace("torch.", ""), args.threads, args.groups,

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_packed import DIM, HEADS, VOCAB, TinyLM, relative_difference, rope  # noqa: E402
+from train_packed import (DIM, HEADS, VOCAB, TinyLM, average_over_ranks,  # noqa: E402
+                          relative_difference, rope)
 
 import packd  # noqa: E402
 
@@ -154,9 +155,7 @@ def shared_step(model, client, batch, *, num_ranks, max_tokens):
         loss = token_loss.sum() * num_ranks / plan.global_loss_tokens
         loss.backward()
         total += token_loss.sum().item() / plan.global_loss_tokens
-    for p in model.parameters():  # the all-reduce mean over ranks
-        if p.grad is not None:
-            p.grad /= num_ranks
+    average_over_ranks(model, num_ranks)
     return total
 
 

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 import packd
 from packd.hf import register_varlen_attention
 
-from train_packed import corpus, relative_difference
+from train_packed import (average_over_ranks, corpus, micro_batch_loss, report,
+                          train_beside)
 
 VOCAB = 61  # train_packed's corpus draws its tokens from range(VOCAB)
 
@@ -62,16 +63,9 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
                        use_cache=False).logits[0]
         labels, weights = r.shifted[0], r.packed[1].to(logits.dtype)
         token_loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * weights
-        if per_micro_batch_mean:
-            loss = (token_loss.sum() / max(int(weights.sum()), 1)
-                    / plan.micro_batches_per_rank)
-        else:
-            loss = token_loss.sum() * num_ranks / plan.global_loss_tokens
-        loss.backward()
+        micro_batch_loss(token_loss, weights, plan, num_ranks, per_micro_batch_mean).backward()
         total += token_loss.sum().item() / plan.global_loss_tokens
-    for p in model.parameters():  # the all-reduce mean over ranks
-        if p.grad is not None:
-            p.grad /= num_ranks
+    average_over_ranks(model, num_ranks)
     return total
 
 
@@ -106,39 +100,19 @@ def train(client, model=None, steps=3, num_ranks=4, max_tokens=96, check=False, 
     without check) and of the per-micro-batch mean's gradients on the first step."""
     register_varlen_attention()
     model = model if model is not None else tiny_qwen3()
+    reference = None
     if check:
         model = model.double()
         reference = copy.deepcopy(model)
         reference.config._attn_implementation = "sdpa"
     model.config._attn_implementation = "packd_varlen"
-    models = [model] + ([reference] if check else [])
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    worst_loss = worst_grad = 0.0
-    bug = None
-    for i in range(steps):
-        batch = corpus(seed=100 + i)
-        for opt in optimizers:
-            opt.zero_grad()
-        loss = packed_step(model, client, batch, num_ranks=num_ranks, max_tokens=max_tokens)
-        line = "step %d: loss %.6f" % (i, loss)
-        if check:
-            expected = padded_step(reference, batch)
-            worst_loss = max(worst_loss, abs(loss - expected) / abs(expected))
-            for p, q in zip(model.parameters(), reference.parameters()):
-                worst_grad = max(worst_grad, relative_difference(p.grad, q.grad))
-            line += "  padded %.6f  grad rel. diff %.1e" % (expected, worst_grad)
-            if bug is None:
-                wrong = copy.deepcopy(model)
-                wrong.zero_grad()
-                packed_step(wrong, client, batch, num_ranks=num_ranks, max_tokens=max_tokens,
-                            per_micro_batch_mean=True)
-                bug = max(relative_difference(p.grad, q.grad)
-                          for p, q in zip(wrong.parameters(), reference.parameters()))
-                line += "  (per-micro-batch mean: %.1e)" % bug
-        log(line)
-        for opt in optimizers:
-            opt.step()
-    return worst_loss, worst_grad, bug or 0.0
+
+    def packed(m, batch, per_micro_batch_mean=False):
+        return packed_step(m, client, batch, num_ranks=num_ranks, max_tokens=max_tokens,
+                           per_micro_batch_mean=per_micro_batch_mean)
+
+    return train_beside(model, reference, packed, padded_step, steps,
+                        lambda params: torch.optim.AdamW(params, lr=1e-3), log, "padded")
 
 
 def main(argv=None):
@@ -158,13 +132,7 @@ def main(argv=None):
     with packd.Client(args.address) as client:
         loss, grad, bug = train(client, model, args.steps, args.ranks, args.max_tokens,
                                 args.check)
-    if args.check:
-        ok = loss <= 1e-9 and grad <= 1e-9 and bug > 1e-3
-        print("losses and gradients equal the padded model's to %.1e / %.1e relative; a "
-              "per-micro-batch mean differs by %.1e: %s" % (loss, grad, bug,
-                                                            "ok" if ok else "FAILED"))
-        return 0 if ok else 1
-    return 0
+    return report(loss, grad, bug, "padded") if args.check else 0
 
 
 if __name__ == "__main__":

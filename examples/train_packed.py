@@ -143,21 +143,28 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
         logits = model.packed(h, r.position_ids, r.doc_cu_seqlens)
         labels, weights = r.shifted[0], r.packed[1].to(logits.dtype)
         token_loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * weights
-        if per_micro_batch_mean:
-            # Each rank averages its micro-batches' own means: what gradient accumulation
-            # does when every micro-batch is divided by its own token count.
-            loss = (token_loss.sum() / max(int(weights.sum()), 1)
-                    / plan.micro_batches_per_rank)
-        else:
-            # Each rank's loss over the global count, times the ranks: the all-reduce mean of
-            # the ranks' gradients is then the gradient of the global token mean.
-            loss = token_loss.sum() * num_ranks / plan.global_loss_tokens
-        loss.backward()
+        micro_batch_loss(token_loss, weights, plan, num_ranks, per_micro_batch_mean).backward()
         total += token_loss.sum().item() / plan.global_loss_tokens
-    for p in model.parameters():  # the all-reduce mean over ranks
+    average_over_ranks(model, num_ranks)
+    return total
+
+
+def micro_batch_loss(token_loss, weights, plan, num_ranks, per_micro_batch_mean=False):
+    """What one micro-batch backpropagates: its summed token loss over the plan's one
+    global_loss_tokens, times the ranks (the all-reduce mean of the ranks' gradients is then
+    the gradient of the global token mean). per_micro_batch_mean=True: each rank averages its
+    micro-batches' own means instead, what gradient accumulation does when every micro-batch
+    is divided by its own token count (the bug)."""
+    if per_micro_batch_mean:
+        return token_loss.sum() / max(int(weights.sum()), 1) / plan.micro_batches_per_rank
+    return token_loss.sum() * num_ranks / plan.global_loss_tokens
+
+
+def average_over_ranks(model, num_ranks):
+    """The all-reduce mean of the ranks' gradients (the ranks simulated in one process)."""
+    for p in model.parameters():
         if p.grad is not None:
             p.grad /= num_ranks
-    return total
 
 
 def dense_step(model, batch, hidden=None):
@@ -177,33 +184,34 @@ def relative_difference(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
-def train(client, steps=3, num_ranks=4, max_tokens=96, check=False, log=print):
-    """Trains for `steps`; with `check`, beside the unpacked reference. Returns the largest
-    relative differences of losses and gradients (0 without check) and of the per-micro-batch
-    mean's gradients on the first step."""
-    torch.set_default_dtype(torch.float64)
-    model = TinyLM().double()
-    reference = copy.deepcopy(model)
-    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
+def train_beside(model, reference, packed, unpacked, steps, optimizer, log,
+                 reference_name="unpacked"):
+    """Trains `model` for `steps`, step i on corpus(seed=100 + i), its gradients from
+    packed(model, batch, per_micro_batch_mean=False) (which returns the step's loss); with a
+    `reference` model (else None), beside it from unpacked(reference, batch). optimizer(params)
+    makes each model's optimizer. Returns the largest relative differences of losses and
+    gradients (0 without a reference) and of the per-micro-batch mean's gradients on the first
+    step."""
+    models = [model] + ([reference] if reference is not None else [])
+    optimizers = [optimizer(m.parameters()) for m in models]
     worst_loss = worst_grad = 0.0
     bug = None
     for i in range(steps):
         batch = corpus(seed=100 + i)
         for opt in optimizers:
             opt.zero_grad()
-        loss = packed_step(model, client, batch, num_ranks=num_ranks, max_tokens=max_tokens)
+        loss = packed(model, batch)
         line = "step %d: loss %.6f" % (i, loss)
-        if check:
-            expected = dense_step(reference, batch)
+        if reference is not None:
+            expected = unpacked(reference, batch)
             worst_loss = max(worst_loss, abs(loss - expected) / abs(expected))
             for p, q in zip(model.parameters(), reference.parameters()):
                 worst_grad = max(worst_grad, relative_difference(p.grad, q.grad))
-            line += "  unpacked %.6f  grad rel. diff %.1e" % (expected, worst_grad)
+            line += "  %s %.6f  grad rel. diff %.1e" % (reference_name, expected, worst_grad)
             if bug is None:
                 wrong = copy.deepcopy(model)
                 wrong.zero_grad()
-                packed_step(wrong, client, batch, num_ranks=num_ranks, max_tokens=max_tokens,
-                            per_micro_batch_mean=True)
+                packed(wrong, batch, per_micro_batch_mean=True)
                 bug = max(relative_difference(p.grad, q.grad)
                           for p, q in zip(wrong.parameters(), reference.parameters()))
                 line += "  (per-micro-batch mean: %.1e)" % bug
@@ -211,6 +219,30 @@ def train(client, steps=3, num_ranks=4, max_tokens=96, check=False, log=print):
         for opt in optimizers:
             opt.step()
     return worst_loss, worst_grad, bug or 0.0
+
+
+def report(loss, grad, bug, reference_name="unpacked"):
+    """Prints --check's verdict; the exit status."""
+    ok = loss <= 1e-9 and grad <= 1e-9 and bug > 1e-3
+    print("losses and gradients equal the %s model's to %.1e / %.1e relative; a "
+          "per-micro-batch mean differs by %.1e: %s" % (reference_name, loss, grad, bug,
+                                                        "ok" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def train(client, steps=3, num_ranks=4, max_tokens=96, check=False, log=print):
+    """Trains for `steps`; with `check`, beside the unpacked reference. Returns the largest
+    relative differences of losses and gradients (0 without check) and of the per-micro-batch
+    mean's gradients on the first step."""
+    torch.set_default_dtype(torch.float64)
+    model = TinyLM().double()
+
+    def packed(m, batch, per_micro_batch_mean=False):
+        return packed_step(m, client, batch, num_ranks=num_ranks, max_tokens=max_tokens,
+                           per_micro_batch_mean=per_micro_batch_mean)
+
+    return train_beside(model, copy.deepcopy(model) if check else None, packed, dense_step,
+                        steps, lambda params: torch.optim.Adam(params, lr=1e-2), log)
 
 
 def main(argv=None):
@@ -223,13 +255,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with packd.Client(args.address) as client:
         loss, grad, bug = train(client, args.steps, args.ranks, args.max_tokens, args.check)
-    if args.check:
-        ok = loss <= 1e-9 and grad <= 1e-9 and bug > 1e-3
-        print("losses and gradients equal the unpacked model's to %.1e / %.1e relative; a "
-              "per-micro-batch mean differs by %.1e: %s" % (loss, grad, bug,
-                                                            "ok" if ok else "FAILED"))
-        return 0 if ok else 1
-    return 0
+    return report(loss, grad, bug) if args.check else 0
 
 
 if __name__ == "__main__":

@@ -32,17 +32,11 @@ import torch
 
 import packd
 from packd.hf import register_varlen_attention, shared_attention_kwargs
-from hf_families import FAMILIES, VOCAB, keep_float64, padded_and_packed, relative
-
-try:
-    import transformers
-except ImportError:
-    transformers = None
+from hf_families import (FAMILIES, VOCAB, keep_float64, needs_transformers, padded_and_packed,
+                         relative, transformers)
 
 FAMILY = os.environ.get("PACKD_MODEL_FAMILY", "llama")
-pytestmark = pytest.mark.skipif(
-    transformers is None, reason="transformers is not installed (Debian 12 has no package of "
-    "it); the PyPI stack's run trains the families")
+pytestmark = needs_transformers("the PyPI stack's run trains the families")
 
 TOLERANCE = 1e-9
 

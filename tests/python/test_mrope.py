@@ -15,14 +15,11 @@ import torch
 import packd
 from packd.hf import mrope_of, mrope_position_ids
 
-try:
-    import transformers
-except ImportError:
-    transformers = None
+import hf_families
+from hf_families import transformers
 
-needs_transformers = pytest.mark.skipif(
-    transformers is None, reason="transformers is not installed (Debian 12 has no package of "
-    "it); the PyPI stack's run compares with get_rope_index")
+needs_transformers = hf_families.needs_transformers("the PyPI stack's run compares with "
+                                                    "get_rope_index")
 
 # family: (config class, model class holding get_rope_index)
 FAMILIES = {

@@ -12,16 +12,10 @@ import torch
 
 import packd
 from packd.hf import DataCollatorWithFlattening
-from hf_families import FAMILIES, VOCAB, keep_float64, padded_and_packed, relative
+from hf_families import (FAMILIES, VOCAB, keep_float64, needs_transformers, padded_and_packed,
+                         relative)
 
-try:
-    import transformers
-except ImportError:
-    transformers = None
-
-pytestmark = pytest.mark.skipif(
-    transformers is None, reason="transformers is not installed (Debian 12 has no package of "
-    "it); the PyPI stack's run checks the attention with it")
+pytestmark = needs_transformers("the PyPI stack's run checks the attention with it")
 
 
 @pytest.fixture(scope="module")

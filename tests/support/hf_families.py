@@ -2,13 +2,26 @@
 tests/models): each from its config class at a tiny size (2 layers, hidden 32, vocab 128) with
 random weights, in float64, no download; and the float32 steps transformers takes whatever the
 model's dtype, kept in float64 with the same formulas so that a float64 model is float64 through
-and through."""
+and through; and the mark of a test that needs transformers."""
 import copy
 import importlib
 
+import pytest
 import torch
 
+try:
+    import transformers
+except ImportError:
+    transformers = None
+
 VOCAB = 128
+
+
+def needs_transformers(why):
+    """A skip mark for a test that needs transformers, which Debian 12 has no package of: `why`
+    says what the PyPI stack's run does with it."""
+    return pytest.mark.skipif(transformers is None, reason="transformers is not installed "
+                              "(Debian 12 has no package of it); " + why)
 
 # family: (config class, what it adds to a plain transformer)
 FAMILIES = {
