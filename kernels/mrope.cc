@@ -116,8 +116,8 @@ absl::StatusOr<std::vector<int64_t>> MRopePositions(
                                    : 1.0;
         // A double past float32's range would make the spacing inf (and
         // frame 0's offset inf * 0 = NaN); an offset past 2^52 is no position.
-        const bool fits = options.tokens_per_second <= FLT_MAX &&
-                          seconds <= FLT_MAX;
+        const bool fits =
+            options.tokens_per_second <= FLT_MAX && seconds <= FLT_MAX;
         if (fits) {
           interval = static_cast<float>(options.tokens_per_second) *
                      static_cast<float>(seconds);
