@@ -26,7 +26,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from bench_step import server  # noqa: E402
+from bench_step import add_server_arguments, server  # noqa: E402
 from train_grpo_shared import (VOCAB, Rollout, TinyLM, pg_token_loss,  # noqa: E402
                                shared_logits, shared_prefix_of)
 
@@ -80,8 +80,7 @@ def unshared_step(model, r):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--address", help="a running server")
-    parser.add_argument("--packd", help="start this packd binary instead")
+    add_server_arguments(parser)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--members", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=1024)

@@ -208,6 +208,13 @@ def start_server(binary, address):
     raise SystemExit("bench_step: packd did not start on %s" % address)
 
 
+def add_server_arguments(parser, address_help="a running server",
+                         packd_help="start this packd binary instead"):
+    """--address and --packd, which server() reads."""
+    parser.add_argument("--address", help=address_help)
+    parser.add_argument("--packd", help=packd_help)
+
+
 @contextlib.contextmanager
 def server(address, binary, name):
     """`address` (a running packd), or else a packd started from `binary` on a unix socket for
@@ -228,9 +235,10 @@ def server(address, binary, name):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--address", help="a running server (node-local for handles)")
-    parser.add_argument("--packd", help="start this packd binary instead: on a unix socket "
-                        "for handles (a trainer on the node), on loopback TCP for inline")
+    add_server_arguments(
+        parser, "a running server (node-local for handles)",
+        "start this packd binary instead: on a unix socket for handles (a trainer on the node), "
+        "on loopback TCP for inline")
     parser.add_argument("--batch", default="512,4096")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--max_tokens", type=int, default=16384)

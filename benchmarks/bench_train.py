@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_step import server  # noqa: E402
+from bench_step import add_server_arguments, server  # noqa: E402
 
 import packd  # noqa: E402
 from packd.hf import register_varlen_attention, shared_attention_kwargs  # noqa: E402
@@ -178,8 +178,7 @@ def run_way(name, model, client, batch, steps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--address", help="a running server")
-    parser.add_argument("--packd", help="start this packd binary instead")
+    add_server_arguments(parser)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--prompt", default="128,512", help="MIN,MAX prompt tokens")

@@ -26,7 +26,6 @@ and gradients after every step, to 1e-9 relative. Every step prints the tokens t
 saves and the time of both forward passes (the shared stream's and the unshared packed
 batch's).
 """
-import argparse
 import copy
 import dataclasses
 import math
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_packed import (DIM, HEADS, VOCAB, TinyLM, average_over_ranks,  # noqa: E402
-                          relative_difference, rope)
+                          example_parser, relative_difference, rope)
 
 import packd  # noqa: E402
 
@@ -233,13 +232,7 @@ def train(client, steps=3, num_ranks=2, max_tokens=160, check=False, log=print):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--address", default="127.0.0.1:50051")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--max_tokens", type=int, default=160)
-    parser.add_argument("--check", action="store_true")
-    args = parser.parse_args(argv)
+    args = example_parser(__doc__.split("\n")[0], ranks=2, max_tokens=160).parse_args(argv)
     with packd.Client(args.address) as client:
         loss, grad, stats = train(client, args.steps, args.ranks, args.max_tokens, args.check)
     print("the stream: %d rows for %d tokens (%.0f%% fewer); forward %.1f ms shared, %.1f ms "

@@ -21,7 +21,6 @@ shows the quiet bug: a mean taken per micro-batch gives other gradients.
 
 Needs transformers (5.x): pip install transformers.
 """
-import argparse
 import copy
 import sys
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 import packd
 from packd.hf import register_varlen_attention
 
-from train_packed import (average_over_ranks, corpus, micro_batch_loss, report,
+from train_packed import (average_over_ranks, backward_next_tokens, example_parser, report,
                           train_beside)
 
 VOCAB = 61  # train_packed's corpus draws its tokens from range(VOCAB)
@@ -61,10 +60,7 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
         r = mb.result
         logits = model(input_ids=r.packed[0][None], position_ids=r.position_ids[None],
                        use_cache=False).logits[0]
-        labels, weights = r.shifted[0], r.packed[1].to(logits.dtype)
-        token_loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * weights
-        micro_batch_loss(token_loss, weights, plan, num_ranks, per_micro_batch_mean).backward()
-        total += token_loss.sum().item() / plan.global_loss_tokens
+        total += backward_next_tokens(logits, r, plan, num_ranks, per_micro_batch_mean)
     average_over_ranks(model, num_ranks)
     return total
 
@@ -116,14 +112,9 @@ def train(client, model=None, steps=3, num_ranks=4, max_tokens=96, check=False, 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--address", default="127.0.0.1:50051")
+    parser = example_parser(__doc__.split("\n")[0], ranks=4, max_tokens=96)
     parser.add_argument("--model", help="a transformers causal LM to load (default: a tiny "
                         "Qwen 3 from its config); its vocabulary must cover the corpus' ids")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--max_tokens", type=int, default=96)
-    parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     model = None
     if args.model:

@@ -141,12 +141,19 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
         # The embeddings packed by packd: backward scatters their gradient through it.
         h = op.pack(model.embed(tokens[rows]), mask[rows]).packed
         logits = model.packed(h, r.position_ids, r.doc_cu_seqlens)
-        labels, weights = r.shifted[0], r.packed[1].to(logits.dtype)
-        token_loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * weights
-        micro_batch_loss(token_loss, weights, plan, num_ranks, per_micro_batch_mean).backward()
-        total += token_loss.sum().item() / plan.global_loss_tokens
+        total += backward_next_tokens(logits, r, plan, num_ranks, per_micro_batch_mean)
     average_over_ranks(model, num_ranks)
     return total
+
+
+def backward_next_tokens(logits, r, plan, num_ranks, per_micro_batch_mean=False):
+    """Backpropagates a micro-batch's next-token loss: logits [T, V] against the labels
+    r.shifted[0], weighted by the loss mask packed as r.packed[1]. Returns its part of the
+    step's loss (its summed token loss over global_loss_tokens)."""
+    labels, weights = r.shifted[0], r.packed[1].to(logits.dtype)
+    token_loss = F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * weights
+    micro_batch_loss(token_loss, weights, plan, num_ranks, per_micro_batch_mean).backward()
+    return token_loss.sum().item() / plan.global_loss_tokens
 
 
 def micro_batch_loss(token_loss, weights, plan, num_ranks, per_micro_batch_mean=False):
@@ -245,14 +252,19 @@ def train(client, steps=3, num_ranks=4, max_tokens=96, check=False, log=print):
                         steps, lambda params: torch.optim.Adam(params, lr=1e-2), log)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def example_parser(description, ranks, max_tokens):
+    """The examples' command line: --address, --steps, --ranks, --max_tokens, --check."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--max_tokens", type=int, default=96)
+    parser.add_argument("--ranks", type=int, default=ranks)
+    parser.add_argument("--max_tokens", type=int, default=max_tokens)
     parser.add_argument("--check", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = example_parser(__doc__.split("\n")[0], ranks=4, max_tokens=96).parse_args(argv)
     with packd.Client(args.address) as client:
         loss, grad, bug = train(client, args.steps, args.ranks, args.max_tokens, args.check)
     return report(loss, grad, bug) if args.check else 0

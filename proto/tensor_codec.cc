@@ -70,16 +70,41 @@ std::optional<SharedPrefix> DecodeShared(bool present,
   return out;
 }
 
-}  // namespace
+// The layout fields that place rows, which a Pack and a Scatter share
+// (base/layout_options.h, ScatterFields), decoded and encoded.
+template <typename Request>
+LayoutOptions DecodePlacement(const Request& request) {
+  LayoutOptions layout;
+  layout.pad_multiple = request.pad_multiple();
+  layout.cp_size = request.cp_size();
+  layout.cp_rank = request.cp_rank();
+  layout.sp_size = request.sp_size();
+  layout.sp_rank = request.sp_rank();
+  layout.fixed = DecodeFixed(request.fixed());
+  layout.shared_prefix =
+      DecodeShared(request.has_shared_prefix(), request.shared_prefix());
+  return layout;
+}
 
-void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
+template <typename Request>
+void EncodePlacement(const LayoutOptions& layout, Request* request) {
   request->set_pad_multiple(layout.pad_multiple);
-  request->mutable_pad_values()->Assign(layout.pad_values.begin(),
-                                        layout.pad_values.end());
   request->set_cp_size(layout.cp_size);
   request->set_cp_rank(layout.cp_rank);
   request->set_sp_size(layout.sp_size);
   request->set_sp_rank(layout.sp_rank);
+  if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
+  if (layout.shared_prefix.has_value()) {
+    EncodeShared(layout.shared_prefix, request->mutable_shared_prefix());
+  }
+}
+
+}  // namespace
+
+void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
+  EncodePlacement(layout, request);
+  request->mutable_pad_values()->Assign(layout.pad_values.begin(),
+                                        layout.pad_values.end());
   request->set_with_seq_idx(layout.with_seq_idx);
   request->clear_shifts();
   for (const Shift& shift : layout.shifts) {
@@ -87,24 +112,12 @@ void EncodeLayout(const LayoutOptions& layout, v1::PackRequest* request) {
     s->set_input(shift.input);
     s->set_fill(shift.fill);
   }
-  if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
-  if (layout.shared_prefix.has_value()) {
-    EncodeShared(layout.shared_prefix, request->mutable_shared_prefix());
-  }
 }
 
 absl::Status EncodeLayout(const LayoutOptions& layout,
                           v1::ScatterRequest* request) {
   PACKD_RETURN_IF_ERROR(CheckScatterFields(layout));
-  request->set_pad_multiple(layout.pad_multiple);
-  request->set_cp_size(layout.cp_size);
-  request->set_cp_rank(layout.cp_rank);
-  request->set_sp_size(layout.sp_size);
-  request->set_sp_rank(layout.sp_rank);
-  if (layout.fixed.any()) EncodeFixed(layout.fixed, request->mutable_fixed());
-  if (layout.shared_prefix.has_value()) {
-    EncodeShared(layout.shared_prefix, request->mutable_shared_prefix());
-  }
+  EncodePlacement(layout, request);
   return absl::OkStatus();
 }
 
@@ -145,35 +158,18 @@ std::optional<MRopeOptions> DecodeMRope(const v1::PackRequest& request) {
 }
 
 LayoutOptions DecodeLayout(const v1::PackRequest& request) {
-  LayoutOptions layout;
-  layout.pad_multiple = request.pad_multiple();
+  LayoutOptions layout = DecodePlacement(request);
   layout.pad_values.assign(request.pad_values().begin(),
                            request.pad_values().end());
-  layout.cp_size = request.cp_size();
-  layout.cp_rank = request.cp_rank();
-  layout.sp_size = request.sp_size();
-  layout.sp_rank = request.sp_rank();
   layout.with_seq_idx = request.with_seq_idx();
   for (const v1::Shift& shift : request.shifts()) {
     layout.shifts.push_back({shift.input(), shift.fill()});
   }
-  layout.fixed = DecodeFixed(request.fixed());
-  layout.shared_prefix =
-      DecodeShared(request.has_shared_prefix(), request.shared_prefix());
   return layout;
 }
 
 LayoutOptions DecodeLayout(const v1::ScatterRequest& request) {
-  LayoutOptions layout;
-  layout.pad_multiple = request.pad_multiple();
-  layout.cp_size = request.cp_size();
-  layout.cp_rank = request.cp_rank();
-  layout.sp_size = request.sp_size();
-  layout.sp_rank = request.sp_rank();
-  layout.fixed = DecodeFixed(request.fixed());
-  layout.shared_prefix =
-      DecodeShared(request.has_shared_prefix(), request.shared_prefix());
-  return layout;
+  return DecodePlacement(request);
 }
 
 void EncodeSharedLayout(const SharedLayout& shared, v1::SharedLayout* out) {

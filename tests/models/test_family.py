@@ -32,8 +32,8 @@ import torch
 
 import packd
 from packd.hf import register_varlen_attention, shared_attention_kwargs
-from hf_families import (FAMILIES, VOCAB, keep_float64, needs_transformers, padded_and_packed,
-                         relative, transformers)
+from hf_families import (VOCAB, keep_float64, needs_transformers, padded_and_packed, relative,
+                         transformers)
 
 FAMILY = os.environ.get("PACKD_MODEL_FAMILY", "llama")
 pytestmark = needs_transformers("the PyPI stack's run trains the families")

@@ -13,20 +13,19 @@ import numpy
 import pytest
 import torch
 
+import hf_families
 import packd
 from packd.hf import DataCollatorWithFlattening
 
 try:
-    import transformers
     from transformers import DataCollatorWithFlattening as TransformersCollator
     from transformers.modeling_flash_attention_utils import (_is_packed_sequence,
                                                              prepare_fa_kwargs_from_position_ids)
-except ImportError:
-    transformers = None
+except ImportError:  # Debian's stack: the tests that need them skip (needs_transformers)
+    pass
 
-needs_transformers = pytest.mark.skipif(
-    transformers is None, reason="transformers is not installed (Debian 12 has no package of "
-    "it); the PyPI stack's run compares packd with it")
+needs_transformers = hf_families.needs_transformers("the PyPI stack's run compares packd with "
+                                                    "it")
 
 
 @pytest.fixture(scope="module")
