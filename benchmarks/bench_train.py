@@ -17,7 +17,7 @@ gradients are compared with the padded way's: equal up to float32's summation or
 1e-9 relative in float64 (--smoke).
 
     bench_train.py --packd build/bin/packd          # the table in docs/performance.md
-    bench_train.py --smoke --packd build/bin/packd  # tiny, float64: every loss equal to 1e-9
+    bench_train.py --smoke --packd build/bin/packd  # tiny, float64: losses and gradients to 1e-9
 """
 import argparse
 import copy
@@ -191,7 +191,8 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--json", help="also write one JSON object a line per way")
     parser.add_argument("--smoke", action="store_true",
-                        help="a tiny model and batch in float64, every loss checked to 1e-9")
+                        help="a tiny model and batch in float64, every way's loss and "
+                        "gradients checked to 1e-9")
     args = parser.parse_args()
     dtype = torch.float32
     prompt = tuple(int(v) for v in args.prompt.split(","))
