@@ -79,7 +79,8 @@ CallSpec CallSpec::Of(const v1::ScatterRequest& request,
   return spec;
 }
 
-CallSpec CallSpec::OfRows(absl::Span<const int64_t> rows) const {
+CallSpec CallSpec::OfRows(absl::Span<const int64_t> rows,
+                          const GridsByRow& grids) const {
   CallSpec spec = *this;
   const int64_t count = static_cast<int64_t>(rows.size());
   auto resize = [count](absl::StatusOr<TensorView>& header) {
@@ -97,6 +98,7 @@ CallSpec CallSpec::OfRows(absl::Span<const int64_t> rows) const {
     }
     spec.layout.shared_prefix = std::move(mine);
   }
+  if (mrope.has_value()) spec.mrope = MRopeOfRows(*mrope, grids, rows);
   return spec;
 }
 

@@ -25,6 +25,7 @@
 #include "absl/types/span.h"
 #include "base/layout_options.h"
 #include "base/tensor_view.h"
+#include "kernels/mrope.h"
 #include "kernels/pack.h"
 #include "kernels/pack_sizes.h"
 #include "packd/v1/pack_service.pb.h"
@@ -76,9 +77,12 @@ struct CallSpec {
   const char* method() const { return op == Op::kPack ? "Pack" : "Scatter"; }
 
   // The spec of rows `rows` of the batch, in that order, as a batch of their
-  // own (a step's micro-batch): the same tensors with rows.size() rows, and
-  // the shared prefix's groups and prompts of those rows.
-  CallSpec OfRows(absl::Span<const int64_t> rows) const;
+  // own (a step's micro-batch): the same tensors with rows.size() rows, the
+  // shared prefix's groups and prompts of those rows, and with mrope their
+  // vision grids (`grids`: the batch's runs by row, VisionRunsByRow; unread
+  // without mrope).
+  CallSpec OfRows(absl::Span<const int64_t> rows,
+                  const GridsByRow& grids) const;
 
   // The most bytes of the call's inline results (0 when they go to outputs):
   // Pack's, the rows its layout can have for `active` positions (-1: the

@@ -581,11 +581,8 @@ absl::Status TrainingStep::PackMicroBatch(
   v1::PackResponse* packed = message->mutable_packed();
   const ResultSlot slot = PackSlots(packed, inputs.size());
   // The micro-batch's spec, derived from the batch's: its rows' shared
-  // prompts, in plan order.
-  CallSpec spec = spec_.OfRows(rows);
-  if (spec.mrope.has_value()) {
-    spec.mrope = MRopeOfRows(*spec_.mrope, mrope_rows_, rows);
-  }
+  // prompts and vision grids, in plan order.
+  const CallSpec spec = spec_.OfRows(rows, mrope_rows_);
   CallOptions base;
   base.device = call_.device;
   // Into the outputs at the micro-batch's places, or into the reply.
