@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import packd
-from packd.hf import register_varlen_attention
+from packd.hf import packed_row, register_varlen_attention
 
 from train_packed import (average_over_ranks, backward_next_tokens, example_parser, report,
                           train_beside)
@@ -58,8 +58,8 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
     total = 0.0
     for mb in step:
         r = mb.result
-        logits = model(input_ids=r.packed[0][None], position_ids=r.position_ids[None],
-                       use_cache=False).logits[0]
+        with packed_row(r, model) as kwargs:  # position ids, cu_seq_lens_q/k, no cache
+            logits = model(input_ids=r.packed[0][None], **kwargs).logits[0]
         total += backward_next_tokens(logits, r, plan, num_ranks, per_micro_batch_mean)
     average_over_ranks(model, num_ranks)
     return total

@@ -1,23 +1,43 @@
 """A varlen attention for transformers' models on packed batches (packd.hf re-exports it):
-each sequence's causal attention alone, from `cu_seq_lens_q` or from position ids that restart
-at every document, on any device and in any dtype.
+each sequence's attention alone, on any device and in any dtype.
 
     from packd.hf import register_varlen_attention
     register_varlen_attention()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="packd_varlen")
 
-It honours what transformers' families use: grouped-query attention, sliding windows, logit
-soft-capping, the module's scaling, and dropout only in training. Sequences of equal length are
-computed together, through torch's fused scaled_dot_product_attention (torch 2.1 and later)
-unless the family soft-caps its logits (then the eager formula, as transformers'); flash-attn's
-varlen kernel runs them where it is installed and the tensors are half precision on a GPU.
+Where the sequences come from, first found first:
+
+1. `cu_seq_lens_q` (one packed row), as transformers' flash-attention kwargs carry it;
+2. `position_ids` handed to the attention (a sequence starts wherever a position is not the one
+   before plus 1, transformers' own rule);
+3. transformers' mask for the layer: packd_varlen registers its mask function with transformers'
+   mask interface, so the mask transformers builds from the model's position ids (its packed
+   sequence detection), its sliding windows, chunks and non-causal layers reaches packd_varlen
+   as a `VarlenMask`, even in families whose layers hand no position ids to their attention.
+   The sequences are then the blocks no query sees past (found exactly, at a cost quadratic in
+   the row's length, as transformers' own masks are made);
+4. else the row is one sequence, unless `packd.hf.packed_row` declared it holds several: then a
+   ValueError naming the module (packd_varlen never computes one long sequence over documents).
+
+Within each sequence the pattern is transformers' mask for the layer, evaluated inside the
+sequence only (chunked attention counted within each document, sliding windows per layer,
+non-causal layers, padding), so packd_varlen computes what transformers' eager attention computes
+on the documents padded. It honours grouped-query attention, the module's scaling, logit
+soft-capping, attention sinks (`s_aux`) and dropout in training; any other option a family hands
+its attention is refused by name (docs/client.md lists them). Sequences of one length and pattern
+are computed together, through torch's fused scaled_dot_product_attention (torch 2.1 and later)
+unless the family soft-caps its logits or has sinks (then the eager formula, as transformers');
+flash-attn's varlen kernel runs plain causal sequences where it is installed and the tensors are
+half precision on a GPU.
 
 A stream of shared prompts (docs/design.md §14) attends through its metadata: pass
 packd.hf.shared_attention_kwargs(result) to the model (cu_seq_lens_q / _k and kv_index): each
 segment's queries attend the keys kv_index names, causally aligned bottom-right (a response
 sees its group's prompt, then itself)."""
+import contextlib
+import contextvars
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,11 +46,106 @@ NAME = "packd_varlen"
 # torch's fused attention takes `scale` from torch 2.1.
 _FUSED = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 1)
 
+# Keyword arguments that reach an attention function and change nothing it computes: the model's
+# plumbing (caches, outputs asked for, the flash-attention kwargs' maxima). Any other keyword a
+# family hands its attention with a value is an option packd_varlen refuses by name.
+_PLUMBING = frozenset({
+    "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "kv_index",
+    "cache_position", "use_cache", "past_key_values", "past_key_value", "output_attentions",
+    "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "deterministic", "seq_idx", "layer_idx", "token_type_ids"})
 
-def sequence_bounds(batch: int, length: int, kwargs: Dict[str, Any]) -> List[List[Tuple[int, int]]]:
+class Declared:
+    """A packed row's sequences as packd.hf.packed_row declared them ([start, end) of one
+    row), and where packd_varlen found them in each call since (`sources`)."""
+
+    def __init__(self, bounds: Sequence[Tuple[int, int]]) -> None:
+        self.bounds = [(int(s), int(e)) for s, e in bounds if e > s]
+        self.sources: List[str] = []
+
+
+_declared: contextvars.ContextVar[Optional[Declared]] = contextvars.ContextVar(
+    "packd_varlen_declared", default=None)
+
+
+@contextlib.contextmanager
+def declared_sequences(bounds: Sequence[Tuple[int, int]]) -> Iterator[Declared]:
+    """While open, packd_varlen knows a one-row batch of bounds[-1][1] tokens holds these
+    sequences, and refuses a forward in which none of its sources found them."""
+    declared = Declared(bounds)
+    token = _declared.set(declared)
+    try:
+        yield declared
+    finally:
+        _declared.reset(token)
+
+
+# transformers' layer types whose layers mix tokens through the attention function alone.
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Refuses (ValueError naming the family) a model packd_varlen cannot train packed: one
+    with layer types other than full, sliding or chunked attention (recurrent, convolutional,
+    linear or indexed layers would see across documents), whose forward takes no position ids
+    (its positions could not restart at every document), that does not declare transformers'
+    attention interface (packd_varlen may never be called), or whose embeddings number
+    positions from after the pad id (a document's first position is not 0)."""
+    import inspect
+    config = getattr(model, "config", None)
+    kind = "%s (%s)" % (type(model).__name__, getattr(config, "model_type", "?"))
+    configs = [config] + [v for v in vars(config).values()
+                          if type(v).__name__.endswith("Config")] if config is not None else []
+    for c in configs:
+        other = sorted({t for t in (getattr(c, "layer_types", None) or [])
+                        if t not in _ATTENTION_LAYERS})
+        if other:
+            raise ValueError("packd_varlen cannot serve %s: its layer types %s are not an "
+                             "attention packd_varlen computes (recurrent, convolutional, linear "
+                             "or indexed layers), and would see across documents"
+                             % (kind, ", ".join(other)))
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError("packd_varlen cannot serve %s: its forward takes no position_ids, so "
+                         "its positions cannot restart at every document" % kind)
+    for sub in model.modules():
+        if (hasattr(sub, "config") and hasattr(type(sub), "_supports_attention_backend")
+                and not type(sub)._supports_attention_backend):
+            raise ValueError("packd_varlen cannot serve %s: %s does not declare transformers' "
+                             "attention interface (_supports_attention_backend is False), so "
+                             "packd_varlen may never be called and its documents would attend "
+                             "to each other" % (kind, type(sub).__name__))
+    for sub in model.modules():
+        if (hasattr(sub, "position_embeddings") and isinstance(getattr(sub, "padding_idx", None),
+                                                                int)):
+            raise ValueError("packd_varlen cannot serve %s: %s numbers a sequence's positions "
+                             "from padding_idx + 1 = %d, not 0, so packd's position ids (0 at "
+                             "every document) are not its own" % (kind, type(sub).__name__,
+                                                                  sub.padding_idx + 1))
+
+
+def _family(module: torch.nn.Module) -> str:
+    config = getattr(module, "config", None)
+    kind = getattr(config, "model_type", None)
+    return "%s (%s)" % (type(module).__name__, kind) if kind else type(module).__name__
+
+
+def _refuse(module: torch.nn.Module, what: str) -> ValueError:
+    return ValueError("packd_varlen in %s: %s" % (_family(module), what))
+
+
+def _bounds_of_edges(edges: List[int], length: int, what: str) -> List[Tuple[int, int]]:
+    if (not edges or edges[0] != 0 or edges[-1] != length
+            or any(b < a for a, b in zip(edges, edges[1:]))):
+        raise ValueError("packd_varlen: %s %s does not cover the row's %d tokens in order"
+                         % (what, edges, length))
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def sequence_bounds(batch: int, length: int,
+                    kwargs: Dict[str, Any]) -> Optional[List[List[Tuple[int, int]]]]:
     """Each row's sequences as [start, end) in order, covering the row: from `cu_seq_lens_q`
     (one row), else from `position_ids` (a sequence starts wherever a position is not the one
-    before it plus 1, as transformers finds packed sequences), else the whole row."""
+    before it plus 1, as transformers finds packed sequences); None when neither is given."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = None if kwargs.get("kv_index") is not None else kwargs.get("cu_seq_lens_k")
@@ -40,16 +155,14 @@ def sequence_bounds(batch: int, length: int, kwargs: Dict[str, Any]) -> List[Lis
         if batch != 1:
             raise ValueError("packd_varlen: cu_seq_lens_q describes one packed row, but the "
                              "batch has %d rows" % batch)
-        edges = [int(v) for v in cu.tolist()]
-        if edges[0] != 0 or edges[-1] != length or any(b < a for a, b in zip(edges, edges[1:])):
-            raise ValueError("packd_varlen: cu_seq_lens_q %s does not cover the row's %d tokens "
-                             "in order" % (edges, length))
-        return [[(a, b) for a, b in zip(edges, edges[1:]) if b > a]]
+        return [_bounds_of_edges([int(v) for v in cu.tolist()], length, "cu_seq_lens_q")]
     positions = kwargs.get("position_ids")
     if positions is None:
-        return [[(0, length)] for _ in range(batch)]
+        return None
     if positions.dim() == 3:  # multimodal rotary positions [3 or 4, B, T]: the text row
         positions = positions[0]
+    if positions.shape[-1] != length:
+        return None  # a cache's positions: the queries are not the whole row
     positions = positions.reshape(-1, length).expand(batch, length).cpu()
     starts = torch.ones(batch, length, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
@@ -58,6 +171,107 @@ def sequence_bounds(batch: int, length: int, kwargs: Dict[str, Any]) -> List[Lis
         edges = starts[b].nonzero().flatten().tolist() + [length]
         rows.append(list(zip(edges, edges[1:])))
     return rows
+
+
+class VarlenMask:
+    """transformers' attention mask for one layer type of one forward, as packd_varlen's mask
+    function hands it over instead of a tensor: the mask function transformers composed (causal or
+    not, its packed sequences, sliding window, chunks, overlays) and the 2D padding mask,
+    evaluated only where packd_varlen asks (inside each sequence), each answer kept for the
+    forward's other layers. Not a tensor: a family that edits its mask itself is refused."""
+
+    # Queries evaluated at once when the sequences are found from the mask (bounds the memory).
+    _CHUNK_ELEMENTS = 1 << 24
+
+    def __init__(self, batch_size: int, q_length: int, kv_length: int, q_offset: Any,
+                 kv_offset: int, mask_function: Callable, attention_mask: Optional[torch.Tensor],
+                 use_vmap: bool, device: Any) -> None:
+        self.batch_size, self.q_length, self.kv_length = batch_size, q_length, kv_length
+        self.q_offset, self.kv_offset = q_offset, kv_offset
+        self.mask_function, self.attention_mask = mask_function, attention_mask
+        self.use_vmap, self.device = use_vmap, device
+        self._blocks: Dict[Tuple[int, int, int, int, int], torch.Tensor] = {}
+        self._sequences: Optional[List[List[Tuple[int, int]]]] = None
+
+    _NOT_A_TENSOR = ("packd_varlen's mask is transformers' mask function, not a tensor (the "
+                     "family asked for %s): this family edits its attention mask itself, which "
+                     "packd_varlen cannot follow; use attn_implementation=\"eager\" or \"sdpa\"")
+
+    def __getitem__(self, key: Any) -> Any:
+        raise TypeError(self._NOT_A_TENSOR % "an index of it")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(self._NOT_A_TENSOR % ("its ." + name))
+
+    def rectangle(self, b: int, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """The mask of row b's queries [q0, q1) over its keys [k0, k1): bool [q1-q0, k1-k0],
+        exactly as transformers' sdpa_mask computes those entries."""
+        key = (b, q0, q1, k0, k1)
+        if key not in self._blocks:
+            from transformers.masking_utils import sdpa_mask
+            function = self.mask_function
+
+            def in_row(batch_idx, head_idx, q_idx, kv_idx):
+                return function(batch_idx + b, head_idx, q_idx, kv_idx)
+
+            padding = None if self.attention_mask is None else self.attention_mask[b:b + 1]
+            mask = sdpa_mask(batch_size=1, q_length=q1 - q0, kv_length=k1 - k0,
+                             q_offset=self.q_offset + q0, kv_offset=self.kv_offset + k0,
+                             mask_function=in_row, attention_mask=padding,
+                             allow_is_causal_skip=False, use_vmap=self.use_vmap,
+                             device=self.device)
+            self._blocks[key] = mask[0, 0]
+        return self._blocks[key]
+
+    def separates(self, b: int, start: int) -> bool:
+        """Whether the token at `start` sees nothing of row b before it (a sequence starts)."""
+        return not bool(self.rectangle(b, start, start + 1, 0, start).any())
+
+    def sequences(self) -> List[List[Tuple[int, int]]]:
+        """Each row's blocks: [start, end) such that no query of a block sees a key outside
+        it. Exact for any mask (each query's first and last visible key bound what it sees),
+        evaluated a few queries at a time."""
+        if self._sequences is not None:
+            return self._sequences
+        length = self.q_length
+        step = max(1, self._CHUNK_ELEMENTS // max(1, self.kv_length))
+        rows = []
+        for b in range(self.batch_size):
+            first = torch.full((length,), length, dtype=torch.long)
+            last = torch.full((length,), -1, dtype=torch.long)
+            for q0 in range(0, length, step):
+                q1 = min(length, q0 + step)
+                seen = self.rectangle(b, q0, q1, 0, self.kv_length).cpu()
+                self._blocks.pop((b, q0, q1, 0, self.kv_length))
+                any_seen = seen.any(-1)
+                index = torch.arange(self.kv_length)
+                first[q0:q1] = torch.where(any_seen, torch.where(seen, index, length).amin(-1),
+                                           first[q0:q1])
+                last[q0:q1] = torch.where(any_seen, torch.where(seen, index, -1).amax(-1),
+                                          last[q0:q1])
+            # s is a boundary when nothing before it sees s or later, and nothing from s on
+            # sees before s.
+            reach = torch.maximum(last, torch.arange(length)).cummax(0).values  # up to q
+            back = torch.minimum(first, torch.arange(length)).flip(0).cummin(0).values.flip(0)
+            edges = [0] + [s for s in range(1, length)
+                           if int(reach[s - 1]) < s and int(back[s]) >= s] + [length]
+            rows.append(list(zip(edges, edges[1:])))
+        self._sequences = rows
+        return rows
+
+
+def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+                kv_offset: int = 0, mask_function: Optional[Callable] = None,
+                attention_mask: Optional[torch.Tensor] = None, use_vmap: bool = False,
+                device: Any = "cpu", **kwargs: Any) -> VarlenMask:
+    """transformers' mask interface for packd_varlen: the mask's parts, unevaluated."""
+    if mask_function is None:
+        from transformers.masking_utils import causal_mask_function
+        mask_function = causal_mask_function
+    return VarlenMask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                      attention_mask, use_vmap, device)
 
 
 def _shared_attention(query, key, value, kwargs, groups, scaling, causal, sliding_window, softcap,
@@ -84,9 +298,6 @@ def _shared_attention(query, key, value, kwargs, groups, scaling, causal, slidin
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
         lq, lk = q.shape[1], k.shape[1]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
         i = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
         j = torch.arange(lk, device=query.device)[None, :]
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=query.device)
@@ -94,11 +305,8 @@ def _shared_attention(query, key, value, kwargs, groups, scaling, causal, slidin
             allowed &= j <= i
         if sliding_window:
             allowed &= j > i - sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float64 if query.dtype ==
-                              torch.float64 else torch.float32).to(query.dtype)
-        probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0)
-        out[cu_q[n]:cu_q[n + 1]] = torch.matmul(probs, v).transpose(0, 1)
+        out[cu_q[n]:cu_q[n + 1]] = _eager(q[None], k[None], v[None], allowed, scaling, softcap,
+                                          None, dropout)[0]
     return out.unsqueeze(0), None
 
 
@@ -115,8 +323,47 @@ def shared_attention_kwargs(result: Any) -> Dict[str, Any]:
             "kv_index": s.kv_index}
 
 
-def _flash_varlen(query, key, value, bounds, dropout, scaling, causal, sliding_window, softcap):
-    """flash-attn's varlen kernel over one row's sequences, or None where it cannot run."""
+def _eager(q, k, v, allowed, scaling, softcap, sinks, dropout):
+    """transformers' eager formula: q [m, H, Lq, D], k and v [m, H, Lk, D] (heads repeated),
+    allowed bool [Lq, Lk] or [m, 1, Lq, Lk] (None: all), sinks [H] or None; out [m, Lq, H, Dv].
+    The softmax runs in float32 at least (float64 stays float64); a query that sees no key
+    gets zeros."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    empty = None
+    if allowed is not None:
+        empty = ~allowed.any(-1, keepdim=True)
+        scores = scores.masked_fill(~(allowed | empty), float("-inf"))
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        combined = torch.cat([scores, sink.to(scores.dtype)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=dtype)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=dtype).to(q.dtype)
+    if empty is not None:
+        probs = probs.masked_fill(empty, 0)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def _fused(q, k, v, kind, allowed, scaling, dropout):
+    """torch's fused attention over one group: kind "causal", "full" or "masked" (allowed
+    [m, 1, L, L]); out [m, L, H, Dv]. A masked query that sees no key gets zeros."""
+    if kind == "masked":
+        empty = ~allowed.any(-1, keepdim=True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed | empty, dropout_p=dropout, scale=scaling)
+        return out.masked_fill(empty, 0).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, is_causal=kind == "causal", scale=scaling).transpose(1, 2)
+
+
+def _flash_varlen(query, key, value, bounds, dropout, scaling):
+    """flash-attn's varlen kernel over one row of plain causal sequences, or None where it
+    cannot run."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
@@ -126,80 +373,183 @@ def _flash_varlen(query, key, value, bounds, dropout, scaling, causal, sliding_w
         return None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     lengths = [e - s for s, e in bounds[0]]
-    cu = torch.tensor([0] + lengths, device=query.device, dtype=torch.int32).cumsum(0,
-                                                                             dtype=torch.int32)
-    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    cu = torch.tensor([0] + lengths, device=query.device, dtype=torch.int32).cumsum(
+        0, dtype=torch.int32)
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), dropout_p=dropout,
-                                 softmax_scale=scaling, causal=causal, window_size=window,
-                                 softcap=softcap or 0.0)
+                                 softmax_scale=scaling, causal=True)
     return out.unsqueeze(0)
 
 
+def _plain(n, causal, sliding_window, device):
+    """The pattern of a sequence of n tokens without a mask: causal or not, within the window."""
+    i = torch.arange(n, device=device)
+    allowed = torch.ones(n, n, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= i[None, :] <= i[:, None]
+    if sliding_window:  # transformers' windows: w keys back when causal, w each side when not
+        distance = i[:, None] - i[None, :]
+        allowed &= distance < sliding_window if causal else distance.abs() <= sliding_window
+    return allowed
+
+
+def _kind(allowed: torch.Tensor) -> str:
+    n = allowed.shape[-1]
+    if bool(allowed.all()):
+        return "full"
+    if torch.equal(allowed, torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()):
+        return "causal"
+    return "masked"
+
+
+def _check_options(module, kwargs):
+    for name, value in kwargs.items():
+        if value is None or value is False or name in _PLUMBING:
+            continue
+        raise _refuse(module, "its attention takes %s=, which packd_varlen does not compute; "
+                      "use attn_implementation=\"eager\"" % name)
+
+
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                     dropout: float = 0.0, scaling: Optional[float] = None,
-                     sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                     is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
+                     value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+                     scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                     softcap: Optional[float] = None, is_causal: Optional[bool] = None,
+                     s_aux: Optional[torch.Tensor] = None,
                      **kwargs: Any) -> Tuple[torch.Tensor, None]:
-    """transformers' attention interface: query [B, Hq, T, D], key and value [B, Hkv, T, Dv]
-    in, [B, T, Hq, Dv] out. attention_mask is ignored: a packed batch's sequences come from
-    kwargs (sequence_bounds)."""
-    if s_aux is not None:
-        raise NotImplementedError("packd_varlen has no attention sinks (s_aux); use eager")
+    """transformers' attention interface: query [B, Hq, T, D], key and value [B, Hkv, S, Dv]
+    in, [B, T, Hq, Dv] out (the module docstring says where the sequences come from)."""
+    _check_options(module, kwargs)
     batch, heads, length, dim = query.shape
     groups = heads // key.shape[1]
     scaling = dim ** -0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     dropout = dropout if module.training else 0.0
+    sinks = s_aux
     if kwargs.get("kv_index") is not None:
+        if sinks is not None:
+            raise _refuse(module, "a shared stream with attention sinks (s_aux) is not "
+                          "computed; use attn_implementation=\"eager\"")
         return _shared_attention(query, key, value, kwargs, groups, scaling, causal,
                                  sliding_window, softcap, dropout)
+    mask = attention_mask if isinstance(attention_mask, VarlenMask) else None
+    dense = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+    if dense is not None and dense.dim() != 4:
+        raise _refuse(module, "its attention mask has %d dimensions, not 4" % dense.dim())
+    if key.shape[2] != length:
+        # A cache's keys: each row whole, under the layer's mask.
+        return _whole_rows(module, query, key, value, mask, dense, groups, scaling, causal,
+                           sliding_window, softcap, sinks, dropout)
+
     bounds = sequence_bounds(batch, length, kwargs)
-    fast = _flash_varlen(query, key, value, bounds, dropout, scaling, causal, sliding_window,
-                         softcap)
-    if fast is not None:
-        return fast, None
-    by_length = defaultdict(list)
+    source = "cu_seq_lens_q" if kwargs.get("cu_seq_lens_q") is not None else "position_ids"
+    if bounds is None and mask is not None:
+        bounds, source = mask.sequences(), "transformers' mask"
+    if bounds is None:
+        bounds, source = [[(0, length)] for _ in range(batch)], None
+    declared = _declared.get()
+    if declared is not None and batch == 1 and declared.bounds[-1][1] == length:
+        declared.sources.append(source or "none")
+        found = {s for s, _ in bounds[0]}
+        missing = [s for s, _ in declared.bounds if s not in found]
+        if missing:
+            raise _refuse(module, "the row holds %d sequences (packd.hf.packed_row), but %s; "
+                          "the sequence starting at token %d would attend to the ones before "
+                          "it. Pass the model position_ids with use_cache=False and no "
+                          "attention_mask, so that transformers' mask finds them (packd.hf."
+                          "packed_row's kwargs), or cu_seq_lens_q if the family hands its "
+                          "attention **kwargs"
+                          % (len(declared.bounds), "no source of sequences reached its attention"
+                             if source is None else "its %s finds %d" % (source, len(bounds[0])),
+                             missing[0]))
+
+    # Each sequence's pattern: transformers' mask inside it, else the layer's own options.
+    blocks = []  # (b, start, end, kind, allowed or None)
     for b, row in enumerate(bounds):
         for s, e in row:
-            by_length[e - s].append((b, s))
+            if mask is not None:
+                allowed = mask.rectangle(b, s, e, s, e)
+                if s > 0 and source != "transformers' mask" and not mask.separates(b, s):
+                    # transformers' mask does not know this sequence: only a pattern that does
+                    # not depend on where the row starts can be read from it.
+                    plain = _plain(e - s, causal, sliding_window, allowed.device)
+                    if mask.attention_mask is not None:
+                        plain = plain & mask.attention_mask[b, s:e].to(plain.device)[None, :]
+                    if not torch.equal(allowed, plain):
+                        raise _refuse(module, "transformers' mask for this layer does not know "
+                                      "the sequence at tokens %d-%d (its position ids do not "
+                                      "restart there) and is not plain causal within it "
+                                      "(chunked attention or another pattern counted from the "
+                                      "row's start); pass position_ids that restart at every "
+                                      "sequence" % (s, e))
+            elif dense is not None:
+                sub = dense[b if dense.shape[0] > 1 else 0, 0, s:e, s:e]
+                allowed = sub if sub.dtype == torch.bool else sub > torch.finfo(sub.dtype).min
+            else:
+                allowed = _plain(e - s, causal, sliding_window, query.device)
+            blocks.append((b, s, e, _kind(allowed), allowed))
+
+    eager = bool(softcap) or sinks is not None or not _FUSED
+    if (not eager and dense is None and all(k == "causal" for *_, k, _ in blocks)):
+        fast = _flash_varlen(query, key, value, bounds, dropout, scaling)
+        if fast is not None:
+            return fast, None
+    groups_of = defaultdict(list)
+    for b, s, e, kind, allowed in blocks:
+        groups_of[(e - s, kind)].append((b, s, allowed))
     pieces = {}
-    for n, starts in by_length.items():
-        q = torch.stack([query[b, :, s:s + n] for b, s in starts])  # [m, Hq, n, D]
-        k = torch.stack([key[b, :, s:s + n] for b, s in starts])
-        v = torch.stack([value[b, :, s:s + n] for b, s in starts])
+    for (n, kind), members in groups_of.items():
+        q = torch.stack([query[b, :, s:s + n] for b, s, _ in members])  # [m, Hq, n, D]
+        k = torch.stack([key[b, :, s:s + n] for b, s, _ in members])
+        v = torch.stack([value[b, :, s:s + n] for b, s, _ in members])
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        i = torch.arange(n, device=query.device)
-        allowed = torch.ones(n, n, dtype=torch.bool, device=query.device)
-        if causal:
-            allowed &= i[None, :] <= i[:, None]
-        if sliding_window:
-            allowed &= i[None, :] > i[:, None] - sliding_window
-        if _FUSED and not softcap:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed if sliding_window else None, dropout_p=dropout,
-                is_causal=causal and not sliding_window, scale=scaling).transpose(1, 2)
+        allowed = (torch.stack([a for _, _, a in members])[:, None].to(query.device)
+                   if kind == "masked" else None)
+        if eager:
+            if kind == "causal":
+                allowed = _plain(n, True, None, query.device)
+            out = _eager(q, k, v, allowed, scaling, softcap, sinks, dropout)
         else:
-            scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-            if softcap:
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            # In float32 at least, as transformers' eager attention; float64 stays float64.
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float64 if query.dtype ==
-                                  torch.float64 else torch.float32).to(query.dtype)
-            probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0)
-            out = torch.matmul(probs, v).transpose(1, 2)  # [m, n, Hq, Dv]
-        for j, (b, s) in enumerate(starts):
+            out = _fused(q, k, v, kind, allowed, scaling, dropout)
+        for j, (b, s, _) in enumerate(members):
             pieces[(b, s)] = out[j]
     rows = [torch.cat([pieces[(b, s)] for s, _ in row]) for b, row in enumerate(bounds)]
     return torch.stack(rows), None
 
 
+def _whole_rows(module, query, key, value, mask, dense, groups, scaling, causal, sliding_window,
+                softcap, sinks, dropout):
+    """Queries that are not the whole row (a cache's keys before them): each row attends under
+    its whole mask, as eager attention does."""
+    batch, _, length, _ = query.shape
+    kv = key.shape[2]
+    if mask is not None:
+        allowed = torch.stack([mask.rectangle(b, 0, length, 0, kv) for b in range(batch)])
+    elif dense is not None:
+        d = dense[:, 0, :, :kv]
+        allowed = d if d.dtype == torch.bool else d > torch.finfo(d.dtype).min
+    else:
+        # Bottom-right aligned, as transformers' masks are with a cache.
+        i = torch.arange(length, device=query.device)[:, None] + (kv - length)
+        j = torch.arange(kv, device=query.device)[None, :]
+        allowed = torch.ones(length, kv, dtype=torch.bool, device=query.device)
+        if causal:
+            allowed &= j <= i
+        if sliding_window:
+            allowed &= j > i - sliding_window
+        allowed = allowed.expand(batch, length, kv)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    allowed = allowed.to(query.device).reshape(batch, 1, length, kv)
+    return _eager(query, key, value, allowed, scaling, softcap, sinks, dropout), None
+
+
 def register_varlen_attention() -> str:
-    """Registers varlen_attention with transformers as "packd_varlen" (no mask is built for it:
-    the sequences come from cu_seq_lens_q or position_ids). Returns the name."""
+    """Registers varlen_attention with transformers as "packd_varlen", with its mask function
+    (varlen_mask: transformers hands it the layer's mask unevaluated). Returns the name."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(NAME, varlen_attention)
+    AttentionMaskInterface.register(NAME, varlen_mask)
     return NAME

@@ -20,20 +20,69 @@ counting through the padding), `cp_size=` / `cp_rank=` keep the context-parallel
 context-parallel attention takes them) and `max_length_q/k` the longest padded one.
 
 `register_varlen_attention()` registers `attn_implementation="packd_varlen"`: each packed
-sequence's attention alone, from `cu_seq_lens_q` or the position ids, on any device, without
-flash-attn (packd/_varlen.py). `mrope_of()` gives a vision-language batch's packd.MRope, and
+sequence's attention alone, on any device, without flash-attn (packd/_varlen.py says where it
+finds the sequences and what it refuses). `packed_row(result)` gives a model call a Pack's (or a
+micro-batch's) position ids and transformers' flash-attention kwargs, and declares the row's
+sequences while it is open, so that packd_varlen refuses a family through which neither
+reaches it instead of attending across documents. `mrope_of()` gives a vision-language batch's packd.MRope, and
 `mrope_position_ids()` a Pack's [4, 1, rows] position ids for the model (packd/_mrope.py)."""
-from typing import Any, Dict, List, Optional, Sequence
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from packd import _default
 from packd._mrope import mrope_of, mrope_position_ids
-from packd._varlen import register_varlen_attention, shared_attention_kwargs, varlen_attention
+from packd._varlen import (check_model, declared_sequences, register_varlen_attention,
+                           shared_attention_kwargs, varlen_attention)
 from packd.client import Client
 
-__all__ = ["DataCollatorWithFlattening", "mrope_of", "mrope_position_ids",
+__all__ = ["DataCollatorWithFlattening", "mrope_of", "mrope_position_ids", "packed_row",
            "register_varlen_attention", "shared_attention_kwargs", "varlen_attention"]
+
+
+@contextlib.contextmanager
+def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator[Dict[str, Any]]:
+    """A Pack's (or a step's micro-batch's) one packed row as a transformers model takes it:
+    yields the keyword arguments position_ids ([1, rows] int64; [4, 1, rows] with mrope),
+    cu_seq_lens_q / cu_seq_lens_k (int32), max_length_q / max_length_k and use_cache=False
+    (transformers finds packed sequences from the position ids only without a cache; a packed
+    row is not generation), and, while open,
+    tells packd_varlen the row's sequences, so that it refuses (ValueError naming the module) a
+    forward in which neither the position ids nor the kwargs reached it:
+
+        with packd.hf.packed_row(r, model) as kwargs:
+            logits = model(input_ids=r.packed[0][None], **kwargs).logits
+
+    Given the model, it first refuses a family packd_varlen
+    cannot train packed (packd._varlen.check_model: attention outside transformers' attention
+    interface, layers that mix tokens outside attention, a forward without position ids).
+
+    The sequences are the documents with segment ids, else the rows; with a padded layout
+    (pad_multiple, cp_size) the padded ones, whose position ids go on through their padding.
+    The Pack must have asked for position ids; a shared prompts' stream attends through
+    shared_attention_kwargs instead."""
+    if getattr(result, "shared", None) is not None:
+        raise ValueError("packed_row is for a packed row; a shared prompts' stream attends "
+                         "through packd.hf.shared_attention_kwargs(result)")
+    if result.position_ids is None:
+        raise ValueError("packed_row needs a Pack with with_position_ids=True")
+    if model is not None:
+        check_model(model)
+    if result.cu_seqlens_padded is not None:
+        cu, longest = result.cu_seqlens_padded, result.max_seqlen_padded
+    elif result.doc_cu_seqlens is not None:
+        cu, longest = result.doc_cu_seqlens, result.doc_max_seqlen
+    else:
+        cu, longest = result.cu_seqlens, result.max_seqlen
+    cu = cu.to(torch.int32)
+    positions = (mrope_position_ids(result) if result.mrope_position_ids is not None
+                 else result.position_ids.to(torch.int64).view(1, -1))
+    kwargs = {"position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+              "max_length_q": int(longest), "max_length_k": int(longest), "use_cache": False}
+    edges = [int(v) for v in cu.tolist()]
+    with declared_sequences(list(zip(edges, edges[1:]))):
+        yield kwargs
 
 
 class DataCollatorWithFlattening:

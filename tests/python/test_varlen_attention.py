@@ -5,6 +5,7 @@ family of FAMILIES: grouped-query attention (Llama), sliding windows (Mistral, G
 projections (Qwen 2), q and k norms (Qwen 3), logit soft-capping (Gemma 2) and experts (Mixtral,
 Qwen3-MoE). Sequences come from position ids or from cu_seq_lens_q. A router's auxiliary loss
 over packd's token mask is the padded batch's."""
+import copy
 import random
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 import packd
 from packd.hf import DataCollatorWithFlattening
-from hf_families import (FAMILIES, VOCAB, keep_float64, needs_transformers, padded_and_packed,
+from hf_families import (FAMILIES, VOCAB, Float64Steps, keep_float64, needs_transformers, padded_and_packed,
                          relative)
 
 pytestmark = needs_transformers("the PyPI stack's run checks the attention with it")
@@ -87,7 +88,7 @@ def test_sequences_come_from_cu_seqlens_or_positions_and_bad_ones_are_clear():
                                                                                    (3, 7)]]
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
     assert sequence_bounds(1, 7, {"position_ids": positions}) == [[(0, 3), (3, 5), (5, 7)]]
-    assert sequence_bounds(2, 4, {}) == [[(0, 4)], [(0, 4)]]
+    assert sequence_bounds(2, 4, {}) is None  # neither: the mask, else the whole row
     with pytest.raises(ValueError, match="does not cover"):
         sequence_bounds(1, 7, {"cu_seq_lens_q": torch.tensor([0, 3, 6])})
     with pytest.raises(ValueError, match="cu_seq_lens_k differs"):
@@ -134,3 +135,106 @@ def test_router_aux_loss_over_the_token_mask_is_the_padded_batchs(client, family
     every_row = packed(input_ids=r.packed[None], position_ids=r.position_ids[None],
                        output_router_logits=True)
     assert relative(every_row.aux_loss.detach(), want.aux_loss.detach()) > 1e-5, family
+
+
+def test_chunked_attention_counts_its_chunks_within_each_document(client, float64):
+    """Llama 4's chunked layers (chunks of 3, shorter than every document) and its layers that
+    hand no position ids to their attention: packd_varlen equals eager on the documents padded,
+    with the position ids alone (the sequences from transformers' mask) and with the
+    flash-attention kwargs."""
+    from packd import _varlen
+    from packd.hf import packed_row, register_varlen_attention
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+    register_varlen_attention()
+    rng = random.Random()
+    torch.manual_seed(rng.randrange(1 << 30))
+    config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                              intermediate_size_mlp=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              attention_chunk_size=3, num_local_experts=2,
+                              layer_types=["chunked_attention", "full_attention"],
+                              no_rope_layers=[1, 0], max_position_embeddings=128)
+    padded = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                              experts_implementation="eager",
+                                              dtype=torch.float64).double().eval()
+    packed = copy.deepcopy(padded)
+    packed.set_attn_implementation("packd_varlen")
+    lengths = [rng.randint(4, 12) for _ in range(3)]
+    ids = torch.randint(4, VOCAB, (3, max(lengths)))
+    mask = torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+    steps = Float64Steps()
+    with torch.no_grad(), steps.kept():
+        want = padded(input_ids=ids * mask, attention_mask=mask.long()).logits[mask]
+    segments = torch.arange(3)[:, None].expand_as(ids)[mask][None]
+    r = client.pack([ids[mask][None]], torch.ones_like(segments, dtype=torch.bool),
+                    segment_ids=segments, with_position_ids=True)
+    for only_positions in (True, False):
+        with torch.no_grad(), steps.kept(), packed_row(r, packed) as kwargs:
+            if only_positions:
+                kwargs = {"position_ids": kwargs["position_ids"], "use_cache": False}
+            got = packed(input_ids=r.packed[0][None], **kwargs).logits[0]
+            sources = set(_varlen._declared.get().sources)
+        assert relative(got, want) <= 1e-9, (lengths, only_positions, relative(got, want))
+        if only_positions:  # Llama 4's attention takes no position ids: the mask gave them
+            assert sources == {"transformers' mask"}, sources
+    # With a 2D attention mask (which turns transformers' packed detection off) and without the
+    # kwargs, the chunks would be counted from the row's start: refused, naming the module.
+    with pytest.raises(ValueError, match=r"Llama4TextAttention.*token \d+ would attend"):
+        with torch.no_grad(), packed_row(r, packed) as kwargs:
+            packed(input_ids=r.packed[0][None], position_ids=kwargs["position_ids"],
+                   attention_mask=torch.ones_like(r.packed[0][None]), use_cache=False)
+
+
+def test_a_row_whose_sequences_reach_no_source_is_refused_naming_the_module():
+    """A declared packed row (packd.hf.packed_row) whose attention receives neither kwargs,
+    position ids nor a mask: a ValueError naming the module, never one long sequence."""
+    from packd._varlen import declared_sequences, varlen_attention
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 7, 4, dtype=torch.float64)
+    with declared_sequences([(0, 3), (3, 7)]):
+        with pytest.raises(ValueError, match=r"Module.*2 sequences.*no source.*token 3"):
+            varlen_attention(module, q, q, q, None)
+    # Undeclared, the same call is one sequence (a plain unpacked row).
+    out, _ = varlen_attention(module, q, q, q, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert relative(out, want.transpose(1, 2)) <= 1e-12
+
+
+def test_options_it_does_not_compute_are_refused_by_name():
+    from packd._varlen import varlen_attention
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="position_bias="):
+        varlen_attention(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1))
+
+
+def test_attention_sinks_are_the_eager_formulas():
+    """gpt-oss's sinks: each head's learned logit joins the softmax and attends to nothing."""
+    from packd._varlen import varlen_attention
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64)
+    out, _ = varlen_attention(torch.nn.Module(), q, k, v, None, scaling=0.5, s_aux=sinks,
+                              position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    for s in (0, 3):
+        scores = (q[0, :, s:s + 3] @ k[0, :, s:s + 3].transpose(-1, -2)) * 0.5
+        scores = scores.masked_fill(~torch.ones(3, 3, dtype=torch.bool).tril(), float("-inf"))
+        logits = torch.cat([scores, sinks[:, None, None].expand(2, 3, 1)], -1)
+        probs = torch.softmax(logits, -1)[..., :-1]
+        assert relative(out[0, s:s + 3], (probs @ v[0, :, s:s + 3]).transpose(0, 1)) <= 1e-12
+
+
+@pytest.mark.parametrize("kind, extra", [("mamba", {}), ("bart", {}), ("roberta", {}),
+                                         ("lfm2", {"full_attn_idxs": [1]})])
+def test_families_it_cannot_serve_are_refused_before_the_forward(client, kind, extra):
+    """packd.hf.packed_row(result, model) refuses, naming the family, a model whose layers mix
+    tokens outside attention, whose forward takes no position ids, or whose positions start
+    after its pad id."""
+    from packd.hf import packed_row
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    r = client.pack([torch.arange(1, 7)[None]], torch.ones(1, 6, dtype=torch.bool),
+                    segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]), with_position_ids=True)
+    with pytest.raises(ValueError, match=r"packd_varlen cannot serve .*\(%s\)" % kind):
+        with packed_row(r, model):
+            pass

@@ -3,6 +3,7 @@ tests/models): each from its config class at a tiny size (2 layers, hidden 32, v
 random weights, in float64, no download; and the float32 steps transformers takes whatever the
 model's dtype, kept in float64 with the same formulas so that a float64 model is float64 through
 and through; and the mark of a test that needs transformers."""
+import contextlib
 import copy
 import importlib
 
@@ -104,3 +105,40 @@ def keep_float64(monkeypatch, modules):
 
 def relative(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+class Float64Steps:
+    """`kept()`: while open, the float32 steps transformers takes whatever the model's dtype
+    (norms, rotary and scores cast to float32) stay in float64 for float64 tensors: a float64
+    tensor's .float(), .to(torch.float32) and .type(torch.float32) are itself. For a model that
+    is float64 through (its float32 modules made float64 too), both ways of a comparison run
+    under it; the softmax is keep_float64's."""
+
+    @contextlib.contextmanager
+    def kept(self, on=True):
+        to, as_float, as_type = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
+
+        def keep_to(tensor, *args, **kwargs):
+            target = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)),
+                                              None))
+            if tensor.dtype == torch.float64 and target == torch.float32:
+                kwargs.pop("dtype", None)
+                args = tuple(a for a in args if not isinstance(a, torch.dtype))
+                return to(tensor, *args, **kwargs) if args or kwargs else tensor
+            return to(tensor, *args, **kwargs)
+
+        def keep_float(tensor, *args, **kwargs):
+            return tensor if tensor.dtype == torch.float64 else as_float(tensor, *args, **kwargs)
+
+        def keep_type(tensor, *args, **kwargs):
+            if tensor.dtype == torch.float64 and args and args[0] == torch.float32:
+                return tensor
+            return as_type(tensor, *args, **kwargs)
+
+        if on:
+            torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = (keep_to, keep_float,
+                                                                      keep_type)
+        try:
+            yield
+        finally:
+            torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, as_float, as_type

@@ -1,0 +1,163 @@
+"""packd_varlen is never wrong without an error (docs/operation.md, "Every causal-LM type").
+
+Every causal-LM model type of the pinned transformers (survey.causal_lm_types) is built at a tiny
+size from its config class (survey.tiny_model: random weights, float64, no download, sliding
+windows and chunks of 4 tokens) and runs one batch of 3 documents of 5 to 12 tokens two ways:
+
+- padded: each document its own row of a right-padded batch with its attention mask, through
+  transformers' own eager attention;
+- packed: the documents packed by packd into one row (segment ids: position ids restart at
+  every document), through attn_implementation="packd_varlen" inside packd.hf.packed_row, once
+  with the position ids alone (the sequences reach packd_varlen through transformers' mask, the
+  path of families whose layers drop the position ids) and once with transformers'
+  flash-attention kwargs too (cu_seq_lens_q / _k, max_length_q / _k).
+
+Each type's result is one of: equal (the logits at every token ≤ 1e-9 relative, both ways),
+refused (an exception before any logits: packd_varlen's, naming the module and the option, or
+transformers' own), or not built (the type cannot be made at all on the CPU from its config:
+the reason shown). A type whose packed logits differ without an error fails the test. The
+session prints the table (type, result, reason) and the counts; docs/operation.md keeps them."""
+import collections
+import copy
+import random
+
+import pytest
+import torch
+
+import packd
+from packd import _varlen
+from packd.hf import packed_row, register_varlen_attention
+from hf_families import Float64Steps
+from survey import VOCAB, causal_lm_types, tiny_model, transformers
+
+pytestmark = pytest.mark.skipif(transformers is None, reason="transformers is not installed "
+                                "(Debian 12 has no package of it); the PyPI stack's run surveys")
+
+TOLERANCE = 1e-9
+if transformers is not None:
+    transformers.logging.set_verbosity_error()  # the tiny configs' warnings
+RESULTS = collections.OrderedDict()  # type: (result, reason)
+
+
+@pytest.fixture(scope="module")
+def client(address):
+    with packd.Client(address, shm_threshold_bytes=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module", autouse=True)
+def table():
+    yield
+    if not RESULTS:
+        return
+    print("\n| type | result | reason |\n| --- | --- | --- |")
+    for kind, (result, reason) in RESULTS.items():
+        print("| %s | %s | %s |" % (kind, result, reason.replace("|", "/")))
+    counts = collections.Counter(result for result, _ in RESULTS.values())
+    print("survey: " + ", ".join("%d %s" % (n, r) for r, n in sorted(counts.items())))
+
+
+@pytest.fixture
+def float64_steps(monkeypatch):
+    """transformers' eager softmax kept in float64 for float64 scores; and, through
+    `.kept()`, the other float32 steps transformers takes whatever the model's dtype (norms and
+    scores cast to float32) kept in float64: a float64 tensor's .float(), .to(torch.float32)
+    and .type(torch.float32) are itself (the models are float64 through, the modules a family
+    keeps in float32 included: survey.tiny_model). Both ways of a type run under the same steps, so that the padded reference is
+    float64 through where the family allows it (a family that keeps modules in float32 does
+    not: it runs without `.kept()`)."""
+    softmax = torch.nn.functional.softmax
+
+    def in_float64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", in_float64)
+    return Float64Steps()
+
+
+def first_line(error):
+    text = str(error).strip().splitlines()
+    return "%s: %s" % (type(error).__name__, text[0][:300] if text else "")
+
+
+def logits_of(output):
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+@pytest.mark.parametrize("kind", causal_lm_types())
+def test_packed_equals_padded_or_is_refused(client, kind, float64_steps):
+    register_varlen_attention()
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    torch.manual_seed(seed)
+    try:
+        padded = tiny_model(kind, "eager")
+    except Exception as e:
+        RESULTS[kind] = ("not built", first_line(e))
+        pytest.skip("%s cannot be built on the CPU from its config: %s" % (kind, first_line(e)))
+    lengths = [rng.randint(5, 12) for _ in range(3)]
+    # Token ids clear of the type's special ids (a pad id would move a family's positions).
+    special = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        value = getattr(padded.config, name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
+    tokens = [t for t in range(4, VOCAB) if t not in special]
+    documents = [[rng.choice(tokens) for _ in range(n)] for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(documents), width, dtype=torch.long)
+    attention = torch.zeros(len(documents), width, dtype=torch.long)
+    for b, d in enumerate(documents):
+        ids[b, :len(d)] = torch.tensor(d)
+        attention[b, :len(d)] = 1
+    kept = True
+    try:
+        with torch.no_grad(), float64_steps.kept():
+            want = logits_of(padded(input_ids=ids, attention_mask=attention, use_cache=False))
+    except Exception:  # a family that keeps modules in float32: its float32 steps stay
+        kept = False
+        try:
+            with torch.no_grad():
+                want = logits_of(padded(input_ids=ids, attention_mask=attention,
+                                        use_cache=False))
+        except Exception as e:
+            RESULTS[kind] = ("not built", "its eager forward fails on the CPU: " + first_line(e))
+            pytest.skip("%s does not run on the CPU: %s" % (kind, first_line(e)))
+    want = torch.cat([want[b, :n] for b, n in enumerate(lengths)])
+
+    # One row: the documents by segment ids, packed by packd.
+    row = torch.tensor([t for d in documents for t in d])[None]
+    segments = torch.tensor([i for i, n in enumerate(lengths) for _ in range(n)])[None]
+    r = client.pack([row], torch.ones_like(row, dtype=torch.bool), segment_ids=segments,
+                    with_position_ids=True)
+    assert r.doc_cu_seqlens.tolist() == [0] + list(torch.tensor(lengths).cumsum(0).tolist())
+    packed = copy.deepcopy(padded)
+    try:
+        packed.set_attn_implementation("packd_varlen")
+        errors, sources = [], set()
+        for way in ("position ids", "kwargs"):
+            with torch.no_grad(), float64_steps.kept(kept), packed_row(r, packed) as kwargs:
+                if way == "position ids":
+                    kwargs = {"position_ids": kwargs["position_ids"], "use_cache": False}
+                got = logits_of(packed(input_ids=r.packed[0][None], **kwargs))[0]
+                if way == "position ids":
+                    sources.update(_varlen._declared.get().sources)
+            scale = want.abs().max()
+            error = float((got - want).abs().max() / scale)
+            errors.append(error)
+            if not error <= TOLERANCE:
+                first = int(((got - want).abs().amax(-1) > TOLERANCE * scale).nonzero()[0])
+                RESULTS[kind] = ("DIFFERENT", "%s: %.2g relative, first at token %d"
+                                 % (way, error, first))
+                pytest.fail("%s (seed %d): packd_varlen through %s differs from eager on the "
+                            "padded documents by %.3g relative, first at token %d of %s"
+                            % (kind, seed, way, error, first, lengths))
+    except Exception as e:
+        if isinstance(e, pytest.fail.Exception):
+            raise
+        who = "packd" if "packd_varlen" in str(e) else "transformers"
+        RESULTS[kind] = ("refused (%s)" % who, first_line(e))
+        return
+    RESULTS[kind] = ("equal", "%.1e, by %s%s" % (max(errors), " and ".join(sorted(sources)),
+                                                 "" if kept else
+                                          " (the family keeps modules in float32: its float32 "
+                                          "steps left as they are)"))
