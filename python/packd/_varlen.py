@@ -297,17 +297,23 @@ def _shared_attention(query, key, value, kwargs, groups, scaling, causal, slidin
         if groups > 1:
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        lq, lk = q.shape[1], k.shape[1]
-        i = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
-        j = torch.arange(lk, device=query.device)[None, :]
-        allowed = torch.ones(lq, lk, dtype=torch.bool, device=query.device)
-        if causal:
-            allowed &= j <= i
-        if sliding_window:
-            allowed &= j > i - sliding_window
+        allowed = _bottom_right(q.shape[1], k.shape[1], causal, sliding_window, query.device)
         out[cu_q[n]:cu_q[n + 1]] = _eager(q[None], k[None], v[None], allowed, scaling, softcap,
                                           None, dropout)[0]
     return out.unsqueeze(0), None
+
+
+def _bottom_right(lq, lk, causal, sliding_window, device):
+    """lq queries over lk keys, the last query at the last key: query i sees key j when
+    j <= i + (lk - lq) (if causal) and within the window."""
+    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= j <= i
+    if sliding_window:
+        allowed &= j > i - sliding_window
+    return allowed
 
 
 def shared_attention_kwargs(result: Any) -> Dict[str, Any]:
@@ -530,14 +536,8 @@ def _whole_rows(module, query, key, value, mask, dense, groups, scaling, causal,
         allowed = d if d.dtype == torch.bool else d > torch.finfo(d.dtype).min
     else:
         # Bottom-right aligned, as transformers' masks are with a cache.
-        i = torch.arange(length, device=query.device)[:, None] + (kv - length)
-        j = torch.arange(kv, device=query.device)[None, :]
-        allowed = torch.ones(length, kv, dtype=torch.bool, device=query.device)
-        if causal:
-            allowed &= j <= i
-        if sliding_window:
-            allowed &= j > i - sliding_window
-        allowed = allowed.expand(batch, length, kv)
+        allowed = _bottom_right(length, kv, causal, sliding_window, query.device).expand(
+            batch, length, kv)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
