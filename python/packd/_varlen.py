@@ -27,8 +27,8 @@ soft-capping, attention sinks (`s_aux`) and dropout in training; any other optio
 its attention is refused by name (docs/client.md lists them). Sequences of one length and pattern
 are computed together, through torch's fused scaled_dot_product_attention (torch 2.1 and later)
 unless the family soft-caps its logits or has sinks (then the eager formula, as transformers');
-flash-attn's varlen kernel runs plain causal sequences where it is installed and the tensors are
-half precision on a GPU.
+flash-attn's varlen kernel runs causal sequences (windowed, soft-capped) where it is installed
+and the tensors are half precision on a GPU.
 
 A stream of shared prompts (docs/design.md §14) attends through its metadata: pass
 packd.hf.shared_attention_kwargs(result) to the model (cu_seq_lens_q / _k and kv_index): each
@@ -36,6 +36,7 @@ segment's queries attend the keys kv_index names, causally aligned bottom-right 
 sees its group's prompt, then itself)."""
 import contextlib
 import contextvars
+import inspect
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -91,7 +92,6 @@ def check_model(model: torch.nn.Module) -> None:
     (its positions could not restart at every document), that does not declare transformers'
     attention interface (packd_varlen may never be called), or whose embeddings number
     positions from after the pad id (a document's first position is not 0)."""
-    import inspect
     config = getattr(model, "config", None)
     kind = "%s (%s)" % (type(model).__name__, getattr(config, "model_type", "?"))
     configs = [config] + [v for v in vars(config).values()
@@ -190,7 +190,7 @@ class VarlenMask:
         self.q_offset, self.kv_offset = q_offset, kv_offset
         self.mask_function, self.attention_mask = mask_function, attention_mask
         self.use_vmap, self.device = use_vmap, device
-        self._blocks: Dict[Tuple[int, int, int, int, int], torch.Tensor] = {}
+        self._blocks: Dict[Tuple[Any, ...], Any] = {}
         self._sequences: Optional[List[List[Tuple[int, int]]]] = None
 
     _NOT_A_TENSOR = ("packd_varlen's mask is transformers' mask function, not a tensor (the "
@@ -225,9 +225,18 @@ class VarlenMask:
             self._blocks[key] = mask[0, 0]
         return self._blocks[key]
 
-    def separates(self, b: int, start: int) -> bool:
-        """Whether the token at `start` sees nothing of row b before it (a sequence starts)."""
-        return not bool(self.rectangle(b, start, start + 1, 0, start).any())
+    def block(self, b: int, start: int, end: int,
+              sliding_window: Optional[int]) -> Tuple[torch.Tensor, str, bool]:
+        """Row b's sequence [start, end): its pattern (bool [n, n]), the pattern's kind
+        (_kind) and whether its first token sees nothing before it (the mask knows the
+        sequence starts there); worked out once a forward, for every layer of its type."""
+        key = ("block", b, start, end, sliding_window)
+        if key not in self._blocks:
+            allowed = self.rectangle(b, start, end, start, end)
+            separated = start == 0 or not bool(self.rectangle(b, start, start + 1, 0,
+                                                              start).any())
+            self._blocks[key] = (allowed, _kind(allowed, sliding_window), separated)
+        return self._blocks[key]
 
     def sequences(self) -> List[List[Tuple[int, int]]]:
         """Each row's blocks: [start, end) such that no query of a block sees a key outside
@@ -297,23 +306,10 @@ def _shared_attention(query, key, value, kwargs, groups, scaling, causal, slidin
         if groups > 1:
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        allowed = _bottom_right(q.shape[1], k.shape[1], causal, sliding_window, query.device)
+        allowed = _pattern(q.shape[1], k.shape[1], causal, sliding_window, query.device)
         out[cu_q[n]:cu_q[n + 1]] = _eager(q[None], k[None], v[None], allowed, scaling, softcap,
                                           None, dropout)[0]
     return out.unsqueeze(0), None
-
-
-def _bottom_right(lq, lk, causal, sliding_window, device):
-    """lq queries over lk keys, the last query at the last key: query i sees key j when
-    j <= i + (lk - lq) (if causal) and within the window."""
-    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
-    j = torch.arange(lk, device=device)[None, :]
-    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= j <= i
-    if sliding_window:
-        allowed &= j > i - sliding_window
-    return allowed
 
 
 def shared_attention_kwargs(result: Any) -> Dict[str, Any]:
@@ -356,9 +352,9 @@ def _eager(q, k, v, allowed, scaling, softcap, sinks, dropout):
 
 
 def _fused(q, k, v, kind, allowed, scaling, dropout):
-    """torch's fused attention over one group: kind "causal", "full" or "masked" (allowed
-    [m, 1, L, L]); out [m, L, H, Dv]. A masked query that sees no key gets zeros."""
-    if kind == "masked":
+    """torch's fused attention over one group: kind "causal", "full", or "window" / "masked"
+    (allowed [m, 1, L, L]); out [m, L, H, Dv]. A masked query that sees no key gets zeros."""
+    if allowed is not None:
         empty = ~allowed.any(-1, keepdim=True)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed | empty, dropout_p=dropout, scale=scaling)
@@ -367,9 +363,9 @@ def _fused(q, k, v, kind, allowed, scaling, dropout):
         q, k, v, dropout_p=dropout, is_causal=kind == "causal", scale=scaling).transpose(1, 2)
 
 
-def _flash_varlen(query, key, value, bounds, dropout, scaling):
-    """flash-attn's varlen kernel over one row of plain causal sequences, or None where it
-    cannot run."""
+def _flash_varlen(query, key, value, bounds, dropout, scaling, sliding_window, softcap):
+    """flash-attn's varlen kernel over one row of causal sequences (within the sliding window),
+    or None where it cannot run."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
@@ -381,29 +377,39 @@ def _flash_varlen(query, key, value, bounds, dropout, scaling):
     lengths = [e - s for s, e in bounds[0]]
     cu = torch.tensor([0] + lengths, device=query.device, dtype=torch.int32).cumsum(
         0, dtype=torch.int32)
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), dropout_p=dropout,
-                                 softmax_scale=scaling, causal=True)
+                                 softmax_scale=scaling, causal=True, window_size=window,
+                                 softcap=softcap or 0.0)
     return out.unsqueeze(0)
 
 
-def _plain(n, causal, sliding_window, device):
-    """The pattern of a sequence of n tokens without a mask: causal or not, within the window."""
-    i = torch.arange(n, device=device)
-    allowed = torch.ones(n, n, dtype=torch.bool, device=device)
+def _pattern(lq, lk, causal, sliding_window, device):
+    """Which keys each query sees without a mask, transformers' rules, aligned bottom-right
+    (query i at key i + lk - lq: a cache's keys, or a shared prompt, before the queries): when
+    causal, the keys up to it and fewer than sliding_window back; when not, every key within
+    sliding_window on either side. bool [lq, lk]."""
+    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
     if causal:
-        allowed &= i[None, :] <= i[:, None]
-    if sliding_window:  # transformers' windows: w keys back when causal, w each side when not
-        distance = i[:, None] - i[None, :]
-        allowed &= distance < sliding_window if causal else distance.abs() <= sliding_window
+        allowed &= j <= i
+    if sliding_window:
+        allowed &= i - j < sliding_window if causal else (i - j).abs() <= sliding_window
     return allowed
 
 
-def _kind(allowed: torch.Tensor) -> str:
+def _kind(allowed: torch.Tensor, sliding_window: Optional[int]) -> str:
+    """"full", "causal", "window" (causal within the layer's sliding window) or "masked"."""
     n = allowed.shape[-1]
     if bool(allowed.all()):
         return "full"
-    if torch.equal(allowed, torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()):
+    causal = _pattern(n, n, True, None, allowed.device)
+    if torch.equal(allowed, causal):
         return "causal"
+    if sliding_window and torch.equal(allowed, _pattern(n, n, True, sliding_window,
+                                                        allowed.device)):
+        return "window"
     return "masked"
 
 
@@ -468,15 +474,15 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                              missing[0]))
 
     # Each sequence's pattern: transformers' mask inside it, else the layer's own options.
-    blocks = []  # (b, start, end, kind, allowed or None)
+    blocks = []  # (b, start, end, kind, allowed)
     for b, row in enumerate(bounds):
         for s, e in row:
             if mask is not None:
-                allowed = mask.rectangle(b, s, e, s, e)
-                if s > 0 and source != "transformers' mask" and not mask.separates(b, s):
+                allowed, kind, separated = mask.block(b, s, e, sliding_window)
+                if s > 0 and source != "transformers' mask" and not separated:
                     # transformers' mask does not know this sequence: only a pattern that does
                     # not depend on where the row starts can be read from it.
-                    plain = _plain(e - s, causal, sliding_window, allowed.device)
+                    plain = _pattern(e - s, e - s, causal, sliding_window, allowed.device)
                     if mask.attention_mask is not None:
                         plain = plain & mask.attention_mask[b, s:e].to(plain.device)[None, :]
                     if not torch.equal(allowed, plain):
@@ -486,16 +492,19 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       "(chunked attention or another pattern counted from the "
                                       "row's start); pass position_ids that restart at every "
                                       "sequence" % (s, e))
-            elif dense is not None:
-                sub = dense[b if dense.shape[0] > 1 else 0, 0, s:e, s:e]
-                allowed = sub if sub.dtype == torch.bool else sub > torch.finfo(sub.dtype).min
             else:
-                allowed = _plain(e - s, causal, sliding_window, query.device)
-            blocks.append((b, s, e, _kind(allowed), allowed))
+                if dense is not None:
+                    sub = dense[b if dense.shape[0] > 1 else 0, 0, s:e, s:e]
+                    allowed = (sub if sub.dtype == torch.bool
+                               else sub > torch.finfo(sub.dtype).min)
+                else:
+                    allowed = _pattern(e - s, e - s, causal, sliding_window, query.device)
+                kind = _kind(allowed, sliding_window)
+            blocks.append((b, s, e, kind, allowed))
 
     eager = bool(softcap) or sinks is not None or not _FUSED
-    if (not eager and dense is None and all(k == "causal" for *_, k, _ in blocks)):
-        fast = _flash_varlen(query, key, value, bounds, dropout, scaling)
+    if sinks is None and all(k in ("causal", "window") for *_, k, _ in blocks):
+        fast = _flash_varlen(query, key, value, bounds, dropout, scaling, sliding_window, softcap)
         if fast is not None:
             return fast, None
     groups_of = defaultdict(list)
@@ -510,10 +519,10 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         allowed = (torch.stack([a for _, _, a in members])[:, None].to(query.device)
-                   if kind == "masked" else None)
+                   if kind in ("masked", "window") else None)
         if eager:
             if kind == "causal":
-                allowed = _plain(n, True, None, query.device)
+                allowed = _pattern(n, n, True, None, query.device)
             out = _eager(q, k, v, allowed, scaling, softcap, sinks, dropout)
         else:
             out = _fused(q, k, v, kind, allowed, scaling, dropout)
@@ -535,8 +544,7 @@ def _whole_rows(module, query, key, value, mask, dense, groups, scaling, causal,
         d = dense[:, 0, :, :kv]
         allowed = d if d.dtype == torch.bool else d > torch.finfo(d.dtype).min
     else:
-        # Bottom-right aligned, as transformers' masks are with a cache.
-        allowed = _bottom_right(length, kv, causal, sliding_window, query.device).expand(
+        allowed = _pattern(length, kv, causal, sliding_window, query.device).expand(
             batch, length, kv)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)

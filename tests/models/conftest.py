@@ -1,4 +1,5 @@
-"""A real packd server for the model-family tests (PACKD_BINARY)."""
+"""A real packd server for the model-family tests and the survey (PACKD_BINARY), and a client
+of it."""
 import os
 
 import pytest
@@ -10,3 +11,10 @@ from packd_server import PackdServer
 def address():
     with PackdServer(os.environ["PACKD_BINARY"]) as address:
         yield address
+
+
+@pytest.fixture(scope="module")
+def client(address):
+    import packd
+    with packd.Client(address, shm_threshold_bytes=0) as c:
+        yield c

@@ -65,12 +65,6 @@ LAYOUTS = {
 ERRORS = {}  # layout: largest relative error, for the table
 
 
-@pytest.fixture(scope="module")
-def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
-        yield c
-
-
 @pytest.fixture(scope="module", autouse=True)
 def table_row():
     yield
