@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kernels/device_counters.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
 
@@ -48,15 +49,18 @@ int64_t Read(const std::function<int64_t()>& gauge) {
   return gauge ? gauge() : 0;
 }
 
-// One family of values read now; `labels` name each value's series.
-prometheus::MetricFamily Sampled(
-    std::string name, std::string help, prometheus::MetricType type,
-    const std::vector<std::pair<prometheus::ClientMetric::Label, int64_t>>&
-        values) {
+// Values read now, each with the labels that name its series.
+using Series = std::vector<
+    std::pair<std::vector<prometheus::ClientMetric::Label>, int64_t>>;
+
+// One family of values read now.
+prometheus::MetricFamily Sampled(std::string name, std::string help,
+                                 prometheus::MetricType type,
+                                 const Series& values) {
   prometheus::MetricFamily family{std::move(name), std::move(help), type, {}};
-  for (const auto& [label, value] : values) {
+  for (const auto& [labels, value] : values) {
     prometheus::ClientMetric metric;
-    if (!label.name.empty()) metric.label.push_back(label);
+    metric.label = labels;
     const double v = static_cast<double>(value);
     if (type == prometheus::MetricType::Counter) {
       metric.counter.value = v;
@@ -109,8 +113,7 @@ class Metrics::Collector final : public prometheus::Collectable {
     std::vector<prometheus::MetricFamily> families = registry_->Collect();
     using prometheus::MetricType;
     const auto one = [](const std::function<int64_t()>& gauge) {
-      return std::vector<std::pair<prometheus::ClientMetric::Label, int64_t>>{
-          {{}, Read(gauge)}};
+      return Series{{{}, Read(gauge)}};
     };
     families.push_back(
         Sampled("packd_calls_in_flight", "Calls admitted and not yet answered.",
@@ -126,10 +129,10 @@ class Metrics::Collector final : public prometheus::Collectable {
         "packd_budget_waiting",
         "Calls waiting for bytes of --max_inflight_bytes to be released.",
         MetricType::Gauge, one(gauges_.budget_waiting)));
-    std::vector<std::pair<prometheus::ClientMetric::Label, int64_t>> regions;
+    Series regions;
     for (const char* kind : {"device", "system"}) {
       regions.push_back(
-          {{"kind", kind}, gauges_.regions ? gauges_.regions(kind) : 0});
+          {{{"kind", kind}}, gauges_.regions ? gauges_.regions(kind) : 0});
     }
     families.push_back(Sampled("packd_regions",
                                "Registered tensor-handle regions, by kind.",
@@ -139,10 +142,55 @@ class Metrics::Collector final : public prometheus::Collectable {
                 "Regions unregistered because no call named them for their "
                 "lease.",
                 MetricType::Counter, one(gauges_.regions_expired)));
+    AddDeviceCounters(&families);
     return families;
   }
 
  private:
+  // What packd asked of each GPU kind (kernels/device_counters.h).
+  static void AddDeviceCounters(std::vector<prometheus::MetricFamily>* out) {
+    using prometheus::MetricType;
+    Series syncs, operations, bytes, acquisitions, misses;
+    for (DeviceKind kind : {DeviceKind::kCuda, DeviceKind::kHip}) {
+      const std::string device = kind == DeviceKind::kCuda ? "cuda" : "hip";
+      const DeviceCounts c = DeviceCounters::Of(kind).Read();
+      syncs.push_back({{{"device", device}}, c.synchronizations});
+      for (int i = 0; i < kDeviceOps; ++i) {
+        const auto op = static_cast<DeviceOp>(i);
+        operations.push_back(
+            {{{"device", device}, {"kind", DeviceOpName(op)}}, c.ops(op)});
+      }
+      for (const auto& [op, direction] :
+           {std::pair<DeviceOp, const char*>{DeviceOp::kCopyHostToDevice,
+                                             "h2d"},
+            {DeviceOp::kCopyDeviceToHost, "d2h"},
+            {DeviceOp::kCopyDeviceToDevice, "d2d"}}) {
+        bytes.push_back(
+            {{{"device", device}, {"direction", direction}}, c.bytes(op)});
+      }
+      acquisitions.push_back({{{"device", device}}, c.pool_acquisitions});
+      misses.push_back({{{"device", device}}, c.pool_misses});
+    }
+    out->push_back(Sampled("packd_device_synchronizations_total",
+                           "Times packd waited on the host for a device's "
+                           "stream.",
+                           MetricType::Counter, syncs));
+    out->push_back(Sampled("packd_device_operations_total",
+                           "Stream operations queued on a device, by kind "
+                           "(kernel, memset, copy_h2d, copy_d2h, copy_d2d).",
+                           MetricType::Counter, operations));
+    out->push_back(Sampled("packd_device_copy_bytes_total",
+                           "Bytes copied to, from and within a device, by "
+                           "direction.",
+                           MetricType::Counter, bytes));
+    out->push_back(Sampled("packd_device_pool_acquisitions_total",
+                           "Blocks of device memory asked of packd's pool.",
+                           MetricType::Counter, acquisitions));
+    out->push_back(Sampled("packd_device_pool_misses_total",
+                           "Blocks of device memory the pool had to allocate.",
+                           MetricType::Counter, misses));
+  }
+
   const std::shared_ptr<prometheus::Registry> registry_;
   const Gauges gauges_;
 };

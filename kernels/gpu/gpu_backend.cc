@@ -76,9 +76,9 @@ class GpuBackend : public Backend {
     if (total == 0 || out.nbytes() == 0) return absl::OkStatus();
     PACKD_GPU_CHECK("set device", gpuSetDevice(x.device.index));
     if (plan.all_active()) {
-      PACKD_GPU_CHECK("copy", gpuMemcpyAsync(out.data, x.data, out.nbytes(),
-                                             gpuMemcpyDeviceToDevice,
-                                             NativeStream(stream)));
+      PACKD_GPU_CHECK(
+          "copy", CountedCopy(out.data, x.data, out.nbytes(),
+                              gpuMemcpyDeviceToDevice, NativeStream(stream)));
       return absl::OkStatus();
     }
     PACKD_GPU_CHECK("gather launch",
@@ -95,15 +95,14 @@ class GpuBackend : public Backend {
     PACKD_GPU_CHECK("set device", gpuSetDevice(dense.device.index));
     const int64_t row_bytes = dense.nbytes() / positions;
     if (plan.total_active() == 0) {
-      PACKD_GPU_CHECK("zero fill", gpuMemsetAsync(dense.data, 0, dense.nbytes(),
-                                                  NativeStream(stream)));
+      PACKD_GPU_CHECK("zero fill", CountedMemset(dense.data, 0, dense.nbytes(),
+                                                 NativeStream(stream)));
       return absl::OkStatus();
     }
     if (plan.all_active()) {
       PACKD_GPU_CHECK(
-          "copy",
-          gpuMemcpyAsync(dense.data, packed.data, dense.nbytes(),
-                         gpuMemcpyDeviceToDevice, NativeStream(stream)));
+          "copy", CountedCopy(dense.data, packed.data, dense.nbytes(),
+                              gpuMemcpyDeviceToDevice, NativeStream(stream)));
       return absl::OkStatus();
     }
     PACKD_GPU_CHECK("zero-fill launch",
@@ -162,8 +161,8 @@ class GpuBackend : public Backend {
     if (dense.nbytes() == 0) return absl::OkStatus();
     const int64_t width = dense.nbytes() / (dense.shape[0] * dense.shape[1]);
     PACKD_GPU_CHECK("set device", gpuSetDevice(dense.device.index));
-    PACKD_GPU_CHECK("zero fill", gpuMemsetAsync(dense.data, 0, dense.nbytes(),
-                                                NativeStream(stream)));
+    PACKD_GPU_CHECK("zero fill", CountedMemset(dense.data, 0, dense.nbytes(),
+                                               NativeStream(stream)));
     std::vector<int64_t> from, to;
     for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) {
       if (rows[j] >= 0) {

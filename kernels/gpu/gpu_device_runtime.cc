@@ -53,6 +53,9 @@ class GpuPool {
       if (slot == nullptr) slot = MakePool(device);
       pool = slot.get();
     }
+    // Device memory is counted: an acquisition, and a miss when the pool
+    // allocates (below).
+    if (!pinned_) GpuCounters().PoolAcquired();
     return pool->Acquire(bytes);
   }
 
@@ -72,6 +75,7 @@ class GpuPool {
             PACKD_GPU_CHECK("pinned host allocation",
                             gpuMallocHost(&data, capacity));
           } else {
+            GpuCounters().PoolMissed();
             PACKD_GPU_CHECK("device allocation", gpuMalloc(&data, capacity));
           }
           return data;
@@ -186,17 +190,17 @@ class GpuRuntime : public DeviceRuntime {
       } else {
         // The buffer's previous chunk must have left before it is refilled.
         PACKD_GPU_CHECK("host-to-device copy",
-                        gpuStreamSynchronize(NativeStream(stream)));
+                        CountedSynchronize(NativeStream(stream)));
       }
       const int64_t n = std::min(chunk, bytes - at);
       std::memcpy(buffer.data(), static_cast<const char*>(src) + at, n);
       PACKD_GPU_CHECK(
           "host-to-device copy",
-          gpuMemcpyAsync(static_cast<char*>(dst) + at, buffer.data(), n,
-                         gpuMemcpyHostToDevice, NativeStream(stream)));
+          CountedCopy(static_cast<char*>(dst) + at, buffer.data(), n,
+                      gpuMemcpyHostToDevice, NativeStream(stream)));
     }
     PACKD_GPU_CHECK("host-to-device copy",
-                    gpuStreamSynchronize(NativeStream(stream)));
+                    CountedSynchronize(NativeStream(stream)));
     return absl::OkStatus();
   }
 
@@ -211,10 +215,10 @@ class GpuRuntime : public DeviceRuntime {
       const int64_t n = std::min(chunk, bytes - at);
       PACKD_GPU_CHECK(
           "device-to-host copy",
-          gpuMemcpyAsync(pinned.data(), static_cast<const char*>(src) + at, n,
-                         gpuMemcpyDeviceToHost, NativeStream(stream)));
+          CountedCopy(pinned.data(), static_cast<const char*>(src) + at, n,
+                      gpuMemcpyDeviceToHost, NativeStream(stream)));
       PACKD_GPU_CHECK("device-to-host copy",
-                      gpuStreamSynchronize(NativeStream(stream)));
+                      CountedSynchronize(NativeStream(stream)));
       std::memcpy(static_cast<char*>(dst) + at, pinned.data(), n);
     }
     return absl::OkStatus();
@@ -228,10 +232,10 @@ class GpuRuntime : public DeviceRuntime {
     gpuError_t err = gpuSuccess;
     ForEachRowRun(rows, [&](int64_t to, int64_t from, int64_t count) {
       if (err != gpuSuccess) return;
-      err = gpuMemcpyAsync(static_cast<char*>(dst) + to * row_bytes,
-                           static_cast<const char*>(src) + from * row_bytes,
-                           count * row_bytes, gpuMemcpyDeviceToDevice,
-                           NativeStream(stream));
+      err = CountedCopy(static_cast<char*>(dst) + to * row_bytes,
+                        static_cast<const char*>(src) + from * row_bytes,
+                        count * row_bytes, gpuMemcpyDeviceToDevice,
+                        NativeStream(stream));
     });
     PACKD_GPU_CHECK("row gather", err);
     return absl::OkStatus();
@@ -240,7 +244,7 @@ class GpuRuntime : public DeviceRuntime {
   absl::Status Synchronize(const Stream& stream) override {
     PACKD_GPU_CHECK("set device", gpuSetDevice(stream.device().index));
     PACKD_GPU_CHECK("stream synchronisation",
-                    gpuStreamSynchronize(NativeStream(stream)));
+                    CountedSynchronize(NativeStream(stream)));
     return absl::OkStatus();
   }
 

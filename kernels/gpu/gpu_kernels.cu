@@ -230,6 +230,7 @@ gpuError_t LaunchRows(int vector_bytes, int64_t rows, int64_t row_bytes,
   const int64_t nvec = row_bytes / vector_bytes;
   const int threads_per_row = ThreadsPerRow(nvec);
   const int64_t blocks = Blocks(rows, kCopyThreads / threads_per_row);
+  CountKernel();
   switch (vector_bytes) {
     case 16:
       Launch<uint4>::Run(blocks, stream, args..., threads_per_row);
@@ -278,26 +279,32 @@ void SetMaxBlocksForTesting(int64_t blocks) { max_blocks = blocks; }
 gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
   const int64_t tiles = scan.batch * TilesPerRow(scan.seq);
   if (scan.batch > 0) {
-    const gpuError_t err = gpuMemsetAsync(scan.last_index, 0,
-                                          scan.batch * sizeof(int64_t), stream);
+    const gpuError_t err =
+        CountedMemset(scan.last_index, 0, scan.batch * sizeof(int64_t), stream);
     if (err != gpuSuccess) return err;
   }
   if (tiles > 0) {
+    CountKernel();
     TileCountsKernel<<<Blocks(tiles, 1), kTile, 0, stream>>>(scan);
     if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
+    CountKernel();
     ScanChunksKernel<<<Blocks(ScanChunks(tiles), 1),
                        static_cast<int>(kScanChunk), 0, stream>>>(scan);
     if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
   }
+  CountKernel();
   ScanChunkTotalsKernel<<<1, kScanThreads, 0, stream>>>(scan);
   if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
   if (tiles > 0) {
+    CountKernel();
     AddChunkOffsetsKernel<<<Blocks(tiles, 256), 256, 0, stream>>>(scan);
     if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
   }
+  CountKernel();
   RowMetaKernel<<<Blocks(scan.batch + 1, 256), 256, 0, stream>>>(scan);
   if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
   if (tiles > 0) {
+    CountKernel();
     BuildIndexKernel<<<Blocks(tiles, 1), kTile, 0, stream>>>(scan);
     if (gpuError_t err = gpuGetLastError(); err != gpuSuccess) return err;
   }

@@ -196,4 +196,48 @@ inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
 #define PACKD_HOST_DEVICE
 #endif
 
+// The stream operations and synchronisations of the GPU sources, counted
+// (kernels/device_counters.h): the GPU sources call these, never the gpu*
+// functions they wrap, and each launcher counts the kernels it queues.
+#include "kernels/device_counters.h"
+
+namespace packd::PACKD_GPU_NS {
+
+using gpuMemcpyKind_t = decltype(gpuMemcpyHostToDevice);
+
+// The counters of this build's device kind (cuda, or hip in a ROCm build).
+inline DeviceCounters& GpuCounters() {
+#if defined(PACKD_GPU_HIP)
+  return DeviceCounters::Of(static_cast<DeviceKind>(2));
+#else
+  return DeviceCounters::Of(static_cast<DeviceKind>(1));
+#endif
+}
+
+inline gpuError_t CountedCopy(void* dst, const void* src, size_t bytes,
+                              gpuMemcpyKind_t kind, gpuStream_t stream) {
+  GpuCounters().Operation(
+      kind == gpuMemcpyHostToDevice   ? DeviceOp::kCopyHostToDevice
+      : kind == gpuMemcpyDeviceToHost ? DeviceOp::kCopyDeviceToHost
+                                      : DeviceOp::kCopyDeviceToDevice,
+      static_cast<int64_t>(bytes));
+  return gpuMemcpyAsync(dst, src, bytes, kind, stream);
+}
+
+inline gpuError_t CountedMemset(void* dst, int value, size_t bytes,
+                                gpuStream_t stream) {
+  GpuCounters().Operation(DeviceOp::kMemset);
+  return gpuMemsetAsync(dst, value, bytes, stream);
+}
+
+inline gpuError_t CountedSynchronize(gpuStream_t stream) {
+  GpuCounters().Synchronized();
+  return gpuStreamSynchronize(stream);
+}
+
+// One kernel queued by a launcher.
+inline void CountKernel() { GpuCounters().Operation(DeviceOp::kKernel); }
+
+}  // namespace packd::PACKD_GPU_NS
+
 #endif  // PACKD_KERNELS_GPU_GPU_RUNTIME_H_

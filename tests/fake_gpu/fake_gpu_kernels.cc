@@ -1,7 +1,9 @@
 // The launchers of kernels/gpu/gpu_kernels.h for the fake GPU: the same
 // results computed on the host, queued on the stream like kernels, with every
 // device access checked so that an out-of-bounds read or write faults the
-// device (a sticky error) instead of touching host memory.
+// device (a sticky error) instead of touching host memory. Each counts the
+// stream operations the real launcher queues (gpu_kernels.cu), so that the
+// fake GPU's counters are the budgets a device sees.
 #include <cstring>
 
 #include "kernels/gpu/gpu_kernels.h"
@@ -24,6 +26,11 @@ size_t Words(int64_t n) { return static_cast<size_t>(n) * sizeof(int64_t); }
 void SetMaxBlocksForTesting(int64_t) {}
 
 gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
+  // The real scan: a memset of last_index, then six kernels (two without
+  // tiles).
+  const bool tiles = scan.batch * TilesPerRow(scan.seq) > 0;
+  if (scan.batch > 0) GpuCounters().Operation(DeviceOp::kMemset);
+  for (int k = 0; k < (tiles ? 6 : 2); ++k) CountKernel();
   return fakegpu::Launch(stream, [scan](const fakegpu::Accessible& ok) {
     const int64_t B = scan.batch, S = scan.seq;
     const int64_t tiles = B * TilesPerRow(S);
@@ -56,6 +63,7 @@ gpuError_t CopyRows(const void* src, void* dst, const int64_t* index,
                     int64_t rows, int64_t row_bytes, bool gather,
                     gpuStream_t stream) {
   if (rows == 0 || row_bytes == 0) return gpuSuccess;
+  CountKernel();
   return fakegpu::Launch(stream, [=](const fakegpu::Accessible& ok) {
     if (!ok(index, Words(rows))) return fakegpu::kErrorIllegalAddress;
     const size_t n = static_cast<size_t>(row_bytes);
@@ -88,6 +96,7 @@ gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
                               int64_t row_bytes, gpuStream_t stream) {
   const int64_t positions = scan.batch * scan.seq;
   if (positions == 0 || row_bytes == 0) return gpuSuccess;
+  CountKernel();
   return fakegpu::Launch(stream, [=](const fakegpu::Accessible& ok) {
     if (!ok(scan.mask, static_cast<size_t>(positions * scan.width))) {
       return fakegpu::kErrorIllegalAddress;

@@ -14,6 +14,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/device_counters.h"
 
 // Static TLS as large as libtorch with OpenBLAS gives packd on a fresh Debian
 // machine (112 KiB there), and more: in the executable, so every thread of
@@ -136,6 +137,41 @@ TEST(Metrics, CountsDeviceWorkAndOnlyTheDevicesOwnFailuresAsErrors) {
               HasSubstr("packd_device_calls_total{device=\"cuda:1\"} 4\n"));
   EXPECT_THAT(text,
               HasSubstr("packd_device_errors_total{device=\"cuda:1\"} 4\n"));
+}
+
+TEST(Metrics, ExportsWhatEachGpuKindWasAskedSinceStart) {
+  Metrics metrics;
+  DeviceCounters& hip = DeviceCounters::Of(DeviceKind::kHip);
+  const DeviceCounts before = hip.Read();
+  hip.Synchronized();
+  hip.Operation(DeviceOp::kKernel);
+  hip.Operation(DeviceOp::kKernel);
+  hip.Operation(DeviceOp::kCopyHostToDevice, 1000);
+  hip.Operation(DeviceOp::kCopyDeviceToHost, 24);
+  hip.PoolAcquired();
+  hip.PoolMissed();
+  const DeviceCounts cost = hip.Read() - before;
+  EXPECT_EQ(cost.synchronizations, 1);
+  EXPECT_EQ(cost.ops(DeviceOp::kKernel), 2);
+  EXPECT_EQ(cost.total_operations(), 4);
+  EXPECT_EQ(cost.bytes(DeviceOp::kCopyHostToDevice), 1000);
+  EXPECT_EQ(cost.pool_misses, 1);
+
+  // Nothing else in this process uses the hip kind: the totals are these.
+  const std::string text = metrics.Render();
+  for (const char* line :
+       {"packd_device_synchronizations_total{device=\"hip\"} 1\n",
+        "packd_device_operations_total{device=\"hip\",kind=\"kernel\"} 2\n",
+        "packd_device_operations_total{device=\"hip\",kind=\"memset\"} 0\n",
+        "packd_device_operations_total{device=\"hip\",kind=\"copy_h2d\"} 1\n",
+        "packd_device_copy_bytes_total{device=\"hip\",direction=\"h2d\"} "
+        "1000\n",
+        "packd_device_copy_bytes_total{device=\"hip\",direction=\"d2h\"} 24\n",
+        "packd_device_pool_acquisitions_total{device=\"hip\"} 1\n",
+        "packd_device_pool_misses_total{device=\"hip\"} 1\n",
+        "packd_device_synchronizations_total{device=\"cuda\"} 0\n"}) {
+    EXPECT_THAT(text, HasSubstr(line));
+  }
 }
 
 TEST(Metrics, ReadsTheGaugesAtEachScrape) {
