@@ -71,6 +71,18 @@ class Stream {
   Release release_;
 };
 
+// One piece of a batched copy within a device's memory (DeviceRuntime::
+// CopySpans): `bytes` bytes to dst + to from src + from, or, where `from` is
+// -1, the pattern repeated from its first byte on. Plain values, 24 bytes.
+struct CopySpan {
+  int64_t to = 0;
+  int64_t from = 0;
+  int64_t bytes = 0;
+};
+
+// The direction of a queued copy between host and device memory.
+enum class CopyDirection { kHostToDevice, kDeviceToHost };
+
 // The memory, streams, copies and IPC of one kind of device. Safe to share
 // across threads: one runtime of each kind serves every call of the process.
 class DeviceRuntime {
@@ -117,6 +129,31 @@ class DeviceRuntime {
                                 absl::Span<const int64_t> rows,
                                 int64_t row_bytes, const Stream& stream) = 0;
 
+  // Host memory the device reads and writes in place (pinned), pooled: the
+  // host side of CopyAsync. The host runtime's is HostBufferPool's.
+  // RESOURCE_EXHAUSTED when none can be had.
+  virtual absl::StatusOr<Buffer> AllocateHost(int64_t bytes,
+                                              const Device& device);
+
+  // A copy between memory of the stream's device and host memory from
+  // AllocateHost, queued on the stream: complete once Synchronize returns,
+  // and neither side may be touched before (no host synchronisation here,
+  // unlike CopyToDevice and CopyToHost). INTERNAL with the runtime's message
+  // when it cannot be queued. The host runtime's is memcpy.
+  virtual absl::Status CopyAsync(void* dst, const void* src, int64_t bytes,
+                                 CopyDirection direction, const Stream& stream);
+
+  // Every span of `spans` (`count` of them, in memory of the stream's device)
+  // copied from `src` into `dst`, pad spans filled from `pattern`
+  // (`pattern_bytes` bytes of device memory; unread when no span pads), all
+  // within memory of the stream's device, in one kernel. Spans must not
+  // overlap in dst. Queued on the stream: complete once Synchronize returns.
+  // The host runtime's runs it when called.
+  virtual absl::Status CopySpans(void* dst, const void* src,
+                                 const CopySpan* spans, int64_t count,
+                                 const void* pattern, int64_t pattern_bytes,
+                                 const Stream& stream);
+
   // Returns once all work queued on `stream` has finished; INTERNAL with the
   // runtime's message when some of it failed. Immediate on the CPU.
   virtual absl::Status Synchronize(const Stream& stream);
@@ -133,6 +170,21 @@ class DeviceRuntime {
 // The runtime of host memory: one device, "cpu", memory from
 // HostBufferPool::Global(), copies by memcpy.
 std::unique_ptr<DeviceRuntime> MakeHostRuntime();
+
+// The spans that gather rows of `row_bytes` bytes into dst from byte `to` on:
+// dst row j = src row rows[j], or the pattern (one row) where rows[j] is -1.
+// Consecutive rows of src and runs of pad rows make one span, cut into pieces
+// of at most kMaxSpanBytes (a pad span's at whole rows) so that no block of
+// the kernel has much more to do than another. Appended to `spans`; nothing
+// for rows of 0 bytes.
+inline constexpr int64_t kMaxSpanBytes = int64_t{256} << 10;
+void AppendRowSpans(absl::Span<const int64_t> rows, int64_t to,
+                    int64_t row_bytes, std::vector<CopySpan>* spans);
+
+// What CopySpans does, in host memory: the host runtime's, and the fake
+// GPU's kernel.
+void RunCopySpans(void* dst, const void* src, const CopySpan* spans,
+                  int64_t count, const void* pattern, int64_t pattern_bytes);
 
 // Calls copy(to, from, count) for each run of `rows` whose source rows are
 // consecutive (rows[to .. to + count) = from, from + 1, ...), in order: the

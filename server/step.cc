@@ -145,6 +145,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   if (message.has_outputs()) {
     PACKD_RETURN_IF_ERROR(step->UseOutputs(message.outputs(), decoder));
   }
+  step->device_pass_ = step->UsesDevicePass();
   return step;
 }
 
@@ -385,9 +386,10 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
     const int64_t gathered = mb.samples_size() * mask.shape[1] * position_bytes;
     max_micro_batch_bytes_ = std::max(max_micro_batch_bytes_, gathered + reply);
     // Its results' places in the outputs, each from a multiple of 64.
-    Sent sent{&mb, at, {}, {}};
+    Sent sent{&mb, at, {}, {}, {}};
     auto place = [&](const TensorView& x, int64_t n) {
       const int64_t bytes = SaturatingMul(n, PositionBytes(x));
+      sent.rows.push_back(n);
       output_bytes_ = SaturatingAdd(output_bytes_, 63) / 64 * 64;
       sent.offsets.push_back(output_bytes_);
       sent.bytes.push_back(bytes);
@@ -548,6 +550,42 @@ absl::Status TrainingStep::PackMicroBatch(
   const Sent& sent = sent_[k];
   const v1::MicroBatch& mb = *sent.micro_batch;
   const absl::Span<const int64_t> rows(mb.samples().data(), mb.samples_size());
+  v1::PackMicroBatchesResponse* message = &response->message();
+  message->set_rank(mb.rank());
+  message->set_index(sent.index);
+  *message->mutable_samples() = mb.samples();
+  v1::PackResponse* packed = message->mutable_packed();
+  const ResultSlot slot = PackSlots(packed, call_.tensors.size());
+  // The micro-batch's spec, derived from the batch's: its rows' shared
+  // prompts and vision grids, in plan order.
+  const CallSpec spec = spec_.OfRows(rows, mrope_rows_);
+  CallOptions base;
+  base.device = call_.device;
+  // Into the outputs at the micro-batch's places, or into the reply.
+  std::vector<ResolvedSlice> places;
+  google::protobuf::RepeatedPtrField<v1::RegionSlice> written;
+  if (outputs_.has_value()) {
+    for (size_t i = 0; i < sent.offsets.size(); ++i) {
+      places.push_back(ResolvedSlice{outputs_->region,
+                                     outputs_->data + sent.offsets[i],
+                                     outputs_->offset + sent.offsets[i],
+                                     static_cast<uint64_t>(sent.bytes[i])});
+      v1::RegionSlice* slice = written.Add();
+      slice->set_region(outputs_slice_.region());
+      slice->set_offset(outputs_slice_.offset() + sent.offsets[i]);
+    }
+    base.allocate = IntoSlices(&places);
+  } else {
+    base.allocate =
+        IntoReply(response, slot, buffers, max_message_bytes_,
+                  spec.ReservedBytes(static_cast<int64_t>(rows.size())));
+  }
+  if (device_pass_) {
+    // Every micro-batch's results are gathered on the device in one pass;
+    // the message is assembled from it.
+    PACKD_RETURN_IF_ERROR(DevicePassOnce());
+    return MessageFromPass(k, packed, base, written);
+  }
   // The rows in plan order, as a batch of their own: only the positions that
   // can reach the result when the host packs (Backend::Gather reads active
   // positions only), whole rows when a GPU does.
@@ -574,36 +612,6 @@ absl::Status TrainingStep::PackMicroBatch(
   }
   // Pack runs on a stream of its own: the rows are in place first.
   PACKD_RETURN_IF_ERROR(device.Wait());
-  v1::PackMicroBatchesResponse* message = &response->message();
-  message->set_rank(mb.rank());
-  message->set_index(sent.index);
-  *message->mutable_samples() = mb.samples();
-  v1::PackResponse* packed = message->mutable_packed();
-  const ResultSlot slot = PackSlots(packed, inputs.size());
-  // The micro-batch's spec, derived from the batch's: its rows' shared
-  // prompts and vision grids, in plan order.
-  const CallSpec spec = spec_.OfRows(rows, mrope_rows_);
-  CallOptions base;
-  base.device = call_.device;
-  // Into the outputs at the micro-batch's places, or into the reply.
-  std::vector<ResolvedSlice> places;
-  google::protobuf::RepeatedPtrField<v1::RegionSlice> written;
-  if (outputs_.has_value()) {
-    for (size_t i = 0; i < sent.offsets.size(); ++i) {
-      places.push_back(ResolvedSlice{outputs_->region,
-                                     outputs_->data + sent.offsets[i],
-                                     outputs_->offset + sent.offsets[i],
-                                     static_cast<uint64_t>(sent.bytes[i])});
-      v1::RegionSlice* slice = written.Add();
-      slice->set_region(outputs_slice_.region());
-      slice->set_offset(outputs_slice_.offset() + sent.offsets[i]);
-    }
-    base.allocate = IntoSlices(&places);
-  } else {
-    base.allocate =
-        IntoReply(response, slot, buffers, max_message_bytes_,
-                  spec.ReservedBytes(static_cast<int64_t>(rows.size())));
-  }
   PACKD_ASSIGN_OR_RETURN(
       PackResult result,
       Pack(inputs, mask, spec.PackOptionsFor(base, segment_ids)));

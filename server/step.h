@@ -21,7 +21,9 @@
 #include <optional>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "base/buffer.h"
 #include "kernels/device_runtime.h"
@@ -75,6 +77,10 @@ class TrainingStep {
   // The most bytes one micro-batch makes the server hold while it is packed
   // and sent: its rows gathered, then its results.
   int64_t max_micro_batch_bytes() const { return max_micro_batch_bytes_; }
+  // The most bytes the server holds for the step at once: two micro-batches
+  // (the one being sent and the next), and with the device pass and no
+  // outputs every micro-batch's results, read back in one copy.
+  int64_t held_bytes() const;
   // The bytes the results of every micro-batch sent take in the request's
   // outputs, each tensor from a multiple of 64 (the first message says it).
   int64_t output_bytes() const { return output_bytes_; }
@@ -95,9 +101,9 @@ class TrainingStep {
   struct Sent {
     const v1::MicroBatch* micro_batch;
     int index;  // position in its rank
-    // Each result's bytes, and its offset in the outputs (packed, then
+    // Each result's rows, bytes, and offset in the outputs (packed, then
     // shifted).
-    std::vector<int64_t> bytes, offsets;
+    std::vector<int64_t> rows, bytes, offsets;
   };
   // What Measure learns of a row: its sequences' real lengths, and with a
   // shared prefix its targets, keys and segments in the stream.
@@ -167,6 +173,27 @@ class TrainingStep {
                                         DeviceGather* device,
                                         std::vector<Buffer>* held) const;
 
+  // The device pass (server/step_device.cc): with a batch on a GPU, every
+  // micro-batch's results gathered in one pass over the batch's regions
+  // before the first is sent, their metadata worked out on the host.
+  //
+  // Whether this step runs it: every tensor of the batch on the step's GPU,
+  // no mrope, the outputs on that device or inline.
+  bool UsesDevicePass() const;
+  // Runs the pass the first time a micro-batch is asked for; its status
+  // every time.
+  absl::Status DevicePassOnce() const;
+  absl::Status RunDevicePass() const;
+  // Sent micro-batch k's metadata: the host's Pack of its rows' dense
+  // positions (row j of the batch's row r: r * S + s), with the layout, pad
+  // rows and shift fills -1. Its packed and shifted results are the batch
+  // position of every result row.
+  absl::StatusOr<PackResult> PositionsOf(size_t k) const;
+  // Micro-batch k's message from the pass's results.
+  absl::Status MessageFromPass(
+      size_t k, v1::PackResponse* packed, const CallOptions& base,
+      const google::protobuf::RepeatedPtrField<v1::RegionSlice>& written) const;
+
   const v1::PackRequest& batch_;
   const int64_t max_message_bytes_;
   // The batch's headers, layout and sizes, decoded once; each micro-batch's
@@ -189,6 +216,15 @@ class TrainingStep {
   // The request's outputs, when the results are written there.
   std::optional<ResolvedSlice> outputs_;
   v1::RegionSlice outputs_slice_;
+  bool device_pass_ = false;
+  mutable absl::Mutex pass_mu_;
+  mutable bool pass_run_ ABSL_GUARDED_BY(pass_mu_) = false;
+  mutable absl::Status pass_status_ ABSL_GUARDED_BY(pass_mu_);
+  // Set by the pass, then read (each entry by the one micro-batch's message):
+  // the micro-batches' metadata, and without outputs their results on the
+  // device and in host memory.
+  mutable std::vector<PackResult> prepared_;
+  mutable Buffer device_results_, host_results_;
 };
 
 }  // namespace packd

@@ -50,7 +50,7 @@ absl::StatusOr<int64_t> StepCall::Prepare() {
       step_, TrainingStep::Make(parsed_, *env_.decoder, env_.max_message_bytes,
                                 tenant_));
   messages_ = step_->messages();
-  return SaturatingMul(2, step_->max_micro_batch_bytes());
+  return step_->held_bytes();
 }
 
 void StepCall::Serve() {

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/gpu/gpu_kernels.h"
 #include "kernels/gpu/gpu_runtime.h"
 #if !defined(PACKD_GPU_FAKE) && !defined(PACKD_GPU_HIP)
 #include "base/cuda_address_range.h"
@@ -238,6 +239,40 @@ class GpuRuntime : public DeviceRuntime {
                         NativeStream(stream));
     });
     PACKD_GPU_CHECK("row gather", err);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Buffer> AllocateHost(int64_t bytes,
+                                      const Device& device) override {
+    return pinned_pool_.Acquire(static_cast<size_t>(bytes), device);
+  }
+
+  absl::Status CopyAsync(void* dst, const void* src, int64_t bytes,
+                         CopyDirection direction,
+                         const Stream& stream) override {
+    if (bytes == 0) return absl::OkStatus();
+    PACKD_GPU_CHECK("set device", gpuSetDevice(stream.device().index));
+    const bool up = direction == CopyDirection::kHostToDevice;
+    PACKD_GPU_CHECK(
+        up ? "host-to-device copy" : "device-to-host copy",
+        CountedCopy(dst, src, bytes,
+                    up ? gpuMemcpyHostToDevice : gpuMemcpyDeviceToHost,
+                    NativeStream(stream)));
+    return absl::OkStatus();
+  }
+
+  absl::Status CopySpans(void* dst, const void* src, const CopySpan* spans,
+                         int64_t count, const void* pattern,
+                         int64_t pattern_bytes, const Stream& stream) override {
+    static_assert(sizeof(CopySpan) == 3 * sizeof(int64_t),
+                  "the kernel reads spans as three int64");
+    PACKD_GPU_CHECK("set device", gpuSetDevice(stream.device().index));
+    PACKD_GPU_CHECK(
+        "span copy launch",
+        LaunchCopySpans(static_cast<char*>(dst), static_cast<const char*>(src),
+                        reinterpret_cast<const int64_t*>(spans), count,
+                        static_cast<const char*>(pattern), pattern_bytes,
+                        NativeStream(stream)));
     return absl::OkStatus();
   }
 

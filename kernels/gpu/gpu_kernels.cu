@@ -272,6 +272,43 @@ struct ZeroLaunch {
   }
 };
 
+// Span by span, a block each: vectors of 16 or 4 bytes where the span's two
+// ends and length allow, else bytes; a pad span byte by byte from its pattern.
+__global__ void CopySpansKernel(char* dst, const char* src,
+                                const int64_t* spans, int64_t count,
+                                const char* pattern, int64_t pattern_bytes) {
+  for (int64_t i = blockIdx.x; i < count; i += gridDim.x) {
+    const int64_t to = spans[3 * i], from = spans[3 * i + 1];
+    const int64_t bytes = spans[3 * i + 2];
+    char* d = dst + to;
+    if (from < 0) {
+      for (int64_t j = threadIdx.x; j < bytes; j += blockDim.x) {
+        d[j] = pattern[j % pattern_bytes];
+      }
+      continue;
+    }
+    const char* s = src + from;
+    const uint64_t bits = reinterpret_cast<uint64_t>(d) |
+                          reinterpret_cast<uint64_t>(s) |
+                          static_cast<uint64_t>(bytes);
+    if (bits % 16 == 0) {
+      uint4* dv = reinterpret_cast<uint4*>(d);
+      const uint4* sv = reinterpret_cast<const uint4*>(s);
+      for (int64_t j = threadIdx.x; j < bytes / 16; j += blockDim.x) {
+        dv[j] = sv[j];
+      }
+    } else if (bits % 4 == 0) {
+      unsigned int* dv = reinterpret_cast<unsigned int*>(d);
+      const unsigned int* sv = reinterpret_cast<const unsigned int*>(s);
+      for (int64_t j = threadIdx.x; j < bytes / 4; j += blockDim.x) {
+        dv[j] = sv[j];
+      }
+    } else {
+      for (int64_t j = threadIdx.x; j < bytes; j += blockDim.x) d[j] = s[j];
+    }
+  }
+}
+
 }  // namespace
 
 void SetMaxBlocksForTesting(int64_t blocks) { max_blocks = blocks; }
@@ -337,6 +374,16 @@ gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
   return LaunchRows<ZeroLaunch>(VectorBytes(dense, dense, row_bytes), positions,
                                 row_bytes, stream, scan,
                                 static_cast<char*>(dense), row_bytes);
+}
+
+gpuError_t LaunchCopySpans(char* dst, const char* src, const int64_t* spans,
+                           int64_t count, const char* pattern,
+                           int64_t pattern_bytes, gpuStream_t stream) {
+  if (count == 0) return gpuSuccess;
+  CountKernel();
+  CopySpansKernel<<<Blocks(count, 1), kCopyThreads, 0, stream>>>(
+      dst, src, spans, count, pattern, pattern_bytes);
+  return gpuGetLastError();
 }
 
 }  // namespace packd::PACKD_GPU_NS

@@ -97,6 +97,15 @@ gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,
 gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
                               int64_t row_bytes, gpuStream_t stream);
 
+// A batched copy (DeviceRuntime::CopySpans): `spans` holds `count` spans of
+// three int64 each (to, from, bytes; CopySpan's layout), in device memory.
+// Span i copies `bytes` bytes to dst + to from src + from, or where from is
+// -1 fills them with `pattern` (`pattern_bytes` bytes) repeated. One kernel, a
+// block per span at a time.
+gpuError_t LaunchCopySpans(char* dst, const char* src, const int64_t* spans,
+                           int64_t count, const char* pattern,
+                           int64_t pattern_bytes, gpuStream_t stream);
+
 }  // namespace packd::PACKD_GPU_NS
 
 #endif  // PACKD_KERNELS_GPU_GPU_KERNELS_H_

@@ -6,6 +6,7 @@
 // fake GPU's counters are the budgets a device sees.
 #include <cstring>
 
+#include "kernels/device_runtime.h"
 #include "kernels/gpu/gpu_kernels.h"
 
 namespace packd::fake_gpu {
@@ -108,6 +109,28 @@ gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,
         return fakegpu::kErrorIllegalAddress;
       }
       std::memset(d, 0, static_cast<size_t>(row_bytes));
+    }
+    return fakegpu::kSuccess;
+  });
+}
+
+gpuError_t LaunchCopySpans(char* dst, const char* src, const int64_t* spans,
+                           int64_t count, const char* pattern,
+                           int64_t pattern_bytes, gpuStream_t stream) {
+  if (count == 0) return gpuSuccess;
+  CountKernel();
+  return fakegpu::Launch(stream, [=](const fakegpu::Accessible& ok) {
+    if (!ok(spans, Words(3 * count))) return fakegpu::kErrorIllegalAddress;
+    const auto* all = reinterpret_cast<const CopySpan*>(spans);
+    for (int64_t i = 0; i < count; ++i) {
+      const CopySpan& span = all[i];
+      const size_t n = static_cast<size_t>(span.bytes);
+      if (!ok(dst + span.to, n) ||
+          (span.from >= 0 ? !ok(src + span.from, n)
+                          : !ok(pattern, static_cast<size_t>(pattern_bytes)))) {
+        return fakegpu::kErrorIllegalAddress;
+      }
+      RunCopySpans(dst, src, &span, 1, pattern, pattern_bytes);
     }
     return fakegpu::kSuccess;
   });

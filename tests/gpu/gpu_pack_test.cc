@@ -248,5 +248,81 @@ TEST_F(GpuPackTest, LargeBatch) {
   Check(DType::kInt64, DType::kBool, 64, 4096, {}, 0.5, MaskPattern::kHoles, 0);
 }
 
+// The step's batched copy (DeviceRuntime::CopySpans) against the host's:
+// rows of odd and vector widths, misaligned ends, runs of rows and of pads,
+// spans cut at kMaxSpanBytes.
+TEST_F(GpuPackTest, CopySpansGatherRowsAndPadsLikeTheHost) {
+  Rng rng = Rng::Fresh();
+  for (int64_t row_bytes : {1, 3, 8, 16, 24, 100, 4096, 300000}) {
+    for (int misalign : {0, 4, 7}) {
+      SCOPED_TRACE(::testing::Message() << row_bytes << "-byte rows, "
+                                        << "misaligned by " << misalign);
+      const int64_t n = row_bytes > 4096 ? 6 : 200;
+      // Rows of the source in runs, and pad runs between them.
+      std::vector<int64_t> rows;
+      while (static_cast<int64_t>(rows.size()) < n) {
+        const int64_t start = static_cast<int64_t>(rng.Next() % n);
+        const int64_t count = 1 + static_cast<int64_t>(rng.Next() % 9);
+        const bool pad = rng.Next() % 4 == 0;
+        for (int64_t j = 0; j < count && start + j < n; ++j) {
+          rows.push_back(pad ? -1 : start + j);
+        }
+      }
+      std::vector<CopySpan> spans;
+      AppendRowSpans(rows, misalign, row_bytes, &spans);
+      std::vector<char> src(n * row_bytes), pattern(row_bytes);
+      for (char& c : src) c = static_cast<char>(rng.Next());
+      for (char& c : pattern) c = static_cast<char>(rng.Next());
+      const int64_t out_bytes = rows.size() * row_bytes + misalign;
+      std::vector<char> expected(out_bytes, 0x5a);
+      for (size_t j = 0; j < rows.size(); ++j) {
+        const char* from =
+            rows[j] < 0 ? pattern.data() : src.data() + rows[j] * row_bytes;
+        std::memcpy(expected.data() + misalign + j * row_bytes, from,
+                    row_bytes);
+      }
+      std::vector<char> on_host(out_bytes, 0x5a);
+      RunCopySpans(on_host.data(), src.data(), spans.data(),
+                   static_cast<int64_t>(spans.size()), pattern.data(),
+                   row_bytes);
+      EXPECT_EQ(on_host, expected);
+      if (fake_ && out_bytes > (int64_t{4} << 20)) continue;
+
+      auto upload = [&](const void* data, int64_t bytes) -> char* {
+        absl::StatusOr<Buffer> buf = gpu_->Allocate(bytes + 16, kGpu);
+        EXPECT_TRUE(buf.ok()) << buf.status();
+        char* at = static_cast<char*>(buf->data()) + misalign;
+        EXPECT_TRUE(gpu_->CopyToDevice(at, data, bytes, stream_).ok());
+        buffers_.push_back(std::move(*buf));
+        return at;
+      };
+      const char* d_src = upload(src.data(), src.size());
+      const char* d_pattern = upload(pattern.data(), row_bytes);
+      // The spans' own table must be 8-aligned: it has no misalignment.
+      absl::StatusOr<Buffer> table =
+          gpu_->Allocate(spans.size() * sizeof(CopySpan) + 8, kGpu);
+      ASSERT_TRUE(table.ok());
+      ASSERT_TRUE(gpu_->CopyToDevice(table->data(), spans.data(),
+                                     spans.size() * sizeof(CopySpan), stream_)
+                      .ok());
+      // The output from an aligned base: the spans start `misalign` in.
+      absl::StatusOr<Buffer> out = gpu_->Allocate(out_bytes, kGpu);
+      ASSERT_TRUE(out.ok());
+      char* d_out = static_cast<char*>(out->data());
+      ASSERT_TRUE(
+          gpu_->CopyToDevice(d_out, on_host.data(), misalign, stream_).ok());
+      ASSERT_TRUE(gpu_->CopySpans(d_out, d_src,
+                                  static_cast<const CopySpan*>(table->data()),
+                                  static_cast<int64_t>(spans.size()), d_pattern,
+                                  row_bytes, stream_)
+                      .ok());
+      std::vector<char> on_device(out_bytes);
+      ASSERT_TRUE(
+          gpu_->CopyToHost(on_device.data(), d_out, out_bytes, stream_).ok());
+      EXPECT_EQ(on_device, expected);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace packd

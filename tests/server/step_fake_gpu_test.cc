@@ -371,10 +371,10 @@ TEST_F(StepOnFakeGpuTest, ASlowReaderHoldsTheServerToTwoMicroBatches) {
   StopServer();
 }
 
-// A device error in the middle of a step ends it with the runtime's error
-// after the micro-batches already sent (which are right); the server serves
-// the next step. A lost device: UNAVAILABLE from then on, and readiness
-// NOT_SERVING.
+// A device error in the step's device pass (after the plan is sent) ends it
+// with the runtime's error, after the messages already sent (which are
+// right); the server serves the next step. A lost device: UNAVAILABLE from then
+// on, and readiness NOT_SERVING.
 TEST_F(StepOnFakeGpuTest, ADeviceErrorMidStepEndsItCleanly) {
   StartServer(Device{DeviceKind::kCuda, 2});
   testing::Rng rng = testing::Rng::Fresh();
@@ -388,10 +388,11 @@ TEST_F(StepOnFakeGpuTest, ADeviceErrorMidStepEndsItCleanly) {
   v1::PackMicroBatchesRequest device = Request(batch, "batch", at);
   device.mutable_batch()->set_device("cuda:2");
 
-  // A copy within the second or third micro-batch fails (each makes about
-  // a dozen: its rows gathered, the mask staged, the results read back).
+  // The third copy fails: the mask and the segment ids came to the host for
+  // the plan, then the device pass copies its table up (and the results
+  // back).
   fakegpu::testing::FailNext("MemcpyAsync", fakegpu::kErrorIllegalAddress,
-                             /*skip=*/20);
+                             /*skip=*/2);
   Ran ran = Run(device);
   EXPECT_EQ(ran.status.error_code(), grpc::StatusCode::INTERNAL);
   EXPECT_THAT(ran.status.error_message(), HasSubstr("illegal memory access"));
@@ -404,8 +405,8 @@ TEST_F(StepOnFakeGpuTest, ADeviceErrorMidStepEndsItCleanly) {
   ASSERT_TRUE(ran.status.ok()) << ran.status.error_message();
   ExpectSameSteps(on_host.messages, ran.messages);
 
-  // Lost after the plan, while the first micro-batch's device work is
-  // queued: each takes 100 ms, so that a busy machine cannot finish the step
+  // Lost after the plan, while the device pass's work is queued: each
+  // operation takes 100 ms, so that a busy machine cannot finish the step
   // before the loss.
   fakegpu::testing::SetStreamDelay(absl::Milliseconds(100));
   grpc::ClientContext context;
