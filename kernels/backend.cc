@@ -33,6 +33,18 @@ absl::Status Backend::GatherRuns(const MaskPlan&, const TensorView&,
   return absl::UnimplementedError("this backend gathers layouts by rows");
 }
 
+absl::StatusOr<std::unique_ptr<MaskPlan>> Backend::ScanAhead(const TensorView&,
+                                                             const Stream&) {
+  return absl::UnimplementedError("this backend scans with Plan");
+}
+
+void Backend::FinishScan(MaskPlan*) {}
+
+absl::Status Backend::GatherCounted(const MaskPlan&, const TensorView&, void*,
+                                    const Stream&) {
+  return absl::UnimplementedError("this backend gathers with Gather");
+}
+
 absl::StatusOr<std::vector<int64_t>> GatherInts(Backend& backend,
                                                 const MaskPlan& plan,
                                                 const TensorView& ids,

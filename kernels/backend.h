@@ -66,6 +66,20 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
       const TensorView& mask, const Stream& stream) = 0;
 
+  // A scan whose sizes stay on the device until the stream's work is done,
+  // so that a call whose results have places already needs no round trip:
+  // the plan's cu_seqlens and last_index are filled by FinishScan, called
+  // once the stream is synchronised, and GatherCounted gathers with it
+  // meanwhile. UNIMPLEMENTED (the default) where the backend has none; the
+  // call then scans with Plan.
+  virtual absl::StatusOr<std::unique_ptr<MaskPlan>> ScanAhead(
+      const TensorView& mask, const Stream& stream);
+  virtual void FinishScan(MaskPlan* plan);
+  // out = x[mask != 0] under a plan of ScanAhead: `out` holds x's B * S rows,
+  // of which the first total_active are written.
+  virtual absl::Status GatherCounted(const MaskPlan& plan, const TensorView& x,
+                                     void* out, const Stream& stream);
+
   // out = x[mask != 0]: x is [B, S, *tail], out is [total_active, *tail] of the
   // same dtype, neither overlapping. Writes every byte of `out` (once the
   // stream's work is done). `out` depends on x's active positions only: a

@@ -8,7 +8,9 @@
 //   PACKD_RETURN_IF_ERROR(staging.Upload(&mask));          // now on the device
 //   PACKD_ASSIGN_OR_RETURN(void* out, staging.Result(host_place, bytes));
 //   ... the op writes `out` ...
-//   PACKD_RETURN_IF_ERROR(staging.Download());             // host_place filled
+//   PACKD_RETURN_IF_ERROR(staging.Download());             // copies queued
+//   PACKD_RETURN_IF_ERROR(runtime->Synchronize(stream));
+//   staging.Deliver();                                     // host_place filled
 #ifndef PACKD_KERNELS_DEVICE_STAGING_H_
 #define PACKD_KERNELS_DEVICE_STAGING_H_
 
@@ -39,9 +41,16 @@ class DeviceStaging {
            stream_->device().kind != DeviceKind::kCpu;
   }
 
+  // Tensors of at most this many bytes move through pinned host memory with
+  // copies queued on the stream, which the call's one synchronisation
+  // completes; larger ones through the runtime's bounded staging, which waits
+  // as it goes.
+  static constexpr int64_t kQueuedBytes = int64_t{8} << 20;
+
   // If `view` needs staging, copies it into a pooled device buffer and points
-  // `view` at that copy. RESOURCE_EXHAUSTED when the device is full; INTERNAL
-  // on a runtime failure.
+  // `view` at that copy (queued on the stream, or done when it returns).
+  // RESOURCE_EXHAUSTED when the device is full; INTERNAL on a runtime
+  // failure.
   absl::Status Upload(TensorView* view);
 
   // Where the op writes a result of `bytes` whose place is `place`: `place`
@@ -50,9 +59,12 @@ class DeviceStaging {
   absl::StatusOr<void*> Result(void* place, const Device& place_device,
                                int64_t bytes);
 
-  // Copies every staged result to its host place, once the op's work on the
-  // stream is done.
+  // Copies every staged result towards its host place, after the op's work
+  // on the stream: queued into pinned memory for Deliver, or (large ones)
+  // done when it returns.
   absl::Status Download();
+  // Once the stream is synchronised: the queued results into their places.
+  void Deliver();
 
  private:
   struct Pending {
@@ -64,6 +76,8 @@ class DeviceStaging {
   const Stream* const stream_;
   std::vector<Buffer> buffers_;
   std::vector<Pending> pending_;
+  // Results on their way: pinned memory (device = its data) for `host`.
+  std::vector<Pending> queued_;
 };
 
 }  // namespace packd

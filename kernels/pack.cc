@@ -108,6 +108,8 @@ absl::StatusOr<PackResult> Pack(absl::Span<const TensorView> inputs,
       sources.of_result.push_back(shift.input);
     }
   }
+  sources.plain_gather = !laid_out && !options.segment_ids.has_value() &&
+                         !options.mrope.has_value();
   DocumentCuts documents;
   LaidOut laid;
   std::vector<int64_t> mrope;  // [3 * total_active], packed order

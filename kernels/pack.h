@@ -53,6 +53,13 @@ struct OutputPlace {
 using OutputAllocator =
     std::function<absl::StatusOr<OutputPlace>(size_t index, int64_t bytes)>;
 
+// Where a result will go and how many bytes it may take there, when both are
+// known before the call's sizes are (a region slice of the caller's).
+struct FixedPlace {
+  OutputPlace place;
+  int64_t capacity = 0;
+};
+
 // What Pack and Scatter share: where the call runs and where results go.
 // Options are plain values, read by one call (`allocate` is called on its
 // thread only).
@@ -72,6 +79,13 @@ struct CallOptions {
   // When set and `outputs` is empty, results go where it says; their `storage`
   // stays empty.
   OutputAllocator allocate;
+  // With `allocate`: result i's place and room when they do not depend on its
+  // size, the place `allocate` gives for any size that fits. A Pack without
+  // layout, documents or mrope on a GPU whose every place is on the device,
+  // overlaps nothing and holds all B * S rows of its input gathers in place
+  // without waiting for its sizes (Backend::ScanAhead): one synchronisation
+  // instead of two.
+  std::function<FixedPlace(size_t index)> fixed_place;
 };
 
 struct PackOptions : CallOptions {

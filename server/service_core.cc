@@ -85,6 +85,14 @@ absl::Status ServiceCore::Serve(const CallSpec& spec,
                                      options_.max_message_bytes,
                                      spec.ReservedBytes(call.mask.shape[0]))
                          : IntoSlices(&call.outputs);
+  if (!call.outputs.empty()) {
+    // A slice's place and room do not depend on the result's size.
+    options.fixed_place = [&call](size_t i) {
+      const ResolvedSlice& slice = call.outputs[i];
+      return FixedPlace{OutputPlace{slice.data, slice.region->device()},
+                        static_cast<int64_t>(slice.byte_size)};
+    };
+  }
   if (options_.TEST_call_hook) options_.TEST_call_hook(spec.method());
   absl::StatusOr<std::vector<ResultTensor>> out =
       RunOp(spec, call, options, response);

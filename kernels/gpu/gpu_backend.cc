@@ -22,6 +22,8 @@ class GpuPlan : public MaskPlan {
   MaskScan scan{};
   // On the device: the scan's arrays (MakeMaskScan).
   Buffer work;
+  // ScanAhead's: cu_seqlens and last_index as they reach host memory.
+  Buffer meta;
 };
 
 class GpuBackend : public Backend {
@@ -37,27 +39,50 @@ class GpuBackend : public Backend {
 
   absl::StatusOr<std::unique_ptr<MaskPlan>> Plan(
       const TensorView& mask, const Stream& stream) override {
-    auto plan = std::make_unique<GpuPlan>();
-    const int64_t B = mask.shape[0], S = mask.shape[1];
-    plan->batch = B;
-    plan->seq = S;
-    PACKD_GPU_CHECK("set device", gpuSetDevice(mask.device.index));
-    PACKD_ASSIGN_OR_RETURN(
-        plan->work, runtime_->Allocate(MaskScanWords(B, S) * 8, mask.device));
-    plan->scan = MakeMaskScan(
-        mask.data, B, S, static_cast<int>(ItemSize(mask.dtype)),
-        IsFloatingPoint(mask.dtype), static_cast<int64_t*>(plan->work.data()));
-    const MaskScan& scan = plan->scan;
-    PACKD_GPU_CHECK("mask scan launch",
-                    LaunchMaskScan(scan, NativeStream(stream)));
-    // The one synchronisation of a call: cu_seqlens and last_index (adjacent
-    // on the device) to the host.
+    PACKD_ASSIGN_OR_RETURN(std::unique_ptr<GpuPlan> plan, Scan(mask, stream));
+    // The call's round trip: cu_seqlens and last_index (adjacent on the
+    // device) to the host.
+    const int64_t B = plan->batch;
     std::vector<int64_t> meta(2 * B + 1);
-    PACKD_RETURN_IF_ERROR(runtime_->CopyToHost(
-        meta.data(), scan.cu_seqlens, meta.size() * sizeof(int64_t), stream));
+    PACKD_RETURN_IF_ERROR(
+        runtime_->CopyToHost(meta.data(), plan->scan.cu_seqlens,
+                             meta.size() * sizeof(int64_t), stream));
     plan->cu_seqlens.assign(meta.begin(), meta.begin() + B + 1);
     plan->last_index.assign(meta.begin() + B + 1, meta.end());
     return plan;
+  }
+
+  absl::StatusOr<std::unique_ptr<MaskPlan>> ScanAhead(
+      const TensorView& mask, const Stream& stream) override {
+    PACKD_ASSIGN_OR_RETURN(std::unique_ptr<GpuPlan> plan, Scan(mask, stream));
+    const int64_t bytes = (2 * plan->batch + 1) * int64_t{sizeof(int64_t)};
+    PACKD_ASSIGN_OR_RETURN(plan->meta,
+                           runtime_->AllocateHost(bytes, mask.device));
+    PACKD_RETURN_IF_ERROR(
+        runtime_->CopyAsync(plan->meta.data(), plan->scan.cu_seqlens, bytes,
+                            CopyDirection::kDeviceToHost, stream));
+    return plan;
+  }
+
+  void FinishScan(MaskPlan* base) override {
+    auto* plan = static_cast<GpuPlan*>(base);
+    const auto* meta = static_cast<const int64_t*>(plan->meta.data());
+    const int64_t B = plan->batch;
+    plan->cu_seqlens.assign(meta, meta + B + 1);
+    plan->last_index.assign(meta + B + 1, meta + 2 * B + 1);
+  }
+
+  absl::Status GatherCounted(const MaskPlan& base, const TensorView& x,
+                             void* out, const Stream& stream) override {
+    const auto& plan = static_cast<const GpuPlan&>(base);
+    const int64_t positions = plan.batch * plan.seq;
+    if (positions == 0 || x.nbytes() == 0) return absl::OkStatus();
+    PACKD_GPU_CHECK("set device", gpuSetDevice(x.device.index));
+    PACKD_GPU_CHECK("gather launch",
+                    LaunchGather(x.data, out, plan.scan.index, positions,
+                                 x.nbytes() / positions, NativeStream(stream),
+                                 /*count=*/plan.scan.cu_seqlens + plan.batch));
+    return absl::OkStatus();
   }
 
   absl::Status PackedPositions(const MaskPlan& base,
@@ -202,6 +227,24 @@ class GpuBackend : public Backend {
     held->push_back(std::move(index));
     held->push_back(std::move(rows));
     return absl::OkStatus();
+  }
+
+  // The mask scanned on the device, its sizes not read yet.
+  absl::StatusOr<std::unique_ptr<GpuPlan>> Scan(const TensorView& mask,
+                                                const Stream& stream) {
+    auto plan = std::make_unique<GpuPlan>();
+    const int64_t B = mask.shape[0], S = mask.shape[1];
+    plan->batch = B;
+    plan->seq = S;
+    PACKD_GPU_CHECK("set device", gpuSetDevice(mask.device.index));
+    PACKD_ASSIGN_OR_RETURN(
+        plan->work, runtime_->Allocate(MaskScanWords(B, S) * 8, mask.device));
+    plan->scan = MakeMaskScan(
+        mask.data, B, S, static_cast<int>(ItemSize(mask.dtype)),
+        IsFloatingPoint(mask.dtype), static_cast<int64_t*>(plan->work.data()));
+    PACKD_GPU_CHECK("mask scan launch",
+                    LaunchMaskScan(plan->scan, NativeStream(stream)));
+    return plan;
   }
 
   DeviceRuntime* const runtime_;

@@ -171,7 +171,8 @@ __global__ void BuildIndexKernel(MaskScan scan) {
 template <typename V, bool kGather>
 __global__ void RowCopyKernel(const char* src, char* dst, const int64_t* index,
                               int64_t rows, int64_t row_bytes,
-                              int threads_per_row) {
+                              int threads_per_row, const int64_t* count) {
+  if (count != nullptr && *count < rows) rows = *count;
   const int64_t nvec = row_bytes / sizeof(V);
   const int group = threadIdx.x / threads_per_row;
   const int lane = threadIdx.x % threads_per_row;
@@ -257,9 +258,9 @@ struct RowCopy {
   struct Launch {
     static void Run(int64_t blocks, gpuStream_t stream, const char* src,
                     char* dst, const int64_t* index, int64_t rows,
-                    int64_t row_bytes, int tpr) {
+                    int64_t row_bytes, const int64_t* count, int tpr) {
       RowCopyKernel<V, kGather><<<blocks, kCopyThreads, 0, stream>>>(
-          src, dst, index, rows, row_bytes, tpr);
+          src, dst, index, rows, row_bytes, tpr, count);
     }
   };
 };
@@ -349,12 +350,13 @@ gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream) {
 }
 
 gpuError_t LaunchGather(const void* src, void* dst, const int64_t* index,
-                        int64_t rows, int64_t row_bytes, gpuStream_t stream) {
+                        int64_t rows, int64_t row_bytes, gpuStream_t stream,
+                        const int64_t* count) {
   if (rows == 0 || row_bytes == 0) return gpuSuccess;
   return LaunchRows<RowCopy<true>::Launch>(
       VectorBytes(src, dst, row_bytes), rows, row_bytes, stream,
       static_cast<const char*>(src), static_cast<char*>(dst), index, rows,
-      row_bytes);
+      row_bytes, count);
 }
 
 gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,
@@ -364,7 +366,7 @@ gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,
   return LaunchRows<RowCopy<false>::Launch>(
       VectorBytes(src, dst, row_bytes), rows, row_bytes, stream,
       static_cast<const char*>(src), static_cast<char*>(dst), index, rows,
-      row_bytes);
+      row_bytes, static_cast<const int64_t*>(nullptr));
 }
 
 gpuError_t LaunchZeroInactive(const MaskScan& scan, void* dense,

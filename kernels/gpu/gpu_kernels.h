@@ -83,9 +83,12 @@ void SetMaxBlocksForTesting(int64_t blocks);
 // Counts, scans and indexes the mask: fills every array of `scan`.
 gpuError_t LaunchMaskScan(const MaskScan& scan, gpuStream_t stream);
 
-// dst row k = src row index[k], for k < rows; rows of `row_bytes`.
+// dst row k = src row index[k], for k < rows; rows of `row_bytes`. With
+// `count` (device memory), only k < min(rows, *count): a count the host has
+// not read yet (a scan's total).
 gpuError_t LaunchGather(const void* src, void* dst, const int64_t* index,
-                        int64_t rows, int64_t row_bytes, gpuStream_t stream);
+                        int64_t rows, int64_t row_bytes, gpuStream_t stream,
+                        const int64_t* count = nullptr);
 
 // dst row index[k] = src row k, for k < rows.
 gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,

@@ -134,6 +134,34 @@ absl::StatusOr<std::vector<ResultTensor>> PlaceResults(
   return results;
 }
 
+// Whether a call may gather before its sizes reach the host
+// (CallOptions::fixed_place): a plain gather on a device whose every result
+// has a place on that device, holding the source's B * S rows, that overlaps
+// neither the mask, nor a source, nor another place.
+bool GathersAhead(const CallOptions& options, const CallDevice& call,
+                  const CallSources& sources, const TensorView& mask) {
+  if (!sources.plain_gather || !options.outputs.empty() || !options.allocate ||
+      !options.fixed_place || call.device.kind == DeviceKind::kCpu) {
+    return false;
+  }
+  std::vector<ByteRange> taken = {RangeOf(mask)};
+  for (const TensorView& x : sources.tensors) taken.push_back(RangeOf(x));
+  for (size_t i = 0; i < sources.tensors.size(); ++i) {
+    const FixedPlace fixed = options.fixed_place(i);
+    const int64_t most = sources.tensors[i].nbytes();
+    const ByteRange range{static_cast<const char*>(fixed.place.data), most};
+    if (fixed.place.device != call.device || fixed.capacity < most ||
+        (most > 0 && fixed.place.data == nullptr)) {
+      return false;
+    }
+    for (const ByteRange& other : taken) {
+      if (range.Overlaps(other)) return false;
+    }
+    taken.push_back(range);
+  }
+  return true;
+}
+
 }  // namespace
 
 CallDevice CallDeviceOf(const CallOptions& options, const TensorView& mask) {
@@ -242,6 +270,35 @@ absl::StatusOr<std::vector<ResultTensor>> RunSteps(
   std::vector<TensorView> staged(sources.begin(), sources.end());
   for (TensorView& t : staged) PACKD_RETURN_IF_ERROR(staging.Upload(&t));
 
+  if (GathersAhead(options, call, sources_in, mask)) {
+    absl::StatusOr<std::unique_ptr<MaskPlan>> ahead =
+        backend->ScanAhead(staged_mask, stream);
+    if (!absl::IsUnimplemented(ahead.status())) {
+      // Every result straight into its place, the device counting its rows;
+      // the sizes reach the host with the one synchronisation.
+      PACKD_RETURN_IF_ERROR(ahead.status());
+      *plan = std::move(*ahead);
+      std::vector<ResultTensor> results(sources.size());
+      for (size_t i = 0; i < sources.size(); ++i) {
+        const OutputPlace place = options.fixed_place(i).place;
+        results[i].view.data = place.data;
+        results[i].view.device = place.device;
+        results[i].view.dtype = sources[i].dtype;
+        PACKD_RETURN_IF_ERROR(
+            backend->GatherCounted(**plan, staged[i], place.data, stream));
+      }
+      wait_on_exit.waited = true;
+      PACKD_RETURN_IF_ERROR(runtime->Synchronize(stream));
+      backend->FinishScan(plan->get());
+      PACKD_ASSIGN_OR_RETURN(
+          std::vector<Shape> shapes,
+          result_shapes(Scanned{*backend, *runtime, **plan, staged, stream}));
+      for (size_t i = 0; i < results.size(); ++i) {
+        results[i].view.shape = shapes[i];
+      }
+      return results;
+    }
+  }
   PACKD_ASSIGN_OR_RETURN(*plan, backend->Plan(staged_mask, stream));
   if (segment_ids.has_value()) {
     TensorView ids = *segment_ids;
@@ -267,9 +324,11 @@ absl::StatusOr<std::vector<ResultTensor>> RunSteps(
   }
   PACKD_RETURN_IF_ERROR(staging.Download());
   // The call's work is complete when it returns: results on the device are
-  // written, and the stream goes back to the runtime idle.
+  // written, host results delivered, and the stream goes back to the runtime
+  // idle.
   wait_on_exit.waited = true;
   PACKD_RETURN_IF_ERROR(runtime->Synchronize(stream));
+  staging.Deliver();
   return results;
 }
 

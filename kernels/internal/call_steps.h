@@ -94,6 +94,10 @@ using OpFn = std::function<absl::Status(
 struct CallSources {
   absl::Span<const TensorView> tensors;
   std::vector<size_t> of_result;
+  // The op is Backend::Gather of each source and nothing else (a Pack
+  // without layout, documents or mrope): with CallOptions::fixed_place it
+  // may gather before the sizes reach the host.
+  bool plain_gather = false;
 };
 
 // The steps of every Pack and Scatter, in order, after validation: find the

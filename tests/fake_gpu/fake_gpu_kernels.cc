@@ -4,6 +4,7 @@
 // device (a sticky error) instead of touching host memory. Each counts the
 // stream operations the real launcher queues (gpu_kernels.cu), so that the
 // fake GPU's counters are the budgets a device sees.
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/device_runtime.h"
@@ -62,10 +63,14 @@ namespace {
 
 gpuError_t CopyRows(const void* src, void* dst, const int64_t* index,
                     int64_t rows, int64_t row_bytes, bool gather,
-                    gpuStream_t stream) {
+                    gpuStream_t stream, const int64_t* count = nullptr) {
   if (rows == 0 || row_bytes == 0) return gpuSuccess;
   CountKernel();
-  return fakegpu::Launch(stream, [=](const fakegpu::Accessible& ok) {
+  return fakegpu::Launch(stream, [=](const fakegpu::Accessible& ok) mutable {
+    if (count != nullptr) {
+      if (!ok(count, Words(1))) return fakegpu::kErrorIllegalAddress;
+      rows = std::min(rows, *count);
+    }
     if (!ok(index, Words(rows))) return fakegpu::kErrorIllegalAddress;
     const size_t n = static_cast<size_t>(row_bytes);
     for (int64_t k = 0; k < rows; ++k) {
@@ -83,8 +88,10 @@ gpuError_t CopyRows(const void* src, void* dst, const int64_t* index,
 }  // namespace
 
 gpuError_t LaunchGather(const void* src, void* dst, const int64_t* index,
-                        int64_t rows, int64_t row_bytes, gpuStream_t stream) {
-  return CopyRows(src, dst, index, rows, row_bytes, /*gather=*/true, stream);
+                        int64_t rows, int64_t row_bytes, gpuStream_t stream,
+                        const int64_t* count) {
+  return CopyRows(src, dst, index, rows, row_bytes, /*gather=*/true, stream,
+                  count);
 }
 
 gpuError_t LaunchScatterRows(const void* src, void* dst, const int64_t* index,

@@ -154,5 +154,85 @@ TEST_F(DeviceBudgetTest, AStepOnTheDeviceSynchronisesAtMostFourTimes) {
   ASSERT_TRUE(Unregister("batch").ok());
 }
 
+// A Pack of x ([B, S, H] in a device region) whose mask has `density`
+// active positions: its results inline (kInline), into a slice of an arena on
+// the device that holds x whole (kRoomForAll), or exactly the result
+// (kExact).
+enum class Into { kInline, kRoomForAll, kExact };
+
+class PackBudgetTest : public DeviceBudgetTest {
+ protected:
+  DeviceCounts Pack(Into into, double density = 0.3) {
+    testing::Rng rng = testing::Rng::Fresh();
+    const int64_t B = 16, S = 256, H = 64;
+    const at::Tensor mask = testing::RandomMask(rng, DType::kBool, B, S,
+                                                density, MaskPattern::kHoles);
+    const at::Tensor x =
+        testing::RandomTensor(rng, DType::kBFloat16, {B, S, H});
+    const at::Tensor expected = testing::ReferencePack(x, mask);
+    DeviceBuffer in(0, x.nbytes() + mask.nbytes()), out(0, x.nbytes() + 1);
+    in.Put(x);
+    in.Put(mask, x.nbytes());
+    EXPECT_TRUE(
+        RegisterDevice("in", in, "cuda:0", x.nbytes() + mask.nbytes()).ok());
+    EXPECT_TRUE(RegisterDevice("out", out, "cuda:0", x.nbytes()).ok());
+    v1::PackRequest request;
+    request.set_device("cuda:0");
+    *request.mutable_mask() = InRegion(mask, "in", x.nbytes());
+    *request.add_inputs() = InRegion(x, "in", 0);
+    if (into != Into::kInline) {
+      *request.add_outputs() = Slice(
+          "out", 0, into == Into::kExact ? expected.nbytes() : x.nbytes());
+    }
+    v1::PackResponse response;
+    grpc::ClientContext context;
+    const DeviceCounts before = Now();
+    const grpc::Status status = stub_->Pack(&context, request, &response);
+    const DeviceCounts cost = Now() - before;
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    if (into == Into::kInline) {
+      EXPECT_TRUE(testing::SameTensor(expected, response.packed(0)));
+    } else {
+      EXPECT_TRUE(testing::SameBytesAt(expected, out.data()));
+      EXPECT_EQ(response.packed(0).region().byte_size(), expected.nbytes());
+      // Nothing past the result is written.
+      int64_t touched = 0;
+      for (int64_t at = expected.nbytes(); at <= x.nbytes(); ++at) {
+        touched += static_cast<uint8_t>(out.data()[at]) != testing::kCanary;
+      }
+      EXPECT_EQ(touched, 0);
+    }
+    EXPECT_EQ(response.total_active(), expected.size(0));
+    EXPECT_TRUE(Unregister("in").ok());
+    EXPECT_TRUE(Unregister("out").ok());
+    std::printf("a Pack %s, density %.1f: %s\n",
+                into == Into::kInline       ? "inline"
+                : into == Into::kRoomForAll ? "into the caller's outputs"
+                                            : "into an exact slice",
+                density, Describe(cost).c_str());
+    return cost;
+  }
+};
+
+TEST_F(PackBudgetTest, APackIntoTheCallersOutputsSynchronisesOnce) {
+  StartServer();
+  for (double density : {0.0, 0.3, 1.0}) {
+    const DeviceCounts cost = Pack(Into::kRoomForAll, density);
+    EXPECT_EQ(cost.synchronizations, 1) << Describe(cost);
+  }
+}
+
+TEST_F(PackBudgetTest, APackThatSizesItsResultsSynchronisesTwice) {
+  StartServer();
+  for (double density : {0.0, 0.3, 1.0}) {
+    const DeviceCounts cost = Pack(Into::kInline, density);
+    EXPECT_LE(cost.synchronizations, 2) << Describe(cost);
+  }
+  // A slice with room for the result only: the sizes are needed before
+  // anything is written into it.
+  const DeviceCounts cost = Pack(Into::kExact);
+  EXPECT_EQ(cost.synchronizations, 2) << Describe(cost);
+}
+
 }  // namespace
 }  // namespace packd
