@@ -17,6 +17,10 @@
 namespace packd {
 namespace {
 
+// A GPU Pack whose inputs take at most this many bytes gets outputs with room
+// for every row (the Python client's ROOM_FOR_ALL_BYTES).
+constexpr int64_t kRoomForAllBytes = int64_t{64} << 20;
+
 // Device regions of this process are "cpp-gpu-PID-N".
 std::string NewGpuRegionName() {
   static std::atomic<int64_t> next{0};
@@ -232,10 +236,18 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
     shaped = shaped && t.dim() >= 2;
   }
   std::vector<at::Tensor> outputs;
-  // A layout's results come inline and are copied to the GPU.
+  // A layout's results come inline and are copied to the GPU. Small inputs
+  // get outputs with room for every row, so that packd gathers without a
+  // round trip for the count and nothing here waits for the GPU to count
+  // (docs/gpu.md); larger ones are counted and get outputs of their size.
+  bool room = false;
   if (shaped && !options.layout.any()) {
-    const int64_t active = at::count_nonzero(mask).item<int64_t>();
-    PACKD_ASSIGN_OR_RETURN(outputs, GpuOutputs(tensors, {active}, 2, index));
+    int64_t bytes = 0;
+    for (const at::Tensor& t : tensors) bytes += t.nbytes();
+    room = bytes <= kRoomForAllBytes;
+    const int64_t rows =
+        room ? mask.numel() : at::count_nonzero(mask).item<int64_t>();
+    PACKD_ASSIGN_OR_RETURN(outputs, GpuOutputs(tensors, {rows}, 2, index));
   }
 
   PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
@@ -249,6 +261,9 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
   Wire<v1::PackResponse> reply;
   PACKD_RETURN_IF_ERROR(CallOnGpu(index, kPackMethod, &outgoing, outputs,
                                   request->mutable_outputs(), &reply));
+  if (room) {
+    for (at::Tensor& o : outputs) o = o.narrow(0, 0, reply->total_active());
+  }
   PackedBatch batch;
   PACKD_ASSIGN_OR_RETURN(batch.packed,
                          GpuResults(reply->packed(), reply, outputs, index));

@@ -23,6 +23,12 @@ from packd.v1 import pack_service_pb2 as pb
 # Device regions of GPU tensors are named py-gpu-PID-TAG-N: the tag tells processes of other pid
 # namespaces apart.
 _GPU_TAG = os.urandom(4).hex()
+
+# A Pack on a GPU whose inputs take at most this many bytes gets outputs with room for every
+# row: packd then gathers without a round trip for the count, and the client does not count
+# the mask's active positions first (which would wait for the GPU). Larger ones are counted
+# and get outputs of their exact size, so that a sparse mask does not hold the dense size.
+ROOM_FOR_ALL_BYTES = 64 << 20
 _gpu_regions = itertools.count()
 
 
@@ -259,14 +265,22 @@ class Gpu:
         packd into tensors allocated there (a layout's results come inline and are copied
         there)."""
         mask, tensors, segment_ids = _contiguous(mask, tensors, segment_ids)
-        outputs = []
+        outputs, room = [], False
         if mask.dim() == 2 and all(t.dim() >= 2 for t in tensors) and not layout.any():
-            active = int(torch.count_nonzero(mask))
-            outputs = self.outputs([([active] + list(t.shape[2:]), t.dtype) for t in tensors],
+            room = sum(t.numel() * t.element_size() for t in tensors) <= ROOM_FOR_ALL_BYTES
+            if room:
+                # Room for every row: packd writes the packed rows without asking the GPU
+                # how many first, and neither side waits for the count (docs/gpu.md).
+                rows = mask.numel()
+            else:
+                rows = int(torch.count_nonzero(mask))
+            outputs = self.outputs([([rows] + list(t.shape[2:]), t.dtype) for t in tensors],
                                    index)
         reply, inline = self.call(index, self._connection.pack[0], lambda encode, device: (
             _requests.pack_request(encode, device, with_position_ids, layout, mask, tensors,
                                    segment_ids)), outputs)
+        if room and outputs:
+            outputs = [o[:reply.total_active] for o in outputs]
         field = pb.PackResponse
         return (reply,
                 self.results(reply.packed, inline.get(field.PACKED_FIELD_NUMBER, []), outputs,

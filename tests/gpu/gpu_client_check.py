@@ -50,6 +50,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from packd_server import PackdServer  # noqa: E402
 from region_requests import region_pack_request  # noqa: E402
 from torch_reference import DTYPES, reference_scatter  # noqa: E402  (any device)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_step import measure, torch_step  # noqa: E402  (the in-process peer)
 
 failures = 0
 REPS = 1 if os.environ.get("PACKD_GPU_CHECK_QUICK") == "1" else 5
@@ -419,9 +421,10 @@ def check_step_device(gpu, client, s):
     got, step_ms = timed(gpu, device_step)
 
     def plan_and_pack():
-        counts = (d["mask"].sum(1) + 7) // 8 * 8  # lengths as the step measures them
-        plan = client.plan_micro_batches([int(v) for v in counts.tolist()], s.budget,
-                                         num_ranks=4)
+        # Lengths as the step measures them: each document padded to 8.
+        _, lengths, loss_tokens = measure(d["mask"], d["ids"], 8, d["loss_mask"])
+        plan = client.plan_micro_batches(lengths, s.budget, num_ranks=4,
+                                         loss_tokens=loss_tokens)
         out = []
         for mb in plan.micro_batches:
             rows = gpu.put(torch.tensor(list(mb.samples), dtype=torch.long))
@@ -436,6 +439,29 @@ def check_step_device(gpu, client, s):
     row(name, same_micro_batches(gpu, got, host, True, name), step_ms, pack_ms,
         "%d micro-batches, %d into the GPU arena; torch ms column: Plan + N x Pack"
         % (len(got), last["through"]))
+
+    def in_torch():
+        def plan(lengths, loss_tokens):
+            response = client.plan_micro_batches(lengths, s.budget, num_ranks=4,
+                                                 loss_tokens=loss_tokens)
+            return [(mb.rank, list(mb.samples)) for mb in response.micro_batches]
+        return torch_step([d["tokens"], d["logprobs"]], d["mask"], d["ids"], pad_multiple=8,
+                          shift=(0, -100), plan=plan, loss_mask=d["loss_mask"])
+
+    peer, peer_ms = timed(gpu, in_torch)
+    name = "step against a torch step (S1)"
+    ok = len(peer) == len(got)
+    for mb in peer:
+        want = got.get((mb.rank, mb.index))
+        ok = ok and want is not None and mb.samples == list(want.samples)
+        if ok:
+            r = want.result
+            for a, b in zip(mb.packed + [mb.shifted], r.packed + r.shifted):
+                ok = ok and same(a, b, name)
+            ok = ok and mb.position_ids.tolist() == r.position_ids.tolist()
+    row(name, ok, step_ms, peer_ms,
+        "torch ms column: the same step in this process (tests/gpu/torch_step.py); "
+        "packd/torch %.2f (target <= 2)" % (step_ms / peer_ms))
 
 
 def check_step_host_batch(gpu, client, s):
