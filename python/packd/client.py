@@ -460,7 +460,8 @@ class Client:
                 gpu, lambda encode: build(encode, "uuid:" + self._gpu.uuid(gpu)), arena, start)
             with self._lock:
                 self._step_output_bytes = first[0].output_bytes
-            return StepPlan(call, first[0], lambda: None, options, decode)
+            return StepPlan(call, first[0], lambda: None, options, decode,
+                            lambda t: self.device_memory.to_device(t, gpu))
         try:
             call, first = regions.with_regions(lambda: self._call(start, request()), scratch)
         except BaseException:

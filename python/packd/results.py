@@ -241,10 +241,12 @@ class StepPlan:
 
     def __init__(self, call: Any, first: Any, release: Callable[[], None],
                  options: Tuple[Any, ...],
-                 decode: Callable[[Any, Any], torch.Tensor] = lambda msg, t: t) -> None:
+                 decode: Callable[[Any, Any], torch.Tensor] = lambda msg, t: t,
+                 place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
         self._call, self._release = call, release
         self._options = options  # (single, cu_seqlens_dtype, docs, with_position_ids, layout)
         self._decode = decode    # a result tensor: inline, or copied out of the call's arena
+        self._place = place      # the metadata where the results are (a GPU step's: there)
         self.plan = Plan.of(first.plan)
         # What the results of every micro-batch take in an arena (docs/design.md §12), and
         # how many micro-batches came through it (from a step's second call of a shape on).
@@ -267,7 +269,7 @@ class StepPlan:
                                           inner.get(pb.PackResponse.SHIFTED_FIELD_NUMBER, []))]
                 yield MicroBatch(reply.rank, reply.index, list(reply.samples), pack_result(
                     packed_reply, packed, shifted, single, cu_dtype, docs, with_position_ids,
-                    layout))
+                    layout, self._place))
         except grpc.RpcError as e:
             raise error(e) from None
         finally:

@@ -439,6 +439,9 @@ def test_a_step_on_the_gpu_equals_the_host_step(client, gpu, layout):
                 assert gpu.device_of(a) == 0 and same(a, b), (layout, key)
             assert mb.result.cu_seqlens.tolist() == h.cu_seqlens.tolist()
             assert mb.result.position_ids.tolist() == h.position_ids.tolist()
+            # The metadata too are on the GPU, as the results are (docs/gpu.md).
+            assert gpu.device_of(mb.result.cu_seqlens) == 0
+            assert gpu.device_of(mb.result.position_ids) == 0
 
 
 def test_steps_from_threads_sharing_one_client_on_the_gpu(client, gpu):
