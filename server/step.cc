@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "base/status_macros.h"
+#include "kernels/device_staging.h"
 #include "kernels/layout.h"
 #include "kernels/pack.h"
 #include "kernels/pack_sizes.h"
@@ -88,7 +89,8 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
       new TrainingStep(message.batch(), max_message_bytes, tenant));
   PACKD_ASSIGN_OR_RETURN(step->call_,
                          decoder.Decode(message.batch(), request, step->spec_));
-  PACKD_RETURN_IF_ERROR(step->CheckDevices());
+  PACKD_RETURN_IF_ERROR(step->CheckDevices(
+      message.has_loss_mask() ? &message.loss_mask() : nullptr, decoder));
   // Every micro-batch is packed with the batch's layout: a layout Pack would
   // refuse is refused before the plan is sent.
   std::vector<DType> dtypes;
@@ -112,9 +114,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   }
   v1::PlanRequest filled = asked;
   std::vector<Measured> rows;
-  PACKD_RETURN_IF_ERROR(
-      step->Measure(message.has_loss_mask() ? &message.loss_mask() : nullptr,
-                    decoder, &filled, &rows));
+  PACKD_RETURN_IF_ERROR(step->Measure(&filled, &rows));
   // The mask is valid now (Measure packed it); the inputs' rows are gathered
   // per micro-batch before any Pack sees them, so their shapes are checked
   // here.
@@ -149,30 +149,15 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   return step;
 }
 
-absl::Status TrainingStep::Measure(const v1::Tensor* loss_mask,
-                                   const RequestDecoder& decoder,
-                                   v1::PlanRequest* plan,
+absl::Status TrainingStep::Measure(v1::PlanRequest* plan,
                                    std::vector<Measured>* rows) {
   const TensorView& mask = host_mask_;
-  std::optional<TensorView> loss;
-  if (loss_mask != nullptr) {
-    PACKD_ASSIGN_OR_RETURN(
-        loss, decoder.DecodeTensor(*loss_mask, "loss_mask", &call_));
-    PACKD_RETURN_IF_ERROR(OnCallDevice(*loss, call_.device, "loss_mask"));
-    if (absl::MakeConstSpan(loss->shape) != absl::MakeConstSpan(mask.shape)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "loss_mask.shape ", ShapeString(loss->shape),
-          " must equal the batch's mask shape ", ShapeString(mask.shape)));
-    }
-  }
+  const std::optional<TensorView>& loss = host_loss_;
   // One Pack of the loss mask (or the mask) on the host: the rows' active
   // counts, their documents, and the loss mask's active values.
   PackOptions measure;
   measure.device = Device::Cpu();
   measure.segment_ids = host_segment_ids_;
-  if (loss.has_value()) {
-    PACKD_ASSIGN_OR_RETURN(loss, OnHost(*loss));
-  }
   const TensorView counted = loss.has_value() ? *loss : mask;
   PACKD_ASSIGN_OR_RETURN(PackResult r, Pack({counted}, mask, measure));
   if (spec_.mrope.has_value()) {
@@ -451,7 +436,8 @@ absl::Status TrainingStep::UseOutputs(const v1::RegionSlice& slice,
   return absl::OkStatus();
 }
 
-absl::Status TrainingStep::CheckDevices() {
+absl::Status TrainingStep::CheckDevices(const v1::Tensor* loss_mask,
+                                        const RequestDecoder& decoder) {
   const Device& device = call_.device;
   std::vector<std::pair<const TensorView*, std::string>> batch = {
       {&call_.mask, "batch.mask"}};
@@ -464,33 +450,89 @@ absl::Status TrainingStep::CheckDevices() {
   for (const auto& [t, field] : batch) {
     PACKD_RETURN_IF_ERROR(OnCallDevice(*t, device, field));
   }
-  // The [B, S] mask and ids are measured and planned on the host: one copy of
-  // each (a few bytes a position) is simpler to get right than a device scan
-  // per measure, and the plan needs them on the host anyway.
-  PACKD_ASSIGN_OR_RETURN(host_mask_, OnHost(call_.mask));
-  if (call_.segment_ids.has_value()) {
-    PACKD_ASSIGN_OR_RETURN(host_segment_ids_, OnHost(*call_.segment_ids));
+  std::optional<TensorView> loss;
+  if (loss_mask != nullptr) {
+    PACKD_ASSIGN_OR_RETURN(
+        loss, decoder.DecodeTensor(*loss_mask, "loss_mask", &call_));
+    PACKD_RETURN_IF_ERROR(OnCallDevice(*loss, device, "loss_mask"));
+    if (absl::MakeConstSpan(loss->shape) !=
+        absl::MakeConstSpan(call_.mask.shape)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("loss_mask.shape ", ShapeString(loss->shape),
+                       " must equal the batch's mask shape ",
+                       ShapeString(call_.mask.shape)));
+    }
   }
-  return absl::OkStatus();
+  // The [B, S] mask, ids and loss mask are measured and planned on the host:
+  // one copy of each (a few bytes a position), waited for once, is simpler to
+  // get right than a device scan per measure, and the plan needs them on the
+  // host anyway.
+  std::vector<std::pair<const TensorView*, TensorView*>> wanted = {
+      {&call_.mask, &host_mask_}};
+  if (call_.segment_ids.has_value()) {
+    host_segment_ids_.emplace();
+    wanted.push_back({&*call_.segment_ids, &*host_segment_ids_});
+  }
+  if (loss.has_value()) {
+    host_loss_.emplace();
+    wanted.push_back({&*loss, &*host_loss_});
+  }
+  return OnHost(wanted);
 }
 
 absl::StatusOr<TensorView> TrainingStep::OnHost(const TensorView& t) {
-  if (t.device.kind == DeviceKind::kCpu) return t;
-  // The device is checked first: FAILED_PRECONDITION when it is missing,
-  // UNAVAILABLE once it is lost, as for Pack.
-  PACKD_ASSIGN_OR_RETURN(DeviceRuntime * runtime, Registry::Runtime(t.device));
-  PACKD_ASSIGN_OR_RETURN(Stream stream, runtime->AcquireStream(t.device));
-  TensorView host = t;
-  host.device = Device::Cpu();
-  host.data = nullptr;
-  if (t.nbytes() == 0) return host;
-  PACKD_ASSIGN_OR_RETURN(Buffer buffer,
-                         HostBufferPool::Global().Acquire(t.nbytes()));
-  PACKD_RETURN_IF_ERROR(
-      runtime->CopyToHost(buffer.data(), t.data, t.nbytes(), stream));
-  host.data = buffer.data();
-  host_copies_.push_back(std::move(buffer));
+  TensorView host;
+  PACKD_RETURN_IF_ERROR(OnHost({{&t, &host}}));
   return host;
+}
+
+absl::Status TrainingStep::OnHost(
+    absl::Span<const std::pair<const TensorView*, TensorView*>> wanted) {
+  DeviceRuntime* runtime = nullptr;
+  std::optional<Stream> stream;
+  // Copies queued into pinned memory, then one wait; a large tensor's copy
+  // waits as it goes (DeviceRuntime::CopyToHost's bounded staging).
+  struct Queued {
+    void* to;
+    const void* from;
+    int64_t bytes;
+  };
+  std::vector<Queued> queued;
+  std::vector<Buffer> pinned;
+  for (const auto& [t, host] : wanted) {
+    *host = *t;
+    if (t->device.kind == DeviceKind::kCpu) continue;
+    host->device = Device::Cpu();
+    host->data = nullptr;
+    if (runtime == nullptr) {
+      // The device is checked first: FAILED_PRECONDITION when it is missing,
+      // UNAVAILABLE once it is lost, as for Pack.
+      PACKD_ASSIGN_OR_RETURN(runtime, Registry::Runtime(t->device));
+      PACKD_ASSIGN_OR_RETURN(stream, runtime->AcquireStream(t->device));
+    }
+    const int64_t bytes = t->nbytes();
+    if (bytes == 0) continue;
+    PACKD_ASSIGN_OR_RETURN(Buffer buffer,
+                           HostBufferPool::Global().Acquire(bytes));
+    host->data = buffer.data();
+    if (bytes <= DeviceStaging::kQueuedBytes) {
+      PACKD_ASSIGN_OR_RETURN(Buffer staged,
+                             runtime->AllocateHost(bytes, t->device));
+      PACKD_RETURN_IF_ERROR(runtime->CopyAsync(staged.data(), t->data, bytes,
+                                               CopyDirection::kDeviceToHost,
+                                               *stream));
+      queued.push_back({buffer.data(), staged.data(), bytes});
+      pinned.push_back(std::move(staged));
+    } else {
+      PACKD_RETURN_IF_ERROR(
+          runtime->CopyToHost(buffer.data(), t->data, bytes, *stream));
+    }
+    host_copies_.push_back(std::move(buffer));
+  }
+  if (runtime == nullptr) return absl::OkStatus();
+  PACKD_RETURN_IF_ERROR(runtime->Synchronize(*stream));
+  for (const Queued& q : queued) std::memcpy(q.to, q.from, q.bytes);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<TensorView> TrainingStep::GatherRows(

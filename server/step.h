@@ -121,9 +121,7 @@ class TrainingStep {
         spec_(CallSpec::Of(batch, "batch.", max_message_bytes, tenant)) {}
   // Measures the rows and fills the plan request's lengths, loss tokens and
   // costs; `rows` gets what it learns of each.
-  absl::Status Measure(const v1::Tensor* loss_mask,
-                       const RequestDecoder& decoder, v1::PlanRequest* plan,
-                       std::vector<Measured>* rows);
+  absl::Status Measure(v1::PlanRequest* plan, std::vector<Measured>* rows);
   // A shared prefix's rows measured (docs/design.md §14): a group's stream
   // rows and cost over its rows (its prompt's on its first), each row's
   // targets active in `loss` (the loss mask's active values, packed).
@@ -157,12 +155,17 @@ class TrainingStep {
     }
     ~DeviceGather() { (void)Wait(); }
   };
-  // Checks that the batch's tensors are in host memory or on the call's
-  // device, and copies the mask and segment ids to the host when they are
-  // not.
-  absl::Status CheckDevices();
+  // Checks that the batch's tensors and the loss mask (decoded here) are in
+  // host memory or on the call's device, and brings the mask, segment ids and
+  // loss mask to the host when they are not, with one wait.
+  absl::Status CheckDevices(const v1::Tensor* loss_mask,
+                            const RequestDecoder& decoder);
   // `t` in host memory: itself, or a copy kept in host_copies_.
   absl::StatusOr<TensorView> OnHost(const TensorView& t);
+  // Each `first` in host memory, viewed by its `second`: itself, or a copy
+  // kept in host_copies_, every device copy waited for at once.
+  absl::Status OnHost(
+      absl::Span<const std::pair<const TensorView*, TensorView*>> wanted);
   // A view of rows `rows` of `x` ([B, S, ...]) gathered, kept in `held`: in
   // host memory into a pooled buffer (`extents`: only positions
   // [0, extents[b]) of row b), or on x's device into its memory, queued on
@@ -203,6 +206,8 @@ class TrainingStep {
   // The mask and segment ids in host memory (call_'s, or copies of them).
   TensorView host_mask_;
   std::optional<TensorView> host_segment_ids_;
+  // The loss mask, when given, in host memory.
+  std::optional<TensorView> host_loss_;
   std::vector<Buffer> host_copies_;
   // Per row: one past its last active position.
   std::vector<int64_t> extents_;

@@ -44,10 +44,11 @@ std::string Describe(const DeviceCounts& c) {
 
 // The step of docs/performance.md's device table, smaller in S: [64, 512]
 // token ids and log-probs, rows of 16 to 512 active tokens in documents of 1
-// to 96, padded to 8, the token ids shifted, 4 ranks.
+// to 96, padded to 8, the token ids shifted, a loss mask, 4 ranks; every
+// tensor on the device.
 struct StepBatch {
   int64_t B = 64, S = 512;
-  at::Tensor mask, ids, logprobs, segment_ids;
+  at::Tensor mask, ids, logprobs, segment_ids, loss_mask;
   int64_t documents = 0;
 
   explicit StepBatch(testing::Rng& rng) {
@@ -68,9 +69,11 @@ struct StepBatch {
     }
     ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
     logprobs = testing::RandomTensor(rng, DType::kFloat32, {B, S});
+    loss_mask = mask & testing::RandomMask(rng, DType::kBool, B, S, 0.9,
+                                           MaskPattern::kHoles);
   }
   std::vector<at::Tensor> Tensors() const {
-    return {mask, ids, logprobs, segment_ids};
+    return {mask, ids, logprobs, segment_ids, loss_mask};
   }
 };
 
@@ -116,6 +119,7 @@ TEST_F(DeviceBudgetTest, AStepOnTheDeviceSynchronisesAtMostFourTimes) {
   *b->add_inputs() = InRegion(batch.ids, "batch", at[1]);
   *b->add_inputs() = InRegion(batch.logprobs, "batch", at[2]);
   *b->mutable_segment_ids() = InRegion(batch.segment_ids, "batch", at[3]);
+  *request.mutable_loss_mask() = InRegion(batch.loss_mask, "batch", at[4]);
   b->set_pad_multiple(8);
   b->set_with_position_ids(true);
   v1::Shift* shift = b->add_shifts();
