@@ -238,6 +238,12 @@ Metrics::Metrics(Gauges gauges)
                                     "call).")
                               .Register(*registry_)
                               .Add({})),
+      step_phases_(prometheus::BuildCounter()
+                       .Name("packd_step_phase_seconds_total")
+                       .Help("Time PackMicroBatches calls spent in each phase: "
+                             "measure, plan, device, pack, send (pack and send "
+                             "overlap).")
+                       .Register(*registry_)),
       collector_(std::make_shared<Collector>(registry_, std::move(gauges))) {}
 
 Metrics::~Metrics() = default;
@@ -309,6 +315,11 @@ void Metrics::RecordDevice(const Device& device, absl::StatusCode code) {
   const PerDevice d = DeviceOf(device);
   d.calls->Increment();
   if (IsDeviceError(code)) d.errors->Increment();
+}
+
+void Metrics::RecordStepPhase(absl::string_view phase, absl::Duration took) {
+  step_phases_.Add({{"phase", std::string(phase)}})
+      .Increment(absl::ToDoubleSeconds(took));
 }
 
 void Metrics::HoldMicroBatches(int64_t delta) {

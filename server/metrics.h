@@ -84,6 +84,13 @@ class Metrics {
   // Starts `device`'s series at 0 (so that rates over them begin at once).
   void AddDevice(const Device& device);
 
+  // Adds `took` to phase `phase` of PackMicroBatches calls: "measure" (the
+  // batch decoded, brought to the host and measured), "plan", "device" (the
+  // device pass of a step on a GPU), "pack" (micro-batches packed or, after a
+  // device pass, assembled) and "send" (messages being written; the next
+  // micro-batch is packed meanwhile, so "pack" and "send" overlap).
+  void RecordStepPhase(absl::string_view phase, absl::Duration took);
+
   // A PackMicroBatches call packed a micro-batch (+1) or its message left
   // (-1): the micro-batches the server holds packed, over every call.
   void HoldMicroBatches(int64_t delta);
@@ -120,6 +127,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& device_calls_;
   prometheus::Family<prometheus::Counter>& device_errors_;
   prometheus::Gauge& micro_batches_held_;
+  prometheus::Family<prometheus::Counter>& step_phases_;
   std::shared_ptr<prometheus::Collectable> collector_;  // a Collector
 
   mutable absl::Mutex mu_;

@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/dtype.h"
 #include "base/status_macros.h"
 #include "kernels/device_staging.h"
@@ -57,6 +58,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     const Wire<v1::PackMicroBatchesRequest>& request,
     const RequestDecoder& decoder, int64_t max_message_bytes,
     const Tenant& tenant) {
+  const absl::Time start = absl::Now();
   const v1::PackMicroBatchesRequest& message = request.message();
   const v1::PlanRequest& asked = message.plan();
   auto must_be_empty = [](const char* field) {
@@ -115,6 +117,8 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   v1::PlanRequest filled = asked;
   std::vector<Measured> rows;
   PACKD_RETURN_IF_ERROR(step->Measure(&filled, &rows));
+  const absl::Time measured = absl::Now();
+  step->phases_.measure = measured - start;
   // The mask is valid now (Measure packed it); the inputs' rows are gathered
   // per micro-batch before any Pack sees them, so their shapes are checked
   // here.
@@ -146,6 +150,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     PACKD_RETURN_IF_ERROR(step->UseOutputs(message.outputs(), decoder));
   }
   step->device_pass_ = step->UsesDevicePass();
+  step->phases_.plan = absl::Now() - measured;
   return step;
 }
 

@@ -24,6 +24,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/buffer.h"
 #include "kernels/device_runtime.h"
@@ -90,6 +91,14 @@ class TrainingStep {
   absl::Status PackMicroBatch(size_t k,
                               Wire<v1::PackMicroBatchesResponse>* response,
                               std::vector<Buffer>* buffers) const;
+  // Where Make's time went: the batch decoded, its device tensors brought to
+  // the host and its rows measured; the plan made and checked.
+  struct Phases {
+    absl::Duration measure, plan;
+  };
+  const Phases& phases() const { return phases_; }
+  // The device pass's time once it has run (zero before, and without one).
+  absl::Duration device_time() const;
   // The call's messages: the plan, then one per micro-batch sent.
   size_t messages() const { return size() + 1; }
   // Message k into `response`: 0 the plan with output_bytes, k > 0 sent
@@ -225,6 +234,8 @@ class TrainingStep {
   mutable absl::Mutex pass_mu_;
   mutable bool pass_run_ ABSL_GUARDED_BY(pass_mu_) = false;
   mutable absl::Status pass_status_ ABSL_GUARDED_BY(pass_mu_);
+  mutable absl::Duration device_time_ ABSL_GUARDED_BY(pass_mu_);
+  Phases phases_;
   // Set by the pass, then read (each entry by the one micro-batch's message):
   // the micro-batches' metadata, and without outputs their results on the
   // device and in host memory.

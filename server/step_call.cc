@@ -3,6 +3,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "base/tsan.h"
 #include "kernels/pack_sizes.h"
@@ -19,6 +20,7 @@ StepCall::StepCall(const CallEnvironment* env,
 
 void StepCall::OnWriteDone(bool ok) {
   TakeOver(this);
+  env_.metrics->RecordStepPhase("send", absl::Now() - write_started_);
   std::optional<absl::Status> finish;
   bool write = false, prepare = false;
   std::unique_ptr<Message> written;  // let go of once unlocked
@@ -50,6 +52,8 @@ absl::StatusOr<int64_t> StepCall::Prepare() {
       step_, TrainingStep::Make(parsed_, *env_.decoder, env_.max_message_bytes,
                                 tenant_));
   messages_ = step_->messages();
+  env_.metrics->RecordStepPhase("measure", step_->phases().measure);
+  env_.metrics->RecordStepPhase("plan", step_->phases().plan);
   return step_->held_bytes();
 }
 
@@ -103,8 +107,18 @@ void StepCall::PrepareNext() {
 
 absl::Status StepCall::Make(size_t k, Message* out) {
   auto reply = std::make_shared<CallReply<v1::PackMicroBatchesResponse>>();
-  PACKD_RETURN_IF_ERROR(env_.metrics->OnDevice(
-      step_->device(), step_->Message(k, &reply->response, &reply->buffers)));
+  const absl::Time start = absl::Now();
+  const absl::Status made = env_.metrics->OnDevice(
+      step_->device(), step_->Message(k, &reply->response, &reply->buffers));
+  absl::Duration took = absl::Now() - start;
+  if (k == 1) {
+    // The first micro-batch runs the device pass, if the step has one.
+    const absl::Duration device = step_->device_time();
+    env_.metrics->RecordStepPhase("device", device);
+    took -= device;
+  }
+  env_.metrics->RecordStepPhase("pack", took);
+  PACKD_RETURN_IF_ERROR(made);
   const Spliced spliced = reply->response.Serialize();
   PACKD_RETURN_IF_ERROR(env_.decoder->CheckSize("response", spliced.size()));
   out->buffer = ToByteBuffer(spliced, reply);
@@ -121,6 +135,7 @@ void StepCall::Write() {
   // current_ on its thread.
   Message* const message = current_.get();
   response_bytes_ += message->bytes;
+  write_started_ = absl::Now();
   HandOff(this);  // OnWriteDone runs on one of gRPC's threads
   StartWrite(&message->buffer);
 }

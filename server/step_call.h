@@ -65,6 +65,9 @@ class StepCall final : public BudgetedCall<v1::PackMicroBatchesRequest> {
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // current_ is being written
   bool preparing_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<Message> current_;
+  // When current_'s write began (set by Write, read by OnWriteDone: one write
+  // at a time).
+  absl::Time write_started_;
   std::unique_ptr<Message> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
 };

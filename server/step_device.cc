@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "kernels/layout.h"
 #include "kernels/pack.h"
@@ -85,9 +86,16 @@ absl::Status TrainingStep::DevicePassOnce() const {
   absl::MutexLock lock(&pass_mu_);
   if (!pass_run_) {
     pass_run_ = true;
+    const absl::Time start = absl::Now();
     pass_status_ = RunDevicePass();
+    device_time_ = absl::Now() - start;
   }
   return pass_status_;
+}
+
+absl::Duration TrainingStep::device_time() const {
+  absl::MutexLock lock(&pass_mu_);
+  return device_time_;
 }
 
 absl::Status TrainingStep::RunDevicePass() const {

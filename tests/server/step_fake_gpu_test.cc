@@ -281,6 +281,48 @@ TEST_F(StepOnFakeGpuTest, EveryLayoutOnTheDeviceEqualsTheHostStep) {
 // The step's device checks come before its plan: tensors or outputs on another
 // device than the step's are refused by name, and a device this machine lacks
 // is FAILED_PRECONDITION, as for Pack.
+// The server's phase timers: every phase of a step on the device is counted,
+// and the phases that follow one another (measure, plan, the device pass)
+// fit in the calls' own time.
+TEST_F(StepOnFakeGpuTest, PhaseTimersCountEveryPhaseWithinTheCallsTime) {
+  metrics_listen_ = "127.0.0.1:0";
+  StartServer();
+  testing::Rng rng = testing::Rng::Fresh();
+  const Batch batch = Batch::Random(rng, 24, 96, 12);
+  const OnDevice on_device = Put(batch, 0, "batch");
+  v1::PackMicroBatchesRequest device = Request(batch, "batch", on_device.at);
+  device.mutable_batch()->set_device("cuda:0");
+  fakegpu::testing::SetStreamDelay(absl::Milliseconds(20));
+  for (int i = 0; i < 2; ++i) {
+    const Ran ran = Run(device);
+    ASSERT_TRUE(ran.status.ok()) << ran.status.error_message();
+  }
+  fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
+  const std::string text =
+      testing::HttpGet(server_->metrics_address(), "/metrics");
+  auto value = [&](const std::string& series) {
+    const size_t at = text.find("\n" + series + " ");
+    EXPECT_NE(at, std::string::npos) << series;
+    return at == std::string::npos
+               ? 0.0
+               : std::stod(text.substr(at + series.size() + 2));
+  };
+  double sequential = 0;
+  for (const char* phase : {"measure", "plan", "device", "pack", "send"}) {
+    const double seconds = value(
+        absl::StrCat("packd_step_phase_seconds_total{phase=\"", phase, "\"}"));
+    EXPECT_GT(seconds, 0) << phase;
+    if (std::string(phase) != "pack" && std::string(phase) != "send") {
+      sequential += seconds;
+    }
+  }
+  // The device pass waited for its queued work: 20 ms an operation.
+  EXPECT_GE(value("packd_step_phase_seconds_total{phase=\"device\"}"), 0.04);
+  EXPECT_LE(sequential, value("packd_request_duration_seconds_sum{method=\""
+                              "PackMicroBatches\"}"));
+  StopServer();
+}
+
 TEST_F(StepOnFakeGpuTest, TensorsOnAnotherDeviceAreRefusedBeforeThePlan) {
   StartServer();
   testing::Rng rng = testing::Rng::Fresh();
