@@ -1,7 +1,5 @@
 #include "kernels/device_counters.h"
 
-#include "base/tensor_view.h"
-
 namespace packd {
 
 const char* DeviceOpName(DeviceOp op) {
@@ -36,11 +34,6 @@ DeviceCounts DeviceCounts::operator-(const DeviceCounts& earlier) const {
   d.pool_acquisitions -= earlier.pool_acquisitions;
   d.pool_misses -= earlier.pool_misses;
   return d;
-}
-
-DeviceCounters& DeviceCounters::Of(DeviceKind kind) {
-  static auto* counters = new DeviceCounters[3];  // cpu, cuda, hip
-  return counters[static_cast<int>(kind)];
 }
 
 DeviceCounts DeviceCounters::Read() const {

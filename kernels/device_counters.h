@@ -59,7 +59,12 @@ struct DeviceCounts {
 // (a test reads them with no other call running).
 class DeviceCounters {
  public:
-  static DeviceCounters& Of(DeviceKind kind);
+  // Inline, so that the device sources link without the rest of packd (the
+  // standalone kernel check, tests/gpu/gpu_check.cu).
+  static DeviceCounters& Of(DeviceKind kind) {
+    static DeviceCounters counters[3];  // cpu, cuda, hip
+    return counters[static_cast<int>(kind)];
+  }
 
   void Synchronized() { synchronizations_.fetch_add(1, kRelaxed); }
   void Operation(DeviceOp op, int64_t bytes = 0) {

@@ -150,6 +150,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     PACKD_RETURN_IF_ERROR(step->UseOutputs(message.outputs(), decoder));
   }
   step->device_pass_ = step->UsesDevicePass();
+  if (step->device_pass_) step->prepared_.resize(step->sent_.size());
   step->phases_.plan = absl::Now() - measured;
   return step;
 }
@@ -630,7 +631,7 @@ absl::Status TrainingStep::PackMicroBatch(
   if (device_pass_) {
     // Every micro-batch's results are gathered on the device in one pass;
     // the message is assembled from it.
-    PACKD_RETURN_IF_ERROR(DevicePassOnce());
+    PACKD_RETURN_IF_ERROR(DevicePassOnce(k));
     return MessageFromPass(k, packed, base, written);
   }
   // The rows in plan order, as a batch of their own: only the positions that

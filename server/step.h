@@ -185,17 +185,20 @@ class TrainingStep {
                                         DeviceGather* device,
                                         std::vector<Buffer>* held) const;
 
-  // The device pass (server/step_device.cc): with a batch on a GPU, every
-  // micro-batch's results gathered in one pass over the batch's regions
-  // before the first is sent, their metadata worked out on the host.
+  // The device pass (server/step_device.cc): with a batch on a GPU, the
+  // micro-batches' results gathered over the batch's regions in two waves
+  // (the first micro-batch, then the rest), their metadata worked out on the
+  // host.
   //
   // Whether this step runs it: every tensor of the batch on the step's GPU,
   // no mrope, the outputs on that device or inline.
   bool UsesDevicePass() const;
-  // Runs the pass the first time a micro-batch is asked for; its status
+  // Runs micro-batch k's wave of the pass (the first micro-batch alone, then
+  // every other one) the first time one of them is asked for; its status
   // every time.
-  absl::Status DevicePassOnce() const;
-  absl::Status RunDevicePass() const;
+  absl::Status DevicePassOnce(size_t k) const;
+  // The pass over sent micro-batches [begin, end).
+  absl::Status RunDevicePass(size_t begin, size_t end) const;
   // Sent micro-batch k's metadata: the host's Pack of its rows' dense
   // positions (row j of the batch's row r: r * S + s), with the layout, pad
   // rows and shift fills -1. Its packed and shifted results are the batch
@@ -232,14 +235,14 @@ class TrainingStep {
   v1::RegionSlice outputs_slice_;
   bool device_pass_ = false;
   mutable absl::Mutex pass_mu_;
-  mutable bool pass_run_ ABSL_GUARDED_BY(pass_mu_) = false;
-  mutable absl::Status pass_status_ ABSL_GUARDED_BY(pass_mu_);
+  mutable bool pass_run_[2] ABSL_GUARDED_BY(pass_mu_) = {false, false};
+  mutable absl::Status pass_status_[2] ABSL_GUARDED_BY(pass_mu_);
   mutable absl::Duration device_time_ ABSL_GUARDED_BY(pass_mu_);
   Phases phases_;
   // Set by the pass, then read (each entry by the one micro-batch's message):
   // the micro-batches' metadata, and without outputs their results on the
   // device and in host memory.
-  mutable std::vector<PackResult> prepared_;
+  mutable std::vector<PackResult> prepared_;  // sized by Make
   mutable Buffer device_results_, host_results_;
 };
 

@@ -108,16 +108,13 @@ void StepCall::PrepareNext() {
 absl::Status StepCall::Make(size_t k, Message* out) {
   auto reply = std::make_shared<CallReply<v1::PackMicroBatchesResponse>>();
   const absl::Time start = absl::Now();
+  const absl::Duration device_before = step_->device_time();
   const absl::Status made = env_.metrics->OnDevice(
       step_->device(), step_->Message(k, &reply->response, &reply->buffers));
-  absl::Duration took = absl::Now() - start;
-  if (k == 1) {
-    // The first micro-batch runs the device pass, if the step has one.
-    const absl::Duration device = step_->device_time();
-    env_.metrics->RecordStepPhase("device", device);
-    took -= device;
-  }
-  env_.metrics->RecordStepPhase("pack", took);
+  // A micro-batch may run a wave of the step's device pass.
+  const absl::Duration device = step_->device_time() - device_before;
+  env_.metrics->RecordStepPhase("device", device);
+  env_.metrics->RecordStepPhase("pack", absl::Now() - start - device);
   PACKD_RETURN_IF_ERROR(made);
   const Spliced spliced = reply->response.Serialize();
   PACKD_RETURN_IF_ERROR(env_.decoder->CheckSize("response", spliced.size()));

@@ -1,12 +1,14 @@
 // The device pass of a TrainingStep (server/step.h): with the batch on a GPU,
-// every micro-batch's results are gathered in one pass. The host works out
-// each micro-batch's metadata and where each of its result rows comes from
-// (a Pack of the rows' dense positions, with the layout); the rows become
-// spans of bytes (AppendRowSpans), one table for the whole step, copied to
-// the device once; then one kernel per result of the batch (each input, each
-// shift) copies every micro-batch's rows from the batch's regions, in place,
-// into the outputs (or into device memory read back in one copy), and the
-// host waits once.
+// the micro-batches' results are gathered in two waves, the first
+// micro-batch alone so that it is sent soon, then every other one. The host
+// works out each micro-batch's metadata and where each of its result rows comes
+// from (a Pack of the rows' dense positions, with the layout); the rows become
+// spans of bytes (AppendRowSpans), one table for the wave, copied to the
+// device once; then one kernel per result of the batch (each input, each
+// shift) copies every micro-batch's rows of the wave from the batch's
+// regions, in place, into the outputs (or into device memory read back in one
+// copy), and the host waits once.
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -82,15 +84,20 @@ absl::StatusOr<PackResult> TrainingStep::PositionsOf(size_t k) const {
   return Pack({positions}, mask, options);
 }
 
-absl::Status TrainingStep::DevicePassOnce() const {
+absl::Status TrainingStep::DevicePassOnce(size_t k) const {
+  // Two waves: the first micro-batch alone, so that it is sent soon, then
+  // every other one.
+  const int wave = k == 0 ? 0 : 1;
   absl::MutexLock lock(&pass_mu_);
-  if (!pass_run_) {
-    pass_run_ = true;
+  if (!pass_run_[wave]) {
+    pass_run_[wave] = true;
     const absl::Time start = absl::Now();
-    pass_status_ = RunDevicePass();
-    device_time_ = absl::Now() - start;
+    pass_status_[wave] = wave == 0
+                             ? RunDevicePass(0, std::min<size_t>(1, size()))
+                             : RunDevicePass(1, size());
+    device_time_ += absl::Now() - start;
   }
-  return pass_status_;
+  return pass_status_[wave];
 }
 
 absl::Duration TrainingStep::device_time() const {
@@ -98,7 +105,8 @@ absl::Duration TrainingStep::device_time() const {
   return device_time_;
 }
 
-absl::Status TrainingStep::RunDevicePass() const {
+absl::Status TrainingStep::RunDevicePass(size_t begin, size_t end) const {
+  if (begin >= end) return absl::OkStatus();
   const LayoutOptions& layout = spec_.layout;
   const size_t inputs = call_.tensors.size();
   const size_t results = inputs + layout.shifts.size();
@@ -106,10 +114,9 @@ absl::Status TrainingStep::RunDevicePass() const {
   for (const TensorView& x : call_.tensors) dtypes.push_back(x.dtype);
   PACKD_ASSIGN_OR_RETURN(const LayoutValues values,
                          CheckLayout(layout, dtypes));
-  // The spans of every micro-batch, by result.
+  // The spans of the wave's micro-batches, by result.
   std::vector<std::vector<CopySpan>> spans(results);
-  prepared_.resize(sent_.size());
-  for (size_t k = 0; k < sent_.size(); ++k) {
+  for (size_t k = begin; k < end; ++k) {
     PACKD_ASSIGN_OR_RETURN(PackResult meta, PositionsOf(k));
     const Sent& sent = sent_[k];
     for (size_t r = 0; r < results; ++r) {
@@ -167,12 +174,18 @@ absl::Status TrainingStep::RunDevicePass() const {
   if (outputs_.has_value()) {
     arena = outputs_->data;
   } else if (output_bytes_ > 0) {
-    PACKD_ASSIGN_OR_RETURN(device_results_,
-                           runtime->Allocate(output_bytes_, device));
-    PACKD_ASSIGN_OR_RETURN(host_results_,
-                           runtime->AllocateHost(output_bytes_, device));
+    if (device_results_.data() == nullptr) {
+      PACKD_ASSIGN_OR_RETURN(device_results_,
+                             runtime->Allocate(output_bytes_, device));
+      PACKD_ASSIGN_OR_RETURN(host_results_,
+                             runtime->AllocateHost(output_bytes_, device));
+    }
     arena = static_cast<char*>(device_results_.data());
   }
+  // The wave's results in the outputs: its micro-batches' places, in order.
+  const int64_t first = sent_[begin].offsets[0];
+  const int64_t last =
+      end < sent_.size() ? sent_[end].offsets[0] : output_bytes_;
   // Queued on the stream; the host waits once, whatever happened, before
   // any buffer the work uses is let go.
   auto queue = [&]() -> absl::Status {
@@ -187,10 +200,11 @@ absl::Status TrainingStep::RunDevicePass() const {
           static_cast<int64_t>(spans[r].size()), on_device + pattern_at[r],
           PositionBytes(x), stream));
     }
-    if (host_results_.data() != nullptr) {
+    if (host_results_.data() != nullptr && last > first) {
       PACKD_RETURN_IF_ERROR(runtime->CopyAsync(
-          host_results_.data(), device_results_.data(), output_bytes_,
-          CopyDirection::kDeviceToHost, stream));
+          static_cast<char*>(host_results_.data()) + first,
+          static_cast<const char*>(device_results_.data()) + first,
+          last - first, CopyDirection::kDeviceToHost, stream));
     }
     return absl::OkStatus();
   };

@@ -72,6 +72,8 @@ struct Scan {
     scan = packd::gpu::MakeMaskScan(d_mask, B, S, width, is_float,
                                     reinterpret_cast<int64_t*>(work.p));
   }
+  // The scan alone, its sizes left on the device (a call that gathers ahead).
+  void Launch() { CHECK_GPU(packd::gpu::LaunchMaskScan(scan, 0)); }
   void Run() {
     CHECK_GPU(packd::gpu::LaunchMaskScan(scan, 0));
     cu.resize(scan.batch + 1);
@@ -142,6 +144,66 @@ void CheckCase(std::mt19937_64& rng, int64_t B, int64_t S, int64_t row_bytes,
   const size_t out_at = op - d_out.p;
   ok = ok && std::equal(packed.begin(), packed.end(), got.begin() + out_at) &&
        Guarded(got, out_at, packed.size());
+  // Gathered ahead (the row count read on the device) into room for every
+  // row: the packed rows, and nothing past them.
+  {
+    DeviceMem d_ahead(x.size());
+    CHECK_GPU(gpuMemsetAsync(d_ahead.p, kGuard, x.size() + 64, 0));
+    CHECK_GPU(packd::gpu::LaunchGather(xp, d_ahead.p, scan.scan.index, N,
+                                       row_bytes, 0, scan.scan.cu_seqlens + B));
+    std::vector<unsigned char> ahead(x.size() + 64);
+    CHECK_GPU(gpuMemcpyAsync(ahead.data(), d_ahead.p, ahead.size(),
+                             gpuMemcpyDeviceToHost, 0));
+    CHECK_GPU(gpuStreamSynchronize(0));
+    ok = ok && std::equal(packed.begin(), packed.end(), ahead.begin()) &&
+         Guarded(ahead, 0, packed.size());
+  }
+  // The step's batched copy: the packed rows in runs of the source, a pad
+  // row (the pattern) after every seventh, into a misaligned place.
+  {
+    std::vector<int64_t> spans;  // to, from, bytes
+    std::vector<unsigned char> want;
+    std::vector<unsigned char> pattern(row_bytes);
+    for (auto& c : pattern) c = static_cast<unsigned char>(rng());
+    std::vector<int64_t> positions;
+    for (int64_t i = 0; i < N; ++i) {
+      if (RefActive(mask, mask_width, mask_float, i)) positions.push_back(i);
+    }
+    for (size_t k = 0; k < positions.size(); ++k) {
+      const int64_t to = static_cast<int64_t>(want.size());
+      const int64_t from = positions[k] * row_bytes;
+      if (!spans.empty() && spans[spans.size() - 2] >= 0 &&
+          spans[spans.size() - 2] + spans.back() == from) {
+        spans.back() += row_bytes;
+      } else {
+        spans.insert(spans.end(), {to, from, row_bytes});
+      }
+      want.insert(want.end(), x.begin() + from, x.begin() + from + row_bytes);
+      if (k % 7 == 6) {
+        spans.insert(spans.end(),
+                     {static_cast<int64_t>(want.size()), -1, row_bytes});
+        want.insert(want.end(), pattern.begin(), pattern.end());
+      }
+    }
+    const int64_t count = static_cast<int64_t>(spans.size() / 3);
+    DeviceMem d_spans(spans.size() * 8), d_pattern(row_bytes),
+        d_to(want.size() + 16);
+    CHECK_GPU(gpuMemcpyAsync(d_spans.p, spans.data(), spans.size() * 8,
+                             gpuMemcpyHostToDevice, 0));
+    CHECK_GPU(gpuMemcpyAsync(d_pattern.p, pattern.data(), row_bytes,
+                             gpuMemcpyHostToDevice, 0));
+    CHECK_GPU(gpuMemsetAsync(d_to.p, kGuard, want.size() + 80, 0));
+    const size_t to_at = (misalign * 5) % 16;
+    CHECK_GPU(packd::gpu::LaunchCopySpans(
+        d_to.p + to_at, xp, reinterpret_cast<const int64_t*>(d_spans.p), count,
+        d_pattern.p, row_bytes, 0));
+    std::vector<unsigned char> copied(want.size() + 80);
+    CHECK_GPU(gpuMemcpyAsync(copied.data(), d_to.p, copied.size(),
+                             gpuMemcpyDeviceToHost, 0));
+    CHECK_GPU(gpuStreamSynchronize(0));
+    ok = ok && std::equal(want.begin(), want.end(), copied.begin() + to_at) &&
+         Guarded(copied, to_at, want.size());
+  }
   // Scatter the packed rows back: dense must equal x at active rows, zero
   // elsewhere.
   CHECK_GPU(packd::gpu::LaunchZeroInactive(scan.scan, dp, row_bytes, 0));
@@ -224,6 +286,13 @@ void Bench(std::mt19937_64& rng, int64_t B, int64_t S, int64_t H,
                                          row, 0));
     }
   });
+  // Pack with outputs that hold every row: the scan and the gather, the row
+  // count read on the device, and no round trip.
+  const float ahead = TimeMs(20, [&] {
+    scan.Launch();
+    CHECK_GPU(packd::gpu::LaunchGather(d_x.p, d_out.p, scan.scan.index, N, row,
+                                       0, scan.scan.cu_seqlens + B));
+  });
   const float gather = TimeMs(20, [&] {
     CHECK_GPU(packd::gpu::LaunchGather(d_x.p, d_out.p, scan.scan.index, total,
                                        row, 0));
@@ -239,10 +308,10 @@ void Bench(std::mt19937_64& rng, int64_t B, int64_t S, int64_t H,
   });
   std::printf(
       "%-6s %5lld %6lld %5lld %5.2f %9.3f %9.3f %9.3f %7.2f %7.2f %9.3f "
-      "%7.2f\n",
+      "%7.2f %9.3f %7.2f %7.1f\n",
       prefix ? "prefix" : "random", (long long)B, (long long)S, (long long)H,
       density, copy, pack, gather, copy / pack, copy / gather, scatter,
-      dense_copy / scatter);
+      dense_copy / scatter, ahead, copy / ahead, (pack - gather) * 1e3);
 }
 
 }  // namespace
@@ -295,9 +364,10 @@ int main() {
     std::printf("over 4 GiB: 1 case\n");
   }
   std::printf("correctness: %d cases, %d failed\n\n", cases, failures);
-  std::printf("%-6s %5s %6s %5s %5s %9s %9s %9s %7s %7s %9s %7s\n", "mask", "B",
-              "S", "H", "dens", "copy ms", "pack ms", "gathr ms", "pack/cp",
-              "gath/cp", "scat ms", "scat/cp");
+  std::printf("%-6s %5s %6s %5s %5s %9s %9s %9s %7s %7s %9s %7s %9s %7s %7s\n",
+              "mask", "B", "S", "H", "dens", "copy ms", "pack ms", "gathr ms",
+              "pack/cp", "gath/cp", "scat ms", "scat/cp", "ahead ms", "ahd/cp",
+              "p-g us");
   for (bool prefix : {true, false}) {
     for (double d : {0.1, 0.3, 1.0}) Bench(rng, 16, 1024, 4096, d, prefix);
   }
@@ -307,6 +377,8 @@ int main() {
       "over pack "
       "time, with and without the mask scan; scat/cp: copy of the dense bytes "
       "over "
-      "scatter time; 1.0 = copy speed)\n");
+      "scatter time; ahead: pack into outputs that hold every row, without the "
+      "round trip (ahd/cp: K4); p-g us: pack minus gather (K1); 1.0 = copy "
+      "speed)\n");
   return failures == 0 ? 0 : 1;
 }

@@ -47,7 +47,7 @@ from packd import _device
 from packd.v1 import pack_service_pb2 as pb
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from packd_server import PackdServer  # noqa: E402
+from packd_server import PackdServer, unused_port  # noqa: E402
 from region_requests import region_pack_request  # noqa: E402
 from torch_reference import DTYPES, reference_scatter  # noqa: E402  (any device)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +55,36 @@ from torch_step import measure, torch_step  # noqa: E402  (the in-process peer)
 
 failures = 0
 REPS = 1 if os.environ.get("PACKD_GPU_CHECK_QUICK") == "1" else 5
+# Every row printed, and the targets of docs/performance.md's device table, for the JSON.
+ROWS = []
+TARGETS = {}
+# The server's /metrics (its device counters and phase timers).
+METRICS_PORT = unused_port()
+
+
+def device_counts():
+    """packd's device counters now: synchronisations, stream operations, bytes up."""
+    import urllib.request
+    text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % METRICS_PORT,
+                                  timeout=5).read().decode()
+    counts = {"syncs": 0.0, "ops": 0.0, "h2d_bytes": 0.0}
+    for line in text.splitlines():
+        if line.startswith("packd_device_synchronizations_total{device=\"cuda\"}"):
+            counts["syncs"] += float(line.split()[-1])
+        elif line.startswith("packd_device_operations_total{device=\"cuda\""):
+            counts["ops"] += float(line.split()[-1])
+        elif line.startswith("packd_device_copy_bytes_total{device=\"cuda\","
+                             "direction=\"h2d\"}"):
+            counts["h2d_bytes"] += float(line.split()[-1])
+    return counts
+
+
+def target(key, value, limit, at_most=True):
+    """One target of the device table: its value, its limit and whether it holds."""
+    TARGETS[key] = {"value": value, "limit": limit,
+                    "met": value <= limit if at_most else value >= limit}
+
+
 # Planted failures, for the rehearsal only: {row or check name: "byte" | "raise"}.
 PLANTS = dict(p.rsplit(":", 1) for p in os.environ.get("PACKD_GPU_CHECK_PLANT", "").split(",")
               if p)
@@ -83,7 +113,8 @@ class CudaGpu:
         torch.cuda.empty_cache()  # segments nothing holds go back to the driver
 
     def server(self):
-        return PackdServer(os.environ["PACKD_BINARY"], "--device=cpu")
+        return PackdServer(os.environ["PACKD_BINARY"], "--device=cpu",
+                           "--metrics_listen=127.0.0.1:%d" % METRICS_PORT)
 
 
 class FakeGpu:
@@ -111,7 +142,8 @@ class FakeGpu:
         gc.collect()  # a fake allocation is freed when its last tensor goes
 
     def server(self):
-        return PackdServer(os.environ["PACKD_BINARY"], "--fake_gpu_devices=1")
+        return PackdServer(os.environ["PACKD_BINARY"], "--fake_gpu_devices=1",
+                           "--metrics_listen=127.0.0.1:%d" % METRICS_PORT)
 
 
 def make_gpu():
@@ -122,6 +154,8 @@ def make_gpu():
 def row(check, ok, packd_ms=None, torch_ms=None, detail=""):
     global failures
     failures += 0 if ok else 1
+    ROWS.append({"check": check, "ok": bool(ok), "packd_ms": packd_ms, "torch_ms": torch_ms,
+                 "detail": detail})
     ms = lambda v: "%9.3f" % v if v is not None else "%9s" % "-"
     print("%-34s %-8s %s %s  %s" % (check, "ok" if ok else "MISMATCH", ms(packd_ms),
                                     ms(torch_ms), detail), flush=True)
@@ -263,6 +297,25 @@ def check_dtype(gpu, client, dtype, mask, gen):
     _, torch_ms = timed(gpu, lambda: reference_scatter(x[mask], mask, x))
     row("scatter " + name, same(dense, reference_scatter(want, host_mask, host),
                                 "scatter " + name) and gpu.is_on(dense), packd_ms, torch_ms)
+
+
+def check_calls_against_info(gpu, client, mask, gen):
+    """C1, C2: a GPU Pack and Scatter of [8, 2048, 64] float32 against a bare round trip
+    (Info), and what the Pack asked of the GPU (packd's device counters)."""
+    x = gpu.put(torch.randn(mask.shape + (64,), generator=gen))
+    _, info_ms = timed(gpu, client.info)
+    before = device_counts()
+    r = client.pack(x, mask)
+    after = device_counts()
+    r, pack_ms = timed(gpu, lambda: client.pack(x, mask))
+    _, scatter_ms = timed(gpu, lambda: client.scatter(r.packed, mask))
+    target("C1 pack / info", pack_ms / info_ms, 2.0)
+    target("C2 scatter / info", scatter_ms / info_ms, 1.8)
+    syncs = after["syncs"] - before["syncs"]
+    row("calls against Info (C1, C2)", syncs <= 1, pack_ms, info_ms,
+        "pack/info %.2f (target <= 2), scatter/info %.2f (<= 1.8); the Pack waited on the "
+        "GPU %d time(s), %d stream operations; torch ms column: Info"
+        % (pack_ms / info_ms, scatter_ms / info_ms, syncs, after["ops"] - before["ops"]))
 
 
 def check_remote_pack_op(gpu, client, mask, gen):
@@ -419,6 +472,21 @@ def check_step_device(gpu, client, s):
         return out
 
     got, step_ms = timed(gpu, device_step)
+    # What one step asks of the GPU, and how soon its first micro-batch arrives.
+    before = device_counts()
+    start = time.perf_counter()
+    step = client.pack_micro_batches([d["tokens"], d["logprobs"]], d["mask"], s.budget,
+                                     segment_ids=d["ids"], loss_mask=d["loss_mask"], **kw)
+    first_ms = None
+    for _ in step:
+        if first_ms is None:
+            gpu.synchronize()
+            first_ms = (time.perf_counter() - start) * 1e3
+    gpu.synchronize()
+    whole_ms = (time.perf_counter() - start) * 1e3
+    spent = {k: v - before[k] for k, v in device_counts().items()}
+    target("S3 first micro-batch / step", first_ms / whole_ms, 0.25)
+    TARGETS["step device counts"] = spent
 
     def plan_and_pack():
         # Lengths as the step measures them: each document padded to 8.
@@ -436,9 +504,11 @@ def check_step_device(gpu, client, s):
 
     _, pack_ms = timed(gpu, plan_and_pack)
     name = "step on the GPU (device regions)"
-    row(name, same_micro_batches(gpu, got, host, True, name), step_ms, pack_ms,
-        "%d micro-batches, %d into the GPU arena; torch ms column: Plan + N x Pack"
-        % (len(got), last["through"]))
+    row(name, same_micro_batches(gpu, got, host, True, name) and spent["syncs"] <= 4,
+        step_ms, pack_ms,
+        "%d micro-batches, %d into the GPU arena, %d waits on the GPU and %d stream "
+        "operations a step, first micro-batch at %.0f%% of it; torch ms column: Plan + N x Pack"
+        % (len(got), last["through"], spent["syncs"], spent["ops"], 100 * first_ms / whole_ms))
 
     def in_torch():
         def plan(lengths, loss_tokens):
@@ -459,6 +529,7 @@ def check_step_device(gpu, client, s):
             for a, b in zip(mb.packed + [mb.shifted], r.packed + r.shifted):
                 ok = ok and same(a, b, name)
             ok = ok and mb.position_ids.tolist() == r.position_ids.tolist()
+    target("S1 step / torch step", step_ms / peer_ms, 2.0)
     row(name, ok, step_ms, peer_ms,
         "torch ms column: the same step in this process (tests/gpu/torch_step.py); "
         "packd/torch %.2f (target <= 2)" % (step_ms / peer_ms))
@@ -641,6 +712,8 @@ def run_checks(gpu, address):
         for dtype in DTYPES:
             check("pack " + str(dtype).replace("torch.", ""), check_dtype, gpu, client, dtype,
                   mask, gen)
+        check("calls against Info (C1, C2)", check_calls_against_info, gpu, client, mask,
+              gen)
         check("RemotePackOp", check_remote_pack_op, gpu, client, mask, gen)
         ids = gpu.put(torch.randint(0, 3, (B, S), generator=gen).to(torch.int32))
         x = gpu.put(random_bytes(torch.bfloat16, (B, S, H), gen))
@@ -674,6 +747,18 @@ def main():
         traceback.print_exc(file=sys.stdout)
         row("setup (device, server)", False, detail="%s: %s" % (type(e).__name__, e))
     finally:
+        for key, t in sorted(TARGETS.items()):
+            if "met" in t:
+                print("target %-30s %8.3f (limit %s) %s" % (
+                    key, t["value"], t["limit"], "met" if t["met"] else "MISSED"))
+            else:
+                print("target %-30s %s" % (key, t))
+        if os.environ.get("PACKD_GPU_CHECK_JSON"):
+            import json
+            with open(os.environ["PACKD_GPU_CHECK_JSON"], "w") as f:
+                json.dump({"rows": ROWS, "targets": TARGETS, "device": getattr(
+                    torch.cuda, "get_device_name", lambda: "")() if torch.cuda.is_available()
+                    else "fake GPU"}, f, indent=1)
         print("gpu client checks: %d failed" % failures, flush=True)
     return 1 if failures else 0
 

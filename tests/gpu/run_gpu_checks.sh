@@ -74,7 +74,7 @@ finish() {
     # Part 2's rows (one per check, packd's and the peer's times): the table docs/gpu.md lists.
     if [ -s "$out/gpu_client_check.txt" ]; then
       echo
-      grep -E '^check | (ok|MISMATCH) ' "$out/gpu_client_check.txt"
+      grep -E '^check | (ok|MISMATCH) |^target ' "$out/gpu_client_check.txt"
     fi
   } | tee "$out/summary.txt"
   if [ "$has_gpu" = yes ] && printf '%s\n' "${summary[@]}" | grep -q ' skipped '; then
@@ -192,7 +192,8 @@ else
     note "packd + Python client" FAILED "packd.Client: $(tail -1 "$out/client_probe.txt")"
     status=1
   else
-    timeout "$([ "$quick" = yes ] && echo 120 || echo 180)" "$py" tests/gpu/gpu_client_check.py | tee "$out/gpu_client_check.txt"
+    PACKD_GPU_CHECK_JSON="$out/gpu_client_check.json" \
+      timeout "$([ "$quick" = yes ] && echo 120 || echo 180)" "$py" tests/gpu/gpu_client_check.py | tee "$out/gpu_client_check.txt"
     code=${PIPESTATUS[0]}
     line=$(grep '^gpu client checks:' "$out/gpu_client_check.txt" || echo "did not finish")
     if [ "$code" -eq 0 ]; then note "packd + Python client" ok "$line ($(elapsed "$start"))"; else
