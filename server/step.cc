@@ -20,6 +20,7 @@
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 #include "server/pack_reply.h"
+#include "server/step_parts.h"
 
 namespace packd {
 namespace {
@@ -115,7 +116,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
         "the planning units");
   }
   v1::PlanRequest filled = asked;
-  std::vector<Measured> rows;
+  std::vector<MeasuredRow> rows;
   PACKD_RETURN_IF_ERROR(step->Measure(&filled, &rows));
   const absl::Time measured = absl::Now();
   step->phases_.measure = measured - start;
@@ -156,7 +157,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
 }
 
 absl::Status TrainingStep::Measure(v1::PlanRequest* plan,
-                                   std::vector<Measured>* rows) {
+                                   std::vector<MeasuredRow>* rows) {
   const TensorView& mask = host_mask_;
   const std::optional<TensorView>& loss = host_loss_;
   // One Pack of the loss mask (or the mask) on the host: the rows' active
@@ -164,58 +165,32 @@ absl::Status TrainingStep::Measure(v1::PlanRequest* plan,
   PackOptions measure;
   measure.device = Device::Cpu();
   measure.segment_ids = host_segment_ids_;
-  const TensorView counted = loss.has_value() ? *loss : mask;
-  PACKD_ASSIGN_OR_RETURN(PackResult r, Pack({counted}, mask, measure));
+  PACKD_ASSIGN_OR_RETURN(
+      PackResult r, Pack({loss.has_value() ? *loss : mask}, mask, measure));
   if (spec_.mrope.has_value()) {
     PACKD_RETURN_IF_ERROR(MeasureGrids(measure));
   }
-  const int64_t B = mask.shape[0];
-  extents_.resize(B);
-  for (int64_t b = 0; b < B; ++b) extents_[b] = r.last_index[b] + 1;
-  rows->assign(B, {});
   const PlanOptions model = PlanOptionsOf(*plan);
-  if (spec_.layout.shared_prefix.has_value()) {
-    PACKD_RETURN_IF_ERROR(MeasureShared(r, loss, model, plan, rows));
-    plan->clear_cost_per_token();
-    plan->clear_cost_per_token_squared();
-    return absl::OkStatus();
-  }
-  if (call_.segment_ids.has_value()) {
-    for (size_t d = 0; d < r.doc_row.size(); ++d) {
-      (*rows)[r.doc_row[d]].sequences.push_back(r.doc_cu_seqlens[d + 1] -
-                                                r.doc_cu_seqlens[d]);
-    }
-  } else {
-    for (int64_t b = 0; b < B; ++b) {
-      (*rows)[b].sequences.push_back(r.cu_seqlens[b + 1] - r.cu_seqlens[b]);
-    }
-  }
-  const PackSizes& sizes = spec_.sizes;
-  const char* loss_bytes = loss.has_value()
-                               ? static_cast<const char*>(r.packed[0].view.data)
-                               : nullptr;
-  const int64_t loss_item = ItemSize(counted.dtype);
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t padded = 0;
-    double cost = 0;
-    for (int64_t L : (*rows)[b].sequences) {
-      const int64_t P = sizes.PaddedRows(L);
-      padded = SaturatingAdd(padded, P);
-      cost += SequenceCost(model, P);
-    }
-    // One CP or SP rank's share of a row's rows is what one GPU holds of it.
-    plan->add_lengths(sizes.RankRows(padded));
-    plan->add_costs(cost);
-    const int64_t active = r.cu_seqlens[b + 1] - r.cu_seqlens[b];
-    plan->add_loss_tokens(
-        loss_bytes == nullptr
-            ? active
-            : CountNonzero(counted.dtype,
-                           loss_bytes + r.cu_seqlens[b] * loss_item, active));
-  }
-  // The costs packd computed stand for the model.
+  // The costs packd computes stand for the model.
   plan->clear_cost_per_token();
   plan->clear_cost_per_token_squared();
+  if (spec_.layout.shared_prefix.has_value()) {
+    const int64_t B = mask.shape[0];
+    extents_.resize(B);
+    for (int64_t b = 0; b < B; ++b) extents_[b] = r.last_index[b] + 1;
+    rows->assign(B, {});
+    return MeasureShared(r, loss, model, plan, rows);
+  }
+  MeasuredRows measured = MeasureRows(
+      r, loss.has_value() ? std::optional<DType>(loss->dtype) : std::nullopt,
+      call_.segment_ids.has_value(), spec_.sizes, model);
+  for (size_t b = 0; b < measured.lengths.size(); ++b) {
+    plan->add_lengths(measured.lengths[b]);
+    plan->add_costs(measured.costs[b]);
+    plan->add_loss_tokens(measured.loss_tokens[b]);
+  }
+  extents_ = std::move(measured.extents);
+  *rows = std::move(measured.rows);
   return absl::OkStatus();
 }
 
@@ -251,7 +226,7 @@ absl::Status TrainingStep::MeasureShared(const PackResult& r,
                                          const std::optional<TensorView>& loss,
                                          const PlanOptions& model,
                                          v1::PlanRequest* plan,
-                                         std::vector<Measured>* rows) {
+                                         std::vector<MeasuredRow>* rows) {
   // The whole batch's stream (never sent, so not bounded by a message):
   // prompts within their rows' tokens, and the prompts that must agree
   // checked on the host, before anything is planned.
@@ -308,90 +283,26 @@ absl::Status TrainingStep::MeasureShared(const PackResult& r,
 }
 
 absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
-                                  const std::vector<Measured>& rows) {
-  const int32_t ranks = std::max<int32_t>(request.plan().num_ranks(), 1);
-  absl::flat_hash_set<int32_t> wanted;
-  for (int i = 0; i < request.ranks_size(); ++i) {
-    const int32_t rank = request.ranks(i);
-    if (rank < 0 || rank >= ranks) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ranks[", i, "] is ", rank, "; the plan has ranks 0 .. ",
-                       ranks - 1, " (plan.num_ranks)"));
-    }
-    if (!wanted.insert(rank).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ranks[", i, "] repeats rank ", rank));
-    }
-  }
-  const LayoutOptions& layout = spec_.layout;
-  const PackSizes& sizes = spec_.sizes;
-  const TensorView& mask = call_.mask;
-  int64_t position_bytes = ItemSize(mask.dtype);  // gathered per position
+                                  const std::vector<MeasuredRow>& rows) {
+  // Gathered in host memory per position: the mask and ids always, the
+  // inputs in host memory (device ones are gathered in theirs).
+  int64_t position_bytes = ItemSize(call_.mask.dtype);
   if (call_.segment_ids.has_value()) {
     position_bytes += ItemSize(call_.segment_ids->dtype);
   }
-  // Gathered in host memory; device tensors are gathered in theirs.
   for (const TensorView& x : call_.tensors) {
     if (x.device.kind == DeviceKind::kCpu) position_bytes += PositionBytes(x);
   }
-  std::vector<int> index(ranks, 0);
-  for (const v1::MicroBatch& mb : plan_.micro_batches()) {
-    const int at = index[mb.rank()]++;
-    if (!wanted.empty() && !wanted.contains(mb.rank())) continue;
-    int64_t targets = 0, entries = 0;
-    std::vector<int64_t> starts = {0};
-    for (int64_t b : mb.samples()) {
-      for (int64_t L : rows[b].sequences) starts.push_back(starts.back() + L);
-      // A shared stream's targets, keys, and per-segment arrays.
-      targets += rows[b].targets;
-      entries += rows[b].keys + rows[b].targets + 3 * rows[b].segments;
-    }
-    // The micro-batch's rows exactly: a shared stream's are its rows'
-    // lengths (the plan's tokens); a layout's, its layout's (which `fixed`,
-    // applying to each micro-batch, must hold); else its active tokens.
-    const bool shared = layout.shared_prefix.has_value();
-    int64_t out_rows = starts.back(), shifted_rows = out_rows;
-    if (shared) {
-      out_rows = mb.padded_tokens();
-      shifted_rows = targets;
-    } else if (layout.any()) {
-      absl::StatusOr<Layout> laid = MakeLayout(starts, layout, false);
-      if (!laid.ok()) {
-        return absl::Status(
-            laid.status().code(),
-            absl::StrCat("micro-batch ", at, " of rank ", mb.rank(), ": ",
-                         laid.status().message()));
-      }
-      out_rows = shifted_rows = laid->rows();
-    }
-    const int64_t reply =
-        sizes.MessageBytes(out_rows, shifted_rows, mb.samples_size(),
-                           static_cast<int64_t>(starts.size()) - 1, entries);
-    if (reply > max_message_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "micro-batch ", at, " of rank ", mb.rank(), " would be about ", reply,
-          " bytes, over the server's limit of ", max_message_bytes_,
-          " bytes (--max_message_bytes): lower "
-          "plan.max_tokens_per_micro_batch"));
-    }
-    const int64_t gathered = mb.samples_size() * mask.shape[1] * position_bytes;
-    max_micro_batch_bytes_ = std::max(max_micro_batch_bytes_, gathered + reply);
-    // Its results' places in the outputs, each from a multiple of 64.
-    Sent sent{&mb, at, {}, {}, {}};
-    auto place = [&](const TensorView& x, int64_t n) {
-      const int64_t bytes = SaturatingMul(n, PositionBytes(x));
-      sent.rows.push_back(n);
-      output_bytes_ = SaturatingAdd(output_bytes_, 63) / 64 * 64;
-      sent.offsets.push_back(output_bytes_);
-      sent.bytes.push_back(bytes);
-      output_bytes_ = SaturatingAdd(output_bytes_, bytes);
-    };
-    for (const TensorView& x : call_.tensors) place(x, out_rows);
-    for (const Shift& s : layout.shifts) {
-      place(call_.tensors[s.input], shifted_rows);
-    }
-    sent_.push_back(std::move(sent));
-  }
+  PACKD_ASSIGN_OR_RETURN(
+      MicroBatchTables tables,
+      PlaceMicroBatches(
+          plan_,
+          absl::MakeConstSpan(request.ranks().data(), request.ranks_size()),
+          request.plan().num_ranks(), rows, spec_.layout, spec_.sizes,
+          call_.tensors, position_bytes, max_message_bytes_));
+  sent_ = std::move(tables.sent);
+  output_bytes_ = tables.output_bytes;
+  max_micro_batch_bytes_ = tables.max_micro_batch_bytes;
   return absl::OkStatus();
 }
 
@@ -595,7 +506,7 @@ absl::Status TrainingStep::Message(size_t k,
 absl::Status TrainingStep::PackMicroBatch(
     size_t k, Wire<v1::PackMicroBatchesResponse>* response,
     std::vector<Buffer>* buffers) const {
-  const Sent& sent = sent_[k];
+  const MicroBatchPlace& sent = sent_[k];
   const v1::MicroBatch& mb = *sent.micro_batch;
   const absl::Span<const int64_t> rows(mb.samples().data(), mb.samples_size());
   v1::PackMicroBatchesResponse* message = &response->message();

@@ -35,6 +35,7 @@
 #include "proto/wire.h"
 #include "server/call_spec.h"
 #include "server/request_decoder.h"
+#include "server/step_parts.h"
 
 namespace packd {
 
@@ -107,22 +108,6 @@ class TrainingStep {
                        std::vector<Buffer>* buffers) const;
 
  private:
-  struct Sent {
-    const v1::MicroBatch* micro_batch;
-    int index;  // position in its rank
-    // Each result's rows, bytes, and offset in the outputs (packed, then
-    // shifted).
-    std::vector<int64_t> rows, bytes, offsets;
-  };
-  // What Measure learns of a row: its sequences' real lengths, and with a
-  // shared prefix its targets, keys and segments in the stream.
-  struct Measured {
-    std::vector<int64_t> sequences;
-    int64_t targets = 0;
-    int64_t keys = 0;
-    int64_t segments = 0;
-  };
-
   TrainingStep(const v1::PackRequest& batch, int64_t max_message_bytes,
                const Tenant& tenant)
       : batch_(batch),
@@ -130,7 +115,7 @@ class TrainingStep {
         spec_(CallSpec::Of(batch, "batch.", max_message_bytes, tenant)) {}
   // Measures the rows and fills the plan request's lengths, loss tokens and
   // costs; `rows` gets what it learns of each.
-  absl::Status Measure(v1::PlanRequest* plan, std::vector<Measured>* rows);
+  absl::Status Measure(v1::PlanRequest* plan, std::vector<MeasuredRow>* rows);
   // A shared prefix's rows measured (docs/design.md §14): a group's stream
   // rows and cost over its rows (its prompt's on its first), each row's
   // targets active in `loss` (the loss mask's active values, packed).
@@ -140,11 +125,11 @@ class TrainingStep {
   absl::Status MeasureShared(const PackResult& measured,
                              const std::optional<TensorView>& loss,
                              const PlanOptions& model, v1::PlanRequest* plan,
-                             std::vector<Measured>* rows);
+                             std::vector<MeasuredRow>* rows);
   // Chooses the micro-batches sent, checks each against the layout and the
   // message limit, and places its results in the outputs.
   absl::Status Choose(const v1::PackMicroBatchesRequest& request,
-                      const std::vector<Measured>& rows);
+                      const std::vector<MeasuredRow>& rows);
   // Writes the results into `slice` when it holds them (a host region that
   // overlaps none of the batch's tensors: INVALID_ARGUMENT otherwise).
   absl::Status UseOutputs(const v1::RegionSlice& slice,
@@ -227,7 +212,7 @@ class TrainingStep {
   // that each micro-batch gets its rows' grids.
   GridsByRow mrope_rows_;
   v1::PlanResponse plan_;
-  std::vector<Sent> sent_;
+  std::vector<MicroBatchPlace> sent_;
   int64_t max_micro_batch_bytes_ = 0;
   int64_t output_bytes_ = 0;
   // The request's outputs, when the results are written there.

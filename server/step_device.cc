@@ -118,7 +118,7 @@ absl::Status TrainingStep::RunDevicePass(size_t begin, size_t end) const {
   std::vector<std::vector<CopySpan>> spans(results);
   for (size_t k = begin; k < end; ++k) {
     PACKD_ASSIGN_OR_RETURN(PackResult meta, PositionsOf(k));
-    const Sent& sent = sent_[k];
+    const MicroBatchPlace& sent = sent_[k];
     for (size_t r = 0; r < results; ++r) {
       const TensorView& table =
           r < inputs ? meta.packed[0].view : meta.shifted[r - inputs].view;
@@ -217,7 +217,7 @@ absl::Status TrainingStep::RunDevicePass(size_t begin, size_t end) const {
 absl::Status TrainingStep::MessageFromPass(
     size_t k, v1::PackResponse* packed, const CallOptions& base,
     const google::protobuf::RepeatedPtrField<v1::RegionSlice>& written) const {
-  const Sent& sent = sent_[k];
+  const MicroBatchPlace& sent = sent_[k];
   PackResult result = std::move(prepared_[k]);
   const size_t inputs = call_.tensors.size();
   for (size_t r = 0; r < sent.rows.size(); ++r) {
