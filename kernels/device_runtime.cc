@@ -16,6 +16,7 @@ Stream& Stream::operator=(Stream&& other) noexcept {
     device_ = other.device_;
     handle_ = other.handle_;
     release_ = std::move(other.release_);
+    held_ = std::move(other.held_);
     other.handle_ = nullptr;
     other.release_ = nullptr;
   }
@@ -30,7 +31,8 @@ absl::StatusOr<Stream> DeviceRuntime::AcquireStream(const Device& device) {
   return Stream(device, nullptr, nullptr);
 }
 
-absl::Status DeviceRuntime::Synchronize(const Stream&) {
+absl::Status DeviceRuntime::Synchronize(const Stream& stream) {
+  stream.ReleaseHeld();
   return absl::OkStatus();
 }
 

@@ -65,10 +65,18 @@ class Stream {
   // The runtime's own stream handle; null on the CPU.
   void* handle() const { return handle_; }
 
+  // Keeps `buffer` (memory the stream's queued work reads or writes) until
+  // the stream is next synchronised (DeviceRuntime::Synchronize) or goes:
+  // stream-ordered lifetime, so that queued work needs no wait of its own.
+  void Hold(Buffer buffer) const { held_.push_back(std::move(buffer)); }
+  // Lets go of what Hold kept: the stream's work is done.
+  void ReleaseHeld() const { held_.clear(); }
+
  private:
   Device device_;
   void* handle_ = nullptr;
   Release release_;
+  mutable std::vector<Buffer> held_;
 };
 
 // One piece of a batched copy within a device's memory (DeviceRuntime::

@@ -1,5 +1,6 @@
 #include "kernels/gpu/gpu_backend.h"
 
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/device_staging.h"
 #include "kernels/gpu/gpu_device_runtime.h"
 #include "kernels/gpu/gpu_kernels.h"
 #include "kernels/gpu/gpu_runtime.h"
@@ -24,6 +26,10 @@ class GpuPlan : public MaskPlan {
   Buffer work;
   // ScanAhead's: cu_seqlens and last_index as they reach host memory.
   Buffer meta;
+  // Every packed token's dense position, once brought to the host
+  // (Documents, PackedPositions).
+  mutable std::vector<int64_t> positions;
+  mutable bool have_positions = false;
 };
 
 class GpuBackend : public Backend {
@@ -89,9 +95,15 @@ class GpuBackend : public Backend {
                                std::vector<int64_t>* positions,
                                const Stream& stream) override {
     const auto& plan = static_cast<const GpuPlan&>(base);
-    positions->resize(plan.total_active());
-    return runtime_->CopyToHost(positions->data(), plan.scan.index,
-                                positions->size() * sizeof(int64_t), stream);
+    if (!plan.have_positions) {
+      plan.positions.resize(plan.total_active());
+      PACKD_RETURN_IF_ERROR(runtime_->CopyToHost(
+          plan.positions.data(), plan.scan.index,
+          plan.positions.size() * sizeof(int64_t), stream));
+      plan.have_positions = true;
+    }
+    *positions = plan.positions;
+    return absl::OkStatus();
   }
 
   absl::Status Gather(const MaskPlan& base, const TensorView& x,
@@ -160,23 +172,18 @@ class GpuBackend : public Backend {
       }
     }
     PACKD_GPU_CHECK("set device", gpuSetDevice(out.device.index));
-    std::vector<Buffer> held;
-    PACKD_RETURN_IF_ERROR(Move(x.data, from, to, width, out, stream, &held));
+    PACKD_RETURN_IF_ERROR(Move(x.data, from, to, width, out, stream));
     if (!pads.empty()) {
       // One row of pad elements, and every pad row taken from it.
       const int64_t item = ItemSize(x.dtype);
       std::vector<unsigned char> row(width);
       for (int64_t at = 0; at < width; ++at) row[at] = pad[at % item];
-      PACKD_ASSIGN_OR_RETURN(Buffer pad_row,
-                             runtime_->Allocate(width, out.device));
-      PACKD_RETURN_IF_ERROR(
-          runtime_->CopyToDevice(pad_row.data(), row.data(), width, stream));
-      PACKD_RETURN_IF_ERROR(Move(pad_row.data(),
-                                 std::vector<int64_t>(pads.size(), 0), pads,
-                                 width, out, stream, &held));
-      held.push_back(std::move(pad_row));
+      PACKD_ASSIGN_OR_RETURN(void* pad_row,
+                             Upload(row.data(), width, out.device, stream));
+      PACKD_RETURN_IF_ERROR(Move(pad_row, std::vector<int64_t>(pads.size(), 0),
+                                 pads, width, out, stream));
     }
-    return runtime_->Synchronize(stream);
+    return absl::OkStatus();
   }
 
   absl::Status ScatterRows(const TensorView& packed,
@@ -195,37 +202,96 @@ class GpuBackend : public Backend {
         to.push_back(rows[j]);
       }
     }
-    std::vector<Buffer> held;
-    PACKD_RETURN_IF_ERROR(
-        Move(packed.data, from, to, width, dense, stream, &held));
-    return runtime_->Synchronize(stream);
+    return Move(packed.data, from, to, width, dense, stream);
+  }
+
+  // The default's ids and positions, both brought back with one wait; the
+  // positions are kept for PackedPositions.
+  absl::Status Documents(const MaskPlan& base, const TensorView& segment_ids,
+                         DeviceRuntime& runtime, DocumentCuts* out,
+                         const Stream& stream) override {
+    const auto& plan = static_cast<const GpuPlan&>(base);
+    const int64_t total = plan.total_active();
+    const int64_t item = ItemSize(segment_ids.dtype);
+    if (total * (item + 8) > DeviceStaging::kQueuedBytes) {
+      return Backend::Documents(base, segment_ids, runtime, out, stream);
+    }
+    std::vector<int64_t> ids(total);
+    if (total > 0) {
+      PACKD_ASSIGN_OR_RETURN(Buffer packed,
+                             runtime_->Allocate(total * item, stream.device()));
+      TensorView view;
+      view.data = packed.data();
+      view.dtype = segment_ids.dtype;
+      view.shape = {total};
+      view.device = stream.device();
+      PACKD_RETURN_IF_ERROR(Gather(plan, segment_ids, view, stream));
+      PACKD_ASSIGN_OR_RETURN(
+          Buffer back,
+          runtime_->AllocateHost(total * (item + 8), stream.device()));
+      char* host = static_cast<char*>(back.data());
+      PACKD_RETURN_IF_ERROR(
+          runtime_->CopyAsync(host, packed.data(), total * item,
+                              CopyDirection::kDeviceToHost, stream));
+      PACKD_RETURN_IF_ERROR(
+          runtime_->CopyAsync(host + total * item, plan.scan.index, total * 8,
+                              CopyDirection::kDeviceToHost, stream));
+      stream.Hold(std::move(packed));
+      PACKD_RETURN_IF_ERROR(runtime_->Synchronize(stream));
+      for (int64_t k = 0; k < total; ++k) {
+        ids[k] = IntegerAt(host, segment_ids.dtype, k);
+      }
+      plan.positions.resize(total);
+      std::memcpy(plan.positions.data(), host + total * item, total * 8);
+    }
+    plan.have_positions = true;
+    CutDocuments(plan, ids, plan.positions, out);
+    return absl::OkStatus();
   }
 
  private:
+  // `bytes` of host memory in a new device buffer: the copy queued on the
+  // stream through pinned memory (or, past DeviceStaging::kQueuedBytes, done
+  // when it returns), both buffers held by the stream until it is
+  // synchronised.
+  absl::StatusOr<void*> Upload(const void* host, int64_t bytes,
+                               const Device& device, const Stream& stream) {
+    PACKD_ASSIGN_OR_RETURN(Buffer on_device, runtime_->Allocate(bytes, device));
+    void* data = on_device.data();
+    if (bytes > DeviceStaging::kQueuedBytes) {
+      PACKD_RETURN_IF_ERROR(runtime_->CopyToDevice(data, host, bytes, stream));
+    } else {
+      PACKD_ASSIGN_OR_RETURN(Buffer pinned,
+                             runtime_->AllocateHost(bytes, device));
+      std::memcpy(pinned.data(), host, bytes);
+      PACKD_RETURN_IF_ERROR(runtime_->CopyAsync(
+          data, pinned.data(), bytes, CopyDirection::kHostToDevice, stream));
+      stream.Hold(std::move(pinned));
+    }
+    stream.Hold(std::move(on_device));
+    return data;
+  }
+
   // out row to[k] = src row from[k] for every k, through a compact device
-  // buffer; the buffers it uses join `held`.
+  // buffer; what it uses is held by the stream.
   absl::Status Move(const void* src, const std::vector<int64_t>& from,
                     const std::vector<int64_t>& to, int64_t width,
-                    const TensorView& out, const Stream& stream,
-                    std::vector<Buffer>* held) {
+                    const TensorView& out, const Stream& stream) {
     const int64_t n = static_cast<int64_t>(from.size());
     if (n == 0) return absl::OkStatus();
-    PACKD_ASSIGN_OR_RETURN(Buffer index,
-                           runtime_->Allocate(2 * n * 8, out.device));
     std::vector<int64_t> both(from);
     both.insert(both.end(), to.begin(), to.end());
-    PACKD_RETURN_IF_ERROR(
-        runtime_->CopyToDevice(index.data(), both.data(), 2 * n * 8, stream));
+    PACKD_ASSIGN_OR_RETURN(void* index,
+                           Upload(both.data(), 2 * n * 8, out.device, stream));
     PACKD_ASSIGN_OR_RETURN(Buffer rows,
                            runtime_->Allocate(n * width, out.device));
-    const int64_t* from_d = static_cast<const int64_t*>(index.data());
+    const int64_t* from_d = static_cast<const int64_t*>(index);
     PACKD_GPU_CHECK("gather launch", LaunchGather(src, rows.data(), from_d, n,
                                                   width, NativeStream(stream)));
     PACKD_GPU_CHECK("scatter launch",
                     LaunchScatterRows(rows.data(), out.data, from_d + n, n,
                                       width, NativeStream(stream)));
-    held->push_back(std::move(index));
-    held->push_back(std::move(rows));
+    stream.Hold(std::move(rows));
     return absl::OkStatus();
   }
 

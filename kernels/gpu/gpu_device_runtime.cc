@@ -278,8 +278,11 @@ class GpuRuntime : public DeviceRuntime {
 
   absl::Status Synchronize(const Stream& stream) override {
     PACKD_GPU_CHECK("set device", gpuSetDevice(stream.device().index));
-    PACKD_GPU_CHECK("stream synchronisation",
-                    CountedSynchronize(NativeStream(stream)));
+    const gpuError_t err = CountedSynchronize(NativeStream(stream));
+    // Done, or failed for good (the device's error is sticky): what the
+    // stream's work held may go either way.
+    stream.ReleaseHeld();
+    PACKD_GPU_CHECK("stream synchronisation", err);
     return absl::OkStatus();
   }
 

@@ -238,5 +238,65 @@ TEST_F(PackBudgetTest, APackThatSizesItsResultsSynchronisesTwice) {
   EXPECT_EQ(cost.synchronizations, 2) << Describe(cost);
 }
 
+// A Pack with documents and a layout (padded to 8, the token ids shifted,
+// position ids) of tensors in a device region, results inline: each result
+// laid out on the device, the layout's tables up and the documents' ids and
+// positions back without a wait each.
+TEST_F(PackBudgetTest, APackWithALayoutWaitsAtMostThreeTimes) {
+  StartServer();
+  testing::Rng rng = testing::Rng::Fresh();
+  const int64_t B = 8, S = 300, H = 16;
+  const at::Tensor mask =
+      testing::RandomMask(rng, DType::kBool, B, S, 0.7, MaskPattern::kHoles);
+  const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, H});
+  const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
+  const at::Tensor segments =
+      at::randint(0, 2, {B, S}, at::kInt).cumsum(1).to(at::kInt);
+  const std::vector<at::Tensor> tensors = {x, ids, mask, segments};
+  std::vector<uint64_t> at;
+  uint64_t next = 0;
+  for (const at::Tensor& t : tensors) {
+    at.push_back(next);
+    next = (next + t.nbytes() + 255) / 256 * 256;
+  }
+  DeviceBuffer memory(0, next);
+  for (size_t i = 0; i < tensors.size(); ++i) memory.Put(tensors[i], at[i]);
+  ASSERT_TRUE(RegisterDevice("batch", memory, "cuda:0", next).ok());
+  v1::PackRequest request;
+  request.set_device("cuda:0");
+  *request.add_inputs() = InRegion(x, "batch", at[0]);
+  *request.add_inputs() = InRegion(ids, "batch", at[1]);
+  *request.mutable_mask() = InRegion(mask, "batch", at[2]);
+  *request.mutable_segment_ids() = InRegion(segments, "batch", at[3]);
+  request.set_pad_multiple(8);
+  request.set_with_position_ids(true);
+  v1::Shift* shift = request.add_shifts();
+  shift->set_input(1);
+  shift->set_fill(-100);
+  v1::PackResponse gpu_reply, host_reply;
+  {
+    grpc::ClientContext context;
+    const DeviceCounts before = Now();
+    ASSERT_TRUE(stub_->Pack(&context, request, &gpu_reply).ok());
+    const DeviceCounts cost = Now() - before;
+    std::printf("a Pack with documents, pad 8, a shift: %s\n",
+                Describe(cost).c_str());
+    EXPECT_LE(cost.synchronizations, 3) << Describe(cost);
+  }
+  // The same bytes as the host's Pack of the same tensors.
+  v1::PackRequest host_request;
+  *host_request.mutable_mask() = ToProto(mask);
+  *host_request.add_inputs() = ToProto(x);
+  *host_request.add_inputs() = ToProto(ids);
+  *host_request.mutable_segment_ids() = ToProto(segments);
+  host_request.set_pad_multiple(8);
+  host_request.set_with_position_ids(true);
+  *host_request.add_shifts() = *shift;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub_->Pack(&context, host_request, &host_reply).ok());
+  EXPECT_EQ(gpu_reply.SerializeAsString(), host_reply.SerializeAsString());
+  ASSERT_TRUE(Unregister("batch").ok());
+}
+
 }  // namespace
 }  // namespace packd
