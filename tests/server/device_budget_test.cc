@@ -250,8 +250,12 @@ TEST_F(PackBudgetTest, APackWithALayoutWaitsAtMostThreeTimes) {
       testing::RandomMask(rng, DType::kBool, B, S, 0.7, MaskPattern::kHoles);
   const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, H});
   const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
-  const at::Tensor segments =
-      at::randint(0, 2, {B, S}, at::kInt).cumsum(1).to(at::kInt);
+  // Documents of 1 to 5 tokens, from the test's own seed.
+  at::Tensor segments = at::zeros({B, S}, at::kInt);
+  int* seg = segments.data_ptr<int>();
+  for (int64_t k = 1; k < B * S; ++k) {
+    seg[k] = seg[k - 1] + (rng.Next() % 3 == 0 ? 1 : 0);
+  }
   const std::vector<at::Tensor> tensors = {x, ids, mask, segments};
   std::vector<uint64_t> at;
   uint64_t next = 0;
