@@ -176,7 +176,9 @@ class TrainingStep {
   // host.
   //
   // Whether this step runs it: every tensor of the batch on the step's GPU,
-  // no mrope, the outputs on that device or inline.
+  // no mrope, the outputs on that device, or inline and at most
+  // kInlinePassBytes of them.
+  static constexpr int64_t kInlinePassBytes = int64_t{256} << 20;
   bool UsesDevicePass() const;
   // Runs micro-batch k's wave of the pass (the first micro-batch alone, then
   // every other one) the first time one of them is asked for; its status

@@ -38,7 +38,10 @@ bool TrainingStep::UsesDevicePass() const {
   for (const TensorView& x : call_.tensors) {
     if (x.device != call_.device) return false;
   }
-  return !outputs_.has_value() || outputs_->region->device() == call_.device;
+  if (outputs_.has_value()) return outputs_->region->device() == call_.device;
+  // Inline, the pass holds every result in host memory until it is sent: a
+  // larger step is packed a micro-batch at a time instead.
+  return output_bytes_ <= kInlinePassBytes;
 }
 
 int64_t TrainingStep::held_bytes() const {
