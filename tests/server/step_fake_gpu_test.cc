@@ -372,8 +372,10 @@ TEST_F(StepOnFakeGpuTest, ASlowReaderHoldsTheServerToTwoMicroBatches) {
                                    : std::stoll(text.substr(at + name.size()));
   };
   testing::Rng rng = testing::Rng::Fresh();
-  // Micro-batches of about 1.2 MB: more than a socket's buffers take.
-  const Batch batch = Batch::Random(rng, 48, 96, 2048);
+  // Micro-batches of about 2.4 MB, 75 MB in all: more than a socket's and
+  // gRPC's buffers take however soon the server makes them (a step on the
+  // device makes its messages in two passes, then only assembles them).
+  const Batch batch = Batch::Random(rng, 96, 96, 4096);
   const OnDevice on_device = Put(batch, 0, "batch");
   const std::vector<uint64_t>& at = on_device.at;
   v1::PackMicroBatchesRequest host = Request(batch, nullptr, at);
