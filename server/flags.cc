@@ -39,6 +39,11 @@ ABSL_FLAG(int64_t, max_regions_per_tenant, 4096,
           "The most regions one tenant (a token's name, a client "
           "certificate, a unix-socket peer's uid) may hold at once; 0: no "
           "bound");
+ABSL_FLAG(
+    std::string, advertise_address, "",
+    "HOST:PORT where rollout workers and trainer ranks reach this replica "
+    "for a streaming step it holds (in Kubernetes: $(POD_IP):50051); "
+    "empty: the --listen address");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT to serve Prometheus metrics on at /metrics (port 0 picks "
           "one); empty: no metrics endpoint");
@@ -150,6 +155,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
       absl::GetFlag(FLAGS_max_regions_per_tenant);
   options.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.keep_freed_memory = absl::GetFlag(FLAGS_keep_freed_memory);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     PACKD_ASSIGN_OR_RETURN(

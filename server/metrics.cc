@@ -244,7 +244,49 @@ Metrics::Metrics(Gauges gauges)
                              "measure, plan, device, pack, send (pack and send "
                              "overlap).")
                        .Register(*registry_)),
+      stream_steps_(prometheus::BuildGauge()
+                        .Name("packd_stream_steps_open")
+                        .Help("Streaming steps open on this replica.")
+                        .Register(*registry_)
+                        .Add({})),
+      stream_rows_pending_(
+          prometheus::BuildGauge()
+              .Name("packd_stream_rows_pending")
+              .Help("Rows submitted to streaming steps and not "
+                    "yet sent in a micro-batch.")
+              .Register(*registry_)
+              .Add({})),
+      stream_waves_(prometheus::BuildCounter()
+                        .Name("packd_stream_waves_total")
+                        .Help("Waves streaming steps committed (one "
+                              "micro-batch per rank each), the close's "
+                              "included.")
+                        .Register(*registry_)
+                        .Add({})),
+      stream_group_wait_(
+          prometheus::BuildHistogram()
+              .Name("packd_stream_group_wait_seconds")
+              .Help("Time from a group's arrival in a streaming step to a "
+                    "micro-batch with its rows being sent.")
+              .Register(*registry_)
+              .Add({},
+                   prometheus::Histogram::BucketBoundaries{
+                       0.001, 0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800})),
       collector_(std::make_shared<Collector>(registry_, std::move(gauges))) {}
+
+void Metrics::StreamSteps(int64_t delta) {
+  stream_steps_.Increment(static_cast<double>(delta));
+}
+
+void Metrics::StreamRowsPending(int64_t delta) {
+  stream_rows_pending_.Increment(static_cast<double>(delta));
+}
+
+void Metrics::StreamWave() { stream_waves_.Increment(); }
+
+void Metrics::StreamGroupSent(absl::Duration waited) {
+  stream_group_wait_.Observe(absl::ToDoubleSeconds(waited));
+}
 
 Metrics::~Metrics() = default;
 

@@ -95,6 +95,14 @@ class Metrics {
   // (-1): the micro-batches the server holds packed, over every call.
   void HoldMicroBatches(int64_t delta);
 
+  // The streaming step (docs/design.md §18): a step opened (+1) or ended
+  // (-1); rows submitted (+) or sent in a micro-batch (-); a wave committed;
+  // one group's rows sent in a micro-batch `waited` after the group arrived.
+  void StreamSteps(int64_t delta);
+  void StreamRowsPending(int64_t delta);
+  void StreamWave();
+  void StreamGroupSent(absl::Duration waited);
+
   // What /metrics serves: the registry and the gauges, read when collected.
   std::shared_ptr<prometheus::Collectable> collectable() const {
     return collector_;
@@ -128,6 +136,10 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& device_errors_;
   prometheus::Gauge& micro_batches_held_;
   prometheus::Family<prometheus::Counter>& step_phases_;
+  prometheus::Gauge& stream_steps_;
+  prometheus::Gauge& stream_rows_pending_;
+  prometheus::Counter& stream_waves_;
+  prometheus::Histogram& stream_group_wait_;
   std::shared_ptr<prometheus::Collectable> collector_;  // a Collector
 
   mutable absl::Mutex mu_;

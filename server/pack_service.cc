@@ -5,8 +5,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "server/inline_call.h"
 #include "server/step_call.h"
+#include "server/stream_calls.h"
 
 namespace packd {
 
@@ -123,6 +125,29 @@ grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
                       response, [=](const Tenant& tenant) {
                         return core_.DoServerInfo(tenant, response);
                       });
+}
+
+grpc::ServerBidiReactor<v1::StepControl, v1::StepEvent>*
+PackServiceImpl::OpenStep(grpc::CallbackServerContext* context) {
+  return new StepControllerCall(&calls_, &steps_, context);
+}
+
+grpc::ServerUnaryReactor* PackServiceImpl::SubmitGroup(
+    grpc::CallbackServerContext* context, const v1::SubmitGroupRequest* request,
+    v1::SubmitGroupResponse* response) {
+  return calls_.Unary(context, "SubmitGroup", Draining::kRefused, *request,
+                      response, [=](const Tenant& tenant) -> absl::Status {
+                        PACKD_ASSIGN_OR_RETURN(
+                            std::shared_ptr<StreamingStep> step,
+                            steps_.Find(request->step_id()));
+                        return step->Submit(tenant, *request, response);
+                      });
+}
+
+grpc::ServerWriteReactor<v1::PackMicroBatchesResponse>*
+PackServiceImpl::ReceiveStep(grpc::CallbackServerContext* context,
+                             const v1::ReceiveStepRequest* request) {
+  return new StepReceiverCall(&calls_, &steps_, context, request);
 }
 
 }  // namespace packd

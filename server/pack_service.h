@@ -37,6 +37,7 @@
 #include "server/call.h"
 #include "server/memory_budget.h"
 #include "server/service_core.h"
+#include "server/stream_step.h"
 
 namespace packd {
 
@@ -83,6 +84,20 @@ class PackServiceImpl final
       grpc::CallbackServerContext* context, const v1::PlanRequest* request,
       v1::PlanResponse* response) override;
 
+  // The streaming step (docs/design.md §18): the controller's stream, a
+  // submitter's group, a rank's receiving stream.
+  grpc::ServerBidiReactor<v1::StepControl, v1::StepEvent>* OpenStep(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* SubmitGroup(
+      grpc::CallbackServerContext* context,
+      const v1::SubmitGroupRequest* request,
+      v1::SubmitGroupResponse* response) override;
+  grpc::ServerWriteReactor<v1::PackMicroBatchesResponse>* ReceiveStep(
+      grpc::CallbackServerContext* context,
+      const v1::ReceiveStepRequest* request) override;
+  // The streaming steps open here, and where callers reach them.
+  StepRegistry& steps() { return steps_; }
+
   // What /metrics serves: the calls served so far and the state now.
   std::shared_ptr<prometheus::Collectable> metrics() {
     return core_.metrics().collectable();
@@ -106,6 +121,7 @@ class PackServiceImpl final
   };
 
   ServiceCore core_;
+  StepRegistry steps_{&core_};
   // After the state its handlers use: its workers finish what was submitted
   // before the rest goes.
   CallMechanism calls_;

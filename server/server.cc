@@ -247,6 +247,9 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
                            Listen(builder, options.listen, "--listen",
                                   Credentials(options.tls), &server->address_));
   }
+  server->service_.steps().SetAddress(options.advertise_address.empty()
+                                          ? server->address_
+                                          : options.advertise_address);
   server->SetReady(false);
   absl::Status check =
       SelfCheck(server->service_.core(), options.service.default_device);

@@ -40,6 +40,10 @@ struct ServerOptions {
   // probes when the main listener speaks TLS); empty: none.
   std::string health_listen;
   ServiceOptions service;
+  // "HOST:PORT" where rollout workers and trainer ranks reach this replica for
+  // a streaming step it holds (a pod's own address behind a headless
+  // Service); empty: the address it listens on.
+  std::string advertise_address;
   absl::Duration drain = absl::Seconds(30);
   // "HOST:PORT" for Prometheus metrics at /metrics; empty: none.
   std::string metrics_listen;

@@ -118,6 +118,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   v1::PlanRequest filled = asked;
   std::vector<MeasuredRow> rows;
   PACKD_RETURN_IF_ERROR(step->Measure(&filled, &rows));
+  step->measured_ = filled;
   const absl::Time measured = absl::Now();
   step->phases_.measure = measured - start;
   // The mask is valid now (Measure packed it); the inputs' rows are gathered

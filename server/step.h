@@ -72,6 +72,8 @@ class TrainingStep {
       const Tenant& tenant);
 
   const v1::PlanResponse& plan() const { return plan_; }
+  // The plan request with every row's measured length, cost and loss tokens.
+  const v1::PlanRequest& measured() const { return measured_; }
   // Where the micro-batches are packed.
   const Device& device() const { return call_.device; }
   // The micro-batches sent (those of the ranks asked), in order.
@@ -213,6 +215,8 @@ class TrainingStep {
   // With batch.mrope: the grids and videos of each row (prefix arrays), so
   // that each micro-batch gets its rows' grids.
   GridsByRow mrope_rows_;
+  // The plan request with every row's measured length, cost and loss tokens.
+  v1::PlanRequest measured_;
   v1::PlanResponse plan_;
   std::vector<MicroBatchPlace> sent_;
   int64_t max_micro_batch_bytes_ = 0;

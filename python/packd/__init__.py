@@ -18,7 +18,10 @@ from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, Shar
                            StepPlan, varlen_kwargs)
 from packd.layout import Layout, MRope, SharedPrefix
 from packd.ops import RemotePackOp
+from packd.streaming import (StepController, StepStream, StepSummary, SubmittedGroup,
+                             scale_gradients)
 
 __all__ = ["__version__", "Client", "Layout", "MRope", "MicroBatch", "PackdError", "PackResult",
            "Plan", "PlannedMicroBatch", "RemotePackOp", "SharedPrefix", "SharedResult",
-           "StepPlan", "device_slice", "varlen_kwargs"]
+           "StepController", "StepPlan", "StepStream", "StepSummary", "SubmittedGroup",
+           "device_slice", "scale_gradients", "varlen_kwargs"]

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import grpc
 import torch
 
-from packd import _device, _memory, _requests, _wire
+from packd import _device, _memory, _requests, _wire, streaming
 from packd._connection import Connection, Interceptor, PackdError, PackdValueError
 from packd._gpu import Gpu
 from packd._regions import Regions
@@ -471,6 +471,72 @@ class Client:
             self._step_output_bytes = first[0].output_bytes
         return StepPlan(call, first[0], lambda: regions.give_back(scratch), options,
                         lambda m, t: regions.decode(m, t, scratch))
+
+    def open_step(self, max_tokens: int, *, num_ranks: int = 1, layout: Optional[Layout] = None,
+                  with_position_ids: bool = False, device: str = "",
+                  cost: Optional[Tuple[Number, Number]] = None, micro_batch_multiple: int = 1,
+                  policy_version: int = 0, max_staleness: int = 0, step_id: str = "",
+                  wave_fill: float = 0.0, reserve: Optional[float] = None,
+                  timeout_seconds: int = 0) -> streaming.StepController:
+        """Opens a streaming step (docs/operation.md, "The streaming step") on this replica and
+        returns its StepController: `.step_id`, and `.address`, where submitters and ranks reach
+        the replica holding it. Groups are planned as they arrive into micro-batches of at most
+        max_tokens tokens over num_ranks ranks (cost=(a, b) as pack_micro_batches'), packed
+        with `layout` (a Layout without cp_rank or sp_rank: each receiver names its own; a
+        shared prefix as SharedPrefix((), (), same_inputs): each group brings its prefix
+        lengths). A group whose policy version is below policy_version - max_staleness is
+        refused. wave_fill (0: 0.9) is how full every rank's micro-batch must be for a wave;
+        `reserve` micro-batches per rank are left for the close to balance (default: 1 with
+        several ranks, 0 with one). timeout_seconds (0: 3600) bounds the step's life. The step lives while the controller's stream is open."""
+        options = streaming.step_options(
+            max_tokens, num_ranks=num_ranks, layout=layout or Layout(),
+            with_position_ids=with_position_ids, device=device, cost=cost,
+            micro_batch_multiple=micro_batch_multiple, policy_version=policy_version,
+            max_staleness=max_staleness, step_id=step_id, wave_fill=wave_fill, reserve=reserve,
+            timeout_seconds=timeout_seconds)
+        return streaming.StepController(self._connection.stub, options, self._step_timeout(),
+                                        self._connection.metadata_for(None))
+
+    def submit_group(self, step_id: str, x_or_tensors: TensorOrList, mask: torch.Tensor, *,
+                     policy_version: int = 0, segment_ids: Optional[torch.Tensor] = None,
+                     loss_mask: Optional[torch.Tensor] = None,
+                     prefix_lengths: Optional[Sequence[int]] = None
+                     ) -> streaming.SubmittedGroup:
+        """Submits one finished group to streaming step `step_id` (call the controller's
+        `address`): its rows mask [g, S] and tensors each [g, S, *tail] (the same dtypes and
+        tails as every group of the step), optional segment_ids and loss_mask [g, S], and with
+        a shared-prefix layout its prompt's length on each row. A group is never split where
+        the layout shares its prompt. Raises PackdError: INVALID_ARGUMENT for a malformed group
+        (the step goes on), FAILED_PRECONDITION for a stale one or a closed step, NOT_FOUND
+        when no such step is open on this replica."""
+        tensors = [x_or_tensors] if isinstance(x_or_tensors, torch.Tensor) else list(x_or_tensors)
+        request = streaming.group_request(step_id, tensors, mask, policy_version, segment_ids,
+                                          loss_mask, prefix_lengths)
+        # Never retried: a group the server took must not be taken twice.
+        reply = self._call(self._connection.stub.SubmitGroup, request, retries=0)
+        return streaming.SubmittedGroup(reply.group, reply.first_row, reply.waves)
+
+    def receive_step(self, step_id: str, rank: int, *, cp_rank: int = 0,
+                     layout: Optional[Layout] = None, with_position_ids: bool = False,
+                     documents: bool = False, single: bool = False,
+                     cu_seqlens_dtype: torch.dtype = torch.int64) -> streaming.StepStream:
+        """Rank `rank`'s (and with a CP or SP layout, cp_rank's) receiving stream of streaming
+        step `step_id`: iterate it for its micro-batches as waves commit (MicroBatch(rank,
+        index, samples, result), result exactly pack() of the step's rows `samples`), then its
+        `global_loss_tokens`. layout, with_position_ids, documents (groups carry segment ids)
+        and single (one input: result.packed a tensor) say how to read the results, as the step
+        was opened. Every rank must receive: a rank's stream that ends early ends the step for
+        all with UNAVAILABLE naming it."""
+        call = self._connection.stub.ReceiveStep(
+            pb.ReceiveStepRequest(step_id=step_id, rank=rank, cp_rank=cp_rank),
+            timeout=self._step_timeout(), metadata=self._connection.metadata_for(None))
+        return streaming.StepStream(call, single, documents, with_position_ids,
+                                    layout or Layout(), cu_seqlens_dtype)
+
+    def _step_timeout(self) -> float:
+        """A streaming step's streams live as long as the step: their deadline is an hour, or
+        the client's timeout when longer."""
+        return max(self._connection.timeout, 3600.0)
 
     def register_cuda_tensor(self, name: str, tensor: torch.Tensor,
                              device: Optional[str] = None) -> pb.RegionSlice:
