@@ -6,3 +6,7 @@ import train_packed
 
 def test_packed_training_equals_unpacked_training(trains_as_reference):
     trains_as_reference(train_packed.train, num_ranks=4, max_tokens=96)
+
+
+def test_streaming_training_equals_unpacked_training(trains_as_reference):
+    trains_as_reference(train_packed.train, num_ranks=4, max_tokens=96, streaming=True)

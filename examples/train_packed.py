@@ -11,6 +11,12 @@ so backward goes through packd's Scatter.
 
     python examples/train_packed.py --address 127.0.0.1:50051           # train, print losses
     python examples/train_packed.py --address 127.0.0.1:50051 --check   # and compare
+    python examples/train_packed.py --address 127.0.0.1:50051 --streaming --check
+
+--streaming trains on a streaming step instead (docs/operation.md, "The streaming step"): the
+batch's rows arrive as groups in a shuffled order from a rollout thread while every rank
+receives its own micro-batches; each micro-batch's summed token loss is backpropagated and the
+gradients scaled once by world_size / global_loss_tokens (packd.scale_gradients).
 
 --check trains the same model unpacked as well (padded rows, a per-document causal attention
 mask, positions counted from each document's start, one global denominator) in float64, and
@@ -20,7 +26,9 @@ bug: a mean taken per micro-batch gives other gradients.
 import argparse
 import copy
 import math
+import random
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +154,57 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
     return total
 
 
+def streaming_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_mean=False,
+                   group=4, seed=0):
+    """One step's gradients from a streaming step: the batch's rows submitted `group` at a time
+    in a shuffled order (seed) from a rollout thread, each rank receiving its own stream (the
+    ranks simulated in this process). Each micro-batch's summed token loss is backpropagated,
+    the ranks' gradients averaged, then scaled by world_size / global_loss_tokens. Returns the
+    step's loss. per_micro_batch_mean=True: each micro-batch divided by its own loss tokens
+    instead (the bug)."""
+    tokens, mask, segments, loss_mask = batch
+    layout = packd.Layout(shifts=((0, -100),))
+    rows = [list(range(b, min(b + group, tokens.shape[0])))
+            for b in range(0, tokens.shape[0], group)]
+    random.Random(seed).shuffle(rows)
+    with client.open_step(max_tokens, num_ranks=num_ranks, layout=layout,
+                          with_position_ids=True, cost=(DIM, 1)) as step:
+        streams = [client.receive_step(step.step_id, r, layout=layout, with_position_ids=True,
+                                       documents=True) for r in range(num_ranks)]
+        received = [[] for _ in range(num_ranks)]
+        ranks = [threading.Thread(target=received[r].extend, args=(streams[r],))
+                 for r in range(num_ranks)]
+        for t in ranks:
+            t.start()
+        with packd.Client(step.address) as rollouts:  # the replica holding the step
+            for g in rows:
+                rollouts.submit_group(step.step_id, [tokens[g], loss_mask[g].to(torch.int64)],
+                                      mask[g], segment_ids=segments[g], loss_mask=loss_mask[g])
+        summary = step.close()
+        for t in ranks:
+            t.join()
+    total = 0.0
+    for micro_batches in received:
+        for mb in micro_batches:
+            r = mb.result
+            if r.total_active == 0:
+                continue  # an empty micro-batch (a rank with nothing left at the close)
+            logits = model.packed(model.embed(r.packed[0]), r.position_ids, r.doc_cu_seqlens)
+            weights = r.packed[1].to(logits.dtype)
+            token_loss = F.cross_entropy(logits, r.shifted[0].clamp(min=0),
+                                         reduction="none") * weights
+            if per_micro_batch_mean:
+                (token_loss.sum() / max(int(weights.sum()), 1)
+                 / summary.micro_batches_per_rank).backward()
+            else:
+                token_loss.sum().backward()
+            total += token_loss.sum().item()
+    average_over_ranks(model, num_ranks)
+    if not per_micro_batch_mean:
+        packd.scale_gradients(model.parameters(), num_ranks, summary.global_loss_tokens)
+    return total / summary.global_loss_tokens
+
+
 def backward_next_tokens(logits, r, plan, num_ranks, per_micro_batch_mean=False):
     """Backpropagates a micro-batch's next-token loss: logits [T, V] against the labels
     r.shifted[0], weighted by the loss mask packed as r.packed[1]. Returns its part of the
@@ -237,16 +296,18 @@ def report(loss, grad, bug, reference_name="unpacked"):
     return 0 if ok else 1
 
 
-def train(client, steps=3, num_ranks=4, max_tokens=96, check=False, log=print):
-    """Trains for `steps`; with `check`, beside the unpacked reference. Returns the largest
-    relative differences of losses and gradients (0 without check) and of the per-micro-batch
-    mean's gradients on the first step."""
+def train(client, steps=3, num_ranks=4, max_tokens=96, check=False, log=print,
+          streaming=False):
+    """Trains for `steps` (on a streaming step with `streaming`); with `check`, beside the
+    unpacked reference. Returns the largest relative differences of losses and gradients (0
+    without check) and of the per-micro-batch mean's gradients on the first step."""
     torch.set_default_dtype(torch.float64)
     model = TinyLM().double()
+    step = streaming_step if streaming else packed_step
 
     def packed(m, batch, per_micro_batch_mean=False):
-        return packed_step(m, client, batch, num_ranks=num_ranks, max_tokens=max_tokens,
-                           per_micro_batch_mean=per_micro_batch_mean)
+        return step(m, client, batch, num_ranks=num_ranks, max_tokens=max_tokens,
+                    per_micro_batch_mean=per_micro_batch_mean)
 
     return train_beside(model, copy.deepcopy(model) if check else None, packed, dense_step,
                         steps, lambda params: torch.optim.Adam(params, lr=1e-2), log)
@@ -264,9 +325,13 @@ def example_parser(description, ranks, max_tokens):
 
 
 def main(argv=None):
-    args = example_parser(__doc__.split("\n")[0], ranks=4, max_tokens=96).parse_args(argv)
+    parser = example_parser(__doc__.split("\n")[0], ranks=4, max_tokens=96)
+    parser.add_argument("--streaming", action="store_true",
+                        help="train on a streaming step (groups arriving over time)")
+    args = parser.parse_args(argv)
     with packd.Client(args.address) as client:
-        loss, grad, bug = train(client, args.steps, args.ranks, args.max_tokens, args.check)
+        loss, grad, bug = train(client, args.steps, args.ranks, args.max_tokens, args.check,
+                                streaming=args.streaming)
     return report(loss, grad, bug) if args.check else 0
 
 

@@ -65,6 +65,16 @@ def check_container(where, c, image, problems):
     health = port_of(f["health_listen"]) if "health_listen" in f else None
     plaintext_ports = {p for p in (None if tls else listen, health) if p is not None}
     declared = {p["containerPort"] for p in c.get("ports", [])}
+    # A streaming step's controller is given the replica's own address behind the headless
+    # Service: the pod IP on the gRPC port.
+    if c.get("ports") and listen is not None:
+        want = f"$(POD_IP):{listen}"
+        if f.get("advertise_address") != want:
+            fail(f"--advertise_address={f.get('advertise_address')}, expected {want}")
+        env = {e.get("name"): e for e in c.get("env", [])}
+        field = env.get("POD_IP", {}).get("valueFrom", {}).get("fieldRef", {})
+        if field.get("fieldPath") != "status.podIP":
+            fail("POD_IP is not the pod's IP (env valueFrom fieldRef status.podIP)")
     for name in ("listen", "health_listen", "metrics_listen"):
         if name in f and port_of(f[name]) is not None and port_of(f[name]) not in declared:
             fail(f"--{name}={f[name]} opens a port the container does not declare")
