@@ -78,8 +78,13 @@ def test_packed_logits_and_gradients_equal_the_padded_batchs(client, family, sou
 
     for n, (g, w) in enumerate(zip(got, want)):
         assert relative(g.detach(), w.detach()) <= 1e-9, (family, source, "sequence", n)
+    # A gradient the padded model has exactly zero (the queries' and keys' when every sequence
+    # is one token: a softmax over one key) is float64 rounding packed, compared with the
+    # model's largest gradient instead.
+    largest = max(float(q.grad.abs().max()) for q in padded.parameters())
     for (name, p), q in zip(packed.named_parameters(), padded.parameters()):
-        assert relative(p.grad, q.grad) <= 1e-9, (family, source, name)
+        assert (relative(p.grad, q.grad) <= 1e-9
+                or float((p.grad - q.grad).abs().max()) <= 1e-12 * largest), (family, source, name)
 
 
 def test_sequences_come_from_cu_seqlens_or_positions_and_bad_ones_are_clear():
