@@ -109,14 +109,7 @@ absl::Status StreamingStep::Submit(const Tenant& tenant,
   std::vector<Wave> waves;
   {
     absl::MutexLock lock(&mu_);
-    if (failed_.has_value()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", id_, " has ended: ", failed_->message()));
-    }
-    if (closed_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", id_, " is closed: it takes no more groups"));
-    }
+    PACKD_RETURN_IF_ERROR(StillOpen("is closed: it takes no more groups"));
     if (!groups_.empty()) {
       bool same = group.inputs_size() == static_cast<int>(schema_.size()) &&
                   group.mask().dtype() == mask_dtype_ &&
@@ -400,14 +393,7 @@ void StreamingStep::Detach(int slot, bool after_last) {
 absl::Status StreamingStep::Close() {
   {
     absl::MutexLock lock(&mu_);
-    if (failed_.has_value()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", id_, " has ended: ", failed_->message()));
-    }
-    if (closed_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", id_, " is closed already"));
-    }
+    PACKD_RETURN_IF_ERROR(StillOpen("is closed already"));
     closed_ = true;
     waves_before_close_ = planner_.waves();
     absl::StatusOr<std::vector<Wave>> rest = planner_.Close();
@@ -445,6 +431,18 @@ absl::Status StreamingStep::Close() {
     }
   }
   WakeAll();
+  return absl::OkStatus();
+}
+
+absl::Status StreamingStep::StillOpen(absl::string_view closed) const {
+  if (failed_.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", id_, " has ended: ", failed_->message()));
+  }
+  if (closed_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", id_, " ", closed));
+  }
   return absl::OkStatus();
 }
 

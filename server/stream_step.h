@@ -148,6 +148,10 @@ class StreamingStep {
   void WakeAll();
   void FailLocked(const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION once the step has ended, or (saying `closed`) once it
+  // is closed; OK while it takes groups.
+  absl::Status StillOpen(absl::string_view closed) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const std::string id_;
   const v1::StepOptions options_;

@@ -6,7 +6,7 @@ controller's `address`); each trainer rank receives its own micro-batches as wav
 gradients by world_size / global_loss_tokens (scale_gradients) before the optimizer step."""
 import dataclasses
 import queue
-from typing import Any, Iterable, Iterator, List, Optional
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -44,7 +44,8 @@ class StepController:
     stream is open: cancel() (or leaving a `with` block without close()) ends it for every
     party."""
 
-    def __init__(self, stub: Any, options: pb.StepOptions, timeout: float, metadata) -> None:
+    def __init__(self, stub: Any, options: pb.StepOptions, timeout: float,
+                 metadata: Optional[Sequence[Tuple[str, str]]]) -> None:
         self._requests: "queue.Queue[Optional[pb.StepControl]]" = queue.Queue()
         self._requests.put(pb.StepControl(open=options))
 
