@@ -65,6 +65,8 @@ grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
   return new Unknown(context->method());
 }
 
+PackServiceImpl::~PackServiceImpl() { steps_.EndAll(); }
+
 void PackServiceImpl::StartDraining() { calls_.StartDraining(); }
 
 bool PackServiceImpl::WaitForIdle(absl::Time deadline) {

@@ -48,6 +48,9 @@ class PackServiceImpl final
                   v1::PackService::CallbackService>>> {
  public:
   explicit PackServiceImpl(ServiceOptions options);
+  // Ends the streaming steps still open, so that none holds the memory
+  // budget's bytes past it.
+  ~PackServiceImpl();
 
   // From now on, Pack, Scatter, PlanMicroBatches and PackMicroBatches calls
   // get UNAVAILABLE; calls already admitted finish.
@@ -121,7 +124,7 @@ class PackServiceImpl final
   };
 
   ServiceCore core_;
-  StepRegistry steps_{&core_};
+  StepRegistry steps_{&core_, &budget_};
   // After the state its handlers use: its workers finish what was submitted
   // before the rest goes.
   CallMechanism calls_;

@@ -33,10 +33,12 @@ bool SameTail(const v1::Tensor& a, const v1::Tensor& b) {
 
 StreamingStep::StreamingStep(std::string id, const v1::StepOptions& options,
                              StreamPlanner planner, ServiceCore* core,
-                             int cp_ranks, absl::Time deadline)
+                             MemoryBudget* budget, int cp_ranks,
+                             absl::Time deadline)
     : id_(std::move(id)),
       options_(options),
       core_(core),
+      budget_(budget),
       ranks_(std::max(options.plan().num_ranks(), 1)),
       cp_ranks_(cp_ranks),
       deadline_(deadline),
@@ -129,6 +131,7 @@ absl::Status StreamingStep::Submit(const Tenant& tenant,
     }
     Group kept;
     PACKD_RETURN_IF_ERROR(Keep(tenant, group, &kept));
+    PACKD_ASSIGN_OR_RETURN(kept.held, Reserve(tenant, kept));
     if (groups_.empty()) {
       schema_.assign(group.inputs().begin(), group.inputs().end());
       for (v1::Tensor& t : schema_) t.clear_storage();
@@ -137,6 +140,7 @@ absl::Status StreamingStep::Submit(const Tenant& tenant,
     }
     kept.first_row = rows_;
     kept.arrived = absl::Now();
+    kept.unsent = g;
     rows_pending_ += g;
     core_->metrics().StreamRowsPending(g);
     const int64_t index = static_cast<int64_t>(groups_.size());
@@ -216,6 +220,37 @@ absl::Status StreamingStep::Keep(const Tenant& tenant,
   kept->prefix_lengths.assign(group.prefix_lengths().begin(),
                               group.prefix_lengths().end());
   return absl::OkStatus();
+}
+
+absl::StatusOr<MemoryBudget::Hold> StreamingStep::Reserve(const Tenant& tenant,
+                                                          const Group& kept) {
+  int64_t bytes =
+      static_cast<int64_t>(kept.mask.size() + kept.segment_ids.size());
+  for (const std::string& input : kept.inputs) {
+    bytes += static_cast<int64_t>(input.size());
+  }
+  absl::Mutex mu;
+  bool done = false;
+  absl::StatusOr<MemoryBudget::Hold> got;
+  // No wait: a group that does not fit now is refused, and the step goes on.
+  budget_->Reserve(
+      bytes, absl::Now(),
+      [&](absl::StatusOr<MemoryBudget::Hold> hold) {
+        absl::MutexLock lock(&mu);
+        got = std::move(hold);
+        done = true;
+      },
+      /*first=*/false, tenant.name);
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(&done));
+  if (!got.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the group's ", bytes, " bytes do not fit --max_inflight_bytes (",
+        budget_->in_use(), " of ", budget_->limit(), " in use; step ", id_,
+        " holds its groups until their rows are sent): ",
+        got.status().message()));
+  }
+  return got;
 }
 
 void StreamingStep::RowsOf(int64_t unit, std::vector<int64_t>* rows) const {
@@ -321,9 +356,14 @@ absl::Status StreamingStep::Send(const std::vector<Wave>& waves) {
         auto it = std::upper_bound(
             groups_.begin(), groups_.end(), row,
             [](int64_t r, const Group& g) { return r < g.first_row; });
-        const Group& g = *(it - 1);
+        Group& g = *(it - 1);
         if (&g != last) core_->metrics().StreamGroupSent(now - g.arrived);
         last = &g;
+        if (--g.unsent == 0) {  // every row sent: its bytes go
+          g.mask = g.segment_ids = std::string();
+          g.inputs.clear();
+          g.held.reset();
+        }
       }
       rows_pending_ -= static_cast<int64_t>(rows.size());
       core_->metrics().StreamRowsPending(-static_cast<int64_t>(rows.size()));
@@ -495,7 +535,8 @@ void StreamingStep::WakeAll() {
   for (const auto& l : listeners) l->Wake();
 }
 
-StepRegistry::StepRegistry(ServiceCore* core) : core_(core) {
+StepRegistry::StepRegistry(ServiceCore* core, MemoryBudget* budget)
+    : core_(core), budget_(budget) {
   reaper_ = std::thread([this] { Reap(); });
 }
 
@@ -591,7 +632,7 @@ absl::StatusOr<std::shared_ptr<StreamingStep>> StepRegistry::Open(
         "step ", id, " is open already: another controller holds it"));
   }
   auto step = std::make_shared<StreamingStep>(id, options, *std::move(made),
-                                              core_, cp, deadline);
+                                              core_, budget_, cp, deadline);
   steps_[id] = step;
   return step;
 }
@@ -615,6 +656,18 @@ void StepRegistry::Remove(const std::string& id) {
   if (it == steps_.end()) return;
   gone = std::move(it->second);
   steps_.erase(it);
+}
+
+void StepRegistry::EndAll() {
+  absl::flat_hash_map<std::string, std::shared_ptr<StreamingStep>> steps;
+  {
+    absl::MutexLock lock(&mu_);
+    steps.swap(steps_);
+  }
+  for (const auto& [id, step] : steps) {
+    step->Fail(absl::UnavailableError(
+        absl::StrCat("packd is shutting down: step ", id, " ends")));
+  }
 }
 
 int64_t StepRegistry::open_steps() const {

@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 #include "packd/v1/pack_service.pb.h"
 #include "planner/stream_planner.h"
+#include "server/memory_budget.h"
 #include "server/service_core.h"
 #include "server/tenant.h"
 
@@ -66,9 +67,11 @@ class StreamingStep {
  public:
   using Message = std::shared_ptr<const v1::PackMicroBatchesResponse>;
 
+  // `budget` (--max_inflight_bytes) counts the groups the step holds; it
+  // must outlive the step's groups (EndAll before it goes).
   StreamingStep(std::string id, const v1::StepOptions& options,
-                StreamPlanner planner, ServiceCore* core, int cp_ranks,
-                absl::Time deadline);
+                StreamPlanner planner, ServiceCore* core, MemoryBudget* budget,
+                int cp_ranks, absl::Time deadline);
   ~StreamingStep();
 
   const std::string& id() const { return id_; }
@@ -79,9 +82,10 @@ class StreamingStep {
   // its version), for tensors in device memory, and once the step is closed
   // or has ended; INVALID_ARGUMENT for a malformed group (PackMicroBatches'
   // errors for its rows, naming its fields) or one whose inputs differ in
-  // number, dtype or tail from the step's first group; the step continues
-  // after any of them. A wave the group lets commit is packed and queued
-  // before this returns.
+  // number, dtype or tail from the step's first group; RESOURCE_EXHAUSTED
+  // when the groups held (until their rows are sent) would pass
+  // --max_inflight_bytes; the step continues after any of them. A wave the
+  // group lets commit is packed and queued before this returns.
   absl::Status Submit(const Tenant& tenant, const v1::SubmitGroupRequest& group,
                       v1::SubmitGroupResponse* reply);
 
@@ -120,6 +124,8 @@ class StreamingStep {
     std::vector<std::string> inputs;
     std::vector<int64_t> prefix_lengths;
     absl::Time arrived;
+    int64_t unsent = 0;  // its rows not yet sent: its bytes go with the last
+    MemoryBudget::Hold held;  // its bytes, in --max_inflight_bytes
   };
   struct Slot {
     std::deque<Message> queue;
@@ -133,6 +139,10 @@ class StreamingStep {
   // region bytes copied out of host regions.
   absl::Status Keep(const Tenant& tenant, const v1::SubmitGroupRequest& group,
                     Group* kept) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The group's bytes in --max_inflight_bytes, or RESOURCE_EXHAUSTED at
+  // once when they do not fit.
+  absl::StatusOr<MemoryBudget::Hold> Reserve(const Tenant& tenant,
+                                             const Group& kept);
   // Packs and queues every receiver's micro-batch of each wave.
   absl::Status Send(const std::vector<Wave>& waves)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -156,6 +166,7 @@ class StreamingStep {
   const std::string id_;
   const v1::StepOptions options_;
   ServiceCore* const core_;
+  MemoryBudget* const budget_;
   const int ranks_;
   const int cp_ranks_;
   const absl::Time deadline_;
@@ -187,7 +198,9 @@ class StreamingStep {
 // the map. A thread ends steps past their deadline.
 class StepRegistry {
  public:
-  explicit StepRegistry(ServiceCore* core);
+  // `budget` counts the groups steps hold; it must outlive every step's
+  // groups: call EndAll() before it goes.
+  StepRegistry(ServiceCore* core, MemoryBudget* budget);
   ~StepRegistry();
 
   // Where submitters and receivers reach this replica (--advertise_address,
@@ -205,11 +218,14 @@ class StepRegistry {
   // Forgets the step (its memory goes with the last reference).
   void Remove(const std::string& id);
   int64_t open_steps() const;
+  // Ends every step (UNAVAILABLE: the server is going) and forgets it.
+  void EndAll();
 
  private:
   void Reap();
 
   ServiceCore* const core_;
+  MemoryBudget* const budget_;
   mutable absl::Mutex mu_;
   std::string address_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<StreamingStep>> steps_

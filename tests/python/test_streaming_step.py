@@ -274,3 +274,24 @@ def test_a_receiver_outside_the_step_or_twice_is_refused(address):
             assert twice.error.code == grpc.StatusCode.ALREADY_EXISTS
             step.cancel()
             first.join(30)
+
+
+def test_groups_held_count_against_the_memory_budget_until_their_rows_are_sent():
+    from packd_server import PackdServer
+    batch = corpus(seed=9, rows=12, seq=64)
+    # A 4-row group holds about 5.4 KB (mask, token ids, loss mask, segment ids): two fit.
+    with PackdServer(os.environ["PACKD_BINARY"], "--max_inflight_bytes=12000") as address, \
+            packd.Client(address) as client:
+        for attempt in range(2):  # the second step finds the budget whole again
+            with client.open_step(1 << 20, layout=LAYOUT) as step:
+                receiver = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
+                submit(client, step.step_id, batch, [0, 1, 2, 3])
+                submit(client, step.step_id, batch, [4, 5, 6, 7])
+                with pytest.raises(packd.PackdError) as full:
+                    submit(client, step.step_id, batch, [8, 9, 10, 11])
+                assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max_inflight_bytes" in full.value.details
+                summary = step.close()  # the step went on
+            receiver.join(30)
+            assert receiver.error is None, attempt
+            assert summary.rows == 8
