@@ -295,3 +295,42 @@ def test_groups_held_count_against_the_memory_budget_until_their_rows_are_sent()
             receiver.join(30)
             assert receiver.error is None, attempt
             assert summary.rows == 8
+
+
+def test_a_group_in_shared_memory_is_copied_in_and_packed_as_inline(address):
+    from multiprocessing import shared_memory
+    from packd.streaming import group_request
+    from packd.v1 import pack_service_pb2 as pb, pack_service_pb2_grpc as pb_grpc
+    batch = corpus(seed=10, rows=4, seq=32)
+    tokens, mask, segments, loss_mask = batch
+    with packd.Client(address) as client:
+        stub = pb_grpc.PackServiceStub(grpc.insecure_channel(address))
+        key = stub.GetServerInfo(pb.GetServerInfoRequest()).shm_key_prefix + "stream-%d" % os.getpid()
+        raw = tokens.numpy().tobytes()
+        seg = shared_memory.SharedMemory(name=key.lstrip("/"), create=True, size=len(raw))
+        try:
+            seg.buf[:len(raw)] = raw
+            stub.RegisterSystemRegion(pb.RegisterSystemRegionRequest(
+                name="stream-tokens", key=key, offset=0, byte_size=len(raw)))
+            with client.open_step(1 << 20, layout=LAYOUT) as step:
+                receiver = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
+                request = group_request(step.step_id, [tokens, loss_mask.to(torch.int64)], mask,
+                                        0, segments, loss_mask, None)
+                request.inputs[0].ClearField("data")
+                request.inputs[0].region.CopyFrom(pb.RegionSlice(
+                    region="stream-tokens", offset=0, byte_size=len(raw)))
+                stub.SubmitGroup(request)
+                seg.buf[:len(raw)] = bytes(len(raw))  # the step holds its own copy
+                step.close()
+            receiver.join(30)
+            assert receiver.error is None
+            stub.UnregisterRegion(pb.UnregisterRegionRequest(name="stream-tokens"))
+        finally:
+            seg.close()
+            seg.unlink()
+        (mb,) = receiver.micro_batches
+        rows = torch.tensor(mb.samples)
+        want = client.pack([tokens[rows], loss_mask[rows].to(torch.int64)], mask[rows],
+                           segment_ids=segments[rows], shifts=[(0, -100)])
+        assert torch.equal(mb.result.packed[0], want.packed[0])
+        assert torch.equal(mb.result.shifted[0], want.shifted[0])
