@@ -13,7 +13,7 @@ through a packd server.
 # The server's version too (CMake's project version): tests/python/test_cli.py checks both.
 __version__ = "0.1.0"
 
-from packd.client import Client, PackdError, device_slice
+from packd.client import Client, PackdError, PackdValueError, device_slice
 from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, SharedResult,
                            StepPlan, varlen_kwargs)
 from packd.layout import Layout, MRope, SharedPrefix
@@ -21,7 +21,7 @@ from packd.ops import RemotePackOp
 from packd.streaming import (StepController, StepStream, StepSummary, SubmittedGroup,
                              scale_gradients)
 
-__all__ = ["__version__", "Client", "Layout", "MRope", "MicroBatch", "PackdError", "PackResult",
-           "Plan", "PlannedMicroBatch", "RemotePackOp", "SharedPrefix", "SharedResult",
-           "StepController", "StepPlan", "StepStream", "StepSummary", "SubmittedGroup",
-           "device_slice", "scale_gradients", "varlen_kwargs"]
+__all__ = ["__version__", "Client", "Layout", "MRope", "MicroBatch", "PackdError",
+           "PackdValueError", "PackResult", "Plan", "PlannedMicroBatch", "RemotePackOp",
+           "SharedPrefix", "SharedResult", "StepController", "StepPlan", "StepStream",
+           "StepSummary", "SubmittedGroup", "device_slice", "scale_gradients", "varlen_kwargs"]

@@ -219,7 +219,7 @@ def test_bad_grids_are_refused_naming_grid_and_row(client, case, message):
         mrope = packd.MRope(image_token_id=9, video_token_id=10, grids=[(2, 2, 2)],
                             tokens_per_second=1e300 if case == "inf_spacing" else 1e16,
                             seconds_per_grid=[1.0])
-    with pytest.raises(packd.client.PackdValueError, match=re.escape(message)):
+    with pytest.raises(packd.PackdValueError, match=re.escape(message)):
         client.pack([ids], mask, mrope=mrope)
     # The server keeps serving: the same batch with a matching grid packs.
     good = packd.MRope(image_token_id=9, video_token_id=10, grids=[(1, 2, 6)])
@@ -281,7 +281,7 @@ def test_a_step_names_the_grid_that_does_not_match(client):
     mask = torch.ones(2, 6, dtype=torch.bool)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 7, 9, 9, 9, 5]])
     mrope = packd.MRope(image_token_id=9, video_token_id=10, grids=[(1, 2, 4)])
-    with pytest.raises(packd.client.PackdValueError,
+    with pytest.raises(packd.PackdValueError,
                        match=re.escape("batch.mrope.grids[0] (t, h, w) = (1, 2, 4) is")):
         list(client.pack_micro_batches([ids], mask, 16, mrope=mrope))
     plan = client.pack_micro_batches([ids], mask, 16, with_token_mask=True, pad_multiple=4)

@@ -334,3 +334,13 @@ def test_a_group_in_shared_memory_is_copied_in_and_packed_as_inline(address):
                            segment_ids=segments[rows], shifts=[(0, -100)])
         assert torch.equal(mb.result.packed[0], want.packed[0])
         assert torch.equal(mb.result.shifted[0], want.shifted[0])
+
+
+def test_a_malformed_group_raises_the_exported_value_error(address):
+    batch = corpus(seed=11, rows=4, seq=32)
+    tokens, mask, segments, loss_mask = batch
+    with packd.Client(address) as client:
+        with client.open_step(1 << 20) as step:
+            with pytest.raises(packd.PackdValueError):
+                client.submit_group(step.step_id, [tokens[:, :8]], mask)
+            step.cancel()
