@@ -54,6 +54,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_step import measure, torch_step  # noqa: E402  (the in-process peer)
 
 failures = 0
+# Device regions' lease on the region lifecycle's client: long enough that a stage's call and the
+# question after it fit inside it on a loaded machine, short enough to wait out.
+LEASE_SECONDS = 5
 REPS = 1 if os.environ.get("PACKD_GPU_CHECK_QUICK") == "1" else 5
 # Every row printed, and the targets of docs/performance.md's device table, for the JSON.
 ROWS = []
@@ -584,7 +587,9 @@ def check_step_ulysses(gpu, client, s):
 
 class Lifecycle:
     """How regions come and go with real device memory, one row a stage, on a client of its own
-    whose device regions' leases are 2 s."""
+    whose device regions' leases are LEASE_SECONDS. Each stage asks the server what it holds
+    right after its call, before comparing results, so that a slow machine's comparison does not
+    outlast the lease the call renewed."""
 
     def __init__(self, gpu, client, gen):
         self.gpu, self.client, self.gen = gpu, client, gen
@@ -633,11 +638,12 @@ class Lifecycle:
         self.y_host = torch.randn(self.shape, generator=self.gen)
         self.y = self.gpu.put(self.y_host)
         r = self.pack_y()
+        held = registered(client)
         again = client.device_memory.allocation(self.y)
         second_name = self.name_of(self.y)
         name = "a segment freed and reallocated"
-        row(name, same(r.packed, self.y_host.view(-1, 1), name) and second_name != first_name
-            and second_name in registered(client) and first_name not in registered(client),
+        row(name, second_name != first_name and second_name in held
+            and first_name not in held and same(r.packed, self.y_host.view(-1, 1), name),
             detail="same address: %s" % (again.base == first.base))
 
     def unregister_gpu_regions(self):
@@ -647,22 +653,24 @@ class Lifecycle:
         client.unregister_gpu_regions()
         none_left = not (set(client._regions.device_names()) | registered(client)) & names
         r = self.pack_y()
+        held = registered(client)
         name = "unregister_gpu_regions"
-        row(name, none_left and same(r.packed, self.y_host.view(-1, 1), name)
-            and self.name_of(self.y) in registered(client))
+        row(name, none_left and self.name_of(self.y) in held
+            and same(r.packed, self.y_host.view(-1, 1), name))
 
     def lease_ran_out(self):
         """NOT_FOUND inside the client, registered and opened again."""
         client = self.client
         names = set(client._regions.device_names())
-        deadline = time.time() + 15
+        deadline = time.time() + 3 * LEASE_SECONDS + 5
         while names & registered(client) and time.time() < deadline:
             time.sleep(0.2)
         expired = not (names & registered(client))
         r = self.pack_y()
+        held = registered(client)
         name = "a lease ran out, registered again"
-        row(name, expired and same(r.packed, self.y_host.view(-1, 1), name)
-            and self.name_of(self.y) in registered(client))
+        row(name, expired and self.name_of(self.y) in held
+            and same(r.packed, self.y_host.view(-1, 1), name))
 
     def new_thread(self):
         """A call from a new thread (no CUDA context current there until the client makes
@@ -686,7 +694,8 @@ class Lifecycle:
         """One per segment the client's calls named, never more."""
         client = self.client
         segments = {client.device_memory.allocation(t).base for t in (self.y, self.m)}
-        ours = [n for n in client._regions.device_names() if n in registered(client)]
+        held = registered(client)
+        ours = [n for n in client._regions.device_names() if n in held]
         row("registrations = segments", len(ours) >= len(segments) and
             len(ours) == len(client._gpu.allocations),
             detail="%d regions, %d allocations known, %d input segments"
@@ -694,7 +703,7 @@ class Lifecycle:
 
 
 def check_region_lifecycle(gpu, address, gen):
-    with packd.Client(address, gpu_lease_seconds=2, device_memory=gpu.memory) as client:
+    with packd.Client(address, gpu_lease_seconds=LEASE_SECONDS, device_memory=gpu.memory) as client:
         life = Lifecycle(gpu, client, gen)
         for stage in (life.register_cuda_tensor, life.freed_and_allocated_again,
                       life.unregister_gpu_regions, life.lease_ran_out, life.new_thread,
