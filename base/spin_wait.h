@@ -3,9 +3,10 @@
 // interrupt to the sleeping CPU: tens of microseconds, more than a small copy
 // or a small call's work. A thread that expects more work soon polls first.
 //
-//   if (!SpinUntil([&] { return ready.load(); },
-//   std::chrono::microseconds(50)))
+// clang-format off
+//   if (!SpinUntil([&] { return ready.load(); }, std::chrono::microseconds(50)))
 //     BlockUntilReady();
+// clang-format on
 #ifndef PACKD_BASE_SPIN_WAIT_H_
 #define PACKD_BASE_SPIN_WAIT_H_
 

@@ -239,16 +239,16 @@ class Client {
 
   // A training step in one call (docs/design.md §12): the rows of the batch
   // (`tensors` [B, S, *tail], `mask` and the options' tensors, all in host
-  // memory or all on one GPU) planned into
-  // micro-batches of at most max_tokens_per_micro_batch tokens in the layout,
-  // and each packed. `on_plan` gets the plan first (global_loss_tokens: the
-  // one denominator of the summed token loss), then `on_micro_batch` each
-  // micro-batch as it arrives, by rank and index; while it runs the server
-  // packs the next one. A callback's error cancels the call and is returned;
-  // otherwise the server's errors (Pack's and Plan's). On a GPU, packd reads
-  // the batch there and packs each micro-batch there; its results are tensors
-  // on that GPU: views of an arena allocated for the step (from the second
-  // step of a shape on), or inline results copied there.
+  // memory or all on one GPU) planned into micro-batches of at most
+  // max_tokens_per_micro_batch tokens in the layout, and each packed. `on_plan`
+  // gets the plan first (global_loss_tokens: the one denominator of the summed
+  // token loss), then `on_micro_batch` each micro-batch as it arrives, by rank
+  // and index; while it runs the server packs the next one. A callback's error
+  // cancels the call and is returned; otherwise the server's errors (Pack's and
+  // Plan's). On a GPU, packd reads the batch there and packs each micro-batch
+  // there; its results are tensors on that GPU: views of an arena allocated for
+  // the step (from the second step of a shape on), or inline results copied
+  // there.
   //
   //   StepCallOptions o;
   //   o.plan.num_ranks = 8;

@@ -4,8 +4,8 @@
 // segments here.
 //
 //   PACKD_ASSIGN_OR_RETURN(auto seg, ShmSegment::Create("/packd_w0", 1 << 20));
-//   std::memcpy(seg->data(), bytes, n);  // then
-//   RegisterSystemRegion(seg->key())
+//   std::memcpy(seg->data(), bytes, n);
+//   // then RegisterSystemRegion with seg->key()
 #ifndef PACKD_CLIENT_SHM_SEGMENT_H_
 #define PACKD_CLIENT_SHM_SEGMENT_H_
 

@@ -2,8 +2,8 @@
 // shape: no data is needed) and its options, for whoever must know them
 // before the op runs: the server's admission (the bytes a call's inline
 // results take), a step's check of each micro-batch's message, and the bound
-// a message limit puts on a layout's rows. One struct, as flash-attention's
-// flash_api.cpp fills one params struct; nothing else computes them.
+// a message limit puts on a layout's rows. One struct; nothing else computes
+// them.
 //
 // clang-format off
 //   const PackSizes sizes = PackSizes::Of(inputs, options.layout, {options.with_position_ids});

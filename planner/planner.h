@@ -98,12 +98,11 @@ struct Plan {
 // Errors: INVALID_ARGUMENT for a negative length, a non-positive budget,
 // loss_tokens, costs or groups of another length, a loss_tokens value outside
 // [0, its length] (or below 0), loss_tokens summing past 2^53, a negative
-// num_ranks, micro_batch_multiple or
-// pad_multiple, a negative or non-finite cost or coefficient (or a cost the
-// model makes infinite), or lengths summing past 2^53 (the loss divisor would
-// not be exact as a double). RESOURCE_EXHAUSTED when the plan would pass
-// max_micro_batches. Any budget is taken; one above the total plans as the
-// total.
+// num_ranks, micro_batch_multiple or pad_multiple, a negative or non-finite
+// cost or coefficient (or a cost the model makes infinite), or lengths summing
+// past 2^53 (the loss divisor would not be exact as a double).
+// RESOURCE_EXHAUSTED when the plan would pass max_micro_batches. Any budget is
+// taken; one above the total plans as the total.
 absl::StatusOr<Plan> PlanMicroBatches(absl::Span<const int64_t> lengths,
                                       absl::Span<const int64_t> loss_tokens,
                                       const PlanOptions& options);

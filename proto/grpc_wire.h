@@ -1,7 +1,6 @@
 // The wire format over gRPC (proto/wire.h is transport neutral): the chunks
 // of a received ByteBuffer, a message received in place, and a message sent
-// as slices that wrap its payloads without a copy, as Arrow Flight keeps its
-// transport/grpc apart from its core.
+// as slices that wrap its payloads without a copy.
 //
 // clang-format off
 //   PACKD_RETURN_IF_ERROR(Receive(buffer, &request));

@@ -6,10 +6,10 @@
 // must carry `authorization: Bearer <token>` metadata with one of them;
 // tokens are compared in constant time. Health is never behind it.
 //
-//   PACKD_ASSIGN_OR_RETURN(auto auth,
-//   TokenAuth::FromFile("/etc/packd/tokens"));
-//   PACKD_ASSIGN_OR_RETURN(Tenant tenant,
-//   auth->Check(context->client_metadata()));
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(auto auth, TokenAuth::FromFile("/etc/packd/tokens"));
+//   PACKD_ASSIGN_OR_RETURN(Tenant tenant, auth->Check(context->client_metadata()));
+// clang-format on
 #ifndef PACKD_SERVER_AUTH_H_
 #define PACKD_SERVER_AUTH_H_
 
@@ -29,6 +29,8 @@
 
 namespace packd {
 
+// Safe to share across threads: Check is called from every call while Reload
+// (SIGHUP) swaps the tokens under a lock.
 class TokenAuth {
  public:
   // Reads the tokens in `path`. FAILED_PRECONDITION when it cannot be read or

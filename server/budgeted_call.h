@@ -1,8 +1,7 @@
 // BudgetedCall: a call of a raw method (Pack, Scatter, PackMicroBatches)
 // that the memory budget admits before gRPC reads its request
-// (docs/design.md §6), and CallEnvironment, what such a call uses of the
-// service, handed to it as gRPC's route_guide callback example hands each
-// reactor only what it uses.
+// (docs/design.md §6), and CallEnvironment, the parts of the service such a
+// call uses and nothing more.
 //
 // clang-format off
 //   class InlineCall final : public BudgetedCall<v1::PackRequest> { ... };
@@ -58,11 +57,10 @@ struct CallEnvironment {
 // needs (Prepare: the request, the inputs gathered, results), and then serves
 // it (Serve, on packd's workers). A small call (docs/design.md §2: tensors
 // inline, on the host, inputs of at most kSmallCallBytes) is parsed and
-// served on the
-// gRPC thread that read it, with no hand-off to the workers and back. Pack and
-// Scatter answer one message (InlineCall), PackMicroBatches a stream
-// (StepCall). Used by gRPC and packd's workers in turn, never at once: each
-// step hands the reactor to the next.
+// served on the gRPC thread that read it, with no hand-off to the workers and
+// back. Pack and Scatter answer one message (InlineCall), PackMicroBatches a
+// stream (StepCall). Used by gRPC and packd's workers in turn, never at once:
+// each step hands the reactor to the next.
 template <typename Request>
 class BudgetedCall : public grpc::ServerGenericBidiReactor {
  public:

@@ -5,11 +5,12 @@
 // gRPC's callback threads, nor on the memory budget's). Handlers only
 // translate between protobuf and the op library.
 //
+// clang-format off
 //   grpc::ServerUnaryReactor* Service::ListRegions(ctx, request, response) {
-//     return calls_.Unary(ctx, "ListRegions", Draining::kServed, *request,
-//                         response, [=](const Tenant& t) { return List(t,
-//                         response); });
+//     return calls_.Unary(ctx, "ListRegions", Draining::kServed, *request, response,
+//                         [=](const Tenant& t) { return List(t, response); });
 //   }
+// clang-format on
 #ifndef PACKD_SERVER_CALL_H_
 #define PACKD_SERVER_CALL_H_
 

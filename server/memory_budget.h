@@ -4,11 +4,12 @@
 // holding one of gRPC's threads, until enough is released or its deadline
 // passes; one larger than the whole budget is refused at once.
 //
-//   budget.Reserve(bytes, deadline, [](absl::StatusOr<MemoryBudget::Hold> hold)
-//   {
+// clang-format off
+//   budget.Reserve(bytes, deadline, [](absl::StatusOr<MemoryBudget::Hold> hold) {
 //     ...  // the hold returns its bytes when the last copy is destroyed
 //     MemoryBudget::ShrinkTo(*hold, needed);  // or some of them earlier
 //   });
+// clang-format on
 #ifndef PACKD_SERVER_MEMORY_BUDGET_H_
 #define PACKD_SERVER_MEMORY_BUDGET_H_
 
@@ -29,6 +30,8 @@
 
 namespace packd {
 
+// Safe to share across threads: every method may be called from several at
+// once; `done` callbacks run outside its lock.
 class MemoryBudget {
  public:
   class Reservation;

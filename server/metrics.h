@@ -153,6 +153,8 @@ class Metrics {
 // prometheus-cpp's Exposer runs on): Debian's civetweb starts its threads
 // with a fixed 100 KiB stack, which glibc refuses to create in a process
 // whose libraries' static TLS is larger, as libtorch with OpenBLAS makes it.
+// Safe to share across threads: its listening thread is its own, and its
+// destructor stops and joins it.
 class MetricsServer {
  public:
   // Listens on "IPV4_ADDRESS:PORT" (port 0 picks one). INVALID_ARGUMENT for a

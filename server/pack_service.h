@@ -3,23 +3,25 @@
 // Pack and Scatter are served by a generic handler (inline_calls(): its
 // reactors, server/inline_call.h, are handed what they use, a CallEnvironment)
 // that reads a request only once the memory budget admits the call; the
-// request is read
-// from the received slices with tensor bytes in place (proto/wire.h), decoded
-// (server/request_decoder.h), run by the op library on its device
-// (kernels/pack.h), and answered with slices that wrap the result buffers, or
-// with results written into region slices. PackMicroBatches, a training step
-// (server/step.h), is served the same way and answers with a stream: the plan,
-// then each micro-batch packed. The wire format is the protobuf one: plain
-// protobuf clients cannot tell. Region RPCs go to the
+// request is read from the received slices with tensor bytes in place
+// (proto/wire.h), decoded (server/request_decoder.h), run by the op library on
+// its device (kernels/pack.h), and answered with slices that wrap the result
+// buffers, or with results written into region slices. PackMicroBatches, a
+// training step (server/step.h), is served the same way and answers with a
+// stream: the plan, then each micro-batch packed. The wire format is the
+// protobuf one: plain protobuf clients cannot tell. Region RPCs go to the
 // RegionRegistry (server/regions.h). Every RPC goes through one call
 // mechanism (server/call.h: authentication, admission under the drain, the
 // guard, metrics, and packd's worker pool, where every handler runs); the
 // handlers here only translate between protobuf and the op library.
 //
+// clang-format off
 //   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
-//   // the service's own work, without gRPC: service.core().DoPack(request,
-//   &response) builder.RegisterService(&service);
+//   builder.RegisterService(&service);
 //   builder.RegisterCallbackGenericService(service.inline_calls());
+//   // the service's own work, without gRPC:
+//   service.core().DoPack(request, &response);
+// clang-format on
 #ifndef PACKD_SERVER_PACK_SERVICE_H_
 #define PACKD_SERVER_PACK_SERVICE_H_
 
@@ -41,6 +43,8 @@
 
 namespace packd {
 
+// Safe to share across threads, as gRPC requires of a service: its state is
+// ServiceCore's and the step registry's, each safe to share.
 class PackServiceImpl final
     : public v1::PackService::WithGenericMethod_Pack<
           v1::PackService::WithGenericMethod_Scatter<

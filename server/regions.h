@@ -36,7 +36,8 @@
 namespace packd {
 
 // One registered mapping. Calls that use it hold a shared_ptr, so unregistering
-// a region in use defers its unmap until the last such call ends.
+// a region in use defers its unmap until the last such call ends. Safe to
+// share across threads: only its lease's last use changes, atomically.
 class Region {
  public:
   // `identity` tells a repeat of the registration that made it (same key,
@@ -112,6 +113,8 @@ struct RegionOptions {
   int64_t max_regions_per_tenant = 4096;
 };
 
+// Safe to share across threads: every method may be called from several at
+// once, and the lease thread ends expired regions beside them.
 class RegionRegistry {
  public:
   static constexpr size_t kMaxNameLength = 256;
@@ -195,8 +198,8 @@ class RegionRegistry {
     return tenant.KeyPrefix(options_.key_prefix);
   }
 
-  // OK for a name packd accepts: 1 to 256 characters from letters, digits and
-  // ._-:/
+  // OK for a name packd accepts: 1 to 256 characters, each a letter, a digit
+  // or one of `._-:/`.
   static absl::Status ValidateName(absl::string_view name);
   // OK for a POSIX shared-memory name: "/" then letters, digits, '.', '_', '-'
   // (not "." or ".."), at most 255 characters, starting with `prefix`.

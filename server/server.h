@@ -56,6 +56,8 @@ struct ServerOptions {
 // The readiness service name for grpc.health.v1.
 inline constexpr char kReadinessService[] = "packd.v1.PackService";
 
+// Start and Wait from one thread, Drain once from any (the signal thread);
+// address() and the other accessors from any thread once Start has returned.
 class PackdServer {
  public:
   // Checks the default device, listens, runs a self-check pack on the default

@@ -3,7 +3,7 @@
 // Pack and Scatter is served (Serve, from the call's CallSpec), beside the
 // plan, the server's facts, the region RPCs' work and a step's messages, each
 // callable without gRPC. PackServiceImpl (server/pack_service.h) is its gRPC
-// face, as Arrow Flight's server base is apart from its gRPC transport.
+// face; nothing here names gRPC.
 //
 // clang-format off
 //   ServiceCore core(ServiceOptions{.default_device = Device::Cpu()}, in_flight, &budget);

@@ -2,9 +2,10 @@
 // on (bench_plan), tested on (planner_test) and tried with (packctl plan).
 // Header-only.
 //
+// clang-format off
 //   std::mt19937_64 rng(7);
-//   std::vector<int64_t> rollouts = LognormalLengths(rng, 1024, 6.8, 1.0,
-//   8192);
+//   std::vector<int64_t> rollouts = LognormalLengths(rng, 1024, 6.8, 1.0, 8192);
+// clang-format on
 #ifndef PACKD_WORKLOADS_LENGTHS_H_
 #define PACKD_WORKLOADS_LENGTHS_H_
 

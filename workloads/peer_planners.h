@@ -4,9 +4,10 @@
 // padded lengths and costs as packd's planner. tests/python/test_verl.py
 // compares packd with verl's own functions instead.
 //
+// clang-format off
 //   absl::StatusOr<Plan> verl = PlanMicroBatchesLikeVerl(lengths, {}, options);
-//   absl::StatusOr<Plan> slime = PlanMicroBatchesLikeSlime(lengths, {},
-//   options);
+//   absl::StatusOr<Plan> slime = PlanMicroBatchesLikeSlime(lengths, {}, options);
+// clang-format on
 #ifndef PACKD_WORKLOADS_PEER_PLANNERS_H_
 #define PACKD_WORKLOADS_PEER_PLANNERS_H_
 

@@ -2,8 +2,10 @@
 // scan, gather and scatter of gpu_kernels.cu, queued on the call's stream, with
 // the scan's work arrays from the GPU runtime (gpu_device_runtime.h).
 //
-//   gpu::RegisterGpuBackends(Registry::Global());  // Registry::Global() does
-//   this Pack({x_on_cuda0}, mask_on_cuda0);
+// clang-format off
+//   gpu::RegisterGpuBackends(Registry::Global());  // Registry::Global() does this
+//   Pack({x_on_cuda0}, mask_on_cuda0);
+// clang-format on
 #ifndef PACKD_KERNELS_GPU_GPU_BACKEND_H_
 #define PACKD_KERNELS_GPU_GPU_BACKEND_H_
 

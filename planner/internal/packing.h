@@ -3,9 +3,11 @@
 // by cost or tokens, the Karmarkar-Karp partition packed first fit, and
 // empty micro-batches filled. Not API: planner.h is.
 //
+// clang-format off
 //   Packing p(c, m);
 //   if (Greedy(c, Descending(c, /*by_cost=*/true), m, /*by_cost=*/true, &p))
-//   FillEmpty(&p);
+//     FillEmpty(&p);
+// clang-format on
 #ifndef PACKD_PLANNER_INTERNAL_PACKING_H_
 #define PACKD_PLANNER_INTERNAL_PACKING_H_
 

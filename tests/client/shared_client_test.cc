@@ -131,12 +131,12 @@ void PackLikeTheLibrary(const Case& c, const LayoutOptions& layout,
   EXPECT_TRUE(SameBytes((*r)->shifted[0], (*want)->shifted[0].view));
 }
 
-// 8 threads share one client and mix every path (inline, split into parts
-// over 3 connections, shared-memory scratch) with Pack, Scatter, a
-// differentiable Pack, a layout Pack, a shared prefix's stream and targets, a
-// plan and a streamed step; every result
-// equals torch's, byte for byte. Before each call had its own scratch segment,
-// 95 of 117 such calls returned another thread's rows or were refused.
+// 8 threads share one client and mix every path (inline, split into parts over
+// 3 connections, shared-memory scratch) with Pack, Scatter, a differentiable
+// Pack, a layout Pack, a shared prefix's stream and targets, a plan and a
+// streamed step; every result equals torch's, byte for byte. Before each call
+// had its own scratch segment, 95 of 117 such calls returned another thread's
+// rows or were refused.
 TEST_F(SharedClientTest, ThreadsSharingOneClientEachGetTheirOwnResults) {
   ClientOptions options;
   options.address = server_->address();

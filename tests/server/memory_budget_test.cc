@@ -95,8 +95,8 @@ TEST(MemoryBudgetTest, WaitersGetTheirHoldInOrderWhenBytesAreReleased) {
   Outcome first, second, third;
   budget.Reserve(80, absl::InfiniteFuture(), first.Callback());
   budget.Reserve(50, absl::InfiniteFuture(), second.Callback());
-  budget.Reserve(10, absl::InfiniteFuture(), third.Callback());  // fits, but
-  // waits its turn behind the second
+  // The third fits, but waits its turn behind the second.
+  budget.Reserve(10, absl::InfiniteFuture(), third.Callback());
   EXPECT_FALSE(second.done.HasBeenNotified());
   EXPECT_FALSE(third.done.HasBeenNotified());
   first.result.reset();  // releases 80
