@@ -31,7 +31,8 @@ int64_t ScatterResultBytes(absl::Span<const TensorView> packed,
     for (size_t d = 1; d < t.shape.size(); ++d) {
       row = SaturatingMul(row, std::max<int64_t>(t.shape[d], 0));
     }
-    if (t.shape.empty() || t.shape[0] <= 0) continue;
+    // A tensor of no rows still scatters into B * S zeroed positions.
+    if (t.shape.empty()) continue;
     bytes = SaturatingAdd(bytes, SaturatingMul(positions, row));
   }
   return bytes;

@@ -1,9 +1,8 @@
 // CallSpec: one Pack or Scatter call (or a step's batch) as packd knows it
-// between the wire and the op library, built once where its request is
-// parsed, in the manner of flash-attention's params struct: the tensors'
-// headers (dtype and shape, no data), the layout, and the sizes its results
-// take (kernels/pack_sizes.h). Admission reads its result bytes from it, the
-// decoder attaches the tensors' bytes and regions to its headers
+// between the wire and the op library, built once where its request is parsed:
+// the tensors' headers (dtype and shape, no data), the layout, and the sizes
+// its results take (kernels/pack_sizes.h). Admission reads its result bytes
+// from it, the decoder attaches the tensors' bytes and regions to its headers
 // (server/request_decoder.h), and the op's options are its methods. A step
 // makes one for its batch and derives each micro-batch's from it (OfRows).
 //
