@@ -22,6 +22,11 @@
 
 namespace packd::testing {
 
+// A tensor's shape as packd's headers hold it.
+inline Shape ShapeOf(const at::Tensor& t) {
+  return Shape(t.sizes().begin(), t.sizes().end());
+}
+
 // dtype and shape only.
 inline v1::Tensor Header(const at::Tensor& t) {
   v1::Tensor out;

@@ -22,13 +22,10 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::Rng;
+using testing::ShapeOf;
 using testing::ToProto;
 
 constexpr int64_t kLimit = 64 << 20;
-
-Shape ShapeOf(const at::Tensor& t) {
-  return Shape(t.sizes().begin(), t.sizes().end());
-}
 
 int64_t Bytes(const std::vector<ResultTensor>& results) {
   int64_t bytes = 0;

@@ -24,13 +24,10 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::Rng;
+using testing::ShapeOf;
 using testing::ToProto;
 
 constexpr int64_t kLimit = 64 << 20;
-
-Shape ShapeOf(const at::Tensor& t) {
-  return Shape(t.sizes().begin(), t.sizes().end());
-}
 
 // `message` serialized and cut into chunks of `chunk` bytes (0: one chunk),
 // parsed as received slices are.
