@@ -1,5 +1,5 @@
 // bench_plan: the micro-batch planner against its peers, verl's planner and
-// slime's (workloads/peer_planners.h), on the workloads of RL and SFT
+// slime's (planner/peer_planners.h), on the workloads of RL and SFT
 // batches under two cost models; and its speed on a large batch.
 //
 //   bench_plan            # the quality table and the 65,536-sample timing
@@ -22,10 +22,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
+#include "planner/peer_planners.h"
 #include "planner/planner.h"
 #include "planner/testing/check_plan.h"
 #include "workloads/lengths.h"
-#include "workloads/peer_planners.h"
 #include "workloads/plan_workloads.h"
 
 ABSL_FLAG(bool, smoke, false, "Small workloads, one repeat");

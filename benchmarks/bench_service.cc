@@ -48,7 +48,7 @@
 #include "base/status_macros.h"
 #include "base/torch_interop.h"
 #include "client/client.h"
-#include "client/shm_segment.h"
+#include "client/shm_mapping.h"
 #include "kernels/pack.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/grpc_wire.h"
@@ -339,7 +339,7 @@ void CarryBatch(const at::Tensor& x, const at::Tensor& mask,
 // tensors' bytes, which it carries in place.
 struct LargeBatch {
   at::Tensor x, mask;
-  std::unique_ptr<ShmSegment> segment;
+  std::unique_ptr<ShmMapping> segment;
   int64_t active = 0, packed_bytes = 0;
   v1::PackRequest inline_request, shm_request;
   Wire<v1::PackRequest> header;
@@ -358,7 +358,7 @@ absl::StatusOr<LargeBatch> MakeLargeBatch(int64_t B, int64_t S, int64_t H,
   const int64_t x_bytes = batch.x.nbytes();
   PACKD_ASSIGN_OR_RETURN(
       batch.segment,
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd_bench"), 2 * x_bytes));
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd_bench"), 2 * x_bytes));
   std::memcpy(batch.segment->data(), batch.x.data_ptr(), x_bytes);
   std::memset(batch.segment->data() + x_bytes, 0, x_bytes);
 

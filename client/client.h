@@ -421,7 +421,7 @@ class Client {
   absl::StatusOr<std::vector<at::Tensor>> GpuResults(
       const Tensors& results, const WireMessage& reply,
       const std::vector<at::Tensor>& outputs, int index);
-  // How a step's micro-batch results are read (step_call.cc): copied out of
+  // How a step's micro-batch results are read (micro_batches.cc): copied out of
   // the shared-memory arena or the reply; on a GPU, views of the step's arena
   // there (which they keep) or inline ones copied to it.
   using StepResults = std::function<absl::StatusOr<std::vector<at::Tensor>>(

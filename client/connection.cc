@@ -292,12 +292,12 @@ Connection::SegmentName Connection::NewSegmentName(absl::string_view tag) {
   }
   const std::string prefix = absl::StrCat(*known, "_", tag, "_");
   SegmentName name;
-  name.key = ShmSegment::UniqueKey(prefix.substr(0, prefix.size() - 1));
+  name.key = ShmMapping::UniqueKey(prefix.substr(0, prefix.size() - 1));
   name.region = absl::StrCat(tag, "-", name.key.substr(prefix.size()));
   return name;
 }
 
-absl::Status Connection::RegisterSegment(ShmSegment& segment,
+absl::Status Connection::RegisterSegment(ShmMapping& segment,
                                          const std::string& region) {
   v1::RegisterSystemRegionRequest request;
   request.set_name(region);

@@ -29,7 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/shm_segment.h"
+#include "client/shm_mapping.h"
 #include "packd/v1/pack_service.grpc.pb.h"
 #include "proto/wire.h"
 
@@ -164,7 +164,7 @@ class Connection {
   // The micro-batch plan of `request` (docs/design.md §9).
   absl::StatusOr<v1::PlanResponse> Plan(const v1::PlanRequest& request);
   // A fresh name for a shared-memory segment of this process: its key,
-  // "<prefix>_<tag>_<pid>_<random>_<n>" (ShmSegment::UniqueKey), and the
+  // "<prefix>_<tag>_<pid>_<random>_<n>" (ShmMapping::UniqueKey), and the
   // region it is registered as, "<tag>-<pid>_<random>_<n>", unique like the
   // key (across pid namespaces too). The prefix is the one the server gives
   // this caller (ServerInfo.shm_key_prefix: its tenant's, asked once), else
@@ -177,7 +177,7 @@ class Connection {
   // Registers `segment` as region `region`, leased for
   // options().lease_seconds, and unlinks its name: the server has mapped it,
   // so nothing is left in /dev/shm however this process ends.
-  absl::Status RegisterSegment(ShmSegment& segment, const std::string& region);
+  absl::Status RegisterSegment(ShmMapping& segment, const std::string& region);
   // Unregisters region `name` (NOT_FOUND when the server holds none).
   absl::Status UnregisterRegion(const std::string& name);
 

@@ -18,16 +18,16 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "client/shm_region.h"
+#include "client/region_arena.h"
 #include "packd/v1/pack_service.pb.h"
 
 namespace packd {
 
 // Not safe to share across threads: one thread at a time allocates from it.
-class SharedMemory : public ShmRegion {
+class SharedMemory : public RegionArena {
  public:
   // Creates and maps a segment named `key` ("/packd_...") (the errors of
-  // ShmSegment::Create). The segment is unlinked and unmapped on destruction,
+  // ShmMapping::Create). The segment is unlinked and unmapped on destruction,
   // after `on_close` (which unregisters it) runs.
   static absl::StatusOr<std::unique_ptr<SharedMemory>> Create(
       std::string key, std::string region, int64_t bytes,
@@ -38,7 +38,7 @@ class SharedMemory : public ShmRegion {
   at::Tensor Empty(at::IntArrayRef shape, at::ScalarType dtype);
 
  private:
-  friend class ShmRegion;  // CreateAs
+  friend class RegionArena;  // CreateAs
   SharedMemory() = default;
 };
 

@@ -161,7 +161,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
     PACKD_ASSIGN_OR_RETURN(
         std::unique_ptr<TokenAuth> auth,
         TokenAuth::FromFile(absl::GetFlag(FLAGS_auth_token_file)));
-    options.service.auth = std::move(auth);
+    options.rpc.auth = std::move(auth);
   }
   const int64_t inflight = absl::GetFlag(FLAGS_max_inflight_bytes);
   if (inflight < -1) {
@@ -184,7 +184,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   }
   // Not ThreadPool::Global().num_threads(): the pool's threads must start
   // after packd blocks its signals (ServeUntilSignalled).
-  options.service.worker_threads = std::max(0, absl::GetFlag(FLAGS_threads));
+  options.rpc.worker_threads = std::max(0, absl::GetFlag(FLAGS_threads));
   return options;
 }
 

@@ -6,23 +6,22 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "server/inline_call.h"
-#include "server/step_call.h"
-#include "server/stream_calls.h"
+#include "server/micro_batches_reactor.h"
+#include "server/pack_scatter_reactor.h"
+#include "server/stream_step_reactors.h"
 
 namespace packd {
 
-PackServiceImpl::PackServiceImpl(ServiceOptions options)
+PackServiceImpl::PackServiceImpl(ServiceOptions options, RpcOptions rpc)
     : core_(
           std::move(options), [this] { return calls_.in_flight(); }, &budget_),
-      calls_(
-          CallMechanism::Options{
-              core_.options().auth, core_.options().peer_uid,
-              core_.options().worker_threads > 0
-                  ? core_.options().worker_threads
-                  : static_cast<int>(std::thread::hardware_concurrency()),
-              [this] { core_.CheckDefaultDevice(); }},
-          &core_.metrics()),
+      calls_(RpcRunner::Options{std::move(rpc.auth), std::move(rpc.peer_uid),
+                                rpc.worker_threads > 0
+                                    ? rpc.worker_threads
+                                    : static_cast<int>(
+                                          std::thread::hardware_concurrency()),
+                                [this] { core_.CheckDefaultDevice(); }},
+             &core_.metrics()),
       budget_(core_.options().max_inflight_bytes,
               core_.options().max_inflight_bytes_per_tenant),
       env_{&calls_,
@@ -32,11 +31,11 @@ PackServiceImpl::PackServiceImpl(ServiceOptions options)
            core_.options().max_message_bytes,
            core_.options().TEST_call_hook} {}
 
-grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
+grpc::ServerGenericBidiReactor* PackServiceImpl::RawMethods::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
   PackServiceImpl* const service = service_;
   if (context->method() == "/packd.v1.PackService/Pack") {
-    return new InlineCall<v1::PackRequest, v1::PackResponse>(
+    return new PackScatterReactor<v1::PackRequest, v1::PackResponse>(
         &service->env_, context, "Pack",
         [service](const Wire<v1::PackRequest>& request, const CallSpec& spec,
                   CallReply<v1::PackResponse>* reply) {
@@ -44,10 +43,10 @@ grpc::ServerGenericBidiReactor* PackServiceImpl::InlineCalls::CreateReactor(
         });
   }
   if (context->method() == "/packd.v1.PackService/PackMicroBatches") {
-    return new StepCall(&service->env_, context);
+    return new MicroBatchesReactor(&service->env_, context);
   }
   if (context->method() == "/packd.v1.PackService/Scatter") {
-    return new InlineCall<v1::ScatterRequest, v1::ScatterResponse>(
+    return new PackScatterReactor<v1::ScatterRequest, v1::ScatterResponse>(
         &service->env_, context, "Scatter",
         [service](const Wire<v1::ScatterRequest>& request, const CallSpec& spec,
                   CallReply<v1::ScatterResponse>* reply) {
@@ -131,7 +130,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::GetServerInfo(
 
 grpc::ServerBidiReactor<v1::StepControl, v1::StepEvent>*
 PackServiceImpl::OpenStep(grpc::CallbackServerContext* context) {
-  return new StepControllerCall(&calls_, &steps_, context);
+  return new OpenStepReactor(&calls_, &steps_, context);
 }
 
 grpc::ServerUnaryReactor* PackServiceImpl::SubmitGroup(
@@ -149,7 +148,7 @@ grpc::ServerUnaryReactor* PackServiceImpl::SubmitGroup(
 grpc::ServerWriteReactor<v1::PackMicroBatchesResponse>*
 PackServiceImpl::ReceiveStep(grpc::CallbackServerContext* context,
                              const v1::ReceiveStepRequest* request) {
-  return new StepReceiverCall(&calls_, &steps_, context, request);
+  return new ReceiveStepReactor(&calls_, &steps_, context, request);
 }
 
 }  // namespace packd

@@ -1,24 +1,24 @@
 // PackServiceImpl: the packd.v1.PackService RPCs on the gRPC callback API,
-// the gRPC face of ServiceCore (server/service_core.h), which does their work.
-// Pack and Scatter are served by a generic handler (inline_calls(): its
-// reactors, server/inline_call.h, are handed what they use, a CallEnvironment)
-// that reads a request only once the memory budget admits the call; the
-// request is read from the received slices with tensor bytes in place
-// (proto/wire.h), decoded (server/request_decoder.h), run by the op library on
-// its device (kernels/pack.h), and answered with slices that wrap the result
-// buffers, or with results written into region slices. PackMicroBatches, a
-// training step (server/step.h), is served the same way and answers with a
-// stream: the plan, then each micro-batch packed. The wire format is the
-// protobuf one: plain protobuf clients cannot tell. Region RPCs go to the
-// RegionRegistry (server/regions.h). Every RPC goes through one call
-// mechanism (server/call.h: authentication, admission under the drain, the
-// guard, metrics, and packd's worker pool, where every handler runs); the
+// the gRPC face of ServiceCore (service/service_core.h), which does their work.
+// Pack and Scatter are served by a generic handler (raw_methods(): its
+// reactors, server/pack_scatter_reactor.h, are handed what they use, a
+// ReactorEnvironment) that reads a request only once the memory budget admits
+// the call; the request is read from the received slices with tensor bytes in
+// place (proto/wire.h), decoded (service/request_decoder.h), run by the op
+// library on its device (kernels/pack.h), and answered with slices that wrap
+// the result buffers, or with results written into region slices.
+// PackMicroBatches, a training step (service/step.h), is served the same way
+// and answers with a stream: the plan, then each micro-batch packed. The wire
+// format is the protobuf one: plain protobuf clients cannot tell. Region RPCs
+// go to the RegionRegistry (service/regions.h). Every RPC goes through one call
+// mechanism (server/rpc_runner.h: authentication, admission under the drain,
+// the guard, metrics, and packd's worker pool, where every handler runs); the
 // handlers here only translate between protobuf and the op library.
 //
 // clang-format off
 //   PackServiceImpl service(ServiceOptions{.default_device = Device::Cpu()});
 //   builder.RegisterService(&service);
-//   builder.RegisterCallbackGenericService(service.inline_calls());
+//   builder.RegisterCallbackGenericService(service.raw_methods());
 //   // the service's own work, without gRPC:
 //   service.core().DoPack(request, &response);
 // clang-format on
@@ -27,6 +27,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,13 +37,29 @@
 #include "absl/time/time.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "packd/v1/pack_service.grpc.pb.h"
-#include "server/budgeted_call.h"
-#include "server/call.h"
-#include "server/memory_budget.h"
-#include "server/service_core.h"
-#include "server/stream_step.h"
+#include "server/auth.h"
+#include "server/budgeted_reactor.h"
+#include "server/rpc_runner.h"
+#include "service/memory_budget.h"
+#include "service/service_core.h"
+#include "service/stream_step.h"
 
 namespace packd {
+
+// What only the gRPC face knows: who a call comes from, and the threads its
+// handlers run on.
+struct RpcOptions {
+  // Bearer tokens every PackService call must carry (--auth_token_file);
+  // nullptr: none.
+  std::shared_ptr<TokenAuth> auth;
+  // The uid of a unix-socket connection packd accepted itself, by the peer
+  // gRPC reports for it ("fd:N"), for tenants named by uid (PackdServer sets
+  // it); empty: none.
+  std::function<std::optional<uid_t>(const std::string& peer)> peer_uid;
+  // Worker threads every call's handler runs on (--threads); 0: the hardware
+  // threads.
+  int worker_threads = 0;
+};
 
 // Safe to share across threads, as gRPC requires of a service: its state is
 // ServiceCore's and the step registry's, each safe to share.
@@ -51,7 +69,7 @@ class PackServiceImpl final
               v1::PackService::WithGenericMethod_PackMicroBatches<
                   v1::PackService::CallbackService>>> {
  public:
-  explicit PackServiceImpl(ServiceOptions options);
+  explicit PackServiceImpl(ServiceOptions options, RpcOptions rpc = {});
   // Ends the streaming steps still open, so that none holds the memory
   // budget's bytes past it.
   ~PackServiceImpl();
@@ -66,7 +84,7 @@ class PackServiceImpl final
   // Pack, Scatter and PackMicroBatches (packd.v1 messages as raw bytes), and
   // UNIMPLEMENTED for any method no service has: register it beside the
   // service.
-  grpc::CallbackGenericService* inline_calls() { return &inline_calls_; }
+  grpc::CallbackGenericService* raw_methods() { return &raw_methods_; }
   grpc::ServerUnaryReactor* RegisterSystemRegion(
       grpc::CallbackServerContext* context,
       const v1::RegisterSystemRegionRequest* request,
@@ -116,10 +134,10 @@ class PackServiceImpl final
 
  private:
   // Makes the reactor of each Pack, Scatter and PackMicroBatches call, handing
-  // it the service's CallEnvironment and, for Pack and Scatter, the handler.
-  class InlineCalls final : public grpc::CallbackGenericService {
+  // it the service's ReactorEnvironment and, for Pack and Scatter, the handler.
+  class RawMethods final : public grpc::CallbackGenericService {
    public:
-    explicit InlineCalls(PackServiceImpl* service) : service_(service) {}
+    explicit RawMethods(PackServiceImpl* service) : service_(service) {}
     grpc::ServerGenericBidiReactor* CreateReactor(
         grpc::GenericCallbackServerContext* context) override;
 
@@ -131,13 +149,13 @@ class PackServiceImpl final
   StepRegistry steps_{&core_, &budget_};
   // After the state its handlers use: its workers finish what was submitted
   // before the rest goes.
-  CallMechanism calls_;
+  RpcRunner calls_;
   // Destroyed before the calls: its waiting calls finish while the rest is
   // alive.
   MemoryBudget budget_;
   // What the raw methods' reactors use of all the above.
-  const CallEnvironment env_;
-  InlineCalls inline_calls_{this};
+  const ReactorEnvironment env_;
+  RawMethods raw_methods_{this};
 };
 
 }  // namespace packd

@@ -163,17 +163,23 @@ std::shared_ptr<grpc::ServerCredentials> Credentials(const TlsOptions& tls) {
 }  // namespace
 
 PackdServer::PackdServer(const ServerOptions& options)
-    : options_(options), service_([&] {
-        ServiceOptions service = options.service;
-        service.on_device_lost = [this](const absl::Status& reason) {
-          OnDeviceLost(reason);
-        };
-        // Set before the first connection is accepted, never after.
-        service.peer_uid = [this](const std::string& peer) {
-          return unix_ != nullptr ? unix_->UidOf(peer) : std::nullopt;
-        };
-        return service;
-      }()) {}
+    : options_(options),
+      service_(
+          [&] {
+            ServiceOptions service = options.service;
+            service.on_device_lost = [this](const absl::Status& reason) {
+              OnDeviceLost(reason);
+            };
+            return service;
+          }(),
+          [&] {
+            RpcOptions rpc = options.rpc;
+            // Set before the first connection is accepted, never after.
+            rpc.peer_uid = [this](const std::string& peer) {
+              return unix_ != nullptr ? unix_->UidOf(peer) : std::nullopt;
+            };
+            return rpc;
+          }()) {}
 
 void PackdServer::OnDeviceLost(const absl::Status& reason) {
   Log(LogLevel::kWarning,
@@ -222,7 +228,7 @@ absl::StatusOr<std::unique_ptr<PackdServer>> PackdServer::Start(
   // with their senders.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.RegisterService(&server->service_);
-  builder.RegisterCallbackGenericService(server->service_.inline_calls());
+  builder.RegisterCallbackGenericService(server->service_.raw_methods());
   absl::string_view unix_path = options.listen;
   if ((absl::ConsumePrefix(&unix_path, "unix://") ||
        absl::ConsumePrefix(&unix_path, "unix:")) &&
@@ -387,8 +393,8 @@ int ServeUntilSignalled(const ServerOptions& options) {
               ? ""
               : absl::StrCat(", metrics on http://",
                              (*server)->metrics_address(), "/metrics"),
-          service.auth != nullptr
-              ? absl::StrCat(", bearer tokens from ", service.auth->path())
+          options.rpc.auth != nullptr
+              ? absl::StrCat(", bearer tokens from ", options.rpc.auth->path())
               : ""),
       StartedFields(**server, service));
 
@@ -405,14 +411,14 @@ int ServeUntilSignalled(const ServerOptions& options) {
     };
     int signal = 0;
     while ((signal = next()) == SIGHUP) {
-      if (service.auth == nullptr) {
+      if (options.rpc.auth == nullptr) {
         Log("received Hangup: nothing to reload");
         continue;
       }
-      const absl::Status reloaded = service.auth->Reload();
+      const absl::Status reloaded = options.rpc.auth->Reload();
       Log(reloaded.ok() ? LogLevel::kInfo : LogLevel::kWarning,
           reloaded.ok() ? absl::StrCat("received Hangup: tokens reloaded from ",
-                                       service.auth->path())
+                                       options.rpc.auth->path())
                         : absl::StrCat("received Hangup: ", reloaded.message(),
                                        "; the previous tokens stay"));
     }

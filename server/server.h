@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "server/metrics.h"
+#include "server/metrics_server.h"
 #include "server/pack_service.h"
 #include "server/unix_listener.h"
 
@@ -40,6 +40,8 @@ struct ServerOptions {
   // probes when the main listener speaks TLS); empty: none.
   std::string health_listen;
   ServiceOptions service;
+  // Tokens and worker threads; PackdServer sets peer_uid itself.
+  RpcOptions rpc;
   // "HOST:PORT" where rollout workers and trainer ranks reach this replica for
   // a streaming step it holds (a pod's own address behind a headless
   // Service); empty: the address it listens on.

@@ -1,7 +1,7 @@
 // Candidate packings of the planner's units (docs/operation.md, "Micro-batch
 // planning"): Karmarkar-Karp partitions, first fit, and the constructions of
 // slime's and verl's planners, which packd tries among its candidates and
-// measures itself against (workloads/peer_planners.h). Not API: planner.h is.
+// measures itself against (planner/peer_planners.h). Not API: planner.h is.
 //
 //   auto ranks = KarmarkarKarp(c.units.cost, AllUnits(c), c.ranks, false);
 //   if (auto batches = FirstFit(c, slots)) bins = SplitAndDeal(c, *batches, m);

@@ -2,7 +2,7 @@
 // request validated and normalised once (each sample's padded length and
 // cost, the samples of a group made one unit), the lower bound on the
 // micro-batches per rank, and the Plan assembled from micro-batches of units.
-// Shared with the peer planners (workloads/peer_planners.h), so that all
+// Shared with the peer planners (planner/peer_planners.h), so that all
 // validate, cost and assemble alike. Not API: planner.h is.
 //
 //   PACKD_ASSIGN_OR_RETURN(Checked c, Validate(lengths, loss_tokens, options));

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
-#include "client/shm_segment.h"
+#include "client/shm_mapping.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/server_process.h"
 #include "tests/kernels/test_util.h"
@@ -167,8 +167,8 @@ TEST_F(TlsTest, EachClientCertificateIsATenant) {
   EXPECT_EQ(prefix_b.rfind("/packdcert-", 0), 0u) << prefix_b;
   EXPECT_NE(prefix_a, prefix_b);
 
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey(prefix_a), 4096).value();
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey(prefix_a), 4096).value();
   const std::string key = seg->key();
   std::memset(seg->data(), 0xA5, 4096);
   ASSERT_TRUE(a->connection().RegisterSegment(*seg, "A-secret").ok());

@@ -19,7 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/torch_interop.h"
-#include "client/shm_segment.h"
+#include "client/shm_mapping.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "packd/v1/pack_service.grpc.pb.h"
@@ -41,7 +41,7 @@ using testing::ServerProcess;
 using testing::Slice;
 
 // Copies `t` into the segment at `offset`.
-void Put(const std::unique_ptr<ShmSegment>& seg, uint64_t offset,
+void Put(const std::unique_ptr<ShmMapping>& seg, uint64_t offset,
          const at::Tensor& t) {
   std::memcpy(seg->data() + offset, t.data_ptr(), t.nbytes());
 }
@@ -115,8 +115,8 @@ TEST_F(RegionsTest, PackAndScatterFromAndIntoSharedMemory) {
       testing::RandomMask(rng, DType::kFloat32, B, S, 0.4, MaskPattern::kHoles);
   const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, H});
   const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 64 << 20)
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd_test"), 64 << 20)
           .value();
   const uint64_t x_at = 4096 + 3;  // odd offsets: slices need no alignment
   const uint64_t ids_at = x_at + x.nbytes();
@@ -193,8 +193,8 @@ TEST_F(RegionsTest, AStepsResultsIntoItsOutputs) {
       testing::RandomMask(rng, DType::kBool, B, S, 0.6, MaskPattern::kPrefix);
   const at::Tensor x = testing::RandomTensor(rng, DType::kBFloat16, {B, S, 3});
   const at::Tensor ids = testing::RandomTensor(rng, DType::kInt64, {B, S});
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 16 << 20)
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd_test"), 16 << 20)
           .value();
   ASSERT_TRUE(Register("w0", seg->key(), 0, seg->size()).ok());
   Put(seg, 0, x);
@@ -284,8 +284,8 @@ TEST_F(RegionsTest, AStepsResultsIntoItsOutputs) {
 }
 
 TEST_F(RegionsTest, RegistrationErrors) {
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd_test"), 1 << 20).value();
   const auto kInvalid = grpc::StatusCode::INVALID_ARGUMENT;
   ExpectError(Register("", seg->key(), 0, 10), kInvalid,
               "must have 1 to 256 characters");
@@ -320,8 +320,8 @@ TEST_F(RegionsTest, RegistrationErrors) {
 }
 
 TEST_F(RegionsTest, SliceErrors) {
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd_test"), 1 << 20).value();
   ASSERT_TRUE(Register("r", seg->key(), 0, 1 << 20).ok());
   const at::Tensor mask = at::ones({2, 4}, at::kBool);
   const at::Tensor x = at::zeros({2, 4, 16}, at::kFloat);  // 512 bytes
@@ -373,8 +373,8 @@ TEST(RegionsLifetime, UnregisterDuringACallDefersTheUnmap) {
       testing::RandomMask(rng, DType::kBool, 4, 256, 0.5, MaskPattern::kPrefix);
   const at::Tensor x =
       testing::RandomTensor(rng, DType::kFloat16, {4, 256, 32});
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd_test"), 1 << 20).value();
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd_test"), 1 << 20).value();
   Put(seg, 0, x);
   const std::string maps = absl::StrCat("/proc/", server->pid(), "/maps");
   {
@@ -424,8 +424,8 @@ TEST(RegionsDisabled, HandlesAreFailedPreconditionWhenOff) {
   auto server = ServerProcess::Start({"--shared_memory=off"});
   ASSERT_NE(server, nullptr);
   auto stub = v1::PackService::NewStub(server->Channel());
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd"), 4096).value();
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd"), 4096).value();
   v1::RegisterSystemRegionRequest reg;
   reg.set_name("r");
   reg.set_key(seg->key());
@@ -507,8 +507,8 @@ TEST(TenantsTest, AnotherTokensTenantCannotTouchARegion) {
   const int64_t B = 4, S = 32, H = 8;
   const at::Tensor x = testing::RandomTensor(rng, DType::kFloat32, {B, S, H});
   const at::Tensor mask = at::ones({B, S}, at::kBool);
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey(info(a)), 1 << 20).value();
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey(info(a)), 1 << 20).value();
   Put(seg, 0, x);
   std::memset(seg->data() + x.nbytes(), 0x5A, seg->size() - x.nbytes());
   ASSERT_TRUE(testing::RegisterSystemRegion(*stub, "A-secret", seg->key(), 0,
@@ -580,8 +580,8 @@ TEST(TenantsTest, AnotherTokensTenantCannotTouchARegion) {
   EXPECT_THAT(key.error_message(), HasSubstr(seg->key()));
   EXPECT_THAT(key.error_message(), HasSubstr("/packd_testjob-b."));
   // B may use the same name for a region of its own.
-  std::unique_ptr<ShmSegment> mine =
-      ShmSegment::Create(ShmSegment::UniqueKey(info(b)), 4096).value();
+  std::unique_ptr<ShmMapping> mine =
+      ShmMapping::Create(ShmMapping::UniqueKey(info(b)), 4096).value();
   EXPECT_TRUE(
       testing::RegisterSystemRegion(*stub, "A-secret", mine->key(), 0, 4096, b)
           .ok());
@@ -624,8 +624,8 @@ TEST(TenantsTest, AFloodingTenantLeavesAnotherServed) {
   ASSERT_NE(server, nullptr);
   auto stub = v1::PackService::NewStub(server->Channel());
   const std::string a = "token-of-a", b = "token-of-b";
-  std::unique_ptr<ShmSegment> seg =
-      ShmSegment::Create(ShmSegment::UniqueKey("/packd_testjob-a."), 1 << 16)
+  std::unique_ptr<ShmMapping> seg =
+      ShmMapping::Create(ShmMapping::UniqueKey("/packd_testjob-a."), 1 << 16)
           .value();
   for (int i = 0; i < 300; ++i) {
     ASSERT_TRUE(testing::RegisterSystemRegion(*stub, absl::StrCat("r", i),
@@ -679,7 +679,7 @@ TEST(TenantsTest, AFloodingTenantLeavesAnotherServed) {
   EXPECT_TRUE(
       testing::RegisterSystemRegion(
           *stub, "b0",
-          ShmSegment::Create(ShmSegment::UniqueKey("/packd_testjob-b."), 4096)
+          ShmMapping::Create(ShmMapping::UniqueKey("/packd_testjob-b."), 4096)
               .value()
               ->key(),
           0, 4096, b)

@@ -15,14 +15,14 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "client/shm_segment.h"
+#include "client/shm_mapping.h"
 #include "packd/v1/pack_service.pb.h"
-#include "server/regions.h"
+#include "service/regions.h"
 
 namespace {
 
 struct World {
-  std::unique_ptr<packd::ShmSegment> segment;
+  std::unique_ptr<packd::ShmMapping> segment;
   std::unique_ptr<packd::RegionRegistry> regions;
 };
 
@@ -31,7 +31,7 @@ World& TheWorld() {
     // Protobuf logs every string that is not UTF-8: quiet.
     google::protobuf::SetLogHandler(nullptr);
     auto* w = new World;
-    auto segment = packd::ShmSegment::Create(
+    auto segment = packd::ShmMapping::Create(
         absl::StrCat("/packd_fuzz_", getpid()), 64 << 10);
     if (!segment.ok()) abort();
     w->segment = std::move(*segment);

@@ -15,9 +15,9 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/peer_planners.h"
 #include "planner/testing/check_plan.h"
 #include "workloads/lengths.h"
-#include "workloads/peer_planners.h"
 #include "workloads/plan_workloads.h"
 
 namespace packd {

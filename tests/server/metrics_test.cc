@@ -1,4 +1,4 @@
-#include "server/metrics.h"
+#include "service/metrics.h"
 
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/device_counters.h"
+#include "server/metrics_server.h"
 
 // Static TLS as large as libtorch with OpenBLAS gives packd on a fresh Debian
 // machine (112 KiB there), and more: in the executable, so every thread of

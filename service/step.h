@@ -1,0 +1,242 @@
+// TrainingStep: the work of a PackMicroBatches call (docs/design.md §12),
+// without gRPC. The batch is decoded once; each row is measured as the layout
+// lays it out (its length: the rows its sequences take, padded, on one CP or
+// SP rank; its cost: the cost model summed over its sequences, which
+// attention runs over separately; its loss tokens: positions active in the
+// mask and in loss_mask, on every rank); the rows are planned into
+// micro-batches (planner/planner.h); and each micro-batch is packed on its
+// own, exactly as Pack packs its rows gathered in plan order, with the
+// batch's options.
+//
+// clang-format off
+//   PACKD_ASSIGN_OR_RETURN(auto step, TrainingStep::Make(request, decoder, limit, tenant));
+//   send(step->plan());
+//   for (size_t k = 0; k < step->size(); ++k) step->PackMicroBatch(k, &reply, &buffers);
+// clang-format on
+#ifndef PACKD_SERVICE_STEP_H_
+#define PACKD_SERVICE_STEP_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "base/buffer.h"
+#include "kernels/device_runtime.h"
+#include "kernels/mrope.h"
+#include "kernels/pack.h"
+#include "packd/v1/pack_service.pb.h"
+#include "planner/planner.h"
+#include "proto/wire.h"
+#include "service/call_spec.h"
+#include "service/request_decoder.h"
+#include "service/step_parts.h"
+
+namespace packd {
+
+// PlanMicroBatches within a server's message limit: plans that could not fit
+// one response of `max_message_bytes` (each micro-batch slot costs at least 8
+// bytes) are RESOURCE_EXHAUSTED saying so; the planner's other errors as they
+// are.
+absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
+                                       absl::Span<const int64_t> loss_tokens,
+                                       PlanOptions options,
+                                       int64_t max_message_bytes);
+
+// Not safe to share while Make runs; once made, PackMicroBatch may be called
+// from several threads at once.
+class TrainingStep {
+ public:
+  // Decodes and checks `request` (which must outlive the step), measures its
+  // rows and plans them. Errors: Pack's and Plan's; INVALID_ARGUMENT for batch
+  // outputs, for plan fields packd measures itself (lengths, loss_tokens,
+  // costs, pad_multiple), a negative cost model, a loss_mask not of the mask's
+  // shape, ranks outside the plan or repeated, and a micro-batch that `fixed`
+  // does not hold; RESOURCE_EXHAUSTED for a micro-batch whose message would
+  // pass `max_message_bytes`; outputs that overlap the batch's tensors, and
+  // batch tensors or outputs in a device region on another device than the
+  // step's (batch.device). Tensors in device regions are read on their
+  // device: the mask, segment ids and loss mask copied to the host to be
+  // measured, each micro-batch's input rows gathered on the device
+  // (DeviceRuntime::CopyRows) and packed there; the device's errors are
+  // Pack's (FAILED_PRECONDITION when it is missing, UNAVAILABLE once lost).
+  // The regions it names are `tenant`'s.
+  static absl::StatusOr<std::unique_ptr<TrainingStep>> Make(
+      const Wire<v1::PackMicroBatchesRequest>& request,
+      const RequestDecoder& decoder, int64_t max_message_bytes,
+      const Tenant& tenant);
+
+  const v1::PlanResponse& plan() const { return plan_; }
+  // The plan request with every row's measured length, cost and loss tokens.
+  const v1::PlanRequest& measured() const { return measured_; }
+  // Where the micro-batches are packed.
+  const Device& device() const { return call_.device; }
+  // The micro-batches sent (those of the ranks asked), in order.
+  size_t size() const { return sent_.size(); }
+  // The most bytes one micro-batch makes the server hold while it is packed
+  // and sent: its rows gathered, then its results.
+  int64_t max_micro_batch_bytes() const { return max_micro_batch_bytes_; }
+  // The most bytes the server holds for the step at once: two micro-batches
+  // (the one being sent and the next), and with the device pass and no
+  // outputs every micro-batch's results, read back in one copy.
+  int64_t held_bytes() const;
+  // The bytes the results of every micro-batch sent take in the request's
+  // outputs, each tensor from a multiple of 64 (the first message says it).
+  int64_t output_bytes() const { return output_bytes_; }
+  // Packs sent micro-batch k into `response` (rank, index, samples, packed),
+  // its results in pooled buffers that `buffers` keeps, carried by the
+  // response without a copy. Safe to call from several threads at once.
+  absl::Status PackMicroBatch(size_t k,
+                              Wire<v1::PackMicroBatchesResponse>* response,
+                              std::vector<Buffer>* buffers) const;
+  // Where Make's time went: the batch decoded, its device tensors brought to
+  // the host and its rows measured; the plan made and checked.
+  struct Phases {
+    absl::Duration measure, plan;
+  };
+  const Phases& phases() const { return phases_; }
+  // The device pass's time once it has run (zero before, and without one).
+  absl::Duration device_time() const;
+  // The call's messages: the plan, then one per micro-batch sent.
+  size_t messages() const { return size() + 1; }
+  // Message k into `response`: 0 the plan with output_bytes, k > 0 sent
+  // micro-batch k - 1 (PackMicroBatch). What every driver of a step sends.
+  absl::Status Message(size_t k, Wire<v1::PackMicroBatchesResponse>* response,
+                       std::vector<Buffer>* buffers) const;
+
+ private:
+  TrainingStep(const v1::PackRequest& batch, int64_t max_message_bytes,
+               const Tenant& tenant)
+      : batch_(batch),
+        max_message_bytes_(max_message_bytes),
+        spec_(CallSpec::Of(batch, "batch.", max_message_bytes, tenant)) {}
+  // Measures the rows and fills the plan request's lengths, loss tokens and
+  // costs; `rows` gets what it learns of each.
+  absl::Status Measure(v1::PlanRequest* plan, std::vector<MeasuredRow>* rows);
+  // A shared prefix's rows measured (docs/design.md §14): a group's stream
+  // rows and cost over its rows (its prompt's on its first), each row's
+  // targets active in `loss` (the loss mask's active values, packed).
+  // With batch.mrope: checks the batch's grids against its token ids and
+  // counts each row's (mrope_rows_), on the host, with `measure`'s options.
+  absl::Status MeasureGrids(PackOptions measure);
+  absl::Status MeasureShared(const PackResult& measured,
+                             const std::optional<TensorView>& loss,
+                             const PlanOptions& model, v1::PlanRequest* plan,
+                             std::vector<MeasuredRow>* rows);
+  // Chooses the micro-batches sent, checks each against the layout and the
+  // message limit, and places its results in the outputs.
+  absl::Status Choose(const v1::PackMicroBatchesRequest& request,
+                      const std::vector<MeasuredRow>& rows);
+  // Writes the results into `slice` when it holds them (a host region that
+  // overlaps none of the batch's tensors: INVALID_ARGUMENT otherwise).
+  absl::Status UseOutputs(const v1::RegionSlice& slice,
+                          const RequestDecoder& decoder);
+  // The device work of one micro-batch's gather: its runtime and stream
+  // (set by the first device tensor gathered), waited for by Wait() or when
+  // it goes, so that no copy outlives the buffers it writes (declare it after
+  // them).
+  struct DeviceGather {
+    DeviceRuntime* runtime = nullptr;
+    std::optional<Stream> stream;
+    absl::Status Wait() {
+      if (runtime == nullptr) return absl::OkStatus();
+      absl::Status done = runtime->Synchronize(*stream);
+      runtime = nullptr;
+      return done;
+    }
+    ~DeviceGather() { (void)Wait(); }
+  };
+  // Checks that the batch's tensors and the loss mask (decoded here) are in
+  // host memory or on the call's device, and brings the mask, segment ids and
+  // loss mask to the host when they are not, with one wait.
+  absl::Status CheckDevices(const v1::Tensor* loss_mask,
+                            const RequestDecoder& decoder);
+  // `t` in host memory: itself, or a copy kept in host_copies_.
+  absl::StatusOr<TensorView> OnHost(const TensorView& t);
+  // Each `first` in host memory, viewed by its `second`: itself, or a copy
+  // kept in host_copies_, every device copy waited for at once.
+  absl::Status OnHost(
+      absl::Span<const std::pair<const TensorView*, TensorView*>> wanted);
+  // A view of rows `rows` of `x` ([B, S, ...]) gathered, kept in `held`: in
+  // host memory into a pooled buffer (`extents`: only positions
+  // [0, extents[b]) of row b), or on x's device into its memory, queued on
+  // `device`'s stream.
+  absl::StatusOr<TensorView> GatherRows(const TensorView& x,
+                                        absl::Span<const int64_t> rows,
+                                        const std::vector<int64_t>* extents,
+                                        DeviceGather* device,
+                                        std::vector<Buffer>* held) const;
+
+  // The device pass (service/step_device.cc): with a batch on a GPU, the
+  // micro-batches' results gathered over the batch's regions in two waves
+  // (the first micro-batch, then the rest), their metadata worked out on the
+  // host.
+  //
+  // Whether this step runs it: every tensor of the batch on the step's GPU,
+  // no mrope, the outputs on that device, or inline and at most
+  // kInlinePassBytes of them.
+  static constexpr int64_t kInlinePassBytes = int64_t{256} << 20;
+  bool UsesDevicePass() const;
+  // Runs micro-batch k's wave of the pass (the first micro-batch alone, then
+  // every other one) the first time one of them is asked for; its status
+  // every time.
+  absl::Status DevicePassOnce(size_t k) const;
+  // The pass over sent micro-batches [begin, end).
+  absl::Status RunDevicePass(size_t begin, size_t end) const;
+  // Sent micro-batch k's metadata: the host's Pack of its rows' dense
+  // positions (row j of the batch's row r: r * S + s), with the layout, pad
+  // rows and shift fills -1. Its packed and shifted results are the batch
+  // position of every result row.
+  absl::StatusOr<PackResult> PositionsOf(size_t k) const;
+  // Micro-batch k's message from the pass's results.
+  absl::Status MessageFromPass(
+      size_t k, v1::PackResponse* packed, const CallOptions& base,
+      const google::protobuf::RepeatedPtrField<v1::RegionSlice>& written) const;
+
+  const v1::PackRequest& batch_;
+  const int64_t max_message_bytes_;
+  // The batch's headers, layout and sizes, decoded once; each micro-batch's
+  // spec is derived from it (CallSpec::OfRows).
+  const CallSpec spec_;
+  DecodedCall call_;
+  // The mask and segment ids in host memory (call_'s, or copies of them).
+  TensorView host_mask_;
+  std::optional<TensorView> host_segment_ids_;
+  // The loss mask, when given, in host memory.
+  std::optional<TensorView> host_loss_;
+  std::vector<Buffer> host_copies_;
+  // Per row: one past its last active position.
+  std::vector<int64_t> extents_;
+  // With batch.mrope: the grids and videos of each row (prefix arrays), so
+  // that each micro-batch gets its rows' grids.
+  GridsByRow mrope_rows_;
+  // The plan request with every row's measured length, cost and loss tokens.
+  v1::PlanRequest measured_;
+  v1::PlanResponse plan_;
+  std::vector<MicroBatchPlace> sent_;
+  int64_t max_micro_batch_bytes_ = 0;
+  int64_t output_bytes_ = 0;
+  // The request's outputs, when the results are written there.
+  std::optional<ResolvedSlice> outputs_;
+  v1::RegionSlice outputs_slice_;
+  bool device_pass_ = false;
+  mutable absl::Mutex pass_mu_;
+  mutable bool pass_run_[2] ABSL_GUARDED_BY(pass_mu_) = {false, false};
+  mutable absl::Status pass_status_[2] ABSL_GUARDED_BY(pass_mu_);
+  mutable absl::Duration device_time_ ABSL_GUARDED_BY(pass_mu_);
+  Phases phases_;
+  // Set by the pass, then read (each entry by the one micro-batch's message):
+  // the micro-batches' metadata, and without outputs their results on the
+  // device and in host memory.
+  mutable std::vector<PackResult> prepared_;  // sized by Make
+  mutable Buffer device_results_, host_results_;
+};
+
+}  // namespace packd
+
+#endif  // PACKD_SERVICE_STEP_H_

@@ -1,0 +1,137 @@
+#include "service/step_parts.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/layout.h"
+
+namespace packd {
+
+MeasuredRows MeasureRows(const PackResult& counted, std::optional<DType> loss,
+                         bool documents, const PackSizes& sizes,
+                         const PlanOptions& model) {
+  const int64_t B = static_cast<int64_t>(counted.last_index.size());
+  MeasuredRows out;
+  out.rows.resize(B);
+  out.extents.resize(B);
+  for (int64_t b = 0; b < B; ++b) out.extents[b] = counted.last_index[b] + 1;
+  const std::vector<int64_t>& cu = counted.cu_seqlens;
+  if (documents) {
+    for (size_t d = 0; d < counted.doc_row.size(); ++d) {
+      out.rows[counted.doc_row[d]].sequences.push_back(
+          counted.doc_cu_seqlens[d + 1] - counted.doc_cu_seqlens[d]);
+    }
+  } else {
+    for (int64_t b = 0; b < B; ++b) {
+      out.rows[b].sequences.push_back(cu[b + 1] - cu[b]);
+    }
+  }
+  const char* loss_bytes =
+      loss.has_value() ? static_cast<const char*>(counted.packed[0].view.data)
+                       : nullptr;
+  const int64_t loss_item = loss.has_value() ? ItemSize(*loss) : 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t padded = 0;
+    double cost = 0;
+    for (int64_t L : out.rows[b].sequences) {
+      const int64_t P = sizes.PaddedRows(L);
+      padded = SaturatingAdd(padded, P);
+      cost += SequenceCost(model, P);
+    }
+    // One CP or SP rank's share of a row's rows is what one GPU holds of it.
+    out.lengths.push_back(sizes.RankRows(padded));
+    out.costs.push_back(cost);
+    const int64_t active = cu[b + 1] - cu[b];
+    out.loss_tokens.push_back(
+        loss_bytes == nullptr
+            ? active
+            : CountNonzero(*loss, loss_bytes + cu[b] * loss_item, active));
+  }
+  return out;
+}
+
+absl::StatusOr<MicroBatchTables> PlaceMicroBatches(
+    const v1::PlanResponse& plan, absl::Span<const int32_t> ranks,
+    int32_t num_ranks, const std::vector<MeasuredRow>& rows,
+    const LayoutOptions& layout, const PackSizes& sizes,
+    absl::Span<const TensorView> inputs, int64_t gathered_position_bytes,
+    int64_t max_message_bytes) {
+  const int32_t plan_ranks = std::max<int32_t>(num_ranks, 1);
+  absl::flat_hash_set<int32_t> wanted;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int32_t rank = ranks[i];
+    if (rank < 0 || rank >= plan_ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranks[", i, "] is ", rank, "; the plan has ranks 0 .. ",
+                       plan_ranks - 1, " (plan.num_ranks)"));
+    }
+    if (!wanted.insert(rank).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranks[", i, "] repeats rank ", rank));
+    }
+  }
+  const int64_t seq = inputs.empty() ? 0 : inputs[0].shape[1];
+  MicroBatchTables out;
+  std::vector<int> index(plan_ranks, 0);
+  for (const v1::MicroBatch& mb : plan.micro_batches()) {
+    const int at = index[mb.rank()]++;
+    if (!wanted.empty() && !wanted.contains(mb.rank())) continue;
+    int64_t targets = 0, entries = 0;
+    std::vector<int64_t> starts = {0};
+    for (int64_t b : mb.samples()) {
+      for (int64_t L : rows[b].sequences) starts.push_back(starts.back() + L);
+      // A shared stream's targets, keys, and per-segment arrays.
+      targets += rows[b].targets;
+      entries += rows[b].keys + rows[b].targets + 3 * rows[b].segments;
+    }
+    // The micro-batch's rows exactly: a shared stream's are its rows'
+    // lengths (the plan's tokens); a layout's, its layout's (which `fixed`,
+    // applying to each micro-batch, must hold); else its active tokens.
+    int64_t out_rows = starts.back(), shifted_rows = out_rows;
+    if (layout.shared_prefix.has_value()) {
+      out_rows = mb.padded_tokens();
+      shifted_rows = targets;
+    } else if (layout.any()) {
+      absl::StatusOr<Layout> laid = MakeLayout(starts, layout, false);
+      if (!laid.ok()) {
+        return absl::Status(
+            laid.status().code(),
+            absl::StrCat("micro-batch ", at, " of rank ", mb.rank(), ": ",
+                         laid.status().message()));
+      }
+      out_rows = shifted_rows = laid->rows();
+    }
+    const int64_t reply =
+        sizes.MessageBytes(out_rows, shifted_rows, mb.samples_size(),
+                           static_cast<int64_t>(starts.size()) - 1, entries);
+    if (reply > max_message_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "micro-batch ", at, " of rank ", mb.rank(), " would be about ", reply,
+          " bytes, over the server's limit of ", max_message_bytes,
+          " bytes (--max_message_bytes): lower "
+          "plan.max_tokens_per_micro_batch"));
+    }
+    const int64_t gathered = SaturatingMul(
+        SaturatingMul(mb.samples_size(), seq), gathered_position_bytes);
+    out.max_micro_batch_bytes =
+        std::max(out.max_micro_batch_bytes, SaturatingAdd(gathered, reply));
+    // Its results' places in the outputs, each from a multiple of 64.
+    MicroBatchPlace sent{&mb, at, {}, {}, {}};
+    auto place = [&](const TensorView& x, int64_t n) {
+      sent.rows.push_back(n);
+      out.output_bytes = SaturatingAdd(out.output_bytes, 63) / 64 * 64;
+      sent.offsets.push_back(out.output_bytes);
+      const int64_t bytes = SaturatingMul(n, PositionBytes(x));
+      sent.bytes.push_back(bytes);
+      out.output_bytes = SaturatingAdd(out.output_bytes, bytes);
+    };
+    for (const TensorView& x : inputs) place(x, out_rows);
+    for (const Shift& s : layout.shifts) place(inputs[s.input], shifted_rows);
+    out.sent.push_back(std::move(sent));
+  }
+  return out;
+}
+
+}  // namespace packd

@@ -1,0 +1,251 @@
+// The step's parts as plain functions (service/step_parts.h), each against a
+// reference written here from its definition, on fresh random batches: the
+// rows measured (documents, padding, CP and SP shares, costs, loss tokens),
+// the micro-batches' tables (rows, bytes, places, ranks, the message limit),
+// and PackSizes' bounds where its sums would overflow.
+#include "service/step_parts.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "base/torch_interop.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/layout.h"
+#include "kernels/pack.h"
+#include "tests/kernels/test_util.h"
+
+namespace packd {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A [B, S] batch: prefix or holed masks, documents of 1 to 12 tokens, a loss
+// mask active at about 80% of the mask's positions.
+struct Batch {
+  at::Tensor mask, ids, loss;
+
+  static Batch Random(testing::Rng& rng, int64_t B, int64_t S) {
+    Batch b;
+    b.mask = testing::RandomMask(
+        rng, DType::kBool, B, S, 0.6,
+        rng.Next() % 2 ? MaskPattern::kHoles : MaskPattern::kPrefix);
+    b.ids = at::zeros({B, S}, at::kInt);
+    int* ids = b.ids.data_ptr<int>();
+    for (int64_t at = 0, id = 0; at < B * S; ++id) {
+      const int64_t n = 1 + static_cast<int64_t>(rng.Next() % 12);
+      for (int64_t k = at; k < std::min(at + n, B * S); ++k) {
+        ids[k] = static_cast<int>(id);
+      }
+      at += n;
+    }
+    b.loss = b.mask & testing::RandomMask(rng, DType::kBool, B, S, 0.8,
+                                          MaskPattern::kHoles);
+    return b;
+  }
+};
+
+// Each row's sequences by definition: its active positions cut wherever the
+// id changes (every row starts one), or the whole row.
+std::vector<std::vector<int64_t>> ReferenceSequences(const Batch& batch,
+                                                     bool documents) {
+  const int64_t B = batch.mask.size(0), S = batch.mask.size(1);
+  const auto mask = batch.mask.accessor<bool, 2>();
+  const auto ids = batch.ids.accessor<int, 2>();
+  std::vector<std::vector<int64_t>> out(B);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t last_id = -1, active = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      if (!mask[b][s]) continue;
+      ++active;
+      if (documents && (out[b].empty() || ids[b][s] != last_id)) {
+        out[b].push_back(0);
+      }
+      if (documents) ++out[b].back();
+      last_id = ids[b][s];
+    }
+    if (!documents) out[b].push_back(active);
+  }
+  return out;
+}
+
+TEST(MeasureRows, MeasuresEveryRowAsTheLayoutLaysItOut) {
+  testing::Rng rng = testing::Rng::Fresh();
+  for (int round = 0; round < 12; ++round) {
+    const Batch batch = Batch::Random(rng, 9, 70);
+    const bool documents = round % 2 == 0;
+    const bool with_loss = round % 3 != 0;
+    LayoutOptions layout;
+    layout.pad_multiple = std::vector<int64_t>{0, 8, 4, 6}[round % 4];
+    if (round % 4 == 2) {
+      layout.cp_size = 2;
+      layout.cp_rank = 1;
+    }
+    if (round % 4 == 3) layout.sp_size = 4;
+    const TensorView mask = AsView(batch.mask);
+    const TensorView loss = AsView(batch.loss);
+    const PackSizes sizes = PackSizes::Of({mask}, layout, {});
+    PackOptions host;
+    host.device = Device::Cpu();
+    if (documents) host.segment_ids = AsView(batch.ids);
+    absl::StatusOr<PackResult> counted =
+        Pack({with_loss ? loss : mask}, mask, host);
+    ASSERT_TRUE(counted.ok()) << counted.status();
+    PlanOptions model;
+    model.cost_per_token = 3;
+    model.cost_per_token_squared = 0.5;
+    const MeasuredRows measured = MeasureRows(
+        *counted, with_loss ? std::optional<DType>(DType::kBool) : std::nullopt,
+        documents, sizes, model);
+
+    const auto sequences = ReferenceSequences(batch, documents);
+    const int64_t m = std::max<int64_t>(layout.pad_multiple, 1);
+    for (int64_t b = 0; b < 9; ++b) {
+      SCOPED_TRACE(::testing::Message() << "round " << round << " row " << b);
+      EXPECT_EQ(measured.rows[b].sequences, sequences[b]);
+      int64_t padded = 0;
+      double cost = 0;
+      for (int64_t L : sequences[b]) {
+        const int64_t P = (L + m - 1) / m * m;
+        padded += P;
+        cost += 3.0 * P + 0.5 * P * P;
+      }
+      const int64_t cp = std::max(layout.cp_size, 1);
+      const int64_t sp = std::max(layout.sp_size, 1);
+      EXPECT_EQ(measured.lengths[b], (padded / cp + sp - 1) / sp);
+      EXPECT_DOUBLE_EQ(measured.costs[b], cost);
+      const at::Tensor counted_row = with_loss ? batch.loss[b] : batch.mask[b];
+      EXPECT_EQ(measured.loss_tokens[b], counted_row.sum().item<int64_t>());
+      const at::Tensor active = batch.mask[b].nonzero();
+      EXPECT_EQ(measured.extents[b],
+                active.numel() == 0 ? 0 : active.max().item<int64_t>() + 1);
+    }
+  }
+}
+
+// A plan by hand: rank 0 gets rows {0, 1} then {2}, rank 1 gets {3}.
+v1::PlanResponse HandPlan() {
+  v1::PlanResponse plan;
+  auto add = [&](int rank, std::vector<int64_t> samples, int64_t padded) {
+    v1::MicroBatch* mb = plan.add_micro_batches();
+    mb->set_rank(rank);
+    for (int64_t s : samples) mb->add_samples(s);
+    mb->set_padded_tokens(padded);
+  };
+  add(0, {0, 1}, 0);
+  add(0, {2}, 0);
+  add(1, {3}, 0);
+  return plan;
+}
+
+TEST(PlaceMicroBatches, PlacesEachResultFromAMultipleOf64) {
+  const std::vector<MeasuredRow> rows = {{{5, 3}}, {{7}}, {{1, 1, 1}}, {{16}}};
+  LayoutOptions layout;
+  layout.pad_multiple = 8;
+  layout.shifts = {Shift{1, -100}};
+  const at::Tensor x = at::zeros({4, 20, 3}, at::kBFloat16);
+  const at::Tensor ids = at::zeros({4, 20}, at::kLong);
+  const std::vector<TensorView> inputs = {AsView(x), AsView(ids)};
+  const PackSizes sizes = PackSizes::Of(inputs, layout, {});
+  const v1::PlanResponse plan = HandPlan();
+  absl::StatusOr<MicroBatchTables> tables =
+      PlaceMicroBatches(plan, {}, 2, rows, layout, sizes, inputs,
+                        /*gathered_position_bytes=*/10, int64_t{1} << 30);
+  ASSERT_TRUE(tables.ok()) << tables.status();
+  ASSERT_EQ(tables->sent.size(), 3u);
+  // Rows: every sequence padded to 8.
+  const std::vector<int64_t> want_rows = {8 + 8 + 8, 24, 16};
+  const std::vector<int> want_index = {0, 1, 0};
+  int64_t at = 0;
+  for (size_t k = 0; k < 3; ++k) {
+    const MicroBatchPlace& p = tables->sent[k];
+    EXPECT_EQ(p.micro_batch, &plan.micro_batches(static_cast<int>(k)));
+    EXPECT_EQ(p.index, want_index[k]);
+    EXPECT_EQ(p.rows, std::vector<int64_t>(3, want_rows[k]));
+    EXPECT_EQ(p.bytes, (std::vector<int64_t>{want_rows[k] * 6, want_rows[k] * 8,
+                                             want_rows[k] * 8}));
+    for (size_t r = 0; r < 3; ++r) {
+      at = (at + 63) / 64 * 64;
+      EXPECT_EQ(p.offsets[r], at);
+      at += p.bytes[r];
+    }
+  }
+  EXPECT_EQ(tables->output_bytes, at);
+  EXPECT_GT(tables->max_micro_batch_bytes, 2 * 20 * 10);
+
+  // Rank 1 alone: its one micro-batch, placed from 0.
+  const std::vector<int32_t> one = {1};
+  tables = PlaceMicroBatches(plan, one, 2, rows, layout, sizes, inputs, 10,
+                             int64_t{1} << 30);
+  ASSERT_TRUE(tables.ok());
+  ASSERT_EQ(tables->sent.size(), 1u);
+  EXPECT_EQ(tables->sent[0].micro_batch, &plan.micro_batches(2));
+  EXPECT_EQ(tables->sent[0].offsets[0], 0);
+}
+
+TEST(PlaceMicroBatches, RefusesRanksFixedShapesAndMessagesByName) {
+  const std::vector<MeasuredRow> rows = {{{5, 3}}, {{7}}, {{1, 1, 1}}, {{16}}};
+  const at::Tensor x = at::zeros({4, 20, 3}, at::kFloat);
+  const std::vector<TensorView> inputs = {AsView(x)};
+  LayoutOptions layout;
+  const PackSizes sizes = PackSizes::Of(inputs, layout, {});
+  const v1::PlanResponse plan = HandPlan();
+  auto place = [&](std::vector<int32_t> ranks, const LayoutOptions& l,
+                   int64_t limit) {
+    return PlaceMicroBatches(plan, ranks, 2, rows, l,
+                             PackSizes::Of(inputs, l, {}), inputs, 10, limit)
+        .status();
+  };
+  absl::Status s = place({2}, layout, 1 << 30);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(),
+              HasSubstr("ranks[0] is 2; the plan has ranks 0 .. 1"));
+  s = place({1, 1}, layout, 1 << 30);
+  EXPECT_THAT(s.message(), HasSubstr("ranks[1] repeats rank 1"));
+  // Rank 1's micro-batch is one sequence and rank 0's second is three: a
+  // fixed shape of two sequences holds the first, not the second.
+  LayoutOptions fixed;
+  fixed.fixed.sequences = 2;
+  s = place({1}, fixed, 1 << 30);
+  EXPECT_TRUE(s.ok()) << s;
+  s = place({0}, fixed, 1 << 30);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(),
+              HasSubstr("micro-batch 0 of rank 0: fixed.sequences 2 "
+                        "is less than the 3 sequences"));
+  // 16 float rows of 3 take 192 bytes before any metadata.
+  s = place({1}, layout, 200);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("micro-batch 0 of rank 1 would be about"));
+  EXPECT_THAT(s.message(), HasSubstr("lower plan.max_tokens_per_micro_batch"));
+  (void)sizes;
+}
+
+TEST(PackSizes, SaturatesWhereItsSumsWouldOverflow) {
+  const int64_t top = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(SaturatingAdd(top - 1, 5), top);
+  EXPECT_EQ(SaturatingMul(int64_t{1} << 40, int64_t{1} << 40), top);
+  EXPECT_EQ(SaturatingMul(3, 5), 15);
+  PackSizes sizes;
+  sizes.pad_multiple = (int64_t{1} << 62) + 1;
+  // One token padded to a multiple near int64's end: the multiple itself.
+  EXPECT_EQ(sizes.PaddedRows(1), sizes.pad_multiple);
+  sizes.pad_multiple = top - 1;
+  EXPECT_EQ(sizes.PaddedRows(top - 2), top - 1);
+  EXPECT_EQ(sizes.PaddedRows(top), top);  // two blocks: saturated
+  sizes.pad_multiple = 1;
+  sizes.cp_size = 2;
+  sizes.sp_size = 3;
+  // INT64_MAX / 2 is 3 * 1537228672809129301: shared out without rounding
+  // up, and without a sum that overflows.
+  EXPECT_EQ(sizes.RankRows(top), int64_t{1537228672809129301});
+  EXPECT_EQ(sizes.RankRows(top - 2), int64_t{1537228672809129301});
+  EXPECT_EQ(sizes.RankRows(12), 2);
+  EXPECT_EQ(sizes.RankRows(14), 3);
+}
+
+}  // namespace
+}  // namespace packd
