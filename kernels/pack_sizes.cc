@@ -23,6 +23,21 @@ int64_t PositionBytes(const TensorView& x) {
   return bytes;
 }
 
+int64_t HostGatherBytesPerPosition(const TensorView& mask,
+                                   const TensorView* segment_ids,
+                                   absl::Span<const TensorView> inputs) {
+  int64_t bytes = ItemSize(mask.dtype);
+  if (segment_ids != nullptr) {
+    bytes = SaturatingAdd(bytes, ItemSize(segment_ids->dtype));
+  }
+  for (const TensorView& x : inputs) {
+    if (x.device.kind == DeviceKind::kCpu) {
+      bytes = SaturatingAdd(bytes, PositionBytes(x));
+    }
+  }
+  return bytes;
+}
+
 int64_t ScatterResultBytes(absl::Span<const TensorView> packed,
                            int64_t positions) {
   int64_t bytes = 0;

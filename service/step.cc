@@ -285,15 +285,9 @@ absl::Status TrainingStep::MeasureShared(const PackResult& r,
 
 absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
                                   const std::vector<MeasuredRow>& rows) {
-  // Gathered in host memory per position: the mask and ids always, the
-  // inputs in host memory (device ones are gathered in theirs).
-  int64_t position_bytes = ItemSize(call_.mask.dtype);
-  if (call_.segment_ids.has_value()) {
-    position_bytes += ItemSize(call_.segment_ids->dtype);
-  }
-  for (const TensorView& x : call_.tensors) {
-    if (x.device.kind == DeviceKind::kCpu) position_bytes += PositionBytes(x);
-  }
+  const int64_t position_bytes = HostGatherBytesPerPosition(
+      call_.mask, call_.segment_ids.has_value() ? &*call_.segment_ids : nullptr,
+      call_.tensors);
   PACKD_ASSIGN_OR_RETURN(
       MicroBatchTables tables,
       PlaceMicroBatches(
