@@ -45,6 +45,26 @@ bool AddOutputSlices(
   return true;
 }
 
+// A Pack's or a Scatter's tensors through `encode`: the mask, then each of
+// `tensors` into `field` (inputs or packed), then the segment ids when
+// defined.
+template <typename Encode, typename Request, typename Outgoing>
+absl::Status EncodeTensors(
+    const Encode& encode, const at::Tensor& mask,
+    const std::vector<at::Tensor>& tensors,
+    google::protobuf::RepeatedPtrField<v1::Tensor>* field,
+    const at::Tensor& segment_ids, Request* request, Outgoing* outgoing) {
+  PACKD_RETURN_IF_ERROR(encode(mask, request->mutable_mask(), outgoing));
+  for (const at::Tensor& t : tensors) {
+    PACKD_RETURN_IF_ERROR(encode(t, field->Add(), outgoing));
+  }
+  if (segment_ids.defined()) {
+    PACKD_RETURN_IF_ERROR(
+        encode(segment_ids, request->mutable_segment_ids(), outgoing));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
@@ -318,15 +338,8 @@ absl::Status Client::EncodePack(const std::string& device,
   if (options.mrope.has_value()) {
     EncodeMRope(*options.mrope, request->mutable_mrope());
   }
-  PACKD_RETURN_IF_ERROR(encode(mask, request->mutable_mask(), outgoing));
-  for (const at::Tensor& t : tensors) {
-    PACKD_RETURN_IF_ERROR(encode(t, request->add_inputs(), outgoing));
-  }
-  if (segment_ids.defined()) {
-    PACKD_RETURN_IF_ERROR(
-        encode(segment_ids, request->mutable_segment_ids(), outgoing));
-  }
-  return absl::OkStatus();
+  return EncodeTensors(encode, mask, tensors, request->mutable_inputs(),
+                       segment_ids, request, outgoing);
 }
 
 absl::Status Client::EncodeScatter(
@@ -336,14 +349,9 @@ absl::Status Client::EncodeScatter(
     v1::ScatterRequest* request, Outgoing* outgoing) {
   request->set_device(device);
   PACKD_RETURN_IF_ERROR(EncodeLayout(options.layout, request));
-  PACKD_RETURN_IF_ERROR(encode(mask, request->mutable_mask(), outgoing));
-  for (const at::Tensor& t : packed) {
-    PACKD_RETURN_IF_ERROR(encode(t, request->add_packed(), outgoing));
-  }
-  if (segment_ids.defined()) {
-    PACKD_RETURN_IF_ERROR(
-        encode(segment_ids, request->mutable_segment_ids(), outgoing));
-  }
+  PACKD_RETURN_IF_ERROR(EncodeTensors(encode, mask, packed,
+                                      request->mutable_packed(), segment_ids,
+                                      request, outgoing));
   if (options.tail_shape.has_value()) {
     for (int64_t d : *options.tail_shape) {
       request->mutable_tail_shape()->add_dims(d);

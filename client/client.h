@@ -410,6 +410,22 @@ class Client {
       const std::vector<at::Tensor>& outputs,
       google::protobuf::RepeatedPtrField<v1::RegionSlice>* slices,
       WireMessage* reply);
+  // A Pack or a Scatter of tensors on GPU `index`: its request encoded by
+  // `encode` (EncodePack or EncodeScatter) with the GPU's tensors as slices of
+  // their device regions, then CallOnGpu.
+  template <typename Request, typename Options>
+  using EncodeFn = absl::Status (*)(const std::string&, const Options&,
+                                    const std::vector<at::Tensor>&,
+                                    const at::Tensor&, const at::Tensor&,
+                                    const Encoder&, Request*, Outgoing*);
+  template <typename Request, typename Options>
+  absl::Status EncodeAndCallOnGpu(int index, const char* method,
+                                  EncodeFn<Request, Options> encode,
+                                  const Options& options,
+                                  const std::vector<at::Tensor>& tensors,
+                                  const at::Tensor& mask,
+                                  const std::vector<at::Tensor>& outputs,
+                                  WireMessage* reply);
   // Result memory on GPU `index`, one tensor per `like`: [*lead,
   // *t.shape[tail_from:]]; none at all when one would have no bytes (results
   // then come inline).

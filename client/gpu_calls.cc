@@ -167,6 +167,26 @@ absl::Status Client::CallOnGpu(
   return RawCall(0, method, *outgoing, reply);
 }
 
+template <typename Request, typename Options>
+absl::Status Client::EncodeAndCallOnGpu(int index, const char* method,
+                                        EncodeFn<Request, Options> encode,
+                                        const Options& options,
+                                        const std::vector<at::Tensor>& tensors,
+                                        const at::Tensor& mask,
+                                        const std::vector<at::Tensor>& outputs,
+                                        WireMessage* reply) {
+  PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
+  Wire<Request> request;
+  Outgoing outgoing(&request);
+  PACKD_RETURN_IF_ERROR(
+      encode(absl::StrCat("uuid:", uuid), options, tensors, mask,
+             options.segment_ids.defined() ? options.segment_ids.contiguous()
+                                           : at::Tensor(),
+             GpuEncoder(index), &request.message(), &outgoing));
+  return CallOnGpu(index, method, &outgoing, outputs,
+                   request->mutable_outputs(), reply);
+}
+
 absl::StatusOr<std::vector<at::Tensor>> Client::GpuResults(
     const Tensors& results, const WireMessage& reply,
     const std::vector<at::Tensor>& outputs, int index) {
@@ -250,17 +270,10 @@ absl::StatusOr<PackedBatch> Client::PackOnGpu(
     PACKD_ASSIGN_OR_RETURN(outputs, GpuOutputs(tensors, {rows}, 2, index));
   }
 
-  PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
-  Wire<v1::PackRequest> request;
-  Outgoing outgoing(&request);
-  PACKD_RETURN_IF_ERROR(EncodePack(
-      absl::StrCat("uuid:", uuid), options, tensors, mask,
-      options.segment_ids.defined() ? options.segment_ids.contiguous()
-                                    : at::Tensor(),
-      GpuEncoder(index), &request.message(), &outgoing));
   Wire<v1::PackResponse> reply;
-  PACKD_RETURN_IF_ERROR(CallOnGpu(index, kPackMethod, &outgoing, outputs,
-                                  request->mutable_outputs(), &reply));
+  PACKD_RETURN_IF_ERROR(EncodeAndCallOnGpu<v1::PackRequest>(
+      index, kPackMethod, &Client::EncodePack, options, tensors, mask, outputs,
+      &reply));
   if (room) {
     for (at::Tensor& o : outputs) o = o.narrow(0, 0, reply->total_active());
   }
@@ -310,17 +323,10 @@ absl::StatusOr<std::vector<at::Tensor>> Client::ScatterOnGpu(
         outputs, GpuOutputs(packed, {mask.size(0), mask.size(1)}, 1, index));
   }
 
-  PACKD_ASSIGN_OR_RETURN(std::string uuid, GpuUuid(index));
-  Wire<v1::ScatterRequest> request;
-  Outgoing outgoing(&request);
-  PACKD_RETURN_IF_ERROR(EncodeScatter(
-      absl::StrCat("uuid:", uuid), options, packed, mask,
-      options.segment_ids.defined() ? options.segment_ids.contiguous()
-                                    : at::Tensor(),
-      GpuEncoder(index), &request.message(), &outgoing));
   Wire<v1::ScatterResponse> reply;
-  PACKD_RETURN_IF_ERROR(CallOnGpu(index, kScatterMethod, &outgoing, outputs,
-                                  request->mutable_outputs(), &reply));
+  PACKD_RETURN_IF_ERROR(EncodeAndCallOnGpu<v1::ScatterRequest>(
+      index, kScatterMethod, &Client::EncodeScatter, options, packed, mask,
+      outputs, &reply));
   return GpuResults(reply->dense(), reply, outputs, index);
 }
 
