@@ -102,10 +102,11 @@ def main():
         with packd.Client(address) as client:
             batch = rollout(args.groups, args.members, args.prompt, responses)
             shifts = [(0, -100), (1, 0), (2, 0), (3, 0)]
-            shared = client.pack(inputs_of(batch, dtype), batch.mask, with_position_ids=True,
-                                 shared_prefix=shared_prefix_of(batch), shifts=shifts)
+            shared = client.pack(
+                inputs_of(batch, dtype), batch.mask, with_position_ids=True,
+                layout=packd.Layout(shared_prefix=shared_prefix_of(batch), shifts=shifts))
             plain = client.pack(inputs_of(batch, dtype), batch.mask, with_position_ids=True,
-                                shifts=shifts)
+                                layout=packd.Layout(shifts=shifts))
     model = TinyLM().to(dtype)
     times = {"shared": [], "unshared": []}
     losses = {}

@@ -23,7 +23,7 @@ def main():
     lengths = torch.tensor([int(v) for v in args.lengths.split(",")])
     mask = torch.arange(S)[None, :] < lengths[:, None]
     x = torch.randint(-1000, 1000, (B, S, H), dtype=torch.float32).to(torch.bfloat16)
-    client = packd.Client(args.address, shm_threshold_bytes=0)
+    client = packd.Client(args.address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0))
     result = client.pack(x, mask)
     if not torch.equal(result.packed.view(torch.int16), x[mask].view(torch.int16)):
         raise SystemExit("bench_python_client: the packed result differs from x[mask]")

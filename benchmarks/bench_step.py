@@ -139,7 +139,7 @@ def through_pack(client, batch, ranks, max_tokens):
     for mb in plan.micro_batches:
         rows = torch.tensor(list(mb.samples), dtype=torch.long)
         r = client.pack([t.index_select(0, rows) for t in (tokens, logprobs, advantages)],
-                        mask.index_select(0, rows), shifts=[(0, -100)])
+                        mask.index_select(0, rows), layout=packd.Layout(shifts=[(0, -100)]))
         out.append((rows, r.packed, r.shifted[0]))
     return out
 
@@ -149,7 +149,8 @@ def step(client, batch, ranks, max_tokens, first):
     tokens, logprobs, advantages, mask = batch
     t0 = time.perf_counter()
     s = client.pack_micro_batches([tokens, logprobs, advantages], mask, max_tokens,
-                                  num_ranks=ranks, cost=COST, shifts=[(0, -100)])
+                                  plan=packd.PlanOptions(num_ranks=ranks, cost=COST),
+                                  layout=packd.Layout(shifts=[(0, -100)]))
     out = []
     for mb in s:
         if not out:
@@ -273,9 +274,11 @@ def main():
         for transport, threshold, arena in (("handles", 1, True),
                                             ("handles, results inline", 1, False),
                                             ("inline", 0, False)):
-            with packd.Client(addresses[transport.split(",")[0]],
-                              shm_threshold_bytes=threshold, split_threshold_bytes=0,
-                              step_results_in_shared_memory=arena) as client:
+            with packd.Client(
+                    addresses[transport.split(",")[0]],
+                    connection=packd.ConnectionOptions(split_threshold_bytes=0),
+                    shared_memory=packd.SharedMemoryOptions(threshold_bytes=threshold,
+                                                            step_results=arena)) as client:
                 first = [0.0]
                 check("packd", batch, step(client, batch, args.ranks, args.max_tokens, first))
                 check("(a)", batch, through_pack(client, batch, args.ranks, args.max_tokens))

@@ -83,9 +83,9 @@ def wait_then_train(model, client, batch, ends, max_tokens):
     start = time.monotonic()
     time.sleep(max(ends.values()))  # the last group's end: the batch is whole
     last = time.monotonic()
-    step = client.pack_micro_batches(
-        [batch.tokens, batch.predicts.to(torch.int64)], batch.mask, max_tokens,
-        loss_mask=batch.predicts, with_position_ids=True, shifts=[(0, -100)])
+    step = client.pack_micro_batches([batch.tokens, batch.predicts.to(torch.int64)], batch.mask,
+                                     max_tokens, loss_mask=batch.predicts, with_position_ids=True,
+                                     layout=packd.Layout(shifts=[(0, -100)]))
     for mb in step:
         micro_batch_loss(model, mb.result)
     packd.scale_gradients(model.parameters(), 1, step.plan.global_loss_tokens)

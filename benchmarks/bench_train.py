@@ -123,13 +123,15 @@ def flattened_loss(model, client, batch):
 
 def packd_loss(model, client, batch, shared=False, max_tokens=1 << 20):
     if shared:
-        step = client.pack_micro_batches(
-            [batch.tokens], batch.mask, max_tokens, with_position_ids=True, shifts=[(0, -100)],
-            shared_prefix=packd.SharedPrefix(batch.groups, batch.prompts, (0,)))
+        step = client.pack_micro_batches([batch.tokens], batch.mask, max_tokens,
+                                         with_position_ids=True, layout=packd.Layout(
+                                             shifts=[(0, -100)], shared_prefix=packd.SharedPrefix(
+                                                 batch.groups, batch.prompts, (0, ))))
     else:
         step = client.pack_micro_batches(
             [batch.tokens, batch.predicts.to(torch.int64)], batch.mask, max_tokens,
-            loss_mask=batch.predicts, with_position_ids=True, shifts=[(0, -100)])
+            loss_mask=batch.predicts, with_position_ids=True,
+            layout=packd.Layout(shifts=[(0, -100)]))
     assert step.plan.global_loss_tokens == batch.targets
     total = 0.0
     for mb in step:

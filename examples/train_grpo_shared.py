@@ -136,10 +136,12 @@ def shared_step(model, client, batch, *, num_ranks, max_tokens):
     """One step's gradients from packd's micro-batches of shared streams; returns the step's
     loss (the global token mean)."""
     step = client.pack_micro_batches(
-        [batch.tokens, batch.old_logprobs, batch.advantages, batch.loss_mask.double()],
-        batch.mask, max_tokens, num_ranks=num_ranks, loss_mask=batch.loss_mask,
-        shared_prefix=shared_prefix_of(batch), with_position_ids=True, cost=(DIM, 1),
-        shifts=[(0, 0), (1, 0), (2, 0), (3, 0)])
+        [batch.tokens, batch.old_logprobs, batch.advantages,
+         batch.loss_mask.double()], batch.mask, max_tokens,
+        plan=packd.PlanOptions(num_ranks=num_ranks, cost=(DIM, 1)),
+        layout=packd.Layout(shared_prefix=shared_prefix_of(batch),
+                            shifts=[(0, 0), (1, 0), (2, 0),
+                                    (3, 0)]), loss_mask=batch.loss_mask, with_position_ids=True)
     plan = step.plan
     total = 0.0
     for mb in step:
@@ -162,7 +164,8 @@ def forward_times(model, client, batch, repeats=3):
     """The model's forward pass over the whole batch, shared (the stream) and unshared (the
     same rows packed as they are, every prompt G times): the best of `repeats` each, without
     the packing; and the rows of each."""
-    shared = client.pack(batch.tokens, batch.mask, shared_prefix=shared_prefix_of(batch),
+    shared = client.pack(batch.tokens, batch.mask,
+                         layout=packd.Layout(shared_prefix=shared_prefix_of(batch)),
                          with_position_ids=True)
     plain = client.pack(batch.tokens, batch.mask, with_position_ids=True)
     runs = {

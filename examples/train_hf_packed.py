@@ -51,9 +51,10 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
     loss (the global token mean). per_micro_batch_mean=True divides each micro-batch by its own
     loss tokens instead (the bug)."""
     tokens, mask, segments, loss_mask = batch
-    step = client.pack_micro_batches(
-        [tokens, loss_mask.to(torch.int64)], mask, max_tokens, num_ranks=num_ranks,
-        loss_mask=loss_mask, segment_ids=segments, with_position_ids=True, shifts=[(0, -100)])
+    step = client.pack_micro_batches([tokens, loss_mask.to(torch.int64)], mask, max_tokens,
+                                     plan=packd.PlanOptions(num_ranks=num_ranks),
+                                     layout=packd.Layout(shifts=[(0, -100)]), loss_mask=loss_mask,
+                                     segment_ids=segments, with_position_ids=True)
     plan = step.plan
     total = 0.0
     for mb in step:

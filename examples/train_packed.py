@@ -137,10 +137,10 @@ def packed_step(model, client, batch, *, num_ranks, max_tokens, per_micro_batch_
     instead (the bug)."""
     tokens, mask, segments, loss_mask = batch
     op = packd.RemotePackOp(client)
-    step = client.pack_micro_batches(
-        [tokens, loss_mask.to(torch.int64)], mask, max_tokens, num_ranks=num_ranks,
-        loss_mask=loss_mask, segment_ids=segments, cost=(DIM, 1), with_position_ids=True,
-        shifts=[(0, -100)])
+    step = client.pack_micro_batches([tokens, loss_mask.to(torch.int64)], mask, max_tokens,
+                                     plan=packd.PlanOptions(num_ranks=num_ranks, cost=(DIM, 1)),
+                                     layout=packd.Layout(shifts=[(0, -100)]), loss_mask=loss_mask,
+                                     segment_ids=segments, with_position_ids=True)
     plan = step.plan
     total = 0.0
     for mb in step:
@@ -167,8 +167,8 @@ def streaming_step(model, client, batch, *, num_ranks, max_tokens, per_micro_bat
     rows = [list(range(b, min(b + group, tokens.shape[0])))
             for b in range(0, tokens.shape[0], group)]
     random.Random(seed).shuffle(rows)
-    with client.open_step(max_tokens, num_ranks=num_ranks, layout=layout,
-                          with_position_ids=True, cost=(DIM, 1)) as step:
+    with client.open_step(max_tokens, plan=packd.PlanOptions(num_ranks=num_ranks, cost=(DIM, 1)),
+                          layout=layout, with_position_ids=True) as step:
         streams = [client.receive_step(step.step_id, r, layout=layout, with_position_ids=True,
                                        documents=True) for r in range(num_ranks)]
         received = [[] for _ in range(num_ranks)]

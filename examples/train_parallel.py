@@ -83,10 +83,12 @@ def parallel_step(model, client, batch, hidden, *, mode, size, num_ranks, max_to
         layout = parallel_layout(mode, size, rank, max_tokens, fixed)
         # The step's labels: the next token within each document, -100 at its end.
         labelled = dataclasses.replace(layout, shifts=((0, -100),))
-        steps.append(client.pack_micro_batches(
-            [tokens, loss_mask.to(torch.int64)], mask, max_tokens, num_ranks=num_ranks,
-            loss_mask=loss_mask, segment_ids=segments, cost=(DIM, 1), with_position_ids=True,
-            **labelled.pack_kwargs()))
+        steps.append(
+            client.pack_micro_batches([tokens, loss_mask.to(torch.int64)], mask, max_tokens,
+                                      plan=packd.PlanOptions(num_ranks=num_ranks,
+                                                             cost=(DIM, 1)), loss_mask=loss_mask,
+                                      segment_ids=segments, with_position_ids=True,
+                                      **labelled.pack_kwargs()))
         ops.append(packd.RemotePackOp(client, layout=layout))
     plan = steps[0].plan
     for s in steps[1:]:

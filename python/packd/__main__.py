@@ -12,7 +12,9 @@ from typing import List, Optional, Sequence
 
 import grpc
 
+from packd import _wire
 from packd.client import Client, PackdError, Plan
+from packd.options import ConnectionOptions, TlsOptions, TokenOptions
 
 # grpc.health.v1.Health/Check, encoded by hand (no grpcio-health-checking needed):
 # HealthCheckRequest {string service = 1}, HealthCheckResponse {ServingStatus status = 1}.
@@ -22,44 +24,19 @@ _STATUSES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 def _health_request(service: str) -> bytes:
     data = service.encode()
-    return (b"\x0a" + _varint(len(data)) + data) if data else b""
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
+    return _wire.length_delimited(1, data) if data else b""
 
 
 def _health_status(response: bytes) -> int:
-    """The status field of a HealthCheckResponse (0 when absent)."""
-    i = 0
-    while i < len(response):
-        key, i = _read_varint(response, i)
+    """The status field of a HealthCheckResponse (0 when absent), read by the package's one
+    reader (packd/_wire.py), which refuses a field cut off or running past the end."""
+    reader = _wire.Reader(response, len(response))
+    while reader.at < reader.end:
+        key = reader.varint()
         if key == 0x08:
-            return _read_varint(response, i)[0]
-        if key & 7 == 0:
-            i = _read_varint(response, i)[1]
-        elif key & 7 == 2:
-            n, i = _read_varint(response, i)
-            i += n
-        else:
-            break
+            return reader.varint()
+        reader.skip(key & 7)
     return 0
-
-
-def _read_varint(data: bytes, i: int):
-    shift = value = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, i
 
 
 def _ints(text: str) -> List[int]:
@@ -103,8 +80,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        with Client(args.address, timeout=args.timeout, retries=1, token_file=args.token_file,
-                    tls_ca_file=args.tls_ca_file, connections=1) as client:
+        with Client(args.address, timeout=args.timeout, retries=1,
+                    token=TokenOptions(file=args.token_file),
+                    tls=TlsOptions(ca_file=args.tls_ca_file),
+                    connection=ConnectionOptions(connections=1)) as client:
             if args.command == "info":
                 from google.protobuf import json_format
                 print(json_format.MessageToJson(client.info(), indent=2))

@@ -45,6 +45,11 @@ class Outgoing:
         self.tensors.append((number, outgoing, None))
 
 
+def length_delimited(number, data):
+    """Field `number` of a message, `data` its bytes (a string, bytes or a message)."""
+    return _tag(number, _LEN) + _varint(len(data)) + data
+
+
 def _field_bytes(number, payload):
     """Bytes of a length-delimited field `number` with `payload` bytes."""
     return len(_tag(number, _LEN)) + len(_varint(payload)) + payload
@@ -85,7 +90,9 @@ def serialize(outgoing):
     return b"".join(_pieces(outgoing, []))
 
 
-class _Reader:
+class Reader:
+    """Protobuf's wire format read from buf[0:end], every field's bounds checked."""
+
     def __init__(self, buf, end):
         self.buf, self.at, self.end = buf, 0, end
 
@@ -119,7 +126,7 @@ class _Reader:
 
 def _tensor(buf, start, end, tensor_type):
     """A packd.v1.Tensor header and a torch tensor over its inline bytes (None for a region)."""
-    reader = _Reader(buf, end)
+    reader = Reader(buf, end)
     reader.at = start
     rest, data = [], None
     while reader.at < end:
@@ -178,7 +185,7 @@ def parser(message_type, tensor_type):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 return parse(buf, 0, len(buf))
-        reader = _Reader(buf, end)
+        reader = Reader(buf, end)
         reader.at = start
         rest, tensors, headers = [], {}, []
         while reader.at < reader.end:

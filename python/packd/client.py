@@ -16,8 +16,11 @@ from packd._connection import Connection, Interceptor, PackdError, PackdValueErr
 from packd._gpu import Gpu
 from packd._regions import Regions
 from packd.layout import Layout, MRope, SharedPrefix
+from packd.options import (ConnectionOptions, GpuOptions, PlanOptions, SharedMemoryOptions,
+                           TlsOptions, TokenOptions, same_names, with_deprecated)
 from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, SharedResult,
-                           StepPlan, joined, pack_result, varlen_kwargs)
+                           joined, pack_result, varlen_kwargs)
+from packd.step_plan import StepPlan
 from packd.v1 import pack_service_pb2 as pb
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -32,14 +35,31 @@ __all__ = ["Client", "MRope", "MicroBatch", "PackResult", "PackdError", "PackdVa
            "varlen_kwargs"]
 
 
-def _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed, sp_size,
-            sp_rank, shared_prefix=None, with_token_mask=False, mrope=None):
-    """The Layout of a call's keyword arguments."""
-    return Layout(pad_multiple=pad_multiple, pad_values=pad_values, cp_size=cp_size,
-                  cp_rank=cp_rank, with_seq_idx=with_seq_idx,
-                  shifts=tuple(tuple(s) for s in shifts),
-                  fixed=tuple(fixed) if fixed else None, sp_size=sp_size, sp_rank=sp_rank,
-                  shared_prefix=shared_prefix, with_token_mask=with_token_mask, mrope=mrope)
+# The keywords that the option objects replace, each with its field there.
+_LAYOUT = same_names([f.name for f in dataclasses.fields(Layout)])
+_SCATTER_LAYOUT = same_names(["pad_multiple", "cp_size", "cp_rank", "fixed", "sp_size",
+                              "sp_rank", "shared_prefix"])
+_PLAN = same_names(["num_ranks", "micro_batch_multiple", "cost", "groups", "pipeline_order"])
+_STREAM_PLAN = same_names(["num_ranks", "micro_batch_multiple", "cost"])
+_CLIENT = {
+    "connection": same_names(["max_message_bytes", "load_balancing_policy", "connections",
+                              "split_threshold_bytes", "keep_freed_memory"]),
+    "tls": {"tls_ca_file": "ca_file", "tls_cert_file": "cert_file",
+            "tls_key_file": "key_file", "tls_server_name": "server_name"},
+    "token": {"token_file": "file", "token_env": "env"},
+    "shared_memory": {"shm_threshold_bytes": "threshold_bytes", "shm_key_prefix": "key_prefix",
+                      "lease_seconds": "lease_seconds",
+                      "idle_scratch_segments": "idle_segments",
+                      "step_results_in_shared_memory": "step_results"},
+    "gpu": {"gpu_lease_seconds": "lease_seconds", "device_memory": "device_memory"},
+}
+
+
+def _split(old, *groups):
+    """The deprecated keywords `old`, one dict per group of names, and the rest last."""
+    parts = [{k: v for k, v in old.items() if k in g} for g in groups]
+    known = set().union(*groups)
+    return parts + [{k: v for k, v in old.items() if k not in known}]
 
 
 def _rows(t, rows):
@@ -77,79 +97,73 @@ class Client:
     threads at once each get their own scratch memory, parts and results.
 
     address: "HOST:PORT", "unix:PATH", or "dns:///NAME:PORT" for a headless Kubernetes Service
-    (calls spread over every address the name resolves to). load_balancing_policy: gRPC's
-    policy; None: "round_robin" for dns:/// addresses, gRPC's pick_first otherwise. timeout:
-    seconds per call, all of its attempts together. retries: extra attempts for calls answered
-    UNAVAILABLE (a draining or restarting server) or cancelled by a server going away
-    (CANCELLED: gRPC cancels the calls that reach a server while it shuts down), with
-    exponential backoff from 50 ms to 2 s (the channels reconnect on the same schedule).
-    shm_threshold_bytes: calls whose tensors hold at least this many bytes travel through shared
-    memory when the server is on this node and allows it (0 disables); each call in flight has
-    a segment of its own, and idle_scratch_segments of them are kept for later calls.
-    step_results_in_shared_memory: pack_micro_batches asks the server to write its results
-    into an arena after the batch in the call's segment, as large as the last step's results
-    (docs/design.md §12), so every step of a shape after the first comes through shared memory,
-    copied out (False: always inline). shm_key_prefix: the server's --shm_key_prefix, under which segments are named.
-    split_threshold_bytes: inline calls at least this large go as parts of the rows, one per
-    connection (`connections` of them), at once (0: never). keep_freed_memory: tune this
-    process's malloc to keep freed memory mapped (see packd._memory), which makes large inline
-    calls several times faster. token_file /
-    token_env: a bearer token for a server with --auth_token_file, from a file's first line or
-    an environment variable (PACKD_TOKEN by default), sent on every call. lease_seconds: the
-    lease of the regions this client registers (its shared-memory segments, CUDA memory): the
-    server drops a region no call has named for that long, so a killed process leaks nothing
-    for longer; the client registers it again, transparently, when a call finds it gone (0: no
-    lease). tls_ca_file: TLS, for a server with --tls_cert_file: the PEM CA certificates that
-    signed its certificate (default: plaintext); tls_cert_file / tls_key_file: this client's
-    certificate and key, for mutual TLS; tls_server_name: the name the server's certificate
-    carries when it is not the address's host (unix sockets: "localhost"). interceptors: gRPC
-    client interceptors applied to every connection (tracing, or faults a test injects).
+    (calls spread over every address the name resolves to). timeout: seconds per call, all of
+    its attempts together. retries: extra attempts for calls answered UNAVAILABLE (a draining
+    or restarting server) or cancelled by a server going away (CANCELLED: gRPC cancels the
+    calls that reach a server while it shuts down), with exponential backoff from 50 ms to 2 s
+    (the channels reconnect on the same schedule). interceptors: gRPC client interceptors
+    applied to every connection (tracing, or faults a test injects).
+
+    The rest come grouped (packd/options.py): connection (packd.ConnectionOptions: message
+    size, load balancing, connections and splitting, malloc tuning), tls (packd.TlsOptions;
+    default: plaintext), token (packd.TokenOptions: a bearer token from a file or the
+    environment, PACKD_TOKEN by default), shared_memory (packd.SharedMemoryOptions: when calls
+    travel through shared memory, the regions' lease, a step's results in shared memory) and
+    gpu (packd.GpuOptions). The flat keywords they replace (tls_ca_file=, shm_threshold_bytes=,
+    ...) still work for a release, with a PackdDeprecationWarning naming the replacement.
 
     GPU tensors stay on their GPU: a call whose tensors are all on one GPU registers the
     allocations holding them as device regions (once each, with the lease, again when the
     server lost them), allocates its results on that GPU and has packd write them there; no
     tensor byte crosses the host, and the results are tensors on that GPU (docs/gpu.md).
-    device_memory: the seam to the GPU runtime (packd._device.DeviceMemory); default: torch's
-    CUDA tensors.
     """
 
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout: float = 60.0,
-                 retries: int = 7, max_message_bytes: int = 1 << 30,
-                 shm_threshold_bytes: int = 4 << 20, shm_key_prefix: str = "/packd",
-                 split_threshold_bytes: int = 16 << 20, keep_freed_memory: bool = True,
-                 token_file: Optional[str] = None, token_env: Optional[str] = "PACKD_TOKEN",
-                 lease_seconds: int = 30, gpu_lease_seconds: int = 10,
-                 tls_ca_file: Optional[str] = None,
-                 tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
-                 tls_server_name: Optional[str] = None,
-                 load_balancing_policy: Optional[str] = None, connections: int = 2,
-                 idle_scratch_segments: int = 4,
-                 step_results_in_shared_memory: bool = True,
-                 interceptors: Sequence[Interceptor] = (),
-                 device_memory: Optional[_device.DeviceMemory] = None) -> None:
+                 retries: int = 7, connection: Optional[ConnectionOptions] = None,
+                 tls: Optional[TlsOptions] = None, token: Optional[TokenOptions] = None,
+                 shared_memory: Optional[SharedMemoryOptions] = None,
+                 gpu: Optional[GpuOptions] = None, interceptors: Sequence[Interceptor] = (),
+                 **deprecated: Any) -> None:
+        old = _split(deprecated, *_CLIENT.values())
+        if old[-1]:
+            raise TypeError("Client() got an unexpected keyword argument %r"
+                            % sorted(old[-1])[0])
+        given = {"connection": connection, "tls": tls, "token": token,
+                 "shared_memory": shared_memory, "gpu": gpu}
+        defaults = {"connection": ConnectionOptions(), "tls": TlsOptions(),
+                    "token": TokenOptions(), "shared_memory": SharedMemoryOptions(),
+                    "gpu": GpuOptions()}
+        chosen = {}
+        for name, part in zip(_CLIENT, old):
+            chosen[name] = with_deprecated("Client", name, given[name], defaults[name], part,
+                                           _CLIENT[name])
+        connection, tls, token = chosen["connection"], chosen["tls"], chosen["token"]
+        shared_memory, gpu = chosen["shared_memory"], chosen["gpu"]
         self.address = address
         self.timeout = timeout
         self.retries = retries
-        self.split_threshold_bytes = split_threshold_bytes
-        if keep_freed_memory:
+        self.split_threshold_bytes = connection.split_threshold_bytes
+        if connection.keep_freed_memory:
             _memory.keep_freed_memory()
         self._connection = Connection(
-            address, timeout=timeout, retries=retries, max_message_bytes=max_message_bytes,
-            token_file=token_file, token_env=token_env, tls_ca_file=tls_ca_file,
-            tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
-            tls_server_name=tls_server_name, load_balancing_policy=load_balancing_policy,
-            connections=connections, interceptors=interceptors)
+            address, timeout=timeout, retries=retries,
+            max_message_bytes=connection.max_message_bytes, token_file=token.file,
+            token_env=token.env, tls_ca_file=tls.ca_file, tls_cert_file=tls.cert_file,
+            tls_key_file=tls.key_file, tls_server_name=tls.server_name,
+            load_balancing_policy=connection.load_balancing_policy,
+            connections=connection.connections, interceptors=interceptors)
         self.load_balancing_policy = self._connection.load_balancing_policy
-        self._regions = Regions(self._connection, shm_threshold_bytes=shm_threshold_bytes,
-                                shm_key_prefix=shm_key_prefix, lease_seconds=lease_seconds,
-                                idle_scratch_segments=idle_scratch_segments)
+        self._regions = Regions(self._connection, shm_threshold_bytes=shared_memory.threshold_bytes,
+                                shm_key_prefix=shared_memory.key_prefix,
+                                lease_seconds=shared_memory.lease_seconds,
+                                idle_scratch_segments=shared_memory.idle_segments)
         self._gpu = Gpu(self._connection, self._regions,
-                        device_memory or _device.TorchCuda(), gpu_lease_seconds)
+                        gpu.device_memory or _device.TorchCuda(), gpu.lease_seconds)
         self.device_memory = self._gpu.memory
         # The last step's output_bytes: the arena the next step asks its results in.
         self._lock = threading.Lock()
         self._step_output_bytes = 0
-        self.step_results_in_shared_memory = step_results_in_shared_memory
+        self.step_results_in_shared_memory = shared_memory.step_results
         # The stub and the retried call, for what the client's parts do not cover.
         self._stub = self._connection.stub
         self._call = self._connection.call
@@ -205,27 +219,23 @@ class Client:
     def pack(self, x_or_tensors: TensorOrList, mask: torch.Tensor,
              with_position_ids: bool = False, cu_seqlens_dtype: torch.dtype = torch.int64,
              device: str = "", segment_ids: Optional[torch.Tensor] = None, *,
-             pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
-             cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
-             shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
-             sp_rank: int = 0, shared_prefix: Optional[SharedPrefix] = None,
-             with_token_mask: bool = False, mrope: Optional[MRope] = None) -> PackResult:
+             layout: Optional[Layout] = None, **deprecated: Any) -> PackResult:
         """Packs each [B, S, *tail] tensor with one scan of the [B, S] mask (nonzero is active):
         packed[i] = tensors[i][mask != 0]. With segment_ids ([B, S], an integer dtype), the
         active tokens of each row are also cut into documents where the id changes: the doc_*
         fields describe them and position_ids restart at each (docs/design.md §8).
 
-        Layouts for parallel attention (packd.Layout, docs/operation.md): pad_multiple,
-        pad_values, cp_size / cp_rank, sp_size / sp_rank (Ulysses), with_seq_idx, shifts
-        ([(input, fill)]: next-token views in `shifted`) and fixed ((tokens, sequences,
-        max_seqlen)). shared_prefix (packd.SharedPrefix): GRPO groups with their prompt once,
-        the result's `shared` their attention metadata and targets (docs/operation.md, "Shared
-        prompts"). with_token_mask: the result's token_mask, 1 for each output row holding a
-        token, 0 for padding and ghosts; mrope (packd.MRope): its mrope_position_ids, [3, rows]
-        (docs/design.md §17). Raises PackdValueError (a ValueError) for malformed input,
-        PackdError for the rest."""
-        layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
-                         sp_size, sp_rank, shared_prefix, with_token_mask, mrope)
+        layout (packd.Layout, docs/operation.md): how the rows are laid out for parallel
+        attention: pad_multiple, pad_values, cp_size / cp_rank, sp_size / sp_rank (Ulysses),
+        with_seq_idx, shifts ([(input, fill)]: next-token views in `shifted`) and fixed
+        ((tokens, sequences, max_seqlen)); shared_prefix (packd.SharedPrefix): GRPO groups with
+        their prompt once, the result's `shared` their attention metadata and targets
+        (docs/operation.md, "Shared prompts"); with_token_mask: the result's token_mask, 1 for
+        each output row holding a token, 0 for padding and ghosts; mrope (packd.MRope): its
+        mrope_position_ids, [3, rows] (docs/design.md §17). The layout's fields as keywords
+        (pad_multiple=8, ...) still work for a release, with a PackdDeprecationWarning. Raises
+        PackdValueError (a ValueError) for malformed input, PackdError for the rest."""
+        layout = with_deprecated("pack", "layout", layout, Layout(), deprecated, _LAYOUT)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         gpu = self._gpu.device_of([("mask", mask), ("segment_ids", segment_ids)]
@@ -251,24 +261,26 @@ class Client:
 
     def scatter(self, packed_or_tensors: TensorOrList, mask: torch.Tensor,
                 tail_shape: Optional[Sequence[int]] = None, device: str = "",
-                segment_ids: Optional[torch.Tensor] = None, *, pad_multiple: int = 0,
-                cp_size: int = 0, cp_rank: int = 0, fixed: Fixed = None, sp_size: int = 0,
-                sp_rank: int = 0, shared_prefix: Optional[SharedPrefix] = None,
-                targets: bool = False) -> TensorOrList:
+                segment_ids: Optional[torch.Tensor] = None, *, layout: Optional[Layout] = None,
+                targets: bool = False, **deprecated: Any) -> TensorOrList:
         """The inverse of pack: each [total_active, *tail] back to [B, S, *tail], zeros at
         inactive positions. tail_shape, when given, must equal every packed[i].shape[1:].
-        With the layout of a Pack (segment_ids, pad_multiple, cp_size / cp_rank, sp_size /
-        sp_rank, fixed), the packed rows are that layout's: pad rows, ghost rows and other CP
-        or SP ranks' positions are dropped (the gradient of that Pack). With shared_prefix, the
-        packed rows are its stream (prompt rows go to each group's first row: the Pack's
-        gradient), or with targets=True one row per target, each put at its token (how
-        per-token outputs such as log-probs come back to [B, S])."""
-        if shared_prefix is not None and targets:
-            shared_prefix = dataclasses.replace(shared_prefix, targets=True)
+        With the segment_ids and layout (packd.Layout) of a Pack, the packed rows are that
+        layout's: pad rows, ghost rows and other CP or SP ranks' positions are dropped (the
+        gradient of that Pack); of the layout, Scatter reads pad_multiple, cp_size / cp_rank,
+        sp_size / sp_rank, fixed and shared_prefix, the fields that place rows (the others say
+        what else that Pack returned). With shared_prefix, the packed rows are its stream
+        (prompt rows go to each group's first row: the Pack's gradient), or with targets=True
+        one row per target, each put at its token (how per-token outputs such as log-probs
+        come back to [B, S]). Scatter's layout fields as keywords still work for a release,
+        with a PackdDeprecationWarning."""
+        layout = with_deprecated("scatter", "layout", layout, Layout(), deprecated,
+                                 _SCATTER_LAYOUT).for_scatter()
+        if layout.shared_prefix is not None and targets:
+            layout = dataclasses.replace(
+                layout, shared_prefix=dataclasses.replace(layout.shared_prefix, targets=True))
         elif targets:
             raise ValueError("targets=True is for a scatter with shared_prefix")
-        layout = _layout(pad_multiple, None, cp_size, cp_rank, False, (), fixed, sp_size,
-                         sp_rank, shared_prefix)
         single = isinstance(packed_or_tensors, torch.Tensor)
         tensors = [packed_or_tensors] if single else list(packed_or_tensors)
         gpu = self._gpu.device_of([("mask", mask), ("segment_ids", segment_ids)]
@@ -357,35 +369,30 @@ class Client:
         return self._call(self._stub.PlanMicroBatches, request)
 
     def pack_micro_batches(self, x_or_tensors: TensorOrList, mask: torch.Tensor,
-                           max_tokens: int, *, num_ranks: int = 1,
-                           ranks: Optional[Sequence[int]] = None, micro_batch_multiple: int = 1,
+                           max_tokens: int, *, plan: Optional[PlanOptions] = None,
+                           layout: Optional[Layout] = None,
+                           ranks: Optional[Sequence[int]] = None,
                            loss_mask: Optional[torch.Tensor] = None,
                            segment_ids: Optional[torch.Tensor] = None,
-                           cost: Optional[Tuple[Number, Number]] = None,
-                           groups: Optional[Sequence[int]] = None, pipeline_order: bool = False,
                            with_position_ids: bool = False,
                            cu_seqlens_dtype: torch.dtype = torch.int64, device: str = "",
-                           pad_multiple: int = 0, pad_values: Optional[Sequence[Number]] = None,
-                           cp_size: int = 0, cp_rank: int = 0, with_seq_idx: bool = False,
-                           shifts: Shifts = (), fixed: Fixed = None, sp_size: int = 0,
-                           sp_rank: int = 0,
-                           shared_prefix: Optional[SharedPrefix] = None,
-                           with_token_mask: bool = False,
-                           mrope: Optional[MRope] = None) -> StepPlan:
+                           **deprecated: Any) -> StepPlan:
         """A training step in one call (docs/design.md §12): the batch's rows planned into
         micro-batches of at most max_tokens tokens over num_ranks data-parallel ranks, each
         micro-batch packed with the layout, from one upload of the batch.
 
-        A row's length for the plan is its rows in the layout (its sequences padded to
-        pad_multiple) on one GPU: divided by cp_size, or by sp_size rounded up, so max_tokens
-        is a per-GPU budget; its cost is cost=(a, b)'s a * P + b * P**2 summed over its
-        sequences (documents, with segment_ids), by default P; its loss tokens are the
-        positions active in both mask and loss_mask ([B, S], default: mask), counted whole
-        (every CP or SP rank gets the same plan and global_loss_tokens). groups= gives
-        rows that must share a micro-batch. ranks= chooses the ranks whose micro-batches are
-        sent (default: all). The layout options, with_position_ids, with_token_mask and mrope
-        (the batch's grids: each micro-batch gets its rows') are Pack's, and `fixed` applies to
-        every micro-batch.
+        plan (packd.PlanOptions): num_ranks, micro_batch_multiple, cost, groups (rows that must
+        share a micro-batch) and pipeline_order. A row's length for the plan is its rows in the
+        layout (its sequences padded to pad_multiple) on one GPU: divided by cp_size, or by
+        sp_size rounded up, so max_tokens is a per-GPU budget; its cost is cost=(a, b)'s
+        a * P + b * P**2 summed over its sequences (documents, with segment_ids), by default P;
+        its loss tokens are the positions active in both mask and loss_mask ([B, S], default:
+        mask), counted whole (every CP or SP rank gets the same plan and global_loss_tokens).
+        ranks= chooses the ranks whose micro-batches are sent (default: all). layout
+        (packd.Layout) and with_position_ids are Pack's (mrope: the batch's grids, each
+        micro-batch gets its rows'), and the layout's `fixed` applies to every micro-batch. The
+        plan's and the layout's fields as keywords still work for a release, with a
+        PackdDeprecationWarning.
 
         Returns a StepPlan: `.plan` at once (global_loss_tokens is the one denominator of the
         summed token loss), then iterate it for MicroBatch(rank, index, samples, result), each
@@ -397,8 +404,10 @@ class Client:
         empty), its length its stream rows and its cost over its segments' queries and keys;
         its loss tokens are its targets active in loss_mask. Raises PackdValueError (a
         ValueError) for malformed input."""
-        layout = _layout(pad_multiple, pad_values, cp_size, cp_rank, with_seq_idx, shifts, fixed,
-                         sp_size, sp_rank, shared_prefix, with_token_mask, mrope)
+        old_plan, old_layout = _split(deprecated, _PLAN)
+        plan = with_deprecated("pack_micro_batches", "plan", plan, PlanOptions(), old_plan, _PLAN)
+        layout = with_deprecated("pack_micro_batches", "layout", layout, Layout(), old_layout,
+                                 _LAYOUT)
         single = isinstance(x_or_tensors, torch.Tensor)
         tensors = [x_or_tensors] if single else list(x_or_tensors)
         named = ([("mask", mask), ("segment_ids", segment_ids), ("loss_mask", loss_mask)]
@@ -406,14 +415,8 @@ class Client:
         gpu = self._gpu.device_of(named)
         if gpu is not None:
             self._gpu.check_device_argument(device, gpu)
-        plan = pb.PlanRequest(max_tokens_per_micro_batch=int(max_tokens), num_ranks=num_ranks,
-                              micro_batch_multiple=micro_batch_multiple,
-                              pipeline_order=bool(pipeline_order))
-        if cost is not None:
-            a, b = cost
-            plan.cost_per_token, plan.cost_per_token_squared = float(a), float(b)
-        if groups is not None:
-            plan.groups.extend(int(v) for v in groups)
+        plan_request = pb.PlanRequest(max_tokens_per_micro_batch=int(max_tokens))
+        plan.to(plan_request)
         nbytes = sum(t.numel() * t.element_size() for _, t in named if t is not None)
         regions = self._regions
         # The results' arena (after the inputs in the call's segment, or on the tensors' GPU):
@@ -425,7 +428,8 @@ class Client:
         scratch = regions.scratch_for(nbytes + arena) if gpu is None else None
 
         def build(encode, on):
-            out = _wire.Outgoing(pb.PackMicroBatchesRequest(plan=plan, ranks=list(ranks or ())))
+            out = _wire.Outgoing(pb.PackMicroBatchesRequest(plan=plan_request,
+                                                            ranks=list(ranks or ())))
             out.add_message(1, _requests.pack_request(encode, on, with_position_ids, layout,
                                                       mask, tensors, segment_ids))
             if loss_mask is not None:
@@ -472,26 +476,31 @@ class Client:
         return StepPlan(call, first[0], lambda: regions.give_back(scratch), options,
                         lambda m, t: regions.decode(m, t, scratch))
 
-    def open_step(self, max_tokens: int, *, num_ranks: int = 1, layout: Optional[Layout] = None,
-                  with_position_ids: bool = False, device: str = "",
-                  cost: Optional[Tuple[Number, Number]] = None, micro_batch_multiple: int = 1,
-                  policy_version: int = 0, max_staleness: int = 0, step_id: str = "",
-                  wave_fill: float = 0.0, reserve: Optional[float] = None,
-                  timeout_seconds: int = 0) -> streaming.StepController:
+    def open_step(self, max_tokens: int, *, plan: Optional[PlanOptions] = None,
+                  layout: Optional[Layout] = None, with_position_ids: bool = False,
+                  device: str = "", policy_version: int = 0, max_staleness: int = 0,
+                  step_id: str = "", wave_fill: float = 0.0, reserve: Optional[float] = None,
+                  timeout_seconds: int = 0, **deprecated: Any) -> streaming.StepController:
         """Opens a streaming step (docs/operation.md, "The streaming step") on this replica and
         returns its StepController: `.step_id`, and `.address`, where submitters and ranks reach
         the replica holding it. Groups are planned as they arrive into micro-batches of at most
-        max_tokens tokens over num_ranks ranks (cost=(a, b) as pack_micro_batches'), packed
+        max_tokens tokens over plan.num_ranks ranks (packd.PlanOptions: num_ranks, cost and
+        micro_batch_multiple, as pack_micro_batches'; groups come whole), packed
         with `layout` (a Layout without cp_rank or sp_rank: each receiver names its own; a
         shared prefix as SharedPrefix((), (), same_inputs): each group brings its prefix
         lengths). A group whose policy version is below policy_version - max_staleness is
         refused. wave_fill (0: 0.9) is how full every rank's micro-batch must be for a wave;
         `reserve` micro-batches per rank are left for the close to balance (default: 1 with
         several ranks, 0 with one). timeout_seconds (0: 3600) bounds the step's life. The step lives while the controller's stream is open."""
+        plan = with_deprecated("open_step", "plan", plan, PlanOptions(), deprecated,
+                               _STREAM_PLAN)
+        if plan.groups is not None or plan.pipeline_order:
+            raise ValueError("open_step: a streaming step plans each group whole as it arrives; "
+                             "PlanOptions.groups and pipeline_order are pack_micro_batches'")
         options = streaming.step_options(
-            max_tokens, num_ranks=num_ranks, layout=layout or Layout(),
-            with_position_ids=with_position_ids, device=device, cost=cost,
-            micro_batch_multiple=micro_batch_multiple, policy_version=policy_version,
+            max_tokens, num_ranks=plan.num_ranks, layout=layout or Layout(),
+            with_position_ids=with_position_ids, device=device, cost=plan.cost,
+            micro_batch_multiple=plan.micro_batch_multiple, policy_version=policy_version,
             max_staleness=max_staleness, step_id=step_id, wave_fill=wave_fill, reserve=reserve,
             timeout_seconds=timeout_seconds)
         return streaming.StepController(self._connection.stub, options, self._step_timeout(),

@@ -27,6 +27,7 @@ sequences while it is open, so that packd_varlen refuses a family through which 
 reaches it instead of attending across documents. `mrope_of()` gives a vision-language batch's packd.MRope, and
 `mrope_position_ids()` a Pack's [4, 1, rows] position ids for the model (packd/_mrope.py)."""
 import contextlib
+import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from packd._mrope import mrope_of, mrope_position_ids
 from packd._varlen import (check_model, declared_sequences, register_varlen_attention,
                            shared_attention_kwargs, varlen_attention)
 from packd.client import Client
+from packd.layout import Layout
 
 __all__ = ["DataCollatorWithFlattening", "mrope_of", "mrope_position_ids", "packed_row",
            "register_varlen_attention", "shared_attention_kwargs", "varlen_attention"]
@@ -139,14 +141,15 @@ class DataCollatorWithFlattening:
         # seq_idx is the layout's: each output row's feature, padding included, so that it
         # never decreases along the batch (Mamba's kernels need that).
         padded = bool(self.pad_multiple or self.cp_size)
-        layout: Dict[str, Any] = {"with_seq_idx": self.return_seq_idx}
+        layout = Layout(with_seq_idx=self.return_seq_idx)
         if padded:
-            layout.update(pad_multiple=self.pad_multiple,
-                          pad_values=[float(self.pad_token_id), float(separator)],
-                          cp_size=self.cp_size, cp_rank=self.cp_rank)
+            layout = dataclasses.replace(
+                layout, pad_multiple=self.pad_multiple,
+                pad_values=[float(self.pad_token_id), float(separator)], cp_size=self.cp_size,
+                cp_rank=self.cp_rank)
         result = _default.resolve(self.client).pack(
             [input_ids, labels], mask, with_position_ids=self.return_position_ids,
-            cu_seqlens_dtype=torch.int32, **layout)
+            cu_seqlens_dtype=torch.int32, layout=layout)
         batch: Dict[str, Any] = {"input_ids": result.packed[0].view(1, -1),
                                  "labels": result.packed[1].view(1, -1)}
         if self.return_position_ids:

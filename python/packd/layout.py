@@ -3,7 +3,7 @@ fields Scatter needs to invert it.
 
     layout = packd.Layout(pad_multiple=8, cp_size=2, cp_rank=rank, shifts=[(1, -100)])
     ulysses = packd.Layout(sp_size=4, sp_rank=rank, shifts=[(1, -100)])   # verl's SP slices
-    r = client.pack([hidden, token_ids], mask, segment_ids=doc_ids, **layout.pack_kwargs())
+    r = client.pack([hidden, token_ids], mask, segment_ids=doc_ids, layout=layout)
     labels = r.shifted[0]                                     # next tokens, -100 at ends
     kw = packd.varlen_kwargs(r, style="te")                   # TransformerEngine THD + CP
     grpo = packd.Layout(shared_prefix=packd.SharedPrefix(group_ids, prompt_lengths, (0,)))
@@ -91,6 +91,20 @@ class Layout:
     with_token_mask: bool = False
     mrope: Optional[MRope] = None
 
+    def __post_init__(self) -> None:
+        # Lists given for shifts or fixed kept as tuples: a Layout is a value.
+        object.__setattr__(self, "shifts", tuple(tuple(s) for s in self.shifts))
+        if self.fixed is not None:
+            object.__setattr__(self, "fixed", tuple(self.fixed))
+
+    def for_scatter(self) -> "Layout":
+        """This layout's fields that place rows, which Scatter reads to invert its Pack
+        (pad_values, shifts, with_seq_idx, with_token_mask and mrope say what else the Pack
+        returned)."""
+        return Layout(pad_multiple=self.pad_multiple, cp_size=self.cp_size,
+                      cp_rank=self.cp_rank, sp_size=self.sp_size, sp_rank=self.sp_rank,
+                      fixed=self.fixed, shared_prefix=self.shared_prefix)
+
     def any(self) -> bool:
         return bool(self.pad_multiple or self.pad_values or self.cp_size or self.cp_rank
                     or self.sp_size or self.sp_rank or self.with_seq_idx or self.shifts
@@ -98,13 +112,12 @@ class Layout:
                     or self.with_token_mask or self.mrope is not None)
 
     def pack_kwargs(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The keywords Pack takes for this layout: {"layout": self}. Pass layout= instead."""
+        return {"layout": self}
 
     def scatter_kwargs(self) -> Dict[str, Any]:
-        """What Scatter takes to invert this layout's Pack."""
-        return {"pad_multiple": self.pad_multiple, "cp_size": self.cp_size,
-                "cp_rank": self.cp_rank, "sp_size": self.sp_size, "sp_rank": self.sp_rank,
-                "fixed": self.fixed, "shared_prefix": self.shared_prefix}
+        """The keywords Scatter takes to invert this layout's Pack: {"layout": ...}."""
+        return {"layout": self.for_scatter()}
 
     def _fixed(self, message: Any) -> None:
         if self.fixed:

@@ -35,8 +35,8 @@ class RemotePackOp:
              with_position_ids: bool = False) -> PackResult:
         result = pack_with_grad(
             self.client, x, mask, segment_ids,
-            pack_kwargs=dict(with_position_ids=with_position_ids, **self.layout.pack_kwargs()),
-            scatter_kwargs=self.layout.scatter_kwargs())
+            pack_kwargs=dict(with_position_ids=with_position_ids, layout=self.layout),
+            scatter_kwargs=dict(layout=self.layout))
         result.packed = result.packed[0]
         return result
 
@@ -49,7 +49,7 @@ class RemotePackOp:
                tail_shape: Optional[Sequence[int]] = None,
                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.client.scatter(packed, mask, tail_shape=tail_shape, segment_ids=segment_ids,
-                                   **self.layout.scatter_kwargs())
+                                   layout=self.layout)
 
     def close(self) -> None:
         self.client.close()

@@ -39,7 +39,7 @@ def address():
 
 @pytest.fixture
 def client(address, gpu):
-    with packd.Client(address, device_memory=gpu) as c:
+    with packd.Client(address, gpu=packd.GpuOptions(device_memory=gpu)) as c:
         yield c
 
 
@@ -113,7 +113,7 @@ def test_each_allocation_is_registered_once(client, gpu):
 
 
 def test_differentiable_pack_forward_and_backward(address, gpu):
-    op = packd.RemotePackOp(packd.Client(address, device_memory=gpu))
+    op = packd.RemotePackOp(packd.Client(address, gpu=packd.GpuOptions(device_memory=gpu)))
     gen = torch.Generator().manual_seed(7)
     x = gpu.put(torch.randn(3, 10, 4, generator=gen), 0).requires_grad_()
     mask = gpu.put(random_mask((3, 10), gen), 0)
@@ -144,7 +144,7 @@ def test_host_tensors_keep_the_host_path(client, gpu):
 
 
 def test_a_lease_that_ran_out_is_registered_again(address, gpu):
-    with packd.Client(address, device_memory=gpu, gpu_lease_seconds=1) as client:
+    with packd.Client(address, gpu=packd.GpuOptions(device_memory=gpu, lease_seconds=1)) as client:
         x, mask = gpu.put(torch.randn(4, 9, 3), 0), gpu.put(random_mask((4, 9)), 0)
         client.pack(x, mask)
         name = client._gpu.allocations[(0, gpu.allocation(x).base)][0]
@@ -223,7 +223,7 @@ def test_a_region_freed_while_a_call_uses_it(gpu):
     every call 1.5 s): the call completes on memory it holds, and the region is gone after."""
     with PackdServer(os.environ["PACKD_TESTING_BINARY"], *SERVER_FLAGS,
                      "--call_delay_ms=1500") as address, \
-            packd.Client(address, device_memory=gpu) as client:
+            packd.Client(address, gpu=packd.GpuOptions(device_memory=gpu)) as client:
         x, mask = gpu.put(torch.randn(2, 16, 4), 0), gpu.put(random_mask((2, 16)), 0)
         want = x[mask].clone()
         client.pack(x, mask)  # registers x's allocation
@@ -239,7 +239,7 @@ def test_a_region_freed_while_a_call_uses_it(gpu):
 
 
 def test_close_unregisters_every_device_region(address, gpu):
-    client = packd.Client(address, device_memory=gpu)
+    client = packd.Client(address, gpu=packd.GpuOptions(device_memory=gpu))
     x, mask = gpu.put(torch.randn(2, 4, 3), 0), gpu.put(random_mask((2, 4)), 0)
     client.pack(x, mask)
     names = {name for name, _ in client._gpu.allocations.values()}
@@ -255,8 +255,9 @@ def test_a_layout_on_the_gpu_equals_the_host_layout(client, gpu):
     x = random_tensor(torch.bfloat16, (3, 20, 4), gen)
     mask = random_mask((3, 20), gen)
     ids = torch.randint(0, 3, (3, 20), generator=gen)
-    kw = dict(with_position_ids=True, pad_multiple=8, cp_size=2, cp_rank=1,
-              with_seq_idx=True, shifts=[(0, 0)], pad_values=[1])
+    kw = dict(with_position_ids=True,
+              layout=packd.Layout(pad_multiple=8, cp_size=2, cp_rank=1, with_seq_idx=True,
+                                  shifts=[(0, 0)], pad_values=[1]))
     g = client.pack(gpu.put(x, 0), gpu.put(mask, 0), segment_ids=gpu.put(ids, 0), **kw)
     h = client.pack(x, mask, segment_ids=ids, **kw)
     assert gpu.device_of(g.packed) == 0 and gpu.device_of(g.shifted[0]) == 0
@@ -264,8 +265,9 @@ def test_a_layout_on_the_gpu_equals_the_host_layout(client, gpu):
     assert g.cu_seqlens_padded.tolist() == h.cu_seqlens_padded.tolist()
     assert g.seq_idx.tolist() == h.seq_idx.tolist()
     back = client.scatter(g.packed, gpu.put(mask, 0), segment_ids=gpu.put(ids, 0),
-                          pad_multiple=8, cp_size=2, cp_rank=1)
-    want = client.scatter(h.packed, mask, segment_ids=ids, pad_multiple=8, cp_size=2, cp_rank=1)
+                          layout=packd.Layout(pad_multiple=8, cp_size=2, cp_rank=1))
+    want = client.scatter(h.packed, mask, segment_ids=ids,
+                          layout=packd.Layout(pad_multiple=8, cp_size=2, cp_rank=1))
     assert gpu.device_of(back) == 0 and same(back, want)
 
 
@@ -283,8 +285,9 @@ def test_shared_prompts_on_the_gpu_equal_the_host_stream(client, gpu):
         tokens[b, :6] = tokens[groups.index(groups[b]), :6]
     shared = packd.SharedPrefix(groups, [6] * B, same_inputs=(0,))
     x = random_tensor(torch.float32, (B, S, 3), gen)
-    kw = dict(with_position_ids=True, with_seq_idx=True, shared_prefix=shared,
-              shifts=[(0, 0), (1, 0)])
+    kw = dict(with_position_ids=True,
+              layout=packd.Layout(with_seq_idx=True, shared_prefix=shared,
+                                  shifts=[(0, 0), (1, 0)]))
     g = client.pack([gpu.put(tokens, 0), gpu.put(x, 0)], gpu.put(mask, 0), **kw)
     h = client.pack([tokens, x], mask, **kw)
     for a, b in zip(g.packed + g.shifted, h.packed + h.shifted):
@@ -295,13 +298,14 @@ def test_shared_prompts_on_the_gpu_equal_the_host_stream(client, gpu):
                  "target_cu_seqlens", "segment_row"):
         assert getattr(g.shared, name).tolist() == getattr(h.shared, name).tolist(), name
     assert gpu.device_of(g.shared.kv_index) == 0
-    back = client.scatter(g.packed[1], gpu.put(mask, 0), shared_prefix=shared)
+    back = client.scatter(g.packed[1], gpu.put(mask, 0), layout=packd.Layout(shared_prefix=shared))
     assert gpu.device_of(back) == 0
-    assert same(back, client.scatter(h.packed[1], mask, shared_prefix=shared))
-    per_target = client.scatter(g.shifted[1], gpu.put(mask, 0), shared_prefix=shared,
-                                targets=True)
-    assert same(per_target, client.scatter(h.shifted[1], mask, shared_prefix=shared,
-                                           targets=True))
+    assert same(back, client.scatter(h.packed[1], mask, layout=packd.Layout(shared_prefix=shared)))
+    per_target = client.scatter(g.shifted[1], gpu.put(mask, 0),
+                                layout=packd.Layout(shared_prefix=shared), targets=True)
+    assert same(
+        per_target,
+        client.scatter(h.shifted[1], mask, layout=packd.Layout(shared_prefix=shared), targets=True))
     # A prompt that differs is the named error, from the device tensors too.
     tokens[2, 3] += 1
     with pytest.raises(ValueError, match=r"inputs\[0\] differs across group 7: row 2's "
@@ -341,7 +345,7 @@ def test_threads_sharing_one_client_on_the_gpu_path(client, gpu):
     assert not failures, failures[:5]
     # A duplicate goes with the next call: one with a layout, whose results come inline, so
     # that no output of the shared tensor's size is registered beside it.
-    client.pack(shared, gpu.put(random_mask((4, 24)), 0), pad_multiple=1)
+    client.pack(shared, gpu.put(random_mask((4, 24)), 0), layout=packd.Layout(pad_multiple=1))
     size = shared.numel() * shared.element_size()
     assert sum(r.byte_size == size for r in regions(client).values()) == 1
 
@@ -406,9 +410,10 @@ def test_a_step_on_the_gpu_equals_the_host_step(client, gpu, layout):
     gen = torch.Generator().manual_seed(sorted(STEP_LAYOUTS).index(layout))
     mask, tokens, x, ids = _step_batch(gen)
     loss_mask = mask & (torch.rand(mask.shape, generator=gen) < 0.8)
-    kw = dict(STEP_LAYOUTS[layout])
-    use_ids = kw.pop("segment_ids", False)
-    kw.update(num_ranks=2, with_position_ids=True, shifts=[(0, -100)])
+    fields = dict(STEP_LAYOUTS[layout])
+    use_ids = fields.pop("segment_ids", False)
+    kw = dict(plan=packd.PlanOptions(num_ranks=2), with_position_ids=True,
+              layout=packd.Layout(shifts=[(0, -100)], **fields))
 
     def run(on_gpu):
         put = (lambda t: gpu.put(t, 0)) if on_gpu else (lambda t: t)
@@ -452,11 +457,14 @@ def test_steps_from_threads_sharing_one_client_on_the_gpu(client, gpu):
     def work(t):
         gen = torch.Generator().manual_seed(200 + t)
         mask, tokens, x, ids = _step_batch(gen)
-        want = _micro_batches(client.pack_micro_batches([tokens, x], mask, 80, num_ranks=2))
+        want = _micro_batches(
+            client.pack_micro_batches([tokens, x], mask, 80, plan=packd.PlanOptions(num_ranks=2)))
         try:
             for _ in range(3):
-                got = _micro_batches(client.pack_micro_batches(
-                    [gpu.put(tokens, 0), gpu.put(x, 0)], gpu.put(mask, 0), 80, num_ranks=2))
+                got = _micro_batches(
+                    client.pack_micro_batches(
+                        [gpu.put(tokens, 0), gpu.put(x, 0)], gpu.put(mask, 0), 80,
+                        plan=packd.PlanOptions(num_ranks=2)))
                 assert sorted(got) == sorted(want)
                 for key, mb in got.items():
                     for a, b in zip(mb.result.packed, want[key].result.packed):

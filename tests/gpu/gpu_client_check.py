@@ -365,9 +365,10 @@ def check_ulysses(gpu, client, x, mask, ids):
                   with_seq_idx=True, shifts=[(0, 0)])
         g = client.pack(x, mask, **kw)
         h = client.pack(gpu.host(x), gpu.host(mask), **dict(kw, segment_ids=gpu.host(ids)))
-        back = client.scatter(g.packed, mask, segment_ids=ids, sp_size=4, sp_rank=rank)
+        back = client.scatter(g.packed, mask, segment_ids=ids,
+                              layout=packd.Layout(sp_size=4, sp_rank=rank))
         back_h = client.scatter(h.packed, gpu.host(mask), segment_ids=gpu.host(ids),
-                                sp_size=4, sp_rank=rank)
+                                layout=packd.Layout(sp_size=4, sp_rank=rank))
         sp_ok &= (same(g.packed, h.packed, name) and same(g.shifted[0], h.shifted[0])
                   and g.position_ids.tolist() == h.position_ids.tolist()
                   and g.cu_seqlens_padded.tolist() == h.cu_seqlens_padded.tolist()
@@ -394,10 +395,12 @@ def check_shared_prompts(gpu, client, x, mask, gen):
     kw = dict(with_position_ids=True, shared_prefix=shared, shifts=[(0, 0), (1, 0)])
     g, packd_ms = timed(gpu, lambda: client.pack([gpu.put(tokens), x], mask, **kw))
     h = client.pack([tokens, gpu.host(x)], host_mask, **kw)
-    back = client.scatter(g.packed[1], mask, shared_prefix=shared)
-    back_h = client.scatter(h.packed[1], host_mask, shared_prefix=shared)
-    per_target = client.scatter(g.shifted[1], mask, shared_prefix=shared, targets=True)
-    per_target_h = client.scatter(h.shifted[1], host_mask, shared_prefix=shared, targets=True)
+    back = client.scatter(g.packed[1], mask, layout=packd.Layout(shared_prefix=shared))
+    back_h = client.scatter(h.packed[1], host_mask, layout=packd.Layout(shared_prefix=shared))
+    per_target = client.scatter(g.shifted[1], mask, layout=packd.Layout(shared_prefix=shared),
+                                targets=True)
+    per_target_h = client.scatter(h.shifted[1], host_mask,
+                                  layout=packd.Layout(shared_prefix=shared), targets=True)
     fields = ("cu_seqlens_q", "cu_seqlens_k", "kv_index", "pred_index", "target_cu_seqlens",
               "segment_row")
     name = "shared prompts (groups of 4)"
@@ -499,10 +502,11 @@ def check_step_device(gpu, client, s):
         out = []
         for mb in plan.micro_batches:
             rows = gpu.put(torch.tensor(list(mb.samples), dtype=torch.long))
-            out.append(client.pack(
-                [gpu.put(d["tokens"][rows]), gpu.put(d["logprobs"][rows])],
-                gpu.put(d["mask"][rows]), segment_ids=gpu.put(d["ids"][rows]),
-                with_position_ids=True, pad_multiple=8, shifts=[(0, -100)]))
+            out.append(
+                client.pack([gpu.put(d["tokens"][rows]),
+                             gpu.put(d["logprobs"][rows])], gpu.put(d["mask"][rows]),
+                            segment_ids=gpu.put(d["ids"][rows]), with_position_ids=True,
+                            layout=packd.Layout(pad_multiple=8, shifts=[(0, -100)])))
         return out
 
     _, pack_ms = timed(gpu, plan_and_pack)
@@ -703,7 +707,8 @@ class Lifecycle:
 
 
 def check_region_lifecycle(gpu, address, gen):
-    with packd.Client(address, gpu_lease_seconds=LEASE_SECONDS, device_memory=gpu.memory) as client:
+    with packd.Client(address, gpu=packd.GpuOptions(lease_seconds=LEASE_SECONDS,
+                                                    device_memory=gpu.memory)) as client:
         life = Lifecycle(gpu, client, gen)
         for stage in (life.register_cuda_tensor, life.freed_and_allocated_again,
                       life.unregister_gpu_regions, life.lease_ran_out, life.new_thread,
@@ -713,7 +718,7 @@ def check_region_lifecycle(gpu, address, gen):
 
 def run_checks(gpu, address):
     gen = torch.Generator().manual_seed(int(os.environ.get("SEED", "1234")))
-    with packd.Client(address, device_memory=gpu.memory) as client:
+    with packd.Client(address, gpu=packd.GpuOptions(device_memory=gpu.memory)) as client:
         check("server lists torch's GPU by UUID", check_server_uuid, gpu, client)
         check("region exported by a child process", check_child_region, gpu, client, gen)
         B, S, H = 8, 2048, 64

@@ -16,5 +16,5 @@ def address():
 @pytest.fixture(scope="module")
 def client(address):
     import packd
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         yield c

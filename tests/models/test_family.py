@@ -240,10 +240,13 @@ def test_packed_step_trains_as_the_padded_batch(client, layout, float64_model):
     steps = []
     for rank in range(ranks[1] if ranks else 1):
         rank_kwargs = dict(kwargs, **({ranks[0]: rank} if ranks else {}))
-        steps.append(client.pack_micro_batches(
-            [batch.ids, where], batch.mask, budget, loss_mask=batch.loss_mask,
-            segment_ids=batch.segments if documents else None, with_position_ids=True,
-            with_seq_idx=True, shifts=[(0, -100)], pad_values=[0, -1], **rank_kwargs))
+        steps.append(
+            client.pack_micro_batches([batch.ids, where], batch.mask, budget,
+                                      loss_mask=batch.loss_mask,
+                                      segment_ids=batch.segments if documents else None,
+                                      with_position_ids=True,
+                                      layout=packd.Layout(with_seq_idx=True, shifts=[(0, -100)],
+                                                          pad_values=[0, -1], **rank_kwargs)))
     assert steps[0].plan.global_loss_tokens == batch.targets, (FAMILY, layout)
     micro_batches = [list(s) for s in steps]
 
@@ -346,11 +349,14 @@ def check_vision_family(client, layout):
     steps = []
     for rank in range(n):
         rank_kwargs = dict(kwargs, **({ranks[0]: rank} if ranks else {}))
-        steps.append(client.pack_micro_batches(
-            [batch.ids, where], batch.mask, budget, loss_mask=batch.loss_mask,
-            segment_ids=batch.segments if documents else None, with_position_ids=True,
-            with_seq_idx=True, mrope=mrope, shifts=[(0, -100)], pad_values=[0, -1],
-            **rank_kwargs))
+        steps.append(
+            client.pack_micro_batches([batch.ids, where], batch.mask, budget,
+                                      loss_mask=batch.loss_mask,
+                                      segment_ids=batch.segments if documents else None,
+                                      with_position_ids=True,
+                                      layout=packd.Layout(with_seq_idx=True, mrope=mrope,
+                                                          shifts=[(0, -100)],
+                                                          pad_values=[0, -1], **rank_kwargs)))
     assert steps[0].plan.global_loss_tokens == batch.targets, (FAMILY, layout)
     got_logits = torch.zeros_like(want_logits)
     got_loss = 0

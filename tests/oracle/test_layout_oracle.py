@@ -349,7 +349,8 @@ def expect_pack(r, case, mask, ids, inputs, o, what):
 
 def run_pack(client, device, case, o, what):
     r = client.pack(case.inputs, case.mask, segment_ids=case.ids, device=device,
-                    with_position_ids=case.with_position_ids, **case.options)
+                    with_position_ids=case.with_position_ids,
+                    layout=packd.Layout(**case.options))
     expect_pack(r, case, case.mask_lists, case.ids_lists, case.inputs, o, what)
 
 
@@ -363,7 +364,7 @@ def run_scatter(client, device, case, o, what, gen):
     for x in case.inputs:
         packed = random_tensor(x.dtype, (len(at),) + tuple(x.shape[2:]), gen)
         dense = client.scatter(packed, case.mask, segment_ids=case.ids, device=device,
-                               **case.options)
+                               layout=packd.Layout(**case.options))
         rows = rows_of(packed.unsqueeze(0))[0]
         width = len(value_bytes(x.dtype, x.shape[2:], 0))
         assert raw(dense) == scatter(rows, at, case.B * case.S, width), what
@@ -372,8 +373,9 @@ def run_scatter(client, device, case, o, what, gen):
 
 def run_step(client, device, case, o, what, rng):
     loss_mask = torch.rand(case.B, case.S) < 0.7
-    kwargs = dict(num_ranks=rng.randint(1, 3), loss_mask=loss_mask, segment_ids=case.ids,
-                  device=device, with_position_ids=case.with_position_ids, **case.options)
+    kwargs = dict(plan=packd.PlanOptions(num_ranks=rng.randint(1, 3)), loss_mask=loss_mask,
+                  segment_ids=case.ids, device=device, with_position_ids=case.with_position_ids,
+                  layout=packd.Layout(**case.options))
     try:
         case_call("step", case, o)
     except Refused:  # what packd must refuse, with any budget
@@ -392,7 +394,7 @@ def run_step(client, device, case, o, what, rng):
     for b, u in enumerate(unit_of):
         units[u] = units.get(u, 0) + lengths[b]
     budget = max(max(units.values()) + rng.randint(0, sum(lengths)), 1)
-    ranks = kwargs["num_ranks"]
+    ranks = kwargs["plan"].num_ranks
     step = client.pack_micro_batches(case.inputs, case.mask, budget, **kwargs)
     plan = step.plan
     assert plan.global_loss_tokens == sum(losses), what
@@ -492,11 +494,13 @@ class OnGpu:
 def connect(address, device):
     """The client of a backend: for gpu_memory, one over fake GPU memory (OnGpu)."""
     if device != "gpu_memory":
-        with packd.Client(address, shm_threshold_bytes=0) as client:
+        with packd.Client(address,
+                          shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as client:
             yield client
         return
     OnGpu._put(None)  # the fake GPU, before the client that uses it
-    with packd.Client(address, shm_threshold_bytes=0, device_memory=_GPU[0]) as client:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0),
+                      gpu=packd.GpuOptions(device_memory=_GPU[0])) as client:
         yield OnGpu(client)
 
 

@@ -19,13 +19,13 @@ from torch_reference import DTYPES, bits, random_tensor, raw, reference_scatter,
 
 @pytest.fixture(scope="module")
 def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def op(address):
-    op = packd.RemotePackOp(address, shm_threshold_bytes=0)
+    op = packd.RemotePackOp(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0))
     yield op
     op.close()
 
@@ -116,7 +116,8 @@ def _losses():
 def test_backward_of_empty_tensors_and_strided_gradients(address, shm):
     """Every combination of empty tensors (no active row, B = 0, S = 0, an empty tail) and
     expanded or non-contiguous gradients: x.grad equals torch's own, bit for bit."""
-    op = packd.RemotePackOp(address, shm_threshold_bytes=1 if shm else 0)
+    op = packd.RemotePackOp(
+        address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=1 if shm else 0))
     try:
         for shape in [(2, 4, 8), (0, 4, 8), (2, 0, 8), (2, 4, 0)]:
             for fill in ("none", "all", "random"):
@@ -177,7 +178,8 @@ def test_a_normal_exit_after_shared_memory_calls_prints_nothing(address):
     script = f"""
 import torch, packd
 for i in range(16):  # a client, and so a segment, per call; the last left open
-    client = packd.Client({address!r}, shm_threshold_bytes=1)
+    client = packd.Client({address!r},
+                          shared_memory=packd.SharedMemoryOptions(threshold_bytes=1))
     x = torch.randn(4, 64, 32)
     mask = torch.rand(4, 64) < 0.5
     assert torch.equal(client.pack(x, mask).packed, x[mask])
@@ -195,7 +197,8 @@ for i in range(16):  # a client, and so a segment, per call; the last left open
 
 def test_shared_memory_and_inline_give_identical_bytes(address, client):
     before = set(glob.glob("/dev/shm/packd_py_*"))
-    with packd.Client(address, shm_threshold_bytes=1) as shm_client:
+    with packd.Client(address,
+                      shared_memory=packd.SharedMemoryOptions(threshold_bytes=1)) as shm_client:
         for dtype in DTYPES:
             mask = torch.rand(6, 128) < 0.4
             x = random_tensor(dtype, (6, 128, 5))
@@ -218,7 +221,8 @@ def test_dns_addresses_default_to_round_robin():
     with PackdServer(os.environ["PACKD_BINARY"], f"--listen=127.0.0.1:{port}"):
         for address, policy in [(f"dns:///127.0.0.1:{port}", "round_robin"),
                                 (f"127.0.0.1:{port}", None)]:
-            with packd.Client(address, shm_threshold_bytes=0) as c:
+            with packd.Client(address,
+                              shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
                 assert c.load_balancing_policy == policy
                 assert c.info().version
 
@@ -321,8 +325,10 @@ def test_documents_and_varlen_kwargs(client):
 def test_split_calls_equal_one_call(address):
     """Large inline calls go as two halves of the rows on two connections: the joined result
     must be the one call's."""
-    split = packd.Client(address, shm_threshold_bytes=0, split_threshold_bytes=1)
-    whole = packd.Client(address, shm_threshold_bytes=0, split_threshold_bytes=0)
+    split = packd.Client(address, connection=packd.ConnectionOptions(split_threshold_bytes=1),
+                         shared_memory=packd.SharedMemoryOptions(threshold_bytes=0))
+    whole = packd.Client(address, connection=packd.ConnectionOptions(split_threshold_bytes=0),
+                         shared_memory=packd.SharedMemoryOptions(threshold_bytes=0))
     for B in (2, 5):
         mask = torch.rand(B, 33) < 0.6
         mask[0] = False
@@ -357,11 +363,12 @@ def test_bearer_token_from_file_or_environment(tmp_path, monkeypatch):
             with pytest.raises(packd.PackdError) as refused:
                 anonymous.pack(x, mask)
             assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
-        with packd.Client(address, token_file=str(tokens)) as client:
+        with packd.Client(address, token=packd.TokenOptions(file=str(tokens))) as client:
             assert torch.equal(client.pack(x, mask).packed, x[mask])
             assert torch.equal(client.scatter(x[mask], mask), x)
         monkeypatch.setenv("PACKD_TOKEN", "py-token")
-        with packd.Client(address, split_threshold_bytes=1) as client:  # both connections
+        with packd.Client(address, connection=packd.ConnectionOptions(
+                split_threshold_bytes=1)) as client:  # both connections
             assert torch.equal(client.pack(x, mask).packed, x[mask])
 
 
@@ -378,7 +385,9 @@ def test_calls_lose_nothing_to_restarts():
     def work():
         # Retries for longer than any restart takes here: the default, about 5 s, covers one on
         # an idle machine, and other tests may run beside.
-        with packd.Client(server.address, shm_threshold_bytes=0, retries=19) as client:
+        with packd.Client(server.address,
+                          shared_memory=packd.SharedMemoryOptions(threshold_bytes=0),
+                          retries=19) as client:
             while not stop.is_set():
                 mask = torch.rand(4, 32) < 0.5
                 x = random_tensor(torch.float32, (4, 32, 8))
@@ -420,7 +429,10 @@ def test_regions_come_back_after_their_lease_and_after_a_restart():
     next call registers it again without the caller doing anything."""
     server = PackdServer(os.environ["PACKD_BINARY"])
     try:
-        with packd.Client(server.address, shm_threshold_bytes=1, lease_seconds=1) as client:
+        with packd.Client(
+                server.address,
+                shared_memory=packd.SharedMemoryOptions(threshold_bytes=1,
+                                                        lease_seconds=1)) as client:
             def regions():
                 return list(client._stub.ListRegions(packd.client.pb.ListRegionsRequest()).regions)
 
@@ -457,22 +469,25 @@ def test_tls_and_mutual_tls(tmp_path):
                      "--tls_key_file=" + cert("server.key"),
                      "--tls_client_ca_file=" + cert("ca.pem"),
                      "--health_listen=unix:{dir}/health.sock") as address:
-        with packd.Client(address, tls_ca_file=cert("ca.pem"), tls_cert_file=cert("client.pem"),
-                          tls_key_file=cert("client.key"), tls_server_name="localhost") as client:
+        with packd.Client(
+                address, tls=packd.TlsOptions(ca_file=cert("ca.pem"), cert_file=cert("client.pem"),
+                                              key_file=cert("client.key"),
+                                              server_name="localhost")) as client:
             assert same(client.pack(x, mask).packed, x[mask])
-        for kwargs in ({}, {"tls_ca_file": cert("ca.pem")},
-                       {"tls_ca_file": cert("other-ca.pem"), "tls_cert_file": cert("client.pem"),
-                        "tls_key_file": cert("client.key")}):
-            with packd.Client(address, tls_server_name="localhost", retries=0, timeout=10,
-                              **kwargs) as client:
+        for kwargs in ({}, {"ca_file": cert("ca.pem")},
+                       {"ca_file": cert("other-ca.pem"), "cert_file": cert("client.pem"),
+                        "key_file": cert("client.key")}):
+            with packd.Client(address, tls=packd.TlsOptions(server_name="localhost", **kwargs),
+                              retries=0, timeout=10) as client:
                 with pytest.raises(packd.PackdError) as refused:
                     client.pack(x, mask)
                 assert refused.value.code == grpc.StatusCode.UNAVAILABLE, kwargs
     with pytest.raises(ValueError):
-        packd.Client("unix:/nowhere", tls_cert_file=cert("client.pem"),
-                     tls_key_file=cert("client.key"))
+        packd.Client(
+            "unix:/nowhere", tls=packd.TlsOptions(cert_file=cert("client.pem"),
+                                                  key_file=cert("client.key")))
     with pytest.raises(packd.PackdError) as unreadable:
-        packd.Client("unix:/nowhere", tls_ca_file=cert("missing.pem"))
+        packd.Client("unix:/nowhere", tls=packd.TlsOptions(ca_file=cert("missing.pem")))
     assert unreadable.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -485,16 +500,20 @@ def test_pack_micro_batches_are_their_rows_packed(address, shm):
     """Every dtype, fresh data, documents, padding and shifted labels: each micro-batch is
     exactly pack() of its rows in plan order (torch's boolean pack without the layout), every
     row comes once, and the plan's loss tokens count both masks."""
-    with packd.Client(address, shm_threshold_bytes=1 if shm else 0) as client:
+    with packd.Client(
+            address,
+            shared_memory=packd.SharedMemoryOptions(threshold_bytes=1 if shm else 0)) as client:
         B, S = 21, 53
         mask = torch.rand(B, S) < 0.7
         segments = torch.randint(0, 3, (B, S)).cumsum(1)
         loss_mask = torch.rand(B, S) < 0.5
         xs = [random_tensor(dtype, (B, S, 2)) for dtype in DTYPES]
         tokens = torch.randint(0, 1000, (B, S))
-        step = client.pack_micro_batches(
-            [tokens] + xs, mask, 96, num_ranks=3, loss_mask=loss_mask, segment_ids=segments,
-            cost=(8, 1), with_position_ids=True, shifts=[(0, -100)])
+        step = client.pack_micro_batches([tokens] + xs, mask, 96,
+                                         plan=packd.PlanOptions(num_ranks=3, cost=(8, 1)),
+                                         layout=packd.Layout(shifts=[(0, -100)]),
+                                         loss_mask=loss_mask, segment_ids=segments,
+                                         with_position_ids=True)
         assert step.plan.global_loss_tokens == int((mask & loss_mask).sum())
         seen = []
         got = list(step)
@@ -509,7 +528,7 @@ def test_pack_micro_batches_are_their_rows_packed(address, shm):
                 assert same(_step_rows(x, mb.samples)[m], packed)
             expected = client.pack([_step_rows(tokens, mb.samples)], m,
                                    segment_ids=_step_rows(segments, mb.samples),
-                                   with_position_ids=True, shifts=[(0, -100)])
+                                   with_position_ids=True, layout=packd.Layout(shifts=[(0, -100)]))
             assert torch.equal(mb.result.packed[0], expected.packed[0])
             assert torch.equal(mb.result.shifted[0], expected.shifted[0])
             assert torch.equal(mb.result.position_ids, expected.position_ids)
@@ -522,13 +541,15 @@ def test_routing_tensors_pack_and_scatter_in_a_step_like_any_input(address):
     """A MoE router's choices, [B, S, layers, top_k] of uint8, int16 and int32, ride a training
     step beside the tokens: each micro-batch's are exactly the rows' active positions, and
     Scatter puts them back where they were (zeros elsewhere), as for any input."""
-    with packd.Client(address, shm_threshold_bytes=0) as client:
+    with packd.Client(address,
+                      shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as client:
         B, S, layers, top_k = 13, 40, 3, 2
         mask = torch.rand(B, S) < 0.6
         tokens = torch.randint(0, 1000, (B, S))
         routes = [torch.randint(0, 127, (B, S, layers, top_k)).to(dtype)
                   for dtype in (torch.uint8, torch.int16, torch.int32)]
-        step = client.pack_micro_batches([tokens] + routes, mask, 64, num_ranks=2)
+        step = client.pack_micro_batches([tokens] + routes, mask, 64,
+                                         plan=packd.PlanOptions(num_ranks=2))
         seen = []
         for mb in step:
             seen += mb.samples
@@ -546,15 +567,18 @@ def test_a_steps_results_come_through_shared_memory_from_its_second_call(address
     results take (output_bytes); the client keeps an arena of that size, so every later step of
     the shape comes through it, with the same bytes, and the arena goes back to the pool; a
     larger batch comes inline once, then through a grown arena."""
-    with packd.Client(address, shm_threshold_bytes=1, idle_scratch_segments=2) as client:
+    with packd.Client(address,
+                      shared_memory=packd.SharedMemoryOptions(threshold_bytes=1,
+                                                              idle_segments=2)) as client:
         B, S = 32, 300
         mask = torch.rand(B, S) < 0.6
         tokens = torch.randint(0, 1000, (B, S))
         x = random_tensor(torch.bfloat16, (B, S, 3))
 
         def step(mask, tokens, x):
-            s = client.pack_micro_batches([tokens, x], mask, 1024, num_ranks=2,
-                                          pad_multiple=8, shifts=[(0, -100)],
+            s = client.pack_micro_batches([tokens, x], mask, 1024,
+                                          plan=packd.PlanOptions(num_ranks=2),
+                                          layout=packd.Layout(pad_multiple=8, shifts=[(0, -100)]),
                                           with_position_ids=True)
             return s, [(mb.samples, [t.clone() for t in mb.result.packed + mb.result.shifted])
                        for mb in s]
@@ -580,9 +604,10 @@ def test_pack_micro_batches_padding_ranks_and_errors(client):
     B, S = 12, 40
     mask = torch.rand(B, S) < 0.8
     tokens = torch.randint(0, 100, (B, S))
-    step = client.pack_micro_batches(tokens, mask, 64, num_ranks=2, ranks=[1],
-                                     micro_batch_multiple=2, pad_multiple=8,
-                                     fixed=(64, 0, 0))
+    step = client.pack_micro_batches(tokens, mask, 64,
+                                     plan=packd.PlanOptions(num_ranks=2, micro_batch_multiple=2),
+                                     layout=packd.Layout(pad_multiple=8,
+                                                         fixed=(64, 0, 0)), ranks=[1])
     got = list(step)
     assert got and all(mb.rank == 1 for mb in got)
     assert len(got) == step.plan.micro_batches_per_rank
@@ -592,10 +617,10 @@ def test_pack_micro_batches_padding_ranks_and_errors(client):
         planned = [p for p in step.plan.micro_batches if p.samples == mb.samples][0]
         assert planned.padded_tokens == sum(
             (int(n) + 7) // 8 * 8 for n in _step_rows(mask, mb.samples).sum(1))
-    for kwargs, needle in [(dict(ranks=[2], num_ranks=2), "ranks[0] is 2"),
+    for kwargs, needle in [(dict(ranks=[2], plan=packd.PlanOptions(num_ranks=2)), "ranks[0] is 2"),
                            (dict(loss_mask=torch.ones(B, S + 1)), "loss_mask.shape"),
-                           (dict(fixed=(16, 0, 0)), "fixed.tokens"),
-                           (dict(cost=(-1.0, 0)), "plan.cost_per_token")]:
+                           (dict(layout=packd.Layout(fixed=(16, 0, 0))), "fixed.tokens"),
+                           (dict(plan=packd.PlanOptions(cost=(-1.0, 0))), "plan.cost_per_token")]:
         with pytest.raises(packd.PackdError) as e:
             list(client.pack_micro_batches(tokens, mask, 64, **kwargs))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -618,12 +643,13 @@ def test_pack_micro_batches_goes_through_the_call_mechanism(tmp_path):
                      "--max_inflight_bytes=4000000") as address:
         mask = torch.ones(64, 1024, dtype=torch.bool)
         x = torch.randn(64, 1024, 8)  # 2 MiB, its micro-batches more than the budget
-        with packd.Client(address, token_file=None, token_env="NO_SUCH_VARIABLE",
-                          shm_threshold_bytes=0) as anonymous:
+        with packd.Client(address, token=packd.TokenOptions(file=None, env="NO_SUCH_VARIABLE"),
+                          shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as anonymous:
             with pytest.raises(packd.PackdError) as refused:
                 anonymous.pack_micro_batches(x, mask, 4096)
             assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
-        with packd.Client(address, token_file=str(tokens), shm_threshold_bytes=0) as client:
+        with packd.Client(address, token=packd.TokenOptions(file=str(tokens)),
+                          shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as client:
             with pytest.raises(packd.PackdError) as refused:
                 client.pack_micro_batches(x, mask, 64 * 1024)
             assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -87,7 +87,7 @@ def test_the_reference_is_flash_attn_itself_where_it_can_be():
 
 @pytest.fixture(scope="module")
 def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         flash_attn.set_client(c)
         yield c
         flash_attn.set_client(None)

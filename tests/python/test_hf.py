@@ -30,7 +30,7 @@ needs_transformers = hf_families.needs_transformers("the PyPI stack's run compar
 
 @pytest.fixture(scope="module")
 def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         yield c
 
 
@@ -210,8 +210,9 @@ def test_pad_multiple_and_cp_use_packds_layout(client):
         ids[i, :n[i]] = torch.tensor(f["input_ids"])
         labels[i, 1:n[i]] = torch.tensor(f["labels"][1:])
         mask[i, :n[i]] = True
-    r = client.pack([ids, labels], mask, pad_multiple=8, pad_values=[3.0, -100.0],
-                    cp_size=2, cp_rank=1, with_position_ids=True, with_seq_idx=True)
+    r = client.pack([ids, labels], mask,
+                    layout=packd.Layout(pad_multiple=8, pad_values=[3.0, -100.0], cp_size=2,
+                                        cp_rank=1, with_seq_idx=True), with_position_ids=True)
     assert got["input_ids"].tolist() == [r.packed[0].tolist()]
     assert got["labels"].tolist() == [r.packed[1].tolist()]
     assert got["seq_idx"].dtype == torch.int32

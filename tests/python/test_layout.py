@@ -17,7 +17,7 @@ from torch_reference import (DTYPES, gathered, random_tensor, reference_layout,
 
 @pytest.fixture
 def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         yield c
 
 
@@ -25,11 +25,12 @@ def test_transformer_engines_worked_case(client):
     """Two sequences of 8, cp 2: rank 0 holds rows 0, 1, 6, 7, 8, 9, 14, 15."""
     mask = torch.ones(2, 8, dtype=torch.bool)
     x = torch.arange(16, dtype=torch.int64).view(2, 8, 1)
-    r0 = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=0, with_position_ids=True)
+    r0 = client.pack(x, mask, layout=packd.Layout(pad_multiple=4, cp_size=2, cp_rank=0),
+                     with_position_ids=True)
     assert r0.packed.flatten().tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
     assert r0.position_ids.tolist() == [0, 1, 6, 7, 0, 1, 6, 7]
     assert r0.cu_seqlens_padded.tolist() == [0, 8, 16] and r0.max_seqlen_padded == 8
-    r1 = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=1)
+    r1 = client.pack(x, mask, layout=packd.Layout(pad_multiple=4, cp_size=2, cp_rank=1))
     assert r1.packed.flatten().tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
 
 
@@ -37,7 +38,8 @@ def test_shifted_labels_stop_at_the_document_boundary(client):
     mask = torch.ones(1, 5, dtype=torch.bool)
     ids = torch.tensor([[7, 7, 7, 9, 9]], dtype=torch.int32)
     tokens = torch.tensor([[10, 11, 12, 20, 21]])
-    r = client.pack(tokens.unsqueeze(2), mask, segment_ids=ids, shifts=[(0, -100)])
+    r = client.pack(tokens.unsqueeze(2), mask, segment_ids=ids,
+                    layout=packd.Layout(shifts=[(0, -100)]))
     assert r.shifted[0].flatten().tolist() == [11, 12, -100, 21, -100]
 
 
@@ -60,8 +62,8 @@ def test_random_layouts_match_the_reference(client, trial):
     rows, shifted, pos, seq_idx, cu = reference_layout(mask, ids, m, cp, rank, tokens)
     pad = 1 if dtype == torch.bool else 5
     r = client.pack([x, tok.unsqueeze(2)], mask, segment_ids=ids, with_position_ids=True,
-                    pad_multiple=m, cp_size=cp, cp_rank=rank, with_seq_idx=True,
-                    pad_values=[pad, -1], shifts=[(1, -100)], fixed=fixed,
+                    layout=packd.Layout(pad_multiple=m, cp_size=cp, cp_rank=rank, with_seq_idx=True,
+                                        pad_values=[pad, -1], shifts=[(1, -100)], fixed=fixed),
                     cu_seqlens_dtype=torch.int32)
     assert same(r.packed[0], gathered(x, rows, pad))
     assert same(r.packed[1], gathered(tok.unsqueeze(2), rows, -1))
@@ -76,7 +78,8 @@ def test_remote_pack_op_backward_through_the_layout_is_torch_autograd(address):
     mask = torch.rand(3, 11, generator=gen) < 0.6
     ids = torch.randint(0, 2, (3, 11), generator=gen)
     layout = packd.Layout(pad_multiple=8, cp_size=2, cp_rank=1)
-    op = packd.RemotePackOp(address, layout=layout, shm_threshold_bytes=0)
+    op = packd.RemotePackOp(address, layout=layout,
+                             shared_memory=packd.SharedMemoryOptions(threshold_bytes=0))
     x = torch.randn(3, 11, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     packed, _ = op(x, mask, segment_ids=ids)
     rows, *_ = reference_layout(mask, ids, 8, 2, 1)
@@ -105,14 +108,16 @@ def test_ulysses_slices_match_the_reference(client, trial):
     u, m = 2 + trial % 3, [0, 1, 4][trial % 3]
     for r in range(u):
         rows, shifted, pos, seq_idx, cu = reference_layout(mask, ids, m, sp=u, sp_rank=r)
-        got = client.pack(tok, mask, segment_ids=ids, pad_multiple=m, sp_size=u, sp_rank=r,
-                          with_position_ids=True, with_seq_idx=True, shifts=[(0, -100)])
+        got = client.pack(
+            tok, mask, segment_ids=ids, layout=packd.Layout(pad_multiple=m, sp_size=u, sp_rank=r,
+                                                            with_seq_idx=True, shifts=[(0, -100)]),
+            with_position_ids=True)
         assert same(got.packed, gathered(tok, rows, 0))
         assert same(got.shifted[0], gathered(tok, shifted, -100))
         assert got.position_ids.tolist() == pos and got.seq_idx.tolist() == seq_idx
         assert got.cu_seqlens_padded.tolist() == cu and cu[-1] % u == 0
-        dense = client.scatter(got.packed, mask, segment_ids=ids, pad_multiple=m, sp_size=u,
-                               sp_rank=r)
+        dense = client.scatter(got.packed, mask, segment_ids=ids,
+                               layout=packd.Layout(pad_multiple=m, sp_size=u, sp_rank=r))
         flat = torch.zeros(B * S, 1, dtype=tok.dtype)
         keep = [p for p in rows if p >= 0]
         flat[keep] = tok.reshape(B * S, 1)[keep]
@@ -146,8 +151,8 @@ def test_megatron_kwargs_are_packed_seq_params_fields(client):
     assert plain.max_seqlen_q == plain.max_seqlen_kv == 5
     # Documents, CP padding and Megatron RL's CUDA-graph shapes: 3 documents padded to 4 in
     # 16 rows (a ghost of 4), the cu arrays N + 1 = 7 entries, zero-length ghosts repeating.
-    r = client.pack(x, mask, segment_ids=ids, pad_multiple=4, cp_size=2, cp_rank=0,
-                    fixed=(16, 6, 16))
+    r = client.pack(x, mask, segment_ids=ids, layout=packd.Layout(pad_multiple=4, cp_size=2,
+                                                                  cp_rank=0, fixed=(16, 6, 16)))
     kw = packd.varlen_kwargs(r, style="megatron")
     p = PackedSeqParams(**kw)
     assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 3, 5, 7, 7, 7, 7]
@@ -162,7 +167,7 @@ def test_megatron_kwargs_are_packed_seq_params_fields(client):
 def test_varlen_kwargs_for_transformer_engine_and_flash_attention(client):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     x = torch.randn(2, 4, 3)
-    r = client.pack(x, mask, pad_multiple=4)
+    r = client.pack(x, mask, layout=packd.Layout(pad_multiple=4))
     te = packd.varlen_kwargs(r, style="te")
     assert te["cu_seqlens_q"].tolist() == [0, 3, 5] and te["cu_seqlens_q"].dtype == torch.int32
     assert te["cu_seqlens_kv_padded"].tolist() == [0, 4, 8]
@@ -192,6 +197,54 @@ def test_every_error_is_invalid_argument_and_the_server_keeps_serving(client, kw
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
     x, tok = torch.randn(2, 4, 3), torch.arange(8).view(2, 4)
     with pytest.raises(packd.PackdError) as e:
-        client.pack([x, tok], mask, **kwargs)
+        client.pack([x, tok], mask, layout=packd.Layout(**kwargs))
     assert isinstance(e.value, ValueError) and message in e.value.details
     assert same(client.pack(x, mask).packed, x[mask])
+
+
+def test_the_old_keywords_warn_name_their_replacement_and_give_the_same_results(client):
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    x, ids = torch.randn(2, 4, 3), torch.tensor([[1, 1, 2, 2], [3, 3, 3, 3]])
+    layout = packd.Layout(pad_multiple=4, shifts=[(0, 0)], with_seq_idx=True)
+    new = client.pack(x, mask, segment_ids=ids, layout=layout)
+    with pytest.warns(packd.PackdDeprecationWarning,
+                      match=r"pack\(pad_multiple=\.\.\., shifts=\.\.\., with_seq_idx=\.\.\.\) "
+                      r"is deprecated: pass layout=packd.Layout\("):
+        old = client.pack(x, mask, segment_ids=ids, pad_multiple=4, shifts=[(0, 0)],
+                          with_seq_idx=True)
+    assert same(old.packed, new.packed) and same(old.shifted[0], new.shifted[0])
+    assert same(old.seq_idx, new.seq_idx)
+    # Scatter reads the fields that place rows; the same Layout inverts its Pack.
+    dense = client.scatter(new.packed, mask, segment_ids=ids, layout=layout)
+    with pytest.warns(packd.PackdDeprecationWarning, match="layout=packd.Layout"):
+        old_dense = client.scatter(new.packed, mask, segment_ids=ids, pad_multiple=4)
+    assert same(dense, old_dense) and same(dense[mask], x[mask])
+    plan = packd.PlanOptions(num_ranks=2, cost=(1, 0))
+    with pytest.warns(packd.PackdDeprecationWarning, match=r"plan=packd.PlanOptions\("):
+        old_step = client.pack_micro_batches(x, mask, 8, num_ranks=2, cost=(1, 0),
+                                             layout=packd.Layout(pad_multiple=4))
+    new_step = client.pack_micro_batches(x, mask, 8, plan=plan,
+                                         layout=packd.Layout(pad_multiple=4))
+    assert old_step.plan == new_step.plan
+    assert [same(a.result.packed, b.result.packed) for a, b in zip(old_step, new_step)] == [
+        True] * len(new_step.plan.micro_batches)
+
+
+def test_the_old_keywords_beside_their_object_or_unknown_ones_are_refused(address):
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    with packd.Client(address) as client:
+        with pytest.raises(ValueError, match="give layout= or the keywords pad_multiple"):
+            client.pack(torch.ones(1, 2), mask, layout=packd.Layout(), pad_multiple=2)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'pad_multipel'"):
+            client.pack(torch.ones(1, 2), mask, pad_multipel=2)
+        with pytest.raises(TypeError, match="'with_seq_idx'"):
+            client.scatter(torch.ones(2), mask, with_seq_idx=True)
+        with pytest.raises(ValueError, match="groups and pipeline_order"):
+            client.open_step(8, plan=packd.PlanOptions(groups=[0]))
+    with pytest.warns(packd.PackdDeprecationWarning,
+                      match=r"shared_memory=packd.SharedMemoryOptions\(threshold_bytes=\.\.\.\)"):
+        packd.Client(address, shm_threshold_bytes=0).close()
+    with pytest.raises(ValueError, match="give tls= or the keywords tls_ca_file"):
+        packd.Client(address, tls=packd.TlsOptions(), tls_ca_file="ca.pem")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shm_threshold'"):
+        packd.Client(address, shm_threshold=0)

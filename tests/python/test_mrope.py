@@ -32,7 +32,7 @@ IMAGE, VIDEO, START, END = 151655, 151656, 151652, 151653
 
 @pytest.fixture(scope="module")
 def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         yield c
 
 
@@ -140,7 +140,8 @@ def test_equals_get_rope_index(client, family, trial):
 
 def check_batch(client, family, model, config, ids, mask, segments, documents):
     mrope = mrope_of_batch(config, ids, mask, documents, family)
-    r = client.pack([ids], mask, with_position_ids=True, segment_ids=segments, mrope=mrope)
+    r = client.pack([ids], mask, with_position_ids=True, segment_ids=segments,
+                    layout=packd.Layout(mrope=mrope))
     expected = torch.cat([d.reference(model, family) for d in documents], dim=1)
     got = r.mrope_position_ids
     assert got.shape == expected.shape
@@ -170,7 +171,8 @@ def test_layouts_keep_each_tokens_positions(client, family, layout):
     mrope = mrope_of_batch(config, ids, mask, documents, family)
     where = torch.arange(mask.numel()).view(mask.shape)  # each position's flat index
     r = client.pack([ids, where], mask, with_position_ids=True, segment_ids=segments,
-                    mrope=mrope, with_token_mask=True, pad_values=[0, -1], **layout)
+                    layout=packd.Layout(mrope=mrope, with_token_mask=True, pad_values=[0, -1],
+                                        **layout))
     expected = torch.cat([d.reference(model, family) for d in documents], dim=1)
     dense = torch.full([mask.numel()], -1)
     dense[mask.view(-1)] = torch.arange(int(mask.sum()))
@@ -220,17 +222,18 @@ def test_bad_grids_are_refused_naming_grid_and_row(client, case, message):
                             tokens_per_second=1e300 if case == "inf_spacing" else 1e16,
                             seconds_per_grid=[1.0])
     with pytest.raises(packd.PackdValueError, match=re.escape(message)):
-        client.pack([ids], mask, mrope=mrope)
+        client.pack([ids], mask, layout=packd.Layout(mrope=mrope))
     # The server keeps serving: the same batch with a matching grid packs.
     good = packd.MRope(image_token_id=9, video_token_id=10, grids=[(1, 2, 6)])
-    r = client.pack([torch.tensor([[1, 2, 3, 4, 5, 6], [1, 7, 9, 9, 9, 5]])], mask, mrope=good)
+    r = client.pack([torch.tensor([[1, 2, 3, 4, 5, 6], [1, 7, 9, 9, 9, 5]])], mask,
+                    layout=packd.Layout(mrope=good))
     assert r.mrope_position_ids[:, 6:].tolist() == [[0, 1, 2, 2, 2, 5], [0, 1, 2, 2, 2, 5],
                                                     [0, 1, 2, 3, 4, 5]]
 
 
 def test_token_mask_without_a_layout_is_all_ones_and_scatter_refuses_it(client):
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
-    r = client.pack(torch.randn(2, 3, 4), mask, with_token_mask=True)
+    r = client.pack(torch.randn(2, 3, 4), mask, layout=packd.Layout(with_token_mask=True))
     assert r.token_mask.dtype == torch.uint8 and r.token_mask.tolist() == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="with_token_mask and mrope are Pack's"):
         packd.Layout(with_token_mask=True).to_scatter(packd.v1.pack_service_pb2.ScatterRequest())
@@ -252,8 +255,9 @@ def test_a_step_hands_each_micro_batch_its_rows_grids(client, family, layout):
         where = torch.arange(mask.numel()).view(mask.shape)
         budget = int(mask.sum(1).max()) + 16
         plan = client.pack_micro_batches([ids, where], mask, budget, segment_ids=segments,
-                                         with_position_ids=True, with_token_mask=True,
-                                         mrope=mrope, pad_values=[0, -1], **layout)
+                                         with_position_ids=True,
+                                         layout=packd.Layout(with_token_mask=True, mrope=mrope,
+                                                             pad_values=[0, -1], **layout))
         batches = list(plan)
     of_row, k = [], 0  # each row's documents
     for b in range(ids.shape[0]):
@@ -283,7 +287,8 @@ def test_a_step_names_the_grid_that_does_not_match(client):
     mrope = packd.MRope(image_token_id=9, video_token_id=10, grids=[(1, 2, 4)])
     with pytest.raises(packd.PackdValueError,
                        match=re.escape("batch.mrope.grids[0] (t, h, w) = (1, 2, 4) is")):
-        list(client.pack_micro_batches([ids], mask, 16, mrope=mrope))
-    plan = client.pack_micro_batches([ids], mask, 16, with_token_mask=True, pad_multiple=4)
+        list(client.pack_micro_batches([ids], mask, 16, layout=packd.Layout(mrope=mrope)))
+    plan = client.pack_micro_batches([ids], mask, 16,
+                                     layout=packd.Layout(with_token_mask=True, pad_multiple=4))
     results = [mb.result for mb in plan]
     assert [r.token_mask.tolist() for r in results] == [[1] * 6 + [0, 0] + [1] * 6 + [0, 0]]

@@ -22,7 +22,7 @@ FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
 def _regions(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         return [r.name for r in c._stub.ListRegions(packd.client.pb.ListRegionsRequest()).regions]
 
 
@@ -64,9 +64,10 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
     taken = {"inline": 0, "split": 0, "shm": 0}
     failures = []
     lock = threading.Lock()
-    client = packd.Client(address, shm_threshold_bytes=SHM_BYTES,
-                          split_threshold_bytes=SPLIT_BYTES, connections=3,
-                          idle_scratch_segments=2)
+    client = packd.Client(
+        address, connection=packd.ConnectionOptions(split_threshold_bytes=SPLIT_BYTES,
+                                                    connections=3),
+        shared_memory=packd.SharedMemoryOptions(threshold_bytes=SHM_BYTES, idle_segments=2))
     op = packd.RemotePackOp(client)
     # Plans by cost with groups and padding, made once up front: every thread's
     # plan of the same request is the same (plans are deterministic).
@@ -102,11 +103,13 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                 elif kind == "layout":  # padding, a CP or SP rank, a shift: whole, inline
                     rank = rng.randrange(2)
                     if rng.random() < 0.5:
-                        r = client.pack(x, mask, pad_multiple=4, cp_size=2, cp_rank=rank,
-                                        shifts=[(0, 0)])
+                        r = client.pack(
+                            x, mask, layout=packd.Layout(pad_multiple=4, cp_size=2, cp_rank=rank,
+                                                         shifts=[(0, 0)]))
                         rows, shifted, *_ = reference_layout(mask, None, 4, 2, rank)
                     else:
-                        r = client.pack(x, mask, sp_size=2, sp_rank=rank, shifts=[(0, 0)])
+                        r = client.pack(
+                            x, mask, layout=packd.Layout(sp_size=2, sp_rank=rank, shifts=[(0, 0)]))
                         rows, shifted, *_ = reference_layout(mask, None, sp=2, sp_rank=rank)
                     assert same(gathered(x, rows, 0), r.packed), where
                     assert same(gathered(x, shifted, 0), r.shifted[0]), where
@@ -119,19 +122,21 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                     prompt = {g: rng.randint(0, n) for g, n in shortest.items()}
                     prefix = [prompt[g] for g in groups]
                     shared = packd.SharedPrefix(groups, prefix)
-                    r = client.pack(x, mask, shared_prefix=shared, shifts=[(0, 0)])
+                    r = client.pack(x, mask, layout=packd.Layout(shared_prefix=shared,
+                                                                 shifts=[(0, 0)]))
                     rows, targets = reference_shared(active, groups, prefix)
                     flat = [t for row in targets for t in row]
                     assert same(gathered(x, rows, 0), r.packed), where
                     assert same(gathered(x, flat, 0), r.shifted[0]), where
-                    dense = client.scatter(r.shifted[0], mask, shared_prefix=shared,
-                                           targets=True)
+                    dense = client.scatter(r.shifted[0], mask,
+                                           layout=packd.Layout(shared_prefix=shared), targets=True)
                     want = torch.zeros_like(bits(x)).reshape(-1, *x.shape[2:])
                     want[flat] = bits(x).reshape(-1, *x.shape[2:])[flat]
                     assert same(want.view(x.dtype).reshape(x.shape), dense), where
                 elif kind == "step":  # a streamed step: each micro-batch is its rows packed
-                    step = client.pack_micro_batches(x, mask, rng.randint(8, 64),
-                                                     num_ranks=rng.randint(1, 3))
+                    step = client.pack_micro_batches(
+                        x, mask, rng.randint(8, 64),
+                        plan=packd.PlanOptions(num_ranks=rng.randint(1, 3)))
                     rows_seen = []
                     for mb in step:
                         rows = torch.tensor(mb.samples, dtype=torch.long)
@@ -257,7 +262,8 @@ def test_a_register_call_repeated_after_a_lost_reply_succeeds(address):
     """The server finds the region the first attempt registered and says OK (it said
     ALREADY_EXISTS, and the segment's name was left in /dev/shm); the call goes through it."""
     drop = _DropReplies("/RegisterSystemRegion", 1)
-    with packd.Client(address, shm_threshold_bytes=1, interceptors=[drop]) as client:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=1),
+                      interceptors=[drop]) as client:
         mask = torch.rand(4, 64) < 0.5
         x = random_tensor(torch.float32, (4, 64, 16))
         r = client.pack(x, mask)
@@ -281,7 +287,8 @@ def test_all_attempts_of_a_call_end_within_its_deadline():
 
 
 def test_close_closes_every_connection(address):
-    client = packd.Client(address, shm_threshold_bytes=0, connections=3)
+    client = packd.Client(address, connection=packd.ConnectionOptions(connections=3),
+                          shared_memory=packd.SharedMemoryOptions(threshold_bytes=0))
     assert client.info().version
     client.close()
     for channel in client._connection.channels:

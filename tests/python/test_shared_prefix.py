@@ -14,7 +14,7 @@ from torch_reference import reference_shared
 
 @pytest.fixture
 def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         yield c
 
 
@@ -68,7 +68,7 @@ def test_one_varlen_attention_over_the_stream_is_each_rows_own(client, seed):
         dense[b, :n] = attention(x @ wq, x @ wk, x @ wv)
     # Shared: one stream, its keys gathered by kv_index, as flash_attn_varlen_func takes them.
     shared = packd.SharedPrefix(groups, prefix, same_inputs=(0,))
-    r = client.pack(tokens, mask, shared_prefix=shared, with_position_ids=True)
+    r = client.pack(tokens, mask, layout=packd.Layout(shared_prefix=shared), with_position_ids=True)
     kw = packd.varlen_kwargs(r, style="shared")
     x = embed[r.packed]
     q, k, v = x @ wq, (x @ wk)[kw["kv_index"]], (x @ wv)[kw["kv_index"]]
@@ -84,7 +84,7 @@ def test_one_varlen_attention_over_the_stream_is_each_rows_own(client, seed):
     # Position ids are each token's position in its own row (RoPE as unshared).
     assert torch.equal(r.position_ids, (torch.arange(S).repeat(B))[rows])
     # Stream rows back to the batch: prompts land on each group's first row.
-    back = client.scatter(out, mask, shared_prefix=shared)
+    back = client.scatter(out, mask, layout=packd.Layout(shared_prefix=shared))
     expected = torch.zeros(B * S, 8, dtype=torch.float64)
     expected[rows] = out
     assert torch.equal(back.reshape(B * S, 8), expected)
@@ -97,7 +97,7 @@ def test_flex_attention_mask_from_seq_idx_and_segments_is_the_segments_keys(clie
     groups = ((3, 5), (1, 4), (2, 0), (4, 7), (2, 16))
     tokens, mask, group_ids, prefix = grpo_batch(seed, groups=groups)
     shared = packd.SharedPrefix(group_ids, prefix)
-    r = client.pack(tokens, mask, shared_prefix=shared, with_seq_idx=True,
+    r = client.pack(tokens, mask, layout=packd.Layout(shared_prefix=shared, with_seq_idx=True),
                     with_position_ids=True)
     s = r.shared
     N = r.total_active
@@ -121,7 +121,7 @@ def test_targets_are_predicted_by_pred_index_and_scatter_back(client):
     tokens, mask, groups, prefix = grpo_batch(7)
     B, S = mask.shape
     shared = packd.SharedPrefix(groups, prefix)
-    r = client.pack([tokens], mask, shared_prefix=shared, shifts=[(0, -100)])
+    r = client.pack([tokens], mask, layout=packd.Layout(shared_prefix=shared, shifts=[(0, -100)]))
     rows, targets = stream_rows(mask, groups, prefix)
     flat = [t for row in targets for t in row]
     s = r.shared
@@ -140,7 +140,8 @@ def test_targets_are_predicted_by_pred_index_and_scatter_back(client):
                 groups.index(groups[b]) * S + P - 1)
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
         values = torch.randint(0, 2, (len(flat), 3)).to(dtype)
-        dense = client.scatter(values, mask, shared_prefix=shared, targets=True)
+        dense = client.scatter(values, mask, layout=packd.Layout(shared_prefix=shared),
+                               targets=True)
         expected = torch.zeros(B * S, 3, dtype=dtype)
         expected[flat] = values
         assert dense.dtype == dtype and torch.equal(dense.reshape(B * S, 3), expected)
@@ -171,9 +172,9 @@ def test_pack_micro_batches_keeps_groups_whole(client):
     B, S = mask.shape
     loss_mask = torch.rand(B, S, generator=torch.Generator().manual_seed(1)) < 0.8
     shared = packd.SharedPrefix(groups, prefix, same_inputs=(0,))
-    step = client.pack_micro_batches([tokens], mask, 40, num_ranks=2, loss_mask=loss_mask,
-                                     with_position_ids=True, shared_prefix=shared,
-                                     shifts=[(0, -100)])
+    step = client.pack_micro_batches([tokens], mask, 40, plan=packd.PlanOptions(num_ranks=2),
+                                     layout=packd.Layout(shared_prefix=shared, shifts=[(0, -100)]),
+                                     loss_mask=loss_mask, with_position_ids=True)
     _, targets = stream_rows(mask, groups, prefix)
     flat_loss = loss_mask.reshape(-1)
     assert step.plan.global_loss_tokens == sum(int(flat_loss[t].sum()) for t in targets)
@@ -185,7 +186,7 @@ def test_pack_micro_batches_keeps_groups_whole(client):
             {groups[b] for b in range(B) if b not in rows}), "a group was split"
         sub = packd.SharedPrefix([groups[b] for b in rows], [prefix[b] for b in rows], (0,))
         alone = client.pack([tokens[rows]], mask[rows], with_position_ids=True,
-                            shared_prefix=sub, shifts=[(0, -100)])
+                            layout=packd.Layout(shared_prefix=sub, shifts=[(0, -100)]))
         assert torch.equal(mb.result.packed[0], alone.packed[0])
         assert torch.equal(mb.result.shifted[0], alone.shifted[0])
         assert torch.equal(mb.result.position_ids, alone.position_ids)
@@ -213,17 +214,20 @@ def test_errors_name_the_field_and_change_nothing(client):
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            client.pack(tokens, mask, **kwargs)
+            client.pack(tokens, mask, layout=packd.Layout(**kwargs))
     with pytest.raises(ValueError, match=r"inputs\[0\] differs across group %d: row %d's "
                        r"prompt token 2" % (groups[first], member)):
-        client.pack(bad_prompt, mask, shared_prefix=packd.SharedPrefix(groups, prefix, (0,)))
+        client.pack(bad_prompt, mask,
+                    layout=packd.Layout(shared_prefix=packd.SharedPrefix(groups, prefix, (0, ))))
     with pytest.raises(ValueError, match="the shared stream has"):
-        client.scatter(torch.zeros(3, 2), mask, shared_prefix=packd.SharedPrefix(groups, prefix))
+        client.scatter(torch.zeros(3, 2), mask,
+                       layout=packd.Layout(shared_prefix=packd.SharedPrefix(groups, prefix)))
     with pytest.raises(ValueError, match="targets=True is for a scatter with shared_prefix"):
         client.scatter(torch.zeros(3, 2), mask, targets=True)
     with pytest.raises(ValueError, match="style=\"shared\" is for a pack with shared_prefix"):
         packd.varlen_kwargs(client.pack(tokens, mask), style="shared")
     # The server serves on, and the good call is unchanged by the bad ones before it.
-    r = client.pack(tokens, mask, shared_prefix=packd.SharedPrefix(groups, prefix, (0,)))
+    r = client.pack(tokens, mask,
+                    layout=packd.Layout(shared_prefix=packd.SharedPrefix(groups, prefix, (0, ))))
     rows, _ = stream_rows(mask, groups, prefix)
     assert torch.equal(r.packed, tokens.reshape(-1)[rows])

@@ -44,10 +44,10 @@ def whole_batch_gradients(client, batch, num_ranks, max_tokens):
     token loss backpropagated, the sum divided by the plan's global_loss_tokens."""
     tokens, mask, segments, loss_mask = batch
     model = TinyLM(seed=0).double()
-    step = client.pack_micro_batches(
-        [tokens, loss_mask.to(torch.int64)], mask, max_tokens, num_ranks=num_ranks,
-        loss_mask=loss_mask, segment_ids=segments, cost=(DIM, 1), with_position_ids=True,
-        shifts=[(0, -100)])
+    step = client.pack_micro_batches([tokens, loss_mask.to(torch.int64)], mask, max_tokens,
+                                     plan=packd.PlanOptions(num_ranks=num_ranks, cost=(DIM, 1)),
+                                     layout=packd.Layout(shifts=[(0, -100)]), loss_mask=loss_mask,
+                                     segment_ids=segments, with_position_ids=True)
     for mb in step:
         r = mb.result
         if r.total_active == 0:
@@ -70,8 +70,8 @@ def test_gradients_equal_the_whole_batch_step_in_any_arrival_order(address, orde
         groups = groups_of(batch)
         random.Random(order_seed).shuffle(groups)
         with tempfile.TemporaryDirectory() as tmp, client.open_step(
-                max_tokens, num_ranks=num_ranks, layout=LAYOUT, with_position_ids=True,
-                cost=(DIM, 1)) as step:
+                max_tokens, plan=packd.PlanOptions(num_ranks=num_ranks, cost=(DIM, 1)),
+                layout=LAYOUT, with_position_ids=True) as step:
             outs = [os.path.join(tmp, "rank%d.pt" % r) for r in range(num_ranks)]
             ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "stream_rank.py"),
                                        step.address, step.step_id, str(r), outs[r]])
@@ -131,7 +131,7 @@ def test_each_micro_batch_is_exactly_pack_of_its_rows_and_idle_ranks_get_empty_o
     batch = corpus(seed=3, rows=8, seq=64)
     tokens, mask, segments, loss_mask = batch
     with packd.Client(address) as client:
-        with client.open_step(1 << 20, num_ranks=3, layout=LAYOUT, with_position_ids=True) \
+        with client.open_step(1 << 20, plan=packd.PlanOptions(num_ranks=3), layout=LAYOUT, with_position_ids=True) \
                 as step:
             receivers = [Receiver(client, step.step_id, r, layout=LAYOUT,
                                   with_position_ids=True, documents=True) for r in range(3)]
@@ -153,7 +153,7 @@ def test_each_micro_batch_is_exactly_pack_of_its_rows_and_idle_ranks_get_empty_o
             rows = torch.tensor(mb.samples)
             want = client.pack([tokens[rows], loss_mask[rows].to(torch.int64)], mask[rows],
                                segment_ids=segments[rows], with_position_ids=True,
-                               shifts=[(0, -100)])
+                               layout=packd.Layout(shifts=[(0, -100)]))
             for a, b in zip(mb.result.packed, want.packed):
                 assert torch.equal(a, b)
             assert torch.equal(mb.result.shifted[0], want.shifted[0])
@@ -201,7 +201,7 @@ def test_a_stale_group_is_refused_by_name(address):
 def test_a_rank_that_leaves_ends_the_step_for_every_rank_naming_it(address):
     batch = corpus(seed=6, rows=16, seq=64)
     with packd.Client(address) as client:
-        step = client.open_step(64, num_ranks=2, layout=LAYOUT)
+        step = client.open_step(64, plan=packd.PlanOptions(num_ranks=2), layout=LAYOUT)
         staying = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
         leaving = client.receive_step(step.step_id, 1, layout=LAYOUT, documents=True)
         for rows in groups_of(batch):
@@ -263,7 +263,7 @@ def test_a_second_controller_of_a_live_step_id_is_refused(address):
 
 def test_a_receiver_outside_the_step_or_twice_is_refused(address):
     with packd.Client(address) as client:
-        with client.open_step(1 << 20, num_ranks=2) as step:
+        with client.open_step(1 << 20, plan=packd.PlanOptions(num_ranks=2)) as step:
             outside = Receiver(client, step.step_id, 2)
             outside.join(30)
             assert outside.error.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -331,7 +331,7 @@ def test_a_group_in_shared_memory_is_copied_in_and_packed_as_inline(address):
         (mb,) = receiver.micro_batches
         rows = torch.tensor(mb.samples)
         want = client.pack([tokens[rows], loss_mask[rows].to(torch.int64)], mask[rows],
-                           segment_ids=segments[rows], shifts=[(0, -100)])
+                           segment_ids=segments[rows], layout=packd.Layout(shifts=[(0, -100)]))
         assert torch.equal(mb.result.packed[0], want.packed[0])
         assert torch.equal(mb.result.shifted[0], want.shifted[0])
 

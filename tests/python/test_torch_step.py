@@ -28,9 +28,11 @@ def test_the_torch_step_packs_what_packds_step_packs(address):
     mask, tokens, logprobs, ids, loss_mask = rollout(gen, 48, 300)
     budget, ranks = 2048, 4
     with packd.Client(address) as client:
-        step = client.pack_micro_batches(
-            [tokens, logprobs], mask, budget, num_ranks=ranks, segment_ids=ids,
-            loss_mask=loss_mask, with_position_ids=True, pad_multiple=8, shifts=[(0, -100)])
+        step = client.pack_micro_batches([tokens, logprobs], mask, budget,
+                                         plan=packd.PlanOptions(num_ranks=ranks),
+                                         layout=packd.Layout(pad_multiple=8,
+                                                             shifts=[(0, -100)]), segment_ids=ids,
+                                         loss_mask=loss_mask, with_position_ids=True)
         theirs = {(mb.rank, mb.index): mb for mb in step}
         planned = []
 

@@ -21,7 +21,7 @@ pytestmark = needs_transformers("the PyPI stack's run checks the attention with 
 
 @pytest.fixture(scope="module")
 def client(address):
-    with packd.Client(address, shm_threshold_bytes=0) as c:
+    with packd.Client(address, shared_memory=packd.SharedMemoryOptions(threshold_bytes=0)) as c:
         yield c
 
 
@@ -126,7 +126,8 @@ def test_router_aux_loss_over_the_token_mask_is_the_padded_batchs(client, family
     mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
     want = padded(input_ids=ids, attention_mask=mask.long(), output_router_logits=True)
 
-    r = client.pack(ids, mask, with_position_ids=True, pad_multiple=8, with_token_mask=True)
+    r = client.pack(ids, mask, with_position_ids=True,
+                    layout=packd.Layout(pad_multiple=8, with_token_mask=True))
     assert (r.token_mask == 0).any() and int(r.token_mask.sum()) == sum(lengths)
     got = packed(input_ids=r.packed[None], position_ids=r.position_ids[None],
                  attention_mask=r.token_mask[None].long(), output_router_logits=True)

@@ -171,7 +171,7 @@ def test_ulysses_slices_equal_verls(client, sp, documents):
     for trial in range(8):
         tokens, mask, segments = random_batch(rng, documents, empty=trial == 0)
         stream = client.pack(tokens, mask, segment_ids=segments, with_position_ids=True,
-                             shifts=[(0, -100)])
+                             layout=packd.Layout(shifts=[(0, -100)]))
         ids = stream.packed.view(1, -1)
         positions = stream.position_ids.view(1, -1)
         ends = stream.doc_cu_seqlens if documents else stream.cu_seqlens
@@ -182,7 +182,7 @@ def test_ulysses_slices_equal_verls(client, sp, documents):
             their_ids, their_positions, pad = verl_ulysses(ids, positions, sp, rank)
             their_labels, _, _ = verl_ulysses(rolled, None, sp, rank)
             ours = client.pack(tokens, mask, segment_ids=segments, with_position_ids=True,
-                               sp_size=sp, sp_rank=rank, shifts=[(0, -100)])
+                               layout=packd.Layout(sp_size=sp, sp_rank=rank, shifts=[(0, -100)]))
             where = f"sp {sp}, rank {rank}, mask {mask.int().tolist()}"
             assert torch.equal(ours.packed.view(1, -1), their_ids), where
             assert torch.equal(ours.position_ids.view(1, -1), their_positions), where

@@ -27,3 +27,10 @@ def versions():
 
 def pytest_report_header(config):
     return f"packd stack: Python {sys.version.split()[0]}, {versions()}"
+
+
+def pytest_configure(config):
+    # The tests use the option objects (packd.Layout, packd.PlanOptions, ...): a call that still
+    # passes a deprecated keyword fails, except inside pytest.warns, which the tests of the old
+    # keywords use.
+    config.addinivalue_line("filterwarnings", "error::packd.options.PackdDeprecationWarning")
