@@ -86,9 +86,9 @@ def parallel_step(model, client, batch, hidden, *, mode, size, num_ranks, max_to
         steps.append(
             client.pack_micro_batches([tokens, loss_mask.to(torch.int64)], mask, max_tokens,
                                       plan=packd.PlanOptions(num_ranks=num_ranks,
-                                                             cost=(DIM, 1)), loss_mask=loss_mask,
-                                      segment_ids=segments, with_position_ids=True,
-                                      **labelled.pack_kwargs()))
+                                                             cost=(DIM, 1)),
+                                      layout=labelled, loss_mask=loss_mask,
+                                      segment_ids=segments, with_position_ids=True))
         ops.append(packd.RemotePackOp(client, layout=layout))
     plan = steps[0].plan
     for s in steps[1:]:
