@@ -39,15 +39,6 @@
 
 namespace packd {
 
-// PlanMicroBatches within a server's message limit: plans that could not fit
-// one response of `max_message_bytes` (each micro-batch slot costs at least 8
-// bytes) are RESOURCE_EXHAUSTED saying so; the planner's other errors as they
-// are.
-absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
-                                       absl::Span<const int64_t> loss_tokens,
-                                       PlanOptions options,
-                                       int64_t max_message_bytes);
-
 // Not safe to share while Make runs; once made, PackMicroBatch may be called
 // from several threads at once.
 class TrainingStep {

@@ -134,4 +134,18 @@ absl::StatusOr<MicroBatchTables> PlaceMicroBatches(
   return out;
 }
 
+absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
+                                       absl::Span<const int64_t> loss_tokens,
+                                       PlanOptions options,
+                                       int64_t max_message_bytes) {
+  options.max_micro_batches = MaxEntriesPerMessage(max_message_bytes);
+  absl::StatusOr<Plan> plan = PlanMicroBatches(lengths, loss_tokens, options);
+  if (plan.status().code() == absl::StatusCode::kResourceExhausted) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(plan.status().message(),
+                     " (one response holds no more: --max_message_bytes)"));
+  }
+  return plan;
+}
+
 }  // namespace packd

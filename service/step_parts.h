@@ -1,9 +1,9 @@
 // The parts of a training step (docs/design.md §12) that need neither gRPC nor
-// a device, as functions of plain values: the rows measured for the plan, and
-// the micro-batches' tables (each result's rows, bytes and place in the
-// outputs, from PackSizes). TrainingStep (service/step.h) runs them in order
-// between decoding the batch and packing; the host step and the device pass
-// share them.
+// a device, as functions of plain values: the rows measured for the plan, the
+// plan chosen within the message limit, and the micro-batches' tables (each
+// result's rows, bytes and place in the outputs, from PackSizes). TrainingStep
+// (service/step.h) runs them in order between decoding the batch and packing;
+// the host step and the device pass share them.
 //
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(PackResult counted, Pack({loss_or_mask}, mask, host));
@@ -29,6 +29,15 @@
 #include "planner/planner.h"
 
 namespace packd {
+
+// PlanMicroBatches within a server's message limit: plans that could not fit
+// one response of `max_message_bytes` (each micro-batch slot costs at least 8
+// bytes) are RESOURCE_EXHAUSTED saying so; the planner's other errors as they
+// are.
+absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
+                                       absl::Span<const int64_t> loss_tokens,
+                                       PlanOptions options,
+                                       int64_t max_message_bytes);
 
 // What a step learns of one row of its batch. Plain values.
 struct MeasuredRow {

@@ -22,6 +22,7 @@ namespace packd {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A [B, S] batch: prefix or holed masks, documents of 1 to 12 tokens, a loss
 // mask active at about 80% of the mask's positions.
@@ -222,6 +223,36 @@ TEST(PlaceMicroBatches, RefusesRanksFixedShapesAndMessagesByName) {
   EXPECT_THAT(s.message(), HasSubstr("micro-batch 0 of rank 1 would be about"));
   EXPECT_THAT(s.message(), HasSubstr("lower plan.max_tokens_per_micro_batch"));
   (void)sizes;
+}
+
+// The plan is chosen within one response: a message limit of M bytes holds at
+// most M / 8 micro-batch slots, and a plan that needs more says which flag
+// bounds it; the planner's own errors pass as they are.
+TEST(PlanWithinMessage, BoundsTheSlotsByTheMessageLimit) {
+  const std::vector<int64_t> lengths = {900, 300, 2048, 50, 700, 1200};
+  PlanOptions options;
+  options.max_tokens_per_micro_batch = 2048;
+  options.num_ranks = 2;
+  absl::StatusOr<Plan> fits = PlanWithinMessage(lengths, {}, options, 1 << 20);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  absl::StatusOr<Plan> alone = PlanMicroBatches(lengths, {}, options);
+  ASSERT_TRUE(alone.ok());
+  EXPECT_EQ(fits->micro_batches_per_rank, alone->micro_batches_per_rank);
+  EXPECT_EQ(fits->global_loss_tokens, 5198);
+  const int64_t slots = 2 * fits->micro_batches_per_rank;
+
+  // Exactly the slots the plan needs fit; one byte-slot fewer does not.
+  EXPECT_TRUE(PlanWithinMessage(lengths, {}, options, 8 * slots).ok());
+  absl::StatusOr<Plan> tight =
+      PlanWithinMessage(lengths, {}, options, 8 * slots - 1);
+  EXPECT_EQ(tight.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(tight.status().message(),
+              HasSubstr("(one response holds no more: --max_message_bytes)"));
+
+  options.max_tokens_per_micro_batch = 0;
+  absl::StatusOr<Plan> bad = PlanWithinMessage(lengths, {}, options, 1 << 20);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), Not(HasSubstr("--max_message_bytes")));
 }
 
 TEST(PackSizes, SaturatesWhereItsSumsWouldOverflow) {
