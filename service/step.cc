@@ -1,7 +1,6 @@
 #include "service/step.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -47,33 +46,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     const Tenant& tenant) {
   const absl::Time start = absl::Now();
   const v1::PackMicroBatchesRequest& message = request.message();
-  const v1::PlanRequest& asked = message.plan();
-  auto must_be_empty = [](const char* field) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "plan.", field,
-        " must be empty: packd measures every row of the batch itself"));
-  };
-  if (asked.lengths_size() > 0) return must_be_empty("lengths");
-  if (asked.loss_tokens_size() > 0) return must_be_empty("loss_tokens");
-  if (asked.costs_size() > 0) return must_be_empty("costs");
-  if (asked.pad_multiple() != 0) {
-    return absl::InvalidArgumentError(
-        "plan.pad_multiple must be 0: rows are measured with the batch's own "
-        "layout (batch.pad_multiple)");
-  }
-  for (const auto& [value, field] :
-       {std::pair<double, const char*>{asked.cost_per_token(),
-                                       "cost_per_token"},
-        {asked.cost_per_token_squared(), "cost_per_token_squared"}}) {
-    if (!std::isfinite(value) || value < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "plan.", field, " is ", value, "; it must be finite and >= 0"));
-    }
-  }
-  if (message.batch().outputs_size() > 0) {
-    return absl::InvalidArgumentError(
-        "batch.outputs must be empty: micro-batches come back in the stream");
-  }
+  PACKD_RETURN_IF_ERROR(CheckStepRequest(message));
   auto step = std::unique_ptr<TrainingStep>(
       new TrainingStep(message.batch(), max_message_bytes, tenant));
   PACKD_ASSIGN_OR_RETURN(step->call_,
@@ -96,12 +69,12 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
     return absl::Status(checked.code(),
                         absl::StrCat("batch.", checked.message()));
   }
-  if (layout.shared_prefix.has_value() && asked.groups_size() > 0) {
+  if (layout.shared_prefix.has_value() && message.plan().groups_size() > 0) {
     return absl::InvalidArgumentError(
         "plan.groups must be empty with batch.shared_prefix: its groups are "
         "the planning units");
   }
-  v1::PlanRequest filled = asked;
+  v1::PlanRequest filled = message.plan();
   std::vector<MeasuredRow> rows;
   PACKD_RETURN_IF_ERROR(step->Measure(&filled, &rows));
   step->measured_ = filled;
@@ -115,22 +88,9 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
         step->call_.tensors[i], step->call_.mask,
         absl::StrCat("batch.inputs[", i, "]"), "batch.mask"));
   }
-  // A sample's length is one CP or SP rank's share of its rows, its loss
-  // tokens the whole row's: the planner's bound between them does not hold.
-  PlanOptions options = PlanOptionsOf(filled);
-  options.loss_tokens_within_lengths = false;
-  if (layout.shared_prefix.has_value()) {
-    options.groups = layout.shared_prefix->groups;  // a group is one unit
-  }
-  absl::StatusOr<Plan> planned = PlanWithinMessage(
-      LengthsOf(filled), LossTokensOf(filled), options, max_message_bytes);
-  if (!planned.ok()) {
-    return absl::Status(
-        planned.status().code(),
-        absl::StrCat("planning the batch's rows (each row one sample): ",
-                     planned.status().message()));
-  }
-  EncodePlan(*planned, &step->plan_);
+  PACKD_ASSIGN_OR_RETURN(const Plan planned,
+                         PlanStepRows(filled, layout, max_message_bytes));
+  EncodePlan(planned, &step->plan_);
   PACKD_RETURN_IF_ERROR(
       decoder.CheckSize("plan message", step->plan_.ByteSizeLong()));
   PACKD_RETURN_IF_ERROR(step->Choose(message, rows));

@@ -1,11 +1,13 @@
 #include "service/step_parts.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/layout.h"
+#include "proto/plan_codec.h"
 
 namespace packd {
 
@@ -146,6 +148,56 @@ absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
                      " (one response holds no more: --max_message_bytes)"));
   }
   return plan;
+}
+
+absl::Status CheckStepRequest(const v1::PackMicroBatchesRequest& request) {
+  const v1::PlanRequest& asked = request.plan();
+  auto must_be_empty = [](const char* field) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan.", field,
+        " must be empty: packd measures every row of the batch itself"));
+  };
+  if (asked.lengths_size() > 0) return must_be_empty("lengths");
+  if (asked.loss_tokens_size() > 0) return must_be_empty("loss_tokens");
+  if (asked.costs_size() > 0) return must_be_empty("costs");
+  if (asked.pad_multiple() != 0) {
+    return absl::InvalidArgumentError(
+        "plan.pad_multiple must be 0: rows are measured with the batch's own "
+        "layout (batch.pad_multiple)");
+  }
+  for (const auto& [value, field] :
+       {std::pair<double, const char*>{asked.cost_per_token(),
+                                       "cost_per_token"},
+        {asked.cost_per_token_squared(), "cost_per_token_squared"}}) {
+    if (!std::isfinite(value) || value < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan.", field, " is ", value, "; it must be finite and >= 0"));
+    }
+  }
+  if (request.batch().outputs_size() > 0) {
+    return absl::InvalidArgumentError(
+        "batch.outputs must be empty: micro-batches come back in the stream");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Plan> PlanStepRows(const v1::PlanRequest& measured,
+                                  const LayoutOptions& layout,
+                                  int64_t max_message_bytes) {
+  PlanOptions options = PlanOptionsOf(measured);
+  options.loss_tokens_within_lengths = false;
+  if (layout.shared_prefix.has_value()) {
+    options.groups = layout.shared_prefix->groups;  // a group is one unit
+  }
+  absl::StatusOr<Plan> planned = PlanWithinMessage(
+      LengthsOf(measured), LossTokensOf(measured), options, max_message_bytes);
+  if (!planned.ok()) {
+    return absl::Status(
+        planned.status().code(),
+        absl::StrCat("planning the batch's rows (each row one sample): ",
+                     planned.status().message()));
+  }
+  return planned;
 }
 
 }  // namespace packd

@@ -39,6 +39,24 @@ absl::StatusOr<Plan> PlanWithinMessage(absl::Span<const int64_t> lengths,
                                        PlanOptions options,
                                        int64_t max_message_bytes);
 
+// The fields of a PackMicroBatches request that packd fills or refuses
+// itself, checked before the batch is decoded: INVALID_ARGUMENT naming the
+// field for plan.lengths, plan.loss_tokens or plan.costs given (packd measures
+// every row), plan.pad_multiple (the batch's layout pads), a cost model that is
+// negative or not finite, and batch.outputs (micro-batches come in the
+// stream).
+absl::Status CheckStepRequest(const v1::PackMicroBatchesRequest& request);
+
+// The plan of a batch's measured rows (`measured`: the plan request with every
+// row's length, cost and loss tokens) within the message limit: each row one
+// sample, its loss tokens counted whole while its length is one CP or SP
+// rank's share (so the planner's bound between them is off), a shared
+// prefix's groups its units. Errors are PlanWithinMessage's, saying they come
+// from planning the batch's rows.
+absl::StatusOr<Plan> PlanStepRows(const v1::PlanRequest& measured,
+                                  const LayoutOptions& layout,
+                                  int64_t max_message_bytes);
+
 // What a step learns of one row of its batch. Plain values.
 struct MeasuredRow {
   // Its sequences' real lengths: its documents with segment ids, else itself.

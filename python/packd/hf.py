@@ -28,7 +28,7 @@ reaches it instead of attending across documents. `mrope_of()` gives a vision-la
 `mrope_position_ids()` a Pack's [4, 1, rows] position ids for the model (packd/_mrope.py)."""
 import contextlib
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 

@@ -12,7 +12,7 @@ The keywords these objects replace still work for a release, each with a
 PackdDeprecationWarning naming its replacement."""
 import dataclasses
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from packd.v1 import pack_service_pb2 as pb
 

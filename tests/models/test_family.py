@@ -219,6 +219,30 @@ def seeded(make_batch):
     return seed, padded, packed, batch, (want_logits.detach(), want_loss.detach())
 
 
+def rank_steps(client, batch, documents, fields, ranks, layout):
+    """The batch's step on every CP or SP rank (one rank without them), each micro-batch's
+    inputs the token ids and every row's flat position, labels next tokens: each rank's
+    micro-batches. The budget per GPU (a row's length on one rank is 1 / ranks of it) holds the
+    longest row, padded, and about half the batch: most batches take two micro-batches or
+    more."""
+    where = torch.arange(batch.B * batch.S).view(batch.B, batch.S)
+    n = ranks[1] if ranks else 1
+    longest = int(batch.mask.sum(1).max()) + 3 * 7  # three documents, each padded
+    budget = max(-(-longest // n), int(batch.mask.sum()) // (2 * n))
+    steps = []
+    for rank in range(n):
+        rank_fields = dict(fields, **({ranks[0]: rank} if ranks else {}))
+        steps.append(
+            client.pack_micro_batches([batch.ids, where], batch.mask, budget,
+                                      loss_mask=batch.loss_mask,
+                                      segment_ids=batch.segments if documents else None,
+                                      with_position_ids=True,
+                                      layout=packd.Layout(with_seq_idx=True, shifts=[(0, -100)],
+                                                          pad_values=[0, -1], **rank_fields)))
+    assert steps[0].plan.global_loss_tokens == batch.targets, (FAMILY, layout)
+    return [list(s) for s in steps]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_step_trains_as_the_padded_batch(client, layout, float64_model):
     if FAMILY in VISION_FAMILIES:
@@ -231,24 +255,7 @@ def test_packed_step_trains_as_the_padded_batch(client, layout, float64_model):
     if layout == "shared":
         kwargs = {"shared_prefix": packd.SharedPrefix(batch.groups, batch.prompts, (0,))}
 
-    where = torch.arange(batch.B * batch.S).view(batch.B, batch.S)
-    # A budget per GPU (a row's length on one rank is 1 / ranks of it) that holds the longest
-    # row, padded, and about half the batch: most batches take two micro-batches or more.
-    n = ranks[1] if ranks else 1
-    longest = int(batch.mask.sum(1).max()) + 3 * 7  # three documents, each padded
-    budget = max(-(-longest // n), int(batch.mask.sum()) // (2 * n))
-    steps = []
-    for rank in range(ranks[1] if ranks else 1):
-        rank_kwargs = dict(kwargs, **({ranks[0]: rank} if ranks else {}))
-        steps.append(
-            client.pack_micro_batches([batch.ids, where], batch.mask, budget,
-                                      loss_mask=batch.loss_mask,
-                                      segment_ids=batch.segments if documents else None,
-                                      with_position_ids=True,
-                                      layout=packd.Layout(with_seq_idx=True, shifts=[(0, -100)],
-                                                          pad_values=[0, -1], **rank_kwargs)))
-    assert steps[0].plan.global_loss_tokens == batch.targets, (FAMILY, layout)
-    micro_batches = [list(s) for s in steps]
+    micro_batches = rank_steps(client, batch, documents, kwargs, ranks, layout)
 
     got_logits = torch.zeros_like(want_logits)
     got_loss = 0
@@ -265,7 +272,7 @@ def test_packed_step_trains_as_the_padded_batch(client, layout, float64_model):
             logits = packed(input_ids=ids[None], position_ids=positions[None]).logits[0]
             predicted = logits
         loss = torch.nn.functional.cross_entropy(predicted, labels, ignore_index=-100,
-                                                 reduction="sum") / steps[0].plan.global_loss_tokens
+                                                 reduction="sum") / batch.targets
         loss.backward()
         got_loss = got_loss + loss.detach()
         real = source >= 0
@@ -342,25 +349,11 @@ def check_vision_family(client, layout):
     seed, padded, packed, batch, (want_logits, want_loss) = seeded(
         lambda rng: VisionBatch(rng, documents))
 
-    where = torch.arange(batch.B * batch.S).view(batch.B, batch.S)
     mrope = mrope_of(padded.config, batch.ids, batch.mask, batch.vision["image_grid_thw"])
-    n = ranks[1] if ranks else 1
-    budget = max(-(-(int(batch.mask.sum(1).max()) + 21) // n), int(batch.mask.sum()) // (2 * n))
-    steps = []
-    for rank in range(n):
-        rank_kwargs = dict(kwargs, **({ranks[0]: rank} if ranks else {}))
-        steps.append(
-            client.pack_micro_batches([batch.ids, where], batch.mask, budget,
-                                      loss_mask=batch.loss_mask,
-                                      segment_ids=batch.segments if documents else None,
-                                      with_position_ids=True,
-                                      layout=packd.Layout(with_seq_idx=True, mrope=mrope,
-                                                          shifts=[(0, -100)],
-                                                          pad_values=[0, -1], **rank_kwargs)))
-    assert steps[0].plan.global_loss_tokens == batch.targets, (FAMILY, layout)
+    micro_batches = rank_steps(client, batch, documents, dict(kwargs, mrope=mrope), ranks, layout)
     got_logits = torch.zeros_like(want_logits)
     got_loss = 0
-    for parts in zip(*[list(s) for s in steps]):
+    for parts in zip(*micro_batches):
         results = [mb.result for mb in parts]
         cat = lambda f: torch.cat([f(r) for r in results], dim=-1)
         text = cat(lambda r: r.position_ids)
@@ -371,7 +364,7 @@ def check_vision_family(client, layout):
         logits = packed(input_ids=ids[None], position_ids=positions[:, None],
                         **batch.images_of(parts[0].samples)).logits[0]
         loss = torch.nn.functional.cross_entropy(
-            logits, labels, ignore_index=-100, reduction="sum") / steps[0].plan.global_loss_tokens
+            logits, labels, ignore_index=-100, reduction="sum") / batch.targets
         loss.backward()
         got_loss = got_loss + loss.detach()
         real = source >= 0

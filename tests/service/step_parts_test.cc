@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/layout.h"
 #include "kernels/pack.h"
+#include "proto/plan_codec.h"
 #include "tests/kernels/test_util.h"
 
 namespace packd {
@@ -253,6 +255,80 @@ TEST(PlanWithinMessage, BoundsTheSlotsByTheMessageLimit) {
   absl::StatusOr<Plan> bad = PlanWithinMessage(lengths, {}, options, 1 << 20);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), Not(HasSubstr("--max_message_bytes")));
+}
+
+// Every field packd fills or refuses itself is named, and a request without
+// them passes.
+TEST(CheckStepRequest, NamesEachFieldPackdMeasuresItself) {
+  v1::PackMicroBatchesRequest ok;
+  ok.mutable_plan()->set_max_tokens_per_micro_batch(64);
+  ok.mutable_plan()->set_cost_per_token(24576);
+  ok.mutable_plan()->set_cost_per_token_squared(1);
+  EXPECT_TRUE(CheckStepRequest(ok).ok());
+  const std::vector<
+      std::pair<std::function<void(v1::PackMicroBatchesRequest*)>, const char*>>
+      cases = {
+          {[](auto* r) { r->mutable_plan()->add_lengths(3); },
+           "plan.lengths must be empty"},
+          {[](auto* r) { r->mutable_plan()->add_loss_tokens(3); },
+           "plan.loss_tokens must be empty"},
+          {[](auto* r) { r->mutable_plan()->add_costs(1.5); },
+           "plan.costs must be empty"},
+          {[](auto* r) { r->mutable_plan()->set_pad_multiple(8); },
+           "plan.pad_multiple must be 0"},
+          {[](auto* r) { r->mutable_plan()->set_cost_per_token(-1); },
+           "plan.cost_per_token is -1"},
+          {[](auto* r) {
+             r->mutable_plan()->set_cost_per_token_squared(
+                 std::numeric_limits<double>::infinity());
+           },
+           "plan.cost_per_token_squared is inf"},
+          {[](auto* r) { r->mutable_batch()->add_outputs(); },
+           "batch.outputs must be empty"},
+      };
+  for (const auto& [spoil, message] : cases) {
+    v1::PackMicroBatchesRequest bad = ok;
+    spoil(&bad);
+    const absl::Status s = CheckStepRequest(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_THAT(s.message(), HasSubstr(message));
+  }
+}
+
+// The rows planned as the step plans them: each row a sample whose loss
+// tokens may pass its length (a CP rank's share), a shared prefix's groups
+// its units, and errors saying they come from the batch's rows.
+TEST(PlanStepRows, PlansEachRowAsASampleAndAGroupAsAUnit) {
+  v1::PlanRequest measured;
+  measured.set_max_tokens_per_micro_batch(120);
+  measured.set_num_ranks(2);
+  for (int64_t n : {60, 40, 30, 50}) measured.add_lengths(n);
+  for (int64_t n : {120, 80, 60, 100}) measured.add_loss_tokens(n);  // CP 2
+  absl::StatusOr<Plan> plan = PlanStepRows(measured, LayoutOptions{}, 1 << 20);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->global_loss_tokens, 360);
+  // The planner alone holds loss tokens to lengths.
+  EXPECT_FALSE(PlanMicroBatches(LengthsOf(measured), LossTokensOf(measured),
+                                PlanOptionsOf(measured))
+                   .ok());
+
+  LayoutOptions shared;
+  shared.shared_prefix.emplace();
+  shared.shared_prefix->groups = {5, 9, 9, 5};  // against the balance
+  absl::StatusOr<Plan> grouped = PlanStepRows(measured, shared, 1 << 20);
+  ASSERT_TRUE(grouped.ok()) << grouped.status();
+  for (const MicroBatch& mb : grouped->micro_batches) {
+    for (int64_t b : mb.samples) {
+      const int64_t mate = 3 - b;  // the other row of its group
+      EXPECT_THAT(mb.samples, ::testing::Contains(mate));
+    }
+  }
+
+  measured.set_max_tokens_per_micro_batch(0);
+  absl::StatusOr<Plan> bad = PlanStepRows(measured, LayoutOptions{}, 1 << 20);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr("planning the batch's rows (each row one sample): "));
 }
 
 TEST(PackSizes, SaturatesWhereItsSumsWouldOverflow) {
