@@ -254,8 +254,11 @@ def train_beside(model, reference, packed, unpacked, steps, optimizer, log,
                  reference_name="unpacked"):
     """Trains `model` for `steps`, step i on corpus(seed=100 + i), its gradients from
     packed(model, batch, per_micro_batch_mean=False) (which returns the step's loss); with a
-    `reference` model (else None), beside it from unpacked(reference, batch). optimizer(params)
-    makes each model's optimizer. Returns the largest relative differences of losses and
+    `reference` model (else None), beside it from unpacked(reference, batch) at the same
+    weights: the reference takes the model's weights after every step, so that each step is
+    compared on its own (float rounding in one step's sums, which the optimizer can amplify, is
+    not carried into the next comparison). optimizer(params) makes each model's optimizer.
+    Returns the largest relative differences of losses and
     gradients (0 without a reference) and of the per-micro-batch mean's gradients on the first
     step."""
     models = [model] + ([reference] if reference is not None else [])
@@ -284,6 +287,10 @@ def train_beside(model, reference, packed, unpacked, steps, optimizer, log,
         log(line)
         for opt in optimizers:
             opt.step()
+        if reference is not None:
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), reference.parameters()):
+                    q.copy_(p)
     return worst_loss, worst_grad, bug or 0.0
 
 
