@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 import grpc
 
 from packd import _wire
+from packd.options import ConnectionOptions, TlsOptions, TokenOptions
 from packd.v1 import pack_service_pb2 as pb
 from packd.v1 import pack_service_pb2_grpc as pb_grpc
 
@@ -102,21 +103,18 @@ class Connection:
     none), the stub, and packd's raw methods on each (Pack and Scatter skip protobuf's copies of
     tensor bytes: packd/_wire.py)."""
 
-    def __init__(self, address: str, *, timeout: float, retries: int, max_message_bytes: int,
-                 token_file: Optional[str], token_env: Optional[str],
-                 tls_ca_file: Optional[str], tls_cert_file: Optional[str],
-                 tls_key_file: Optional[str], tls_server_name: Optional[str],
-                 load_balancing_policy: Optional[str], connections: int,
+    def __init__(self, address: str, *, timeout: float, retries: int,
+                 connection: ConnectionOptions, tls: TlsOptions, token: TokenOptions,
                  interceptors: Sequence[Interceptor]) -> None:
         self.address = address
         self.timeout = timeout
         self.retries = retries
-        self._metadata = _token_metadata(token_file, token_env)
-        limit = min(max_message_bytes, (1 << 31) - 1)
-        credentials = _tls_credentials(tls_ca_file, tls_cert_file, tls_key_file)
-        extra = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
-        self.load_balancing_policy = load_balancing_policy
-        if load_balancing_policy is None and address.startswith("dns:"):
+        self._metadata = _token_metadata(token.file, token.env)
+        limit = min(connection.max_message_bytes, (1 << 31) - 1)
+        credentials = _tls_credentials(tls.ca_file, tls.cert_file, tls.key_file)
+        extra = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+        self.load_balancing_policy = connection.load_balancing_policy
+        if self.load_balancing_policy is None and address.startswith("dns:"):
             self.load_balancing_policy = "round_robin"
         if self.load_balancing_policy:
             extra.append(("grpc.lb_policy_name", self.load_balancing_policy))
@@ -136,7 +134,7 @@ class Connection:
                 made = grpc.secure_channel(address, credentials, options=options)
             return grpc.intercept_channel(made, *interceptors) if interceptors else made
 
-        self.channels = [channel(i) for i in range(max(1, connections))]
+        self.channels = [channel(i) for i in range(max(1, connection.connections))]
         self.stub = pb_grpc.PackServiceStub(self.channels[0])
         self.pack = [c.unary_unary(
             "/packd.v1.PackService/Pack", request_serializer=_wire.serialize,

@@ -37,7 +37,6 @@ def mrope_of(config: Any, input_ids: torch.Tensor, attention_mask: Optional[torc
     image or video tokens takes the next of its kind), a Qwen3-VL video split into its frames,
     Qwen2.5-VL's tokens_per_second and seconds per grid. `input`: the Pack input holding
     input_ids. ValueError when the runs and the grids do not match in number."""
-    text = getattr(config, "text_config", config)
     vision = getattr(config, "vision_config", None)
     image_id = getattr(config, "image_token_id", None)
     video_id = getattr(config, "video_token_id", None)

@@ -18,6 +18,7 @@ import torch
 from packd import _tensors, _wire
 from packd._connection import Connection, PackdError, is_node_local
 from packd._shm import Segment
+from packd.options import SharedMemoryOptions
 from packd.v1 import pack_service_pb2 as pb
 
 _COPY_PIECE = 4 << 20
@@ -47,13 +48,12 @@ def copy(dst: numpy.ndarray, src: numpy.ndarray) -> None:
 
 
 class Regions:
-    def __init__(self, connection: Connection, *, shm_threshold_bytes: int,
-                 shm_key_prefix: str, lease_seconds: int, idle_scratch_segments: int) -> None:
+    def __init__(self, connection: Connection, options: SharedMemoryOptions) -> None:
         self._connection = connection
-        self.shm_threshold_bytes = shm_threshold_bytes
-        self.shm_key_prefix = shm_key_prefix
-        self.lease_seconds = lease_seconds
-        self.idle_scratch_segments = idle_scratch_segments
+        self.shm_threshold_bytes = options.threshold_bytes
+        self.shm_key_prefix = options.key_prefix
+        self.lease_seconds = options.lease_seconds
+        self.idle_scratch_segments = options.idle_segments
         # Guards what follows: the scratch segments no call holds, whether the server allows
         # shared memory, whether the client is closed, and the device regions registered (by
         # name: their requests, to register again).

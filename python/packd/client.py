@@ -145,18 +145,11 @@ class Client:
         self.split_threshold_bytes = connection.split_threshold_bytes
         if connection.keep_freed_memory:
             _memory.keep_freed_memory()
-        self._connection = Connection(
-            address, timeout=timeout, retries=retries,
-            max_message_bytes=connection.max_message_bytes, token_file=token.file,
-            token_env=token.env, tls_ca_file=tls.ca_file, tls_cert_file=tls.cert_file,
-            tls_key_file=tls.key_file, tls_server_name=tls.server_name,
-            load_balancing_policy=connection.load_balancing_policy,
-            connections=connection.connections, interceptors=interceptors)
+        self._connection = Connection(address, timeout=timeout, retries=retries,
+                                      connection=connection, tls=tls, token=token,
+                                      interceptors=interceptors)
         self.load_balancing_policy = self._connection.load_balancing_policy
-        self._regions = Regions(self._connection, shm_threshold_bytes=shared_memory.threshold_bytes,
-                                shm_key_prefix=shared_memory.key_prefix,
-                                lease_seconds=shared_memory.lease_seconds,
-                                idle_scratch_segments=shared_memory.idle_segments)
+        self._regions = Regions(self._connection, shared_memory)
         self._gpu = Gpu(self._connection, self._regions,
                         gpu.device_memory or _device.TorchCuda(), gpu.lease_seconds)
         self.device_memory = self._gpu.memory

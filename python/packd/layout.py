@@ -146,12 +146,9 @@ class Layout:
             self.mrope.to(message.mrope)
 
     def to_scatter(self, message: pb.ScatterRequest) -> None:
-        """Sets a ScatterRequest's layout fields (pad_values, shifts and seq_idx are Pack's)."""
-        if (self.pad_values or self.shifts or self.with_seq_idx or self.with_token_mask
-                or self.mrope is not None):
-            raise ValueError("Scatter takes pad_multiple, cp_size, cp_rank, sp_size, sp_rank, "
-                             "fixed and shared_prefix; pad_values, shifts, with_seq_idx, "
-                             "with_token_mask and mrope are Pack's")
+        """Sets a ScatterRequest's layout fields: those that place rows (for_scatter's), so that
+        a Pack's own Layout inverts it; pad_values, shifts, with_seq_idx, with_token_mask and
+        mrope say what else that Pack returned and are not sent."""
         message.pad_multiple = int(self.pad_multiple)
         message.cp_size = int(self.cp_size)
         message.cp_rank = int(self.cp_rank)

@@ -231,12 +231,18 @@ def test_bad_grids_are_refused_naming_grid_and_row(client, case, message):
                                                     [0, 1, 2, 3, 4, 5]]
 
 
-def test_token_mask_without_a_layout_is_all_ones_and_scatter_refuses_it(client):
+def test_token_mask_without_a_layout_is_all_ones_and_its_layout_inverts_the_pack(client):
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
-    r = client.pack(torch.randn(2, 3, 4), mask, layout=packd.Layout(with_token_mask=True))
+    x = torch.randn(2, 3, 4)
+    layout = packd.Layout(with_token_mask=True)
+    r = client.pack(x, mask, layout=layout)
     assert r.token_mask.dtype == torch.uint8 and r.token_mask.tolist() == [1, 1, 1, 1]
-    with pytest.raises(ValueError, match="with_token_mask and mrope are Pack's"):
-        packd.Layout(with_token_mask=True).to_scatter(packd.v1.pack_service_pb2.ScatterRequest())
+    # Scatter reads the fields that place rows: the token mask is what else the Pack returned.
+    back = client.scatter(r.packed, mask, layout=layout)
+    assert torch.equal(back[mask], x[mask]) and not back[~mask].any()
+    request = packd.v1.pack_service_pb2.ScatterRequest()
+    layout.to_scatter(request)
+    assert request == packd.v1.pack_service_pb2.ScatterRequest()
 
 
 @needs_transformers
