@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "planner/peer_planners.h"
 #include "planner/testing/check_plan.h"
+#include "tests/planner/fresh_engine.h"
 #include "workloads/lengths.h"
 #include "workloads/plan_workloads.h"
 
@@ -25,12 +26,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::mt19937_64 Fresh() {
-  const uint64_t seed =
-      std::chrono::steady_clock::now().time_since_epoch().count();
-  std::cerr << "planner seed " << seed << "\n";
-  return std::mt19937_64(seed);
-}
+std::mt19937_64 Fresh() { return testing::FreshEngine("planner"); }
 
 // Lengths of RL rollouts: lognormal, clipped to [1, max].
 TEST(Planner, KeepsEveryRuleOnRandomInputs) {

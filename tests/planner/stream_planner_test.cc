@@ -18,6 +18,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/planner/fresh_engine.h"
 #include "workloads/lengths.h"
 #include "workloads/plan_workloads.h"
 
@@ -26,12 +27,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::mt19937_64 Fresh() {
-  const uint64_t seed =
-      std::chrono::steady_clock::now().time_since_epoch().count();
-  std::cerr << "stream planner seed " << seed << "\n";
-  return std::mt19937_64(seed);
-}
+std::mt19937_64 Fresh() { return testing::FreshEngine("stream planner"); }
 
 struct Streamed {
   std::vector<Wave> waves;  // committed while units arrived, then the rest
