@@ -59,6 +59,7 @@ PackSizes PackSizes::Of(absl::Span<const TensorView> inputs,
   PackSizes sizes;
   auto add = [&](const TensorView& x, int64_t* row) {
     *row = SaturatingAdd(*row, PositionBytes(x));
+    sizes.result_row_bytes.push_back(PositionBytes(x));
     int64_t bytes = ItemSize(x.dtype);
     for (int64_t d : x.shape) {
       bytes = SaturatingMul(bytes, std::max<int64_t>(d, 0));
@@ -69,6 +70,8 @@ PackSizes PackSizes::Of(absl::Span<const TensorView> inputs,
   for (const Shift& shift : layout.shifts) {
     if (shift.input >= 0 && static_cast<size_t>(shift.input) < inputs.size()) {
       add(inputs[shift.input], &sizes.shift_row_bytes);
+    } else {
+      sizes.result_row_bytes.push_back(0);
     }
   }
   sizes.row_bytes = SaturatingAdd(sizes.input_row_bytes, sizes.shift_row_bytes);

@@ -13,6 +13,7 @@
 #define PACKD_KERNELS_PACK_SIZES_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/types/span.h"
 #include "base/layout_options.h"
@@ -79,6 +80,9 @@ struct PackSizes {
   int64_t row_bytes = 0;
   int64_t input_row_bytes = 0;
   int64_t shift_row_bytes = 0;
+  // Each result's bytes of one output row: each input's, then each shift's
+  // (0 for a shift naming no input).
+  std::vector<int64_t> result_row_bytes;
   // Result bytes over every input and shift when each holds all its
   // positions (what bounds a Pack without a layout whose mask is unknown).
   int64_t input_bytes = 0;
@@ -125,6 +129,10 @@ struct PackSizes {
   // rows and `shifted_rows` targets.
   int64_t ResultBytes(int64_t rows) const;
   int64_t ResultBytes(int64_t rows, int64_t shifted_rows) const;
+  // Result r's bytes (ResultBytes' r-th tensor) for `rows` of its rows.
+  int64_t ResultTensorBytes(size_t r, int64_t rows) const {
+    return SaturatingMul(rows, result_row_bytes[r]);
+  }
   // A response's bytes besides its tensors for `rows` output rows of a batch
   // of `batch_rows` rows and `sequences` sequences, at most: prefix arrays,
   // last_index, position ids and seq_idx, as varints of up to 10 bytes each

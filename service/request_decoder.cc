@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <utility>
 
@@ -12,6 +13,7 @@
 #include "kernels/pack_sizes.h"
 #include "kernels/registry.h"
 #include "proto/tensor_codec.h"
+#include "service/row_prefixes.h"
 
 namespace packd {
 
@@ -118,11 +120,12 @@ absl::StatusOr<TensorView> RequestDecoder::AttachBytes(
       // output depends on active positions only: Backend::Gather); the rest
       // of the buffer may be read but never reaches the result.
       const int64_t row = bytes / view.shape[0];
-      const int64_t position = row / view.shape[1];
-      for (size_t b = 0; b < row_extents->size(); ++b) {
-        payload->CopyOut(b * row, (*row_extents)[b] * position,
-                         gathered + b * row);
-      }
+      std::vector<int64_t> every(row_extents->size());
+      std::iota(every.begin(), every.end(), 0);
+      GatherRowPrefixes(every, row_extents, row, row / view.shape[1], gathered,
+                        [&](int64_t from, int64_t n, char* to) {
+                          payload->CopyOut(from, n, to);
+                        });
     } else {
       payload->CopyOut(0, bytes, gathered);
     }

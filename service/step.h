@@ -6,7 +6,10 @@
 // mask and in loss_mask, on every rank); the rows are planned into
 // micro-batches (planner/planner.h); and each micro-batch is packed on its
 // own, exactly as Pack packs its rows gathered in plan order, with the
-// batch's options.
+// batch's options. Its parts, each tested on its own: StepBatch (the batch
+// decoded, on the host where it is planned), the pure parts of step_parts.h
+// (the rows measured, the plan within the message limit, the micro-batches'
+// tables) and DevicePass (a batch on a GPU packed in one pass).
 //
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(auto step, TrainingStep::Make(request, decoder, limit, tenant));
@@ -21,20 +24,18 @@
 #include <optional>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "absl/types/span.h"
 #include "base/buffer.h"
-#include "kernels/device_runtime.h"
 #include "kernels/mrope.h"
 #include "kernels/pack.h"
 #include "packd/v1/pack_service.pb.h"
 #include "planner/planner.h"
 #include "proto/wire.h"
 #include "service/call_spec.h"
+#include "service/device_pass.h"
 #include "service/request_decoder.h"
+#include "service/step_batch.h"
 #include "service/step_parts.h"
 
 namespace packd {
@@ -66,7 +67,7 @@ class TrainingStep {
   // The plan request with every row's measured length, cost and loss tokens.
   const v1::PlanRequest& measured() const { return measured_; }
   // Where the micro-batches are packed.
-  const Device& device() const { return call_.device; }
+  const Device& device() const { return batch_->device(); }
   // The micro-batches sent (those of the ranks asked), in order.
   size_t size() const { return sent_.size(); }
   // The most bytes one micro-batch makes the server hold while it is packed
@@ -103,104 +104,29 @@ class TrainingStep {
  private:
   TrainingStep(const v1::PackRequest& batch, int64_t max_message_bytes,
                const Tenant& tenant)
-      : batch_(batch),
-        max_message_bytes_(max_message_bytes),
+      : max_message_bytes_(max_message_bytes),
         spec_(CallSpec::Of(batch, "batch.", max_message_bytes, tenant)) {}
+  // The layout Pack would refuse for the batch, before anything is planned.
+  absl::Status CheckBatchLayout(const v1::PlanRequest& plan) const;
   // Measures the rows and fills the plan request's lengths, loss tokens and
   // costs; `rows` gets what it learns of each.
   absl::Status Measure(v1::PlanRequest* plan, std::vector<MeasuredRow>* rows);
-  // A shared prefix's rows measured (docs/design.md §14): a group's stream
-  // rows and cost over its rows (its prompt's on its first), each row's
-  // targets active in `loss` (the loss mask's active values, packed).
   // With batch.mrope: checks the batch's grids against its token ids and
   // counts each row's (mrope_rows_), on the host, with `measure`'s options.
   absl::Status MeasureGrids(PackOptions measure);
-  absl::Status MeasureShared(const PackResult& measured,
-                             const std::optional<TensorView>& loss,
-                             const PlanOptions& model, v1::PlanRequest* plan,
-                             std::vector<MeasuredRow>* rows);
+  // With batch.shared_prefix: the prompts that must agree compared over the
+  // whole batch, on the host (`cu_seqlens`: the mask's rows packed).
+  absl::Status CheckSamePrompts(const std::vector<int64_t>& cu_seqlens);
   // Chooses the micro-batches sent, checks each against the layout and the
   // message limit, and places its results in the outputs.
   absl::Status Choose(const v1::PackMicroBatchesRequest& request,
                       const std::vector<MeasuredRow>& rows);
-  // Writes the results into `slice` when it holds them (a host region that
-  // overlaps none of the batch's tensors: INVALID_ARGUMENT otherwise).
-  absl::Status UseOutputs(const v1::RegionSlice& slice,
-                          const RequestDecoder& decoder);
-  // The device work of one micro-batch's gather: its runtime and stream
-  // (set by the first device tensor gathered), waited for by Wait() or when
-  // it goes, so that no copy outlives the buffers it writes (declare it after
-  // them).
-  struct DeviceGather {
-    DeviceRuntime* runtime = nullptr;
-    std::optional<Stream> stream;
-    absl::Status Wait() {
-      if (runtime == nullptr) return absl::OkStatus();
-      absl::Status done = runtime->Synchronize(*stream);
-      runtime = nullptr;
-      return done;
-    }
-    ~DeviceGather() { (void)Wait(); }
-  };
-  // Checks that the batch's tensors and the loss mask (decoded here) are in
-  // host memory or on the call's device, and brings the mask, segment ids and
-  // loss mask to the host when they are not, with one wait.
-  absl::Status CheckDevices(const v1::Tensor* loss_mask,
-                            const RequestDecoder& decoder);
-  // `t` in host memory: itself, or a copy kept in host_copies_.
-  absl::StatusOr<TensorView> OnHost(const TensorView& t);
-  // Each `first` in host memory, viewed by its `second`: itself, or a copy
-  // kept in host_copies_, every device copy waited for at once.
-  absl::Status OnHost(
-      absl::Span<const std::pair<const TensorView*, TensorView*>> wanted);
-  // A view of rows `rows` of `x` ([B, S, ...]) gathered, kept in `held`: in
-  // host memory into a pooled buffer (`extents`: only positions
-  // [0, extents[b]) of row b), or on x's device into its memory, queued on
-  // `device`'s stream.
-  absl::StatusOr<TensorView> GatherRows(const TensorView& x,
-                                        absl::Span<const int64_t> rows,
-                                        const std::vector<int64_t>* extents,
-                                        DeviceGather* device,
-                                        std::vector<Buffer>* held) const;
 
-  // The device pass (service/step_device.cc): with a batch on a GPU, the
-  // micro-batches' results gathered over the batch's regions in two waves
-  // (the first micro-batch, then the rest), their metadata worked out on the
-  // host.
-  //
-  // Whether this step runs it: every tensor of the batch on the step's GPU,
-  // no mrope, the outputs on that device, or inline and at most
-  // kInlinePassBytes of them.
-  static constexpr int64_t kInlinePassBytes = int64_t{256} << 20;
-  bool UsesDevicePass() const;
-  // Runs micro-batch k's wave of the pass (the first micro-batch alone, then
-  // every other one) the first time one of them is asked for; its status
-  // every time.
-  absl::Status DevicePassOnce(size_t k) const;
-  // The pass over sent micro-batches [begin, end).
-  absl::Status RunDevicePass(size_t begin, size_t end) const;
-  // Sent micro-batch k's metadata: the host's Pack of its rows' dense
-  // positions (row j of the batch's row r: r * S + s), with the layout, pad
-  // rows and shift fills -1. Its packed and shifted results are the batch
-  // position of every result row.
-  absl::StatusOr<PackResult> PositionsOf(size_t k) const;
-  // Micro-batch k's message from the pass's results.
-  absl::Status MessageFromPass(
-      size_t k, v1::PackResponse* packed, const CallOptions& base,
-      const google::protobuf::RepeatedPtrField<v1::RegionSlice>& written) const;
-
-  const v1::PackRequest& batch_;
   const int64_t max_message_bytes_;
   // The batch's headers, layout and sizes, decoded once; each micro-batch's
   // spec is derived from it (CallSpec::OfRows).
   const CallSpec spec_;
-  DecodedCall call_;
-  // The mask and segment ids in host memory (call_'s, or copies of them).
-  TensorView host_mask_;
-  std::optional<TensorView> host_segment_ids_;
-  // The loss mask, when given, in host memory.
-  std::optional<TensorView> host_loss_;
-  std::vector<Buffer> host_copies_;
+  std::unique_ptr<StepBatch> batch_;
   // Per row: one past its last active position.
   std::vector<int64_t> extents_;
   // With batch.mrope: the grids and videos of each row (prefix arrays), so
@@ -215,17 +141,9 @@ class TrainingStep {
   // The request's outputs, when the results are written there.
   std::optional<ResolvedSlice> outputs_;
   v1::RegionSlice outputs_slice_;
-  bool device_pass_ = false;
-  mutable absl::Mutex pass_mu_;
-  mutable bool pass_run_[2] ABSL_GUARDED_BY(pass_mu_) = {false, false};
-  mutable absl::Status pass_status_[2] ABSL_GUARDED_BY(pass_mu_);
-  mutable absl::Duration device_time_ ABSL_GUARDED_BY(pass_mu_);
+  // With a batch on a GPU that the pass takes (DevicePass::Applies).
+  std::optional<DevicePass> pass_;
   Phases phases_;
-  // Set by the pass, then read (each entry by the one micro-batch's message):
-  // the micro-batches' metadata, and without outputs their results on the
-  // device and in host memory.
-  mutable std::vector<PackResult> prepared_;  // sized by Make
-  mutable Buffer device_results_, host_results_;
 };
 
 }  // namespace packd

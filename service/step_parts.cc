@@ -6,7 +6,9 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/layout.h"
+#include "kernels/shared_prefix.h"
 #include "proto/plan_codec.h"
 
 namespace packd {
@@ -50,6 +52,54 @@ MeasuredRows MeasureRows(const PackResult& counted, std::optional<DType> loss,
         loss_bytes == nullptr
             ? active
             : CountNonzero(*loss, loss_bytes + cu[b] * loss_item, active));
+  }
+  return out;
+}
+
+absl::StatusOr<MeasuredRows> MeasureSharedRows(const PackResult& counted,
+                                               std::optional<DType> loss,
+                                               const LayoutOptions& layout,
+                                               const PlanOptions& model) {
+  LayoutOptions whole = layout;
+  whole.max_rows = 0;
+  const SharedPrefix& shared = *whole.shared_prefix;
+  const std::vector<int64_t>& cu = counted.cu_seqlens;
+  PACKD_ASSIGN_OR_RETURN(
+      const Layout stream,
+      MakeSharedLayout(cu, whole, /*with_position_ids=*/false));
+  const SharedLayout& s = *stream.shared;
+  const int64_t B = static_cast<int64_t>(counted.last_index.size());
+  MeasuredRows out;
+  out.rows.resize(B);
+  out.lengths.assign(B, 0);
+  out.costs.assign(B, 0);
+  out.extents.resize(B);
+  for (int64_t b = 0; b < B; ++b) out.extents[b] = counted.last_index[b] + 1;
+  // Each segment costs its row (a prompt's: its group's first).
+  for (size_t n = 0; n + 1 < s.cu_seqlens_q.size(); ++n) {
+    const int64_t b = s.segment_row[n];
+    const int64_t q = s.cu_seqlens_q[n + 1] - s.cu_seqlens_q[n];
+    const int64_t k = s.cu_seqlens_k[n + 1] - s.cu_seqlens_k[n];
+    out.lengths[b] += q;
+    out.costs[b] += SegmentCost(model, q, k);
+    out.rows[b].keys += k;
+    ++out.rows[b].segments;
+  }
+  const char* loss_bytes =
+      loss.has_value() ? static_cast<const char*>(counted.packed[0].view.data)
+                       : nullptr;
+  const int64_t loss_item = loss.has_value() ? ItemSize(*loss) : 0;
+  for (int64_t b = 0; b < B; ++b) {
+    // Row b's targets are its active tokens j >= max(P, 1).
+    const int64_t active = cu[b + 1] - cu[b];
+    const int64_t first =
+        std::min(active, std::max<int64_t>(shared.prefix_lengths[b], 1));
+    out.rows[b].targets = active - first;
+    out.loss_tokens.push_back(
+        loss_bytes == nullptr
+            ? active - first
+            : CountNonzero(*loss, loss_bytes + (cu[b] + first) * loss_item,
+                           active - first));
   }
   return out;
 }
@@ -121,16 +171,15 @@ absl::StatusOr<MicroBatchTables> PlaceMicroBatches(
         std::max(out.max_micro_batch_bytes, SaturatingAdd(gathered, reply));
     // Its results' places in the outputs, each from a multiple of 64.
     MicroBatchPlace sent{&mb, at, {}, {}, {}};
-    auto place = [&](const TensorView& x, int64_t n) {
+    for (size_t r = 0; r < sizes.result_row_bytes.size(); ++r) {
+      const int64_t n = r < inputs.size() ? out_rows : shifted_rows;
       sent.rows.push_back(n);
       out.output_bytes = SaturatingAdd(out.output_bytes, 63) / 64 * 64;
       sent.offsets.push_back(out.output_bytes);
-      const int64_t bytes = SaturatingMul(n, PositionBytes(x));
+      const int64_t bytes = sizes.ResultTensorBytes(r, n);
       sent.bytes.push_back(bytes);
       out.output_bytes = SaturatingAdd(out.output_bytes, bytes);
-    };
-    for (const TensorView& x : inputs) place(x, out_rows);
-    for (const Shift& s : layout.shifts) place(inputs[s.input], shifted_rows);
+    }
     out.sent.push_back(std::move(sent));
   }
   return out;

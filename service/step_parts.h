@@ -90,6 +90,18 @@ MeasuredRows MeasureRows(const PackResult& counted, std::optional<DType> loss,
                          bool documents, const PackSizes& sizes,
                          const PlanOptions& model);
 
+// The rows of a batch whose rows share prompts (docs/design.md §14), from
+// `counted` as for MeasureRows: each group's stream laid out with `layout`
+// (its max_rows aside: the whole batch's stream is never sent), each row
+// costing its segments' queries and keys (a prompt's on its group's first
+// row), its loss tokens its targets (active positions from max(prefix, 1))
+// active in the loss mask. The layout's errors for prompts outside their
+// rows.
+absl::StatusOr<MeasuredRows> MeasureSharedRows(const PackResult& counted,
+                                               std::optional<DType> loss,
+                                               const LayoutOptions& layout,
+                                               const PlanOptions& model);
+
 // Where one micro-batch sent by a step goes. Plain values; `micro_batch`
 // points into the step's plan.
 struct MicroBatchPlace {

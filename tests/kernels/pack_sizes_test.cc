@@ -123,6 +123,30 @@ TEST(PackSizesTest, ResultBytesEqualAndBoundsHoldPackOnRandomBatches) {
   }
 }
 
+TEST(PackSizesTest, EachResultTensorTakesItsRowsTimesItsRowBytes) {
+  Rng rng = Rng::Fresh();
+  const int64_t B = 3, S = 5, H = 1 + rng.Next() % 7;
+  const at::Tensor x = at::zeros({B, S, H}, at::kBFloat16);
+  const at::Tensor ids = at::zeros({B, S}, at::kLong);
+  LayoutOptions layout;
+  layout.shifts = {Shift{1, -100}, Shift{0, 0}, Shift{7, 0}};
+  const PackSizes sizes = PackSizes::Of({View(x), View(ids)}, layout, {});
+  // The inputs', then each shift's input's again; nothing for a shift naming
+  // no input.
+  EXPECT_EQ(sizes.result_row_bytes,
+            (std::vector<int64_t>{2 * H, 8, 8, 2 * H, 0}));
+  const int64_t rows = static_cast<int64_t>(rng.Next() % 1000);
+  int64_t sum = 0;
+  for (size_t r = 0; r < sizes.result_row_bytes.size(); ++r) {
+    EXPECT_EQ(sizes.ResultTensorBytes(r, rows),
+              rows * sizes.result_row_bytes[r]);
+    sum += sizes.ResultTensorBytes(r, rows);
+  }
+  EXPECT_EQ(sum, sizes.ResultBytes(rows));
+  EXPECT_EQ(sizes.ResultTensorBytes(0, std::numeric_limits<int64_t>::max()),
+            std::numeric_limits<int64_t>::max());
+}
+
 TEST(PackSizesTest, PaddedAndRankRowsFollowTheirDefinitions) {
   PackSizes sizes;
   sizes.pad_multiple = 8;

@@ -129,6 +129,102 @@ TEST(MeasureRows, MeasuresEveryRowAsTheLayoutLaysItOut) {
   }
 }
 
+TEST(MeasureSharedRows, CostsEachSegmentOnItsRowAndCountsItsTargets) {
+  testing::Rng rng = testing::Rng::Fresh();
+  for (int trial = 0; trial < 30; ++trial) {
+    const int64_t B = 1 + rng.Next() % 7, S = 1 + rng.Next() % 24;
+    const at::Tensor mask =
+        testing::RandomMask(rng, DType::kBool, B, S, 0.7, MaskPattern::kPrefix);
+    const at::Tensor loss =
+        mask &
+        testing::RandomMask(rng, DType::kBool, B, S, 0.7, MaskPattern::kHoles);
+    std::vector<int64_t> active(B);
+    for (int64_t b = 0; b < B; ++b) {
+      active[b] = mask[b].sum().item<int64_t>();
+    }
+    // Rows in up to three groups, each group's prompt no longer than any of
+    // its members' active tokens.
+    SharedPrefix shared;
+    std::vector<int64_t> group_prompt(3, S);
+    for (int64_t b = 0; b < B; ++b) {
+      shared.groups.push_back(static_cast<int64_t>(rng.Next() % 3));
+      int64_t& p = group_prompt[shared.groups.back()];
+      p = std::min(p, active[b]);
+    }
+    for (int64_t& p : group_prompt) p = p == 0 ? 0 : rng.Next() % (p + 1);
+    for (int64_t b = 0; b < B; ++b) {
+      shared.prefix_lengths.push_back(group_prompt[shared.groups[b]]);
+    }
+    LayoutOptions layout;
+    layout.shared_prefix = shared;
+    layout.max_rows = 1;  // the whole batch's stream is never sent
+    const bool with_loss = trial % 2 == 0;
+    PlanOptions model;
+    model.cost_per_token = 1 + rng.Next() % 3;
+    model.cost_per_token_squared = 0.25 * (rng.Next() % 3);
+    PackOptions host;
+    host.device = Device::Cpu();
+    absl::StatusOr<PackResult> counted =
+        Pack({AsView(with_loss ? loss : mask)}, AsView(mask), host);
+    ASSERT_TRUE(counted.ok()) << counted.status();
+    absl::StatusOr<MeasuredRows> measured = MeasureSharedRows(
+        *counted, with_loss ? std::optional<DType>(DType::kBool) : std::nullopt,
+        layout, model);
+    ASSERT_TRUE(measured.ok()) << measured.status();
+    SCOPED_TRACE(::testing::Message() << "trial " << trial);
+    // By definition: a group's prompt is a segment of its first row (its
+    // queries its keys), each member's response one of its own, whose keys
+    // are the prompt and the response.
+    std::vector<int64_t> lengths(B, 0), keys(B, 0), segments(B, 0);
+    std::vector<double> costs(B, 0);
+    std::vector<bool> seen(3, false);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = shared.prefix_lengths[b];
+      if (!seen[shared.groups[b]] && p > 0) {
+        lengths[b] += p;
+        keys[b] += p;
+        ++segments[b];
+        costs[b] += SegmentCost(model, p, p);
+      }
+      seen[shared.groups[b]] = true;
+      const int64_t r = active[b] - p;
+      if (r > 0) {
+        lengths[b] += r;
+        keys[b] += p + r;
+        ++segments[b];
+        costs[b] += SegmentCost(model, r, p + r);
+      }
+    }
+    ASSERT_EQ(measured->rows.size(), static_cast<size_t>(B));
+    EXPECT_EQ(measured->lengths, lengths);
+    for (int64_t b = 0; b < B; ++b) {
+      EXPECT_DOUBLE_EQ(measured->costs[b], costs[b]) << "row " << b;
+      EXPECT_EQ(measured->rows[b].keys, keys[b]) << "row " << b;
+      EXPECT_EQ(measured->rows[b].segments, segments[b]) << "row " << b;
+      // Its targets: active tokens from max(P, 1) on.
+      const int64_t first =
+          std::min(active[b], std::max<int64_t>(shared.prefix_lengths[b], 1));
+      EXPECT_EQ(measured->rows[b].targets, active[b] - first);
+      const at::Tensor counted_row =
+          (with_loss ? loss : mask)[b].slice(0, first, active[b]);
+      EXPECT_EQ(measured->loss_tokens[b], counted_row.sum().item<int64_t>());
+      EXPECT_EQ(measured->extents[b], active[b]);
+    }
+  }
+  // A prompt longer than a member's tokens: the layout's error, naming it.
+  const at::Tensor mask = at::ones({2, 4}, at::kBool);
+  PackOptions host;
+  host.device = Device::Cpu();
+  absl::StatusOr<PackResult> counted = Pack({AsView(mask)}, AsView(mask), host);
+  ASSERT_TRUE(counted.ok());
+  LayoutOptions layout;
+  layout.shared_prefix = SharedPrefix{{0, 0}, {5, 5}, {}, false};
+  EXPECT_EQ(MeasureSharedRows(*counted, std::nullopt, layout, PlanOptions{})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // A plan by hand: rank 0 gets rows {0, 1} then {2}, rank 1 gets {3}.
 v1::PlanResponse HandPlan() {
   v1::PlanResponse plan;
