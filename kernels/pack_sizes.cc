@@ -23,19 +23,19 @@ int64_t PositionBytes(const TensorView& x) {
   return bytes;
 }
 
-int64_t HostGatherBytesPerPosition(const TensorView& mask,
-                                   const TensorView* segment_ids,
-                                   absl::Span<const TensorView> inputs) {
-  int64_t bytes = ItemSize(mask.dtype);
+HostGather HostGather::Of(const TensorView& mask, const TensorView* segment_ids,
+                          absl::Span<const TensorView> inputs) {
+  int64_t position = ItemSize(mask.dtype);
   if (segment_ids != nullptr) {
-    bytes = SaturatingAdd(bytes, ItemSize(segment_ids->dtype));
+    position = SaturatingAdd(position, ItemSize(segment_ids->dtype));
   }
   for (const TensorView& x : inputs) {
     if (x.device.kind == DeviceKind::kCpu) {
-      bytes = SaturatingAdd(bytes, PositionBytes(x));
+      position = SaturatingAdd(position, PositionBytes(x));
     }
   }
-  return bytes;
+  const int64_t seq = mask.shape.size() >= 2 ? mask.shape[1] : 0;
+  return HostGather{SaturatingMul(std::max<int64_t>(seq, 0), position)};
 }
 
 int64_t ScatterResultBytes(absl::Span<const TensorView> packed,

@@ -29,12 +29,17 @@ int64_t SaturatingAdd(int64_t a, int64_t b);
 // tail (the item size for a tensor of rank 2 or less).
 int64_t PositionBytes(const TensorView& x);
 
-// What a step gathers in host memory for each [B, S] position of its rows: the
-// mask, the segment ids (null: none) and each input in host memory (inputs on
-// a device are gathered there).
-int64_t HostGatherBytesPerPosition(const TensorView& mask,
-                                   const TensorView* segment_ids,
-                                   absl::Span<const TensorView> inputs);
+// What a step gathers in host memory for rows of a [B, S] batch: each row's
+// S positions of the mask, the segment ids and each input in host memory
+// (inputs on a device are gathered there).
+struct HostGather {
+  // `segment_ids` null: none.
+  static HostGather Of(const TensorView& mask, const TensorView* segment_ids,
+                       absl::Span<const TensorView> inputs);
+  // The bytes `rows` rows take gathered; saturating.
+  int64_t Bytes(int64_t rows) const { return SaturatingMul(rows, row_bytes); }
+  int64_t row_bytes = 0;
+};
 
 // The most entries (a layout's output rows, entries of its prefix arrays, a
 // plan's micro-batches) that a response of `max_message_bytes` can hold: each

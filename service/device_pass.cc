@@ -38,8 +38,7 @@ absl::StatusOr<PackResult> DevicePass::PositionsOf(size_t k) const {
   const absl::Span<const int64_t> rows(mb.samples().data(), mb.samples_size());
   const int64_t R = static_cast<int64_t>(rows.size());
   const int64_t S = batch_.mask().shape[1];
-  PACKD_ASSIGN_OR_RETURN(const GatheredRows gathered,
-                         batch_.Gather(rows, nullptr, /*inputs=*/false));
+  PACKD_ASSIGN_OR_RETURN(const GatheredRows gathered, batch_.GatherMasks(rows));
   std::vector<int64_t> dense(static_cast<size_t>(R * S));
   for (int64_t j = 0; j < R; ++j) {
     for (int64_t s = 0; s < S; ++s) dense[j * S + s] = rows[j] * S + s;
@@ -86,10 +85,6 @@ absl::Status DevicePass::Run(size_t begin, size_t end) const {
   const LayoutOptions& layout = spec_.layout;
   const size_t inputs = batch_.call().tensors.size();
   const size_t results = inputs + layout.shifts.size();
-  std::vector<DType> dtypes;
-  for (const TensorView& x : batch_.call().tensors) dtypes.push_back(x.dtype);
-  PACKD_ASSIGN_OR_RETURN(const LayoutValues values,
-                         CheckLayout(layout, dtypes));
   // The spans of the wave's micro-batches, by result.
   std::vector<std::vector<CopySpan>> spans(results);
   for (size_t k = begin; k < end; ++k) {
@@ -140,7 +135,7 @@ absl::Status DevicePass::Run(size_t begin, size_t end) const {
     }
     const TensorView& x = batch_.call().tensors[SourceOf(layout, inputs, r)];
     const ElementBytes& value =
-        r < inputs ? values.pads[r] : values.fills[r - inputs];
+        r < inputs ? values_.pads[r] : values_.fills[r - inputs];
     const int64_t item = ItemSize(x.dtype);
     for (int64_t at = 0; at < PositionBytes(x); ++at) {
       host[pattern_at[r] + at] = static_cast<char>(value[at % item]);

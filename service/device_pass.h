@@ -11,7 +11,7 @@
 //
 // clang-format off
 //   if (DevicePass::Applies(batch, spec, outputs, output_bytes)) {
-//     pass.emplace(batch, spec, sent, outputs, output_bytes);
+//     pass.emplace(batch, spec, values, sent, outputs, output_bytes);
 //   }
 //   PACKD_RETURN_IF_ERROR(pass->Message(k, &packed, base, written));
 // clang-format on
@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/buffer.h"
+#include "kernels/layout.h"
 #include "kernels/pack.h"
 #include "packd/v1/pack_service.pb.h"
 #include "service/call_spec.h"
@@ -52,12 +53,15 @@ class DevicePass {
   // The pass over `sent` (placed in `output_bytes` of results by
   // PlaceMicroBatches), writing into `outputs` (device memory of the batch's
   // device, at least output_bytes) or, when null, into device memory of its
-  // own read back to the host. `batch`, `spec` and `sent` must outlive it.
+  // own read back to the host. `values` are the pad values and fills of
+  // spec.layout for the batch's inputs (CheckLayout). `batch`, `spec`,
+  // `values` and `sent` must outlive it.
   DevicePass(const StepBatch& batch, const CallSpec& spec,
-             absl::Span<const MicroBatchPlace> sent, char* outputs,
-             int64_t output_bytes)
+             const LayoutValues& values, absl::Span<const MicroBatchPlace> sent,
+             char* outputs, int64_t output_bytes)
       : batch_(batch),
         spec_(spec),
+        values_(values),
         sent_(sent),
         outputs_(outputs),
         output_bytes_(output_bytes),
@@ -90,6 +94,7 @@ class DevicePass {
 
   const StepBatch& batch_;
   const CallSpec& spec_;
+  const LayoutValues& values_;
   const absl::Span<const MicroBatchPlace> sent_;
   char* const outputs_;
   const int64_t output_bytes_;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 #include <string>
 #include <utility>
 
@@ -120,12 +119,12 @@ absl::StatusOr<TensorView> RequestDecoder::AttachBytes(
       // output depends on active positions only: Backend::Gather); the rest
       // of the buffer may be read but never reaches the result.
       const int64_t row = bytes / view.shape[0];
-      std::vector<int64_t> every(row_extents->size());
-      std::iota(every.begin(), every.end(), 0);
-      GatherRowPrefixes(every, row_extents, row, row / view.shape[1], gathered,
-                        [&](int64_t from, int64_t n, char* to) {
-                          payload->CopyOut(from, n, to);
-                        });
+      GatherRowPrefixes(
+          view.shape[0], [](int64_t b) { return b; }, row_extents, row,
+          row / view.shape[1], gathered,
+          [&](int64_t from, int64_t n, char* to) {
+            payload->CopyOut(from, n, to);
+          });
     } else {
       payload->CopyOut(0, bytes, gathered);
     }

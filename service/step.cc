@@ -27,7 +27,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
       new TrainingStep(message.batch(), max_message_bytes, tenant));
   PACKD_ASSIGN_OR_RETURN(step->batch_,
                          StepBatch::Make(request, decoder, step->spec_));
-  PACKD_RETURN_IF_ERROR(step->CheckBatchLayout(message.plan()));
+  PACKD_ASSIGN_OR_RETURN(step->values_, step->CheckBatchLayout(message.plan()));
   v1::PlanRequest filled = message.plan();
   std::vector<MeasuredRow> rows;
   PACKD_RETURN_IF_ERROR(step->Measure(&filled, &rows));
@@ -65,7 +65,7 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
       step->outputs_.has_value() ? &*step->outputs_ : nullptr;
   if (DevicePass::Applies(*step->batch_, step->spec_, outputs,
                           step->output_bytes_)) {
-    step->pass_.emplace(*step->batch_, step->spec_, step->sent_,
+    step->pass_.emplace(*step->batch_, step->spec_, step->values_, step->sent_,
                         outputs != nullptr ? outputs->data : nullptr,
                         step->output_bytes_);
   }
@@ -73,14 +73,16 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   return step;
 }
 
-absl::Status TrainingStep::CheckBatchLayout(const v1::PlanRequest& plan) const {
+absl::StatusOr<LayoutValues> TrainingStep::CheckBatchLayout(
+    const v1::PlanRequest& plan) const {
   // Every micro-batch is packed with the batch's layout: a layout Pack would
   // refuse is refused before the plan is sent.
   const DecodedCall& call = batch_->call();
   std::vector<DType> dtypes;
   for (const TensorView& x : call.tensors) dtypes.push_back(x.dtype);
   const LayoutOptions& layout = spec_.layout;
-  absl::Status checked = CheckLayout(layout, dtypes).status();
+  absl::StatusOr<LayoutValues> values = CheckLayout(layout, dtypes);
+  absl::Status checked = values.status();
   if (checked.ok()) {
     checked = ValidateSharedPrefix(layout, call.mask.shape[0], dtypes.size(),
                                    call.segment_ids.has_value(),
@@ -95,7 +97,7 @@ absl::Status TrainingStep::CheckBatchLayout(const v1::PlanRequest& plan) const {
         "plan.groups must be empty with batch.shared_prefix: its groups are "
         "the planning units");
   }
-  return absl::OkStatus();
+  return values;
 }
 
 absl::Status TrainingStep::Measure(v1::PlanRequest* plan,
@@ -189,7 +191,7 @@ absl::Status TrainingStep::CheckSamePrompts(
 absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
                                   const std::vector<MeasuredRow>& rows) {
   const DecodedCall& call = batch_->call();
-  const int64_t position_bytes = HostGatherBytesPerPosition(
+  const HostGather gather = HostGather::Of(
       call.mask, call.segment_ids.has_value() ? &*call.segment_ids : nullptr,
       call.tensors);
   PACKD_ASSIGN_OR_RETURN(
@@ -198,7 +200,7 @@ absl::Status TrainingStep::Choose(const v1::PackMicroBatchesRequest& request,
           plan_,
           absl::MakeConstSpan(request.ranks().data(), request.ranks_size()),
           request.plan().num_ranks(), rows, spec_.layout, spec_.sizes,
-          call.tensors, position_bytes, max_message_bytes_));
+          call.tensors, gather, max_message_bytes_));
   sent_ = std::move(tables.sent);
   output_bytes_ = tables.output_bytes;
   max_micro_batch_bytes_ = tables.max_micro_batch_bytes;
@@ -271,9 +273,8 @@ absl::Status TrainingStep::PackMicroBatch(
   // on a stream of its own.
   PACKD_ASSIGN_OR_RETURN(
       const GatheredRows gathered,
-      batch_->Gather(rows,
-                     call.device.kind == DeviceKind::kCpu ? &extents_ : nullptr,
-                     /*inputs=*/true));
+      batch_->GatherRows(
+          rows, call.device.kind == DeviceKind::kCpu ? &extents_ : nullptr));
   PACKD_ASSIGN_OR_RETURN(PackResult result,
                          Pack(gathered.inputs, gathered.mask,
                               spec.PackOptionsFor(base, gathered.segment_ids)));

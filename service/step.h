@@ -106,8 +106,10 @@ class TrainingStep {
                const Tenant& tenant)
       : max_message_bytes_(max_message_bytes),
         spec_(CallSpec::Of(batch, "batch.", max_message_bytes, tenant)) {}
-  // The layout Pack would refuse for the batch, before anything is planned.
-  absl::Status CheckBatchLayout(const v1::PlanRequest& plan) const;
+  // The layout Pack would refuse for the batch, before anything is planned;
+  // otherwise its pad values and fills.
+  absl::StatusOr<LayoutValues> CheckBatchLayout(
+      const v1::PlanRequest& plan) const;
   // Measures the rows and fills the plan request's lengths, loss tokens and
   // costs; `rows` gets what it learns of each.
   absl::Status Measure(v1::PlanRequest* plan, std::vector<MeasuredRow>* rows);
@@ -127,6 +129,9 @@ class TrainingStep {
   // spec is derived from it (CallSpec::OfRows).
   const CallSpec spec_;
   std::unique_ptr<StepBatch> batch_;
+  // The layout's pad values and fills, checked once (the device pass writes
+  // them).
+  LayoutValues values_;
   // Per row: one past its last active position.
   std::vector<int64_t> extents_;
   // With batch.mrope: the grids and videos of each row (prefix arrays), so

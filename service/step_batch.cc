@@ -46,7 +46,8 @@ struct DeviceGather {
 
 // A view of rows `rows` of `x` ([B, S, ...]) gathered, kept in `held`: in
 // host memory into a pooled buffer (`extents`: only positions [0, extents[b])
-// of row b), or on x's device into its memory, queued on `device`'s stream.
+// of row b), or on x's device into its memory, queued on `device`'s stream
+// (which may be null for a tensor in host memory).
 absl::StatusOr<TensorView> GatherTensorRows(const TensorView& x,
                                             absl::Span<const int64_t> rows,
                                             const std::vector<int64_t>* extents,
@@ -78,11 +79,12 @@ absl::StatusOr<TensorView> GatherTensorRows(const TensorView& x,
   PACKD_ASSIGN_OR_RETURN(Buffer buffer,
                          HostBufferPool::Global().Acquire(bytes));
   const char* src = static_cast<const char*>(x.data);
-  GatherRowPrefixes(rows, extents, row, position,
-                    static_cast<char*>(buffer.data()),
-                    [src](int64_t from, int64_t n, char* to) {
-                      std::memcpy(to, src + from, n);
-                    });
+  GatherRowPrefixes(
+      static_cast<int64_t>(rows.size()), [&](int64_t j) { return rows[j]; },
+      extents, row, position, static_cast<char*>(buffer.data()),
+      [src](int64_t from, int64_t n, char* to) {
+        std::memcpy(to, src + from, n);
+      });
   out.data = buffer.data();
   held->push_back(std::move(buffer));
   return out;
@@ -211,26 +213,30 @@ absl::Status StepBatch::OnHost(
   return absl::OkStatus();
 }
 
-absl::StatusOr<GatheredRows> StepBatch::Gather(
-    absl::Span<const int64_t> rows, const std::vector<int64_t>* extents,
-    bool inputs) const {
+absl::StatusOr<GatheredRows> StepBatch::GatherMasks(
+    absl::Span<const int64_t> rows) const {
   GatheredRows out;
-  // Declared after `out`: however this returns, the device's copies are
-  // waited for before the buffers they write go.
-  DeviceGather device;
+  // Both in host memory: copied, no device work.
   PACKD_ASSIGN_OR_RETURN(out.mask, GatherTensorRows(host_mask_, rows, nullptr,
-                                                    &device, &out.held));
-  if (inputs) {
-    for (const TensorView& x : call_.tensors) {
-      PACKD_ASSIGN_OR_RETURN(
-          TensorView v, GatherTensorRows(x, rows, extents, &device, &out.held));
-      out.inputs.push_back(std::move(v));
-    }
-  }
+                                                    nullptr, &out.held));
   if (host_segment_ids_.has_value()) {
     PACKD_ASSIGN_OR_RETURN(out.segment_ids,
                            GatherTensorRows(*host_segment_ids_, rows, nullptr,
-                                            &device, &out.held));
+                                            nullptr, &out.held));
+  }
+  return out;
+}
+
+absl::StatusOr<GatheredRows> StepBatch::GatherRows(
+    absl::Span<const int64_t> rows, const std::vector<int64_t>* extents) const {
+  PACKD_ASSIGN_OR_RETURN(GatheredRows out, GatherMasks(rows));
+  // Declared after `out`: however this returns, the device's copies are
+  // waited for before the buffers they write go.
+  DeviceGather device;
+  for (const TensorView& x : call_.tensors) {
+    PACKD_ASSIGN_OR_RETURN(
+        TensorView v, GatherTensorRows(x, rows, extents, &device, &out.held));
+    out.inputs.push_back(std::move(v));
   }
   PACKD_RETURN_IF_ERROR(device.Wait());
   return out;

@@ -7,7 +7,7 @@
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(auto batch, StepBatch::Make(request, decoder, spec));
 //   Pack({batch->loss_mask().value_or(batch->mask())}, batch->mask(), host);
-//   PACKD_ASSIGN_OR_RETURN(GatheredRows rows, batch->Gather(samples, &extents, true));
+//   PACKD_ASSIGN_OR_RETURN(GatheredRows rows, batch->GatherRows(samples, &extents));
 // clang-format on
 #ifndef PACKD_SERVICE_STEP_BATCH_H_
 #define PACKD_SERVICE_STEP_BATCH_H_
@@ -71,14 +71,16 @@ class StepBatch {
   absl::StatusOr<TensorView> OnHost(const TensorView& t);
 
   // Rows `rows` of the batch, in that order, as a batch of their own: the
-  // mask and segment ids from their host copies; with `inputs`, each input
-  // too: in host memory into pooled buffers (only positions [0, extents[b])
-  // of row b when `extents` is given: what Pack on the host reads), or on
-  // its device, whole rows (DeviceRuntime::CopyRows), waited for before
-  // this returns.
-  absl::StatusOr<GatheredRows> Gather(absl::Span<const int64_t> rows,
-                                      const std::vector<int64_t>* extents,
-                                      bool inputs) const;
+  // mask and segment ids from their host copies, and each input: in host
+  // memory into pooled buffers (only positions [0, extents[b]) of row b when
+  // `extents` is given: what Pack on the host reads), or on its device, whole
+  // rows (DeviceRuntime::CopyRows), waited for before this returns.
+  absl::StatusOr<GatheredRows> GatherRows(
+      absl::Span<const int64_t> rows,
+      const std::vector<int64_t>* extents) const;
+  // The same rows' mask and segment ids alone (no inputs), in host memory.
+  absl::StatusOr<GatheredRows> GatherMasks(
+      absl::Span<const int64_t> rows) const;
 
   // The request's outputs, `slice`, resolved for `tenant`. INVALID_ARGUMENT
   // when it is a region on another device than the step's, or overlaps one

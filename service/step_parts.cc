@@ -108,7 +108,7 @@ absl::StatusOr<MicroBatchTables> PlaceMicroBatches(
     const v1::PlanResponse& plan, absl::Span<const int32_t> ranks,
     int32_t num_ranks, const std::vector<MeasuredRow>& rows,
     const LayoutOptions& layout, const PackSizes& sizes,
-    absl::Span<const TensorView> inputs, int64_t gathered_position_bytes,
+    absl::Span<const TensorView> inputs, const HostGather& gather,
     int64_t max_message_bytes) {
   const int32_t plan_ranks = std::max<int32_t>(num_ranks, 1);
   absl::flat_hash_set<int32_t> wanted;
@@ -124,7 +124,6 @@ absl::StatusOr<MicroBatchTables> PlaceMicroBatches(
           absl::StrCat("ranks[", i, "] repeats rank ", rank));
     }
   }
-  const int64_t seq = inputs.empty() ? 0 : inputs[0].shape[1];
   MicroBatchTables out;
   std::vector<int> index(plan_ranks, 0);
   for (const v1::MicroBatch& mb : plan.micro_batches()) {
@@ -165,10 +164,9 @@ absl::StatusOr<MicroBatchTables> PlaceMicroBatches(
           " bytes (--max_message_bytes): lower "
           "plan.max_tokens_per_micro_batch"));
     }
-    const int64_t gathered = SaturatingMul(
-        SaturatingMul(mb.samples_size(), seq), gathered_position_bytes);
     out.max_micro_batch_bytes =
-        std::max(out.max_micro_batch_bytes, SaturatingAdd(gathered, reply));
+        std::max(out.max_micro_batch_bytes,
+                 SaturatingAdd(gather.Bytes(mb.samples_size()), reply));
     // Its results' places in the outputs, each from a multiple of 64.
     MicroBatchPlace sent{&mb, at, {}, {}, {}};
     for (size_t r = 0; r < sizes.result_row_bytes.size(); ++r) {

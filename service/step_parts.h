@@ -125,8 +125,8 @@ struct MicroBatchTables {
 // The micro-batches of `plan` that the ranks `ranks` (all when empty) are
 // sent, in plan order, each checked against the layout and the message limit
 // and placed in the outputs. `rows` are the batch's rows measured; `inputs`
-// its tensors' headers ([B, S, *tail]); `gathered_position_bytes` what a
-// micro-batch gathers in host memory per position of its rows.
+// its tensors' headers ([B, S, *tail]); `gather` what a micro-batch's rows
+// take gathered in host memory.
 // INVALID_ARGUMENT for a rank outside 0 .. num_ranks - 1 or repeated, and the
 // layout's errors for a micro-batch (a `fixed` it does not fit), naming it;
 // RESOURCE_EXHAUSTED for a micro-batch whose message would pass
@@ -135,7 +135,7 @@ absl::StatusOr<MicroBatchTables> PlaceMicroBatches(
     const v1::PlanResponse& plan, absl::Span<const int32_t> ranks,
     int32_t num_ranks, const std::vector<MeasuredRow>& rows,
     const LayoutOptions& layout, const PackSizes& sizes,
-    absl::Span<const TensorView> inputs, int64_t gathered_position_bytes,
+    absl::Span<const TensorView> inputs, const HostGather& gather,
     int64_t max_message_bytes);
 
 }  // namespace packd

@@ -196,20 +196,22 @@ TEST(PackSizesTest, SumsSaturateAtInt64sEnd) {
   EXPECT_EQ(padded.MetadataBytes(kMax / 2, kMax / 2, kMax / 2), kMax);
 }
 
-// What a step gathers on the host per position: the mask, the ids and the
-// host inputs' positions; an input on a device is gathered there.
+// What a step gathers on the host per row: S positions of the mask, the ids
+// and the host inputs; an input on a device is gathered there.
 TEST(PackSizesTest, HostGatherBytesCountTheMaskTheIdsAndHostInputsOnly) {
   const TensorView mask{nullptr, DType::kBool, {4, 9}};
   const TensorView ids{nullptr, DType::kInt32, {4, 9}};
   const TensorView hidden{nullptr, DType::kFloat32, {4, 9, 3, 2}};
   TensorView on_device{nullptr, DType::kFloat64, {4, 9, 7}};
   on_device.device.kind = DeviceKind::kCuda;
-  EXPECT_EQ(HostGatherBytesPerPosition(mask, nullptr, {}), 1);
-  EXPECT_EQ(HostGatherBytesPerPosition(mask, &ids, {hidden}), 1 + 4 + 24);
-  EXPECT_EQ(HostGatherBytesPerPosition(mask, &ids, {hidden, on_device}),
-            1 + 4 + 24);
+  EXPECT_EQ(HostGather::Of(mask, nullptr, {}).Bytes(3), 3 * 9);
+  EXPECT_EQ(HostGather::Of(mask, &ids, {hidden}).Bytes(2),
+            2 * 9 * (1 + 4 + 24));
+  EXPECT_EQ(HostGather::Of(mask, &ids, {hidden, on_device}).Bytes(5),
+            5 * 9 * (1 + 4 + 24));
   const TensorView huge{nullptr, DType::kFloat64, {2, 3, kMax / 4, 5}};
-  EXPECT_EQ(HostGatherBytesPerPosition(mask, &ids, {hidden, huge}), kMax);
+  EXPECT_EQ(HostGather::Of(mask, &ids, {hidden, huge}).row_bytes, kMax);
+  EXPECT_EQ(HostGather::Of(mask, &ids, {hidden}).Bytes(kMax / 2), kMax);
 }
 
 }  // namespace

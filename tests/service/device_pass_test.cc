@@ -132,6 +132,7 @@ v1::PackResponse HostMessage(const Batch& batch, const CallSpec& spec,
 struct Step {
   std::vector<Buffer> held;
   CallSpec spec;
+  LayoutValues values;
   std::unique_ptr<StepBatch> batch;
   v1::PlanResponse plan;
   MicroBatchTables tables;
@@ -150,6 +151,13 @@ void MakeStep(Rng& rng, const Batch& batch, Step* step) {
       StepBatch::Of(std::move(call), std::nullopt);
   ASSERT_TRUE(made.ok()) << made.status();
   step->batch = std::move(*made);
+  std::vector<DType> dtypes;
+  for (const TensorView& x : step->batch->call().tensors) {
+    dtypes.push_back(x.dtype);
+  }
+  absl::StatusOr<LayoutValues> values = CheckLayout(step->spec.layout, dtypes);
+  ASSERT_TRUE(values.ok()) << values.status();
+  step->values = std::move(*values);
   PackOptions host;
   host.device = Device::Cpu();
   host.segment_ids = step->batch->segment_ids();
@@ -161,7 +169,7 @@ void MakeStep(Rng& rng, const Batch& batch, Step* step) {
   step->plan = RandomPlan(rng, batch.mask.size(0));
   absl::StatusOr<MicroBatchTables> tables = PlaceMicroBatches(
       step->plan, {}, 2, measured.rows, step->spec.layout, step->spec.sizes,
-      step->batch->call().tensors, /*gathered_position_bytes=*/64, kLimit);
+      step->batch->call().tensors, HostGather{64 * batch.mask.size(1)}, kLimit);
   ASSERT_TRUE(tables.ok()) << tables.status();
   step->tables = std::move(*tables);
 }
@@ -177,7 +185,7 @@ std::vector<int64_t> Samples(const MicroBatchPlace& place) {
 void ExpectHostMessages(const Batch& batch, const Step& step, char* outputs,
                         const std::vector<size_t>& order) {
   const std::vector<MicroBatchPlace>& sent = step.tables.sent;
-  const DevicePass pass(*step.batch, step.spec, sent, outputs,
+  const DevicePass pass(*step.batch, step.spec, step.values, sent, outputs,
                         step.tables.output_bytes);
   for (size_t k : order) {
     SCOPED_TRACE(::testing::Message() << "micro-batch " << k);

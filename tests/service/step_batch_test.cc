@@ -92,8 +92,7 @@ TEST(StepBatch, GathersRowsInPlanOrderUpToEachRowsExtent) {
       }
     }
     const std::vector<int64_t> rows = RandomRows(rng, B);
-    absl::StatusOr<GatheredRows> got =
-        (*step)->Gather(rows, &extents, /*inputs=*/true);
+    absl::StatusOr<GatheredRows> got = (*step)->GatherRows(rows, &extents);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(Bits(HostView(got->mask, batch.mask))
                     .equal(Bits(Index(batch.mask, rows))));
@@ -111,11 +110,15 @@ TEST(StepBatch, GathersRowsInPlanOrderUpToEachRowsExtent) {
       EXPECT_TRUE(
           tokens[j].slice(0, 0, n).equal(batch.tokens[rows[j]].slice(0, 0, n)));
     }
-    // Without inputs: the mask and ids only.
-    got = (*step)->Gather(rows, &extents, /*inputs=*/false);
+    // The mask and ids only.
+    got = (*step)->GatherMasks(rows);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(got->inputs.empty());
-    EXPECT_TRUE(got->segment_ids.has_value());
+    EXPECT_TRUE(Bits(HostView(got->mask, batch.mask))
+                    .equal(Bits(Index(batch.mask, rows))));
+    ASSERT_TRUE(got->segment_ids.has_value());
+    EXPECT_TRUE(
+        HostView(*got->segment_ids, batch.ids).equal(Index(batch.ids, rows)));
   }
 }
 
@@ -145,7 +148,7 @@ TEST(StepBatch, BringsItsPlanTensorsToTheHostAndGathersInputsOnTheDevice) {
   // Inputs gathered on their device, whole rows; the mask and ids from the
   // host copies.
   const std::vector<int64_t> rows = {4, 0, 0, 2};
-  absl::StatusOr<GatheredRows> got = b.Gather(rows, nullptr, /*inputs=*/true);
+  absl::StatusOr<GatheredRows> got = b.GatherRows(rows, nullptr);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(Bits(HostView(got->mask, batch.mask))
                   .equal(Bits(Index(batch.mask, rows))));

@@ -252,7 +252,7 @@ TEST(PlaceMicroBatches, PlacesEachResultFromAMultipleOf64) {
   const v1::PlanResponse plan = HandPlan();
   absl::StatusOr<MicroBatchTables> tables =
       PlaceMicroBatches(plan, {}, 2, rows, layout, sizes, inputs,
-                        /*gathered_position_bytes=*/10, int64_t{1} << 30);
+                        HostGather{10 * 20}, int64_t{1} << 30);
   ASSERT_TRUE(tables.ok()) << tables.status();
   ASSERT_EQ(tables->sent.size(), 3u);
   // Rows: every sequence padded to 8.
@@ -277,8 +277,8 @@ TEST(PlaceMicroBatches, PlacesEachResultFromAMultipleOf64) {
 
   // Rank 1 alone: its one micro-batch, placed from 0.
   const std::vector<int32_t> one = {1};
-  tables = PlaceMicroBatches(plan, one, 2, rows, layout, sizes, inputs, 10,
-                             int64_t{1} << 30);
+  tables = PlaceMicroBatches(plan, one, 2, rows, layout, sizes, inputs,
+                             HostGather{10 * 20}, int64_t{1} << 30);
   ASSERT_TRUE(tables.ok());
   ASSERT_EQ(tables->sent.size(), 1u);
   EXPECT_EQ(tables->sent[0].micro_batch, &plan.micro_batches(2));
@@ -295,7 +295,8 @@ TEST(PlaceMicroBatches, RefusesRanksFixedShapesAndMessagesByName) {
   auto place = [&](std::vector<int32_t> ranks, const LayoutOptions& l,
                    int64_t limit) {
     return PlaceMicroBatches(plan, ranks, 2, rows, l,
-                             PackSizes::Of(inputs, l, {}), inputs, 10, limit)
+                             PackSizes::Of(inputs, l, {}), inputs,
+                             HostGather{10 * 20}, limit)
         .status();
   };
   absl::Status s = place({2}, layout, 1 << 30);
