@@ -185,15 +185,16 @@ TEST(Metrics, ReadsTheGaugesAtEachScrape) {
   metrics.HoldMicroBatches(2);
   metrics.HoldMicroBatches(-1);
   std::string text = metrics.Render();
-  EXPECT_THAT(text, HasSubstr("packd_calls_in_flight 2\n"));
-  EXPECT_THAT(text, HasSubstr("packd_budget_bytes_in_use 4096\n"));
-  EXPECT_THAT(text, HasSubstr("packd_budget_bytes_limit 1073741824\n"));
-  EXPECT_THAT(text, HasSubstr("packd_budget_waiting 3\n"));
-  EXPECT_THAT(text, HasSubstr("packd_regions{kind=\"system\"} 0\n"));
-  EXPECT_THAT(text, HasSubstr("packd_regions{kind=\"device\"} 7\n"));
-  EXPECT_THAT(text, HasSubstr("# TYPE packd_regions_expired_total counter\n"
-                              "packd_regions_expired_total 5\n"));
-  EXPECT_THAT(text, HasSubstr("packd_step_micro_batches_held 1\n"));
+  for (const char* line :
+       {"packd_calls_in_flight 2\n", "packd_budget_bytes_in_use 4096\n",
+        "packd_budget_bytes_limit 1073741824\n", "packd_budget_waiting 3\n",
+        "packd_regions{kind=\"system\"} 0\n",
+        "packd_regions{kind=\"device\"} 7\n",
+        "# TYPE packd_regions_expired_total counter\n"
+        "packd_regions_expired_total 5\n",
+        "packd_step_micro_batches_held 1\n"}) {
+    EXPECT_THAT(text, HasSubstr(line));
+  }
   in_flight = 0;
   regions = 9;
   text = metrics.Render();
