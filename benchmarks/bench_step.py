@@ -133,8 +133,8 @@ def in_process(batch, ranks, max_tokens):
 def through_pack(client, batch, ranks, max_tokens):
     """(a): a plan, then one Pack of each micro-batch's rows."""
     tokens, logprobs, advantages, mask = batch
-    plan = client.plan_micro_batches(mask.sum(1).tolist(), max_tokens, num_ranks=ranks,
-                                     cost=COST)
+    plan = client.plan_micro_batches(mask.sum(1).tolist(), max_tokens,
+                                     plan=packd.PlanOptions(num_ranks=ranks, cost=COST))
     out = []
     for mb in plan.micro_batches:
         rows = torch.tensor(list(mb.samples), dtype=torch.long)

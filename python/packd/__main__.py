@@ -14,7 +14,7 @@ import grpc
 
 from packd import _wire
 from packd.client import Client, PackdError, Plan
-from packd.options import ConnectionOptions, TlsOptions, TokenOptions
+from packd.options import ConnectionOptions, PlanOptions, TlsOptions, TokenOptions
 
 # grpc.health.v1.Health/Check, encoded by hand (no grpcio-health-checking needed):
 # HealthCheckRequest {string service = 1}, HealthCheckResponse {ServingStatus status = 1}.
@@ -100,8 +100,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print("python -m packd: --cost takes two numbers, a,b", file=sys.stderr)
                 return 2
             plan = Plan.of(client.plan_micro_batches(
-                args.lengths, args.max_tokens, num_ranks=args.ranks,
-                loss_tokens=args.loss_tokens, cost=args.cost, pad_multiple=args.pad_multiple))
+                args.lengths, args.max_tokens,
+                plan=PlanOptions(num_ranks=args.ranks, cost=args.cost),
+                loss_tokens=args.loss_tokens, pad_multiple=args.pad_multiple))
             print(json.dumps({
                 "micro_batches_per_rank": plan.micro_batches_per_rank,
                 "global_loss_tokens": plan.global_loss_tokens,

@@ -323,42 +323,39 @@ class Client:
             regions.give_back(scratch)
         return dense[0] if single else dense
 
-    def plan_micro_batches(self, lengths: Sequence[int], max_tokens: int, *, num_ranks: int = 1,
-                           micro_batch_multiple: int = 1,
+    def plan_micro_batches(self, lengths: Sequence[int], max_tokens: int, *,
+                           plan: Optional[PlanOptions] = None,
                            loss_tokens: Optional[Sequence[int]] = None,
-                           cost: Optional[Tuple[Number, Number]] = None,
-                           costs: Optional[Sequence[Number]] = None,
-                           groups: Optional[Sequence[int]] = None, pad_multiple: int = 0,
-                           pipeline_order: bool = False) -> pb.PlanResponse:
-        """Plans micro-batches over data-parallel ranks (docs/design.md §9, §11).
+                           costs: Optional[Sequence[Number]] = None, pad_multiple: int = 0,
+                           **deprecated: Any) -> pb.PlanResponse:
+        """Plans micro-batches of at most max_tokens tokens over data-parallel ranks
+        (docs/design.md §9, §11), one sample per length, with `plan` (packd.PlanOptions, as
+        pack_micro_batches': num_ranks, micro_batch_multiple, cost, groups, pipeline_order).
 
-        cost=(a, b) balances ranks by a * P + b * P**2 for each sample (P: its length padded to
-        pad_multiple), e.g. (24576, 1) for a 7B-class model, (0, 1) for attention alone; or
-        costs= gives one cost per sample. Without either, the cost is P. groups= gives a group id
-        per sample: a group's samples share one micro-batch. The budget counts padded tokens.
-        pipeline_order=True emits each rank's micro-batches costliest in the middle.
+        plan.cost=(a, b) balances ranks by a * P + b * P**2 for each sample (P: its length padded
+        to pad_multiple), e.g. (24576, 1) for a 7B-class model, (0, 1) for attention alone; or
+        costs= gives one cost per sample. Without either, the cost is P. plan.groups gives a
+        group id per sample: a group's samples share one micro-batch. The budget counts padded
+        tokens. loss_tokens= gives each sample's loss tokens (default: its length). The plan's
+        fields as keywords still work for a release, with a PackdDeprecationWarning.
 
         Returns the PlanResponse: micro_batches (rank, samples, tokens, loss_tokens, cost,
         padded_tokens; by rank, then position), micro_batches_per_rank, imbalance (tokens),
         cost_imbalance, global_loss_tokens (divide the summed per-token loss of all micro-batches
         of all ranks by it) and global_sequences (divide a sum of per-sequence mean losses by it).
         """
-        if cost is not None and costs is not None:
-            raise ValueError("give cost=(a, b) or costs=, not both")
+        plan = with_deprecated("plan_micro_batches", "plan", plan, PlanOptions(), deprecated,
+                               _PLAN)
+        if plan.cost is not None and costs is not None:
+            raise ValueError("give plan.cost=(a, b) or costs=, not both")
         request = pb.PlanRequest(lengths=[int(v) for v in lengths],
                                  max_tokens_per_micro_batch=int(max_tokens),
-                                 num_ranks=num_ranks, micro_batch_multiple=micro_batch_multiple,
-                                 pad_multiple=int(pad_multiple),
-                                 pipeline_order=bool(pipeline_order))
+                                 pad_multiple=int(pad_multiple))
+        plan.to(request)
         if loss_tokens is not None:
             request.loss_tokens.extend(int(v) for v in loss_tokens)
-        if cost is not None:
-            a, b = cost
-            request.cost_per_token, request.cost_per_token_squared = float(a), float(b)
         if costs is not None:
             request.costs.extend(float(v) for v in costs)
-        if groups is not None:
-            request.groups.extend(int(v) for v in groups)
         return self._call(self._stub.PlanMicroBatches, request)
 
     def pack_micro_batches(self, x_or_tensors: TensorOrList, mask: torch.Tensor,

@@ -497,7 +497,8 @@ def check_step_device(gpu, client, s):
     def plan_and_pack():
         # Lengths as the step measures them: each document padded to 8.
         _, lengths, loss_tokens = measure(d["mask"], d["ids"], 8, d["loss_mask"])
-        plan = client.plan_micro_batches(lengths, s.budget, num_ranks=4,
+        plan = client.plan_micro_batches(lengths, s.budget,
+                                         plan=packd.PlanOptions(num_ranks=4),
                                          loss_tokens=loss_tokens)
         out = []
         for mb in plan.micro_batches:
@@ -519,7 +520,8 @@ def check_step_device(gpu, client, s):
 
     def in_torch():
         def plan(lengths, loss_tokens):
-            response = client.plan_micro_batches(lengths, s.budget, num_ranks=4,
+            response = client.plan_micro_batches(lengths, s.budget,
+                                                 plan=packd.PlanOptions(num_ranks=4),
                                                  loss_tokens=loss_tokens)
             return [(mb.rank, list(mb.samples)) for mb in response.micro_batches]
         return torch_step([d["tokens"], d["logprobs"]], d["mask"], d["ids"], pad_multiple=8,

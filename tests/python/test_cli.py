@@ -42,7 +42,8 @@ def test_plan_prints_the_servers_plan(address):
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     with packd.Client(address) as client:
-        want = packd.Plan.of(client.plan_micro_batches([900, 300, 2048, 50], 2048, num_ranks=2))
+        want = packd.Plan.of(client.plan_micro_batches([900, 300, 2048, 50], 2048,
+                                                       plan=packd.PlanOptions(num_ranks=2)))
     assert plan["micro_batches_per_rank"] == want.micro_batches_per_rank
     assert plan["global_loss_tokens"] == want.global_loss_tokens
     assert [m["samples"] for m in plan["micro_batches"]] == [m.samples for m in want.micro_batches]

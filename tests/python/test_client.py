@@ -15,7 +15,7 @@ import torch
 
 import packd
 from packd_server import PackdServer, unused_port
-from torch_reference import DTYPES, bits, random_tensor, raw, reference_scatter, same
+from torch_reference import DTYPES, bits, random_tensor, reference_scatter, same
 
 @pytest.fixture(scope="module")
 def client(address):
@@ -252,7 +252,8 @@ def test_device_slice_follows_the_ipc_offset_rule():
 
 def test_plan_micro_batches(client):
     lengths = [100, 2000, 3000, 50, 4096, 700, 10, 1500] * 8
-    plan = client.plan_micro_batches(lengths, 4096, num_ranks=2, micro_batch_multiple=2)
+    plan = client.plan_micro_batches(
+        lengths, 4096, plan=packd.PlanOptions(num_ranks=2, micro_batch_multiple=2))
     seen = sorted(i for mb in plan.micro_batches for i in mb.samples)
     assert seen == list(range(len(lengths)))
     assert plan.global_loss_tokens == sum(lengths)
@@ -271,8 +272,9 @@ def test_plan_micro_batches_by_cost(client):
     lengths = [rng.randint(1, 6000) for _ in range(300)]
     groups = [i // 2 for i in range(300)]  # pairs
     loss = [0 if i % 5 == 0 else n for i, n in enumerate(lengths)]
-    kwargs = dict(num_ranks=4, cost=(24576, 1), groups=groups, pad_multiple=8,
-                  pipeline_order=True, loss_tokens=loss)
+    kwargs = dict(plan=packd.PlanOptions(num_ranks=4, cost=(24576, 1), groups=groups,
+                                         pipeline_order=True),
+                  pad_multiple=8, loss_tokens=loss)
     plan = client.plan_micro_batches(lengths, 16384, **kwargs)
     assert plan == client.plan_micro_batches(lengths, 16384, **kwargs)  # deterministic
     seen = sorted(i for mb in plan.micro_batches for i in mb.samples)
@@ -288,11 +290,12 @@ def test_plan_micro_batches_by_cost(client):
     assert plan.global_sequences == sum(1 for v in loss if v > 0)
     assert plan.global_loss_tokens == sum(loss)
     assert plan.cost_imbalance < 1.01
-    by_costs = client.plan_micro_batches(lengths, 16384, num_ranks=2,
+    by_costs = client.plan_micro_batches(lengths, 16384, plan=packd.PlanOptions(num_ranks=2),
                                          costs=[float(n) ** 2 for n in lengths])
     assert by_costs.cost_imbalance >= 1.0
     with pytest.raises(ValueError):
-        client.plan_micro_batches(lengths, 16384, cost=(1, 1), costs=[1.0] * 300)
+        client.plan_micro_batches(lengths, 16384, plan=packd.PlanOptions(cost=(1, 1)),
+                                  costs=[1.0] * 300)
     with pytest.raises(packd.PackdError) as e:
         client.plan_micro_batches([1, 2], 10, costs=[1.0, -1.0])
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -228,6 +228,16 @@ def test_the_old_keywords_warn_name_their_replacement_and_give_the_same_results(
     assert old_step.plan == new_step.plan
     assert [same(a.result.packed, b.result.packed) for a, b in zip(old_step, new_step)] == [
         True] * len(new_step.plan.micro_batches)
+    # The plan alone, from lengths: the same PlanOptions.
+    lengths = [5, 900, 37, 1200, 64, 8]
+    plan = packd.PlanOptions(num_ranks=2, cost=(3, 1), groups=[0, 0, 1, 2, 2, 3],
+                             pipeline_order=True)
+    with pytest.warns(packd.PackdDeprecationWarning,
+                      match=r"plan_micro_batches\(cost=\.\.\., groups=\.\.\., num_ranks=\.\.\., "
+                      r"pipeline_order=\.\.\.\) is deprecated: pass plan=packd.PlanOptions\("):
+        old_plan = client.plan_micro_batches(lengths, 1300, num_ranks=2, cost=(3, 1),
+                                             groups=[0, 0, 1, 2, 2, 3], pipeline_order=True)
+    assert old_plan == client.plan_micro_batches(lengths, 1300, plan=plan)
 
 
 def test_the_old_keywords_beside_their_object_or_unknown_ones_are_refused(address):
@@ -241,6 +251,11 @@ def test_the_old_keywords_beside_their_object_or_unknown_ones_are_refused(addres
             client.scatter(torch.ones(2), mask, with_seq_idx=True)
         with pytest.raises(ValueError, match="groups and pipeline_order"):
             client.open_step(8, plan=packd.PlanOptions(groups=[0]))
+        with pytest.raises(ValueError, match="give plan= or the keywords num_ranks"):
+            client.plan_micro_batches([1, 2], 8, plan=packd.PlanOptions(), num_ranks=2)
+        with pytest.raises(ValueError, match="give plan.cost=.* or costs=, not both"):
+            client.plan_micro_batches([1, 2], 8, plan=packd.PlanOptions(cost=(1, 1)),
+                                      costs=[1, 2])
     with pytest.warns(packd.PackdDeprecationWarning,
                       match=r"shared_memory=packd.SharedMemoryOptions\(threshold_bytes=\.\.\.\)"):
         packd.Client(address, shm_threshold_bytes=0).close()

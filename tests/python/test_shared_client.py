@@ -75,9 +75,10 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
     plans = []
     for _ in range(3):
         lengths = [plan_rng.randint(1, 5000) for _ in range(200)]
-        kwargs = dict(num_ranks=plan_rng.randint(1, 8), cost=(24576, 1),
-                      groups=[i // 2 for i in range(200)], pad_multiple=16,
-                      pipeline_order=True)
+        kwargs = dict(plan=packd.PlanOptions(num_ranks=plan_rng.randint(1, 8), cost=(24576, 1),
+                                             groups=[i // 2 for i in range(200)],
+                                             pipeline_order=True),
+                      pad_multiple=16)
         plans.append((lengths, kwargs, client.plan_micro_batches(lengths, 16384, **kwargs)))
 
     def work(t):

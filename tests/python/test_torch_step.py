@@ -37,7 +37,8 @@ def test_the_torch_step_packs_what_packds_step_packs(address):
         planned = []
 
         def plan(lengths, loss_tokens):
-            response = client.plan_micro_batches(lengths, budget, num_ranks=ranks,
+            response = client.plan_micro_batches(lengths, budget,
+                                                 plan=packd.PlanOptions(num_ranks=ranks),
                                                  loss_tokens=loss_tokens)
             planned.append(response)
             return [(mb.rank, list(mb.samples)) for mb in response.micro_batches]

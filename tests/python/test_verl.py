@@ -111,8 +111,9 @@ def test_plans_against_verls_own_step(client, workload):
         rank_costs = [sum(cost(lengths, mb) for mb in rank) for rank in theirs]
         their_imbalance = max(rank_costs) / (sum(rank_costs) / ranks)
 
-        ours = client.plan_micro_batches(lengths, budget, num_ranks=ranks, cost=VERL_COST,
-                                         pipeline_order=True)
+        ours = client.plan_micro_batches(
+            lengths, budget,
+            plan=packd.PlanOptions(num_ranks=ranks, cost=VERL_COST, pipeline_order=True))
         assert ours.micro_batches_per_rank <= their_m, (name, ours.micro_batches_per_rank,
                                                         their_m)
         for mb in ours.micro_batches:
