@@ -6,6 +6,11 @@
 //   gpuError_t err = gpuMemcpyAsync(dst, src, n, gpuMemcpyDeviceToDevice, stream);
 //   if (err != gpuSuccess) return gpuGetErrorString(err);
 // clang-format on
+//
+// Each runtime below says how its names are spelled (PACKD_GPU_API for
+// functions, PACKD_GPU_CONSTANT for values, PACKD_GPU_TYPE for types) and
+// defines the few that are spelled otherwise; the one list of gpu* names
+// after them serves all three.
 #ifndef PACKD_KERNELS_GPU_GPU_RUNTIME_H_
 #define PACKD_KERNELS_GPU_GPU_RUNTIME_H_
 
@@ -18,45 +23,24 @@
 
 #define PACKD_GPU_NS fake_gpu
 #define PACKD_GPU_RUNTIME_NAME "fake GPU"
-using gpuError_t = fakegpu::Error;
-using gpuStream_t = fakegpu::Stream;
-using gpuIpcMemHandle_t = fakegpu::IpcMemHandle;
+#define PACKD_GPU_API(name) fakegpu::name
+#define PACKD_GPU_CONSTANT(name) fakegpu::k##name
+#define PACKD_GPU_TYPE(name) fakegpu::name
 using gpuDeviceProp_t = fakegpu::DeviceProp;
-constexpr gpuError_t gpuSuccess = fakegpu::kSuccess;
-constexpr gpuError_t gpuErrorMemoryAllocation = fakegpu::kErrorMemoryAllocation;
-#define gpuGetErrorString fakegpu::GetErrorString
-#define gpuGetLastError fakegpu::GetLastError
-#define gpuGetDeviceCount fakegpu::GetDeviceCount
-#define gpuSetDevice fakegpu::SetDevice
-#define gpuGetDevice fakegpu::GetDevice
-#define gpuMalloc fakegpu::Malloc
-#define gpuFree fakegpu::Free
 #define gpuMallocHost fakegpu::MallocHost
 #define gpuFreeHost fakegpu::FreeHost
-#define gpuMemcpyAsync fakegpu::MemcpyAsync
-#define gpuMemsetAsync fakegpu::MemsetAsync
-#define gpuMemGetInfo fakegpu::MemGetInfo
-#define gpuStreamSynchronize fakegpu::StreamSynchronize
-#define gpuStreamCreateWithFlags fakegpu::StreamCreateWithFlags
-#define gpuStreamNonBlocking fakegpu::kStreamNonBlocking
-#define gpuGetDeviceProperties fakegpu::GetDeviceProperties
-#define gpuIpcOpenMemHandle fakegpu::IpcOpenMemHandle
-#define gpuIpcCloseMemHandle fakegpu::IpcCloseMemHandle
-#define gpuIpcMemLazyEnablePeerAccess fakegpu::kIpcMemLazyEnablePeerAccess
-#define gpuMemcpyHostToDevice fakegpu::kHostToDevice
-#define gpuMemcpyDeviceToHost fakegpu::kDeviceToHost
-#define gpuMemcpyDeviceToDevice fakegpu::kDeviceToDevice
+#define gpuErrorMemoryAllocation fakegpu::kErrorMemoryAllocation
 
-inline gpuError_t gpuMemGetAddressRange(void** base, size_t* size,
-                                        const void* p) {
+inline fakegpu::Error gpuMemGetAddressRange(void** base, size_t* size,
+                                            const void* p) {
   return fakegpu::MemGetAddressRange(base, size, p);
 }
-inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
+inline fakegpu::Error gpuPointerGetDevice(int* device, const void* p) {
   return fakegpu::PointerGetDevice(device, p);
 }
-inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
+inline fakegpu::Error gpuDeviceUuid(unsigned char out[16], int device) {
   fakegpu::DeviceProp prop;
-  const gpuError_t err = fakegpu::GetDeviceProperties(&prop, device);
+  const fakegpu::Error err = fakegpu::GetDeviceProperties(&prop, device);
   for (int i = 0; i < 16; ++i) out[i] = prop.uuid.bytes[i];
   return err;
 }
@@ -71,54 +55,28 @@ inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
 
 #define PACKD_GPU_NS gpu
 #define PACKD_GPU_RUNTIME_NAME "HIP"
-using gpuError_t = hipError_t;
-using gpuStream_t = hipStream_t;
-using gpuIpcMemHandle_t = hipIpcMemHandle_t;
-using gpuEvent_t = hipEvent_t;
-#define gpuEventCreate hipEventCreate
-#define gpuEventRecord hipEventRecord
-#define gpuEventSynchronize hipEventSynchronize
-#define gpuEventElapsedTime hipEventElapsedTime
-constexpr gpuError_t gpuSuccess = hipSuccess;
-#define gpuGetErrorString hipGetErrorString
-#define gpuGetLastError hipGetLastError
-#define gpuGetDeviceCount hipGetDeviceCount
-#define gpuSetDevice hipSetDevice
-#define gpuGetDevice hipGetDevice
-#define gpuMalloc hipMalloc
-#define gpuFree hipFree
+#define PACKD_GPU_API(name) hip##name
+#define PACKD_GPU_CONSTANT(name) hip##name
+#define PACKD_GPU_TYPE(name) hip##name##_t
+using gpuDeviceProp_t = hipDeviceProp_t;
 #define gpuMallocHost hipHostMalloc
 #define gpuFreeHost hipHostFree
-#define gpuMemcpyAsync hipMemcpyAsync
-#define gpuMemsetAsync hipMemsetAsync
-#define gpuMemGetInfo hipMemGetInfo
-#define gpuStreamSynchronize hipStreamSynchronize
-#define gpuStreamCreateWithFlags hipStreamCreateWithFlags
-#define gpuStreamNonBlocking hipStreamNonBlocking
-using gpuDeviceProp_t = hipDeviceProp_t;
-#define gpuGetDeviceProperties hipGetDeviceProperties
-#define gpuIpcOpenMemHandle hipIpcOpenMemHandle
-#define gpuIpcCloseMemHandle hipIpcCloseMemHandle
-#define gpuIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
-#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
-#define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
-#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define gpuErrorMemoryAllocation hipErrorOutOfMemory
 
-inline gpuError_t gpuMemGetAddressRange(void** base, size_t* size,
+inline hipError_t gpuMemGetAddressRange(void** base, size_t* size,
                                         const void* p) {
   hipDeviceptr_t b = nullptr;
   const hipError_t err = hipMemGetAddressRange(&b, size, const_cast<void*>(p));
   *base = b;
   return err;
 }
-inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
+inline hipError_t gpuPointerGetDevice(int* device, const void* p) {
   hipPointerAttribute_t attributes;
   const hipError_t err = hipPointerGetAttributes(&attributes, p);
   *device = attributes.device;
   return err;
 }
-inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
+inline hipError_t gpuDeviceUuid(unsigned char out[16], int device) {
   hipUUID uuid;
   const hipError_t err = hipDeviceGetUuid(&uuid, device);
   for (int i = 0; i < 16; ++i)
@@ -136,50 +94,24 @@ inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
 
 #define PACKD_GPU_NS gpu
 #define PACKD_GPU_RUNTIME_NAME "CUDA"
-using gpuError_t = cudaError_t;
-using gpuStream_t = cudaStream_t;
-using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
-using gpuEvent_t = cudaEvent_t;
-#define gpuEventCreate cudaEventCreate
-#define gpuEventRecord cudaEventRecord
-#define gpuEventSynchronize cudaEventSynchronize
-#define gpuEventElapsedTime cudaEventElapsedTime
-constexpr gpuError_t gpuSuccess = cudaSuccess;
-#define gpuGetErrorString cudaGetErrorString
-#define gpuGetLastError cudaGetLastError
-#define gpuGetDeviceCount cudaGetDeviceCount
-#define gpuSetDevice cudaSetDevice
-#define gpuGetDevice cudaGetDevice
-#define gpuMalloc cudaMalloc
-#define gpuFree cudaFree
+#define PACKD_GPU_API(name) cuda##name
+#define PACKD_GPU_CONSTANT(name) cuda##name
+#define PACKD_GPU_TYPE(name) cuda##name##_t
+using gpuDeviceProp_t = cudaDeviceProp;
 #define gpuMallocHost cudaMallocHost
 #define gpuFreeHost cudaFreeHost
-#define gpuMemcpyAsync cudaMemcpyAsync
-#define gpuMemsetAsync cudaMemsetAsync
-#define gpuMemGetInfo cudaMemGetInfo
-#define gpuStreamSynchronize cudaStreamSynchronize
-#define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
-#define gpuStreamNonBlocking cudaStreamNonBlocking
-using gpuDeviceProp_t = cudaDeviceProp;
-#define gpuGetDeviceProperties cudaGetDeviceProperties
-#define gpuIpcOpenMemHandle cudaIpcOpenMemHandle
-#define gpuIpcCloseMemHandle cudaIpcCloseMemHandle
-#define gpuIpcMemLazyEnablePeerAccess cudaIpcMemLazyEnablePeerAccess
-#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
-#define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
-#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
 #define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
 
 // The driver's cuMemGetAddressRange, reached through the runtime so that packd
 // does not link the driver library (absent where there is no GPU).
-gpuError_t gpuMemGetAddressRange(void** base, size_t* size, const void* p);
-inline gpuError_t gpuPointerGetDevice(int* device, const void* p) {
+cudaError_t gpuMemGetAddressRange(void** base, size_t* size, const void* p);
+inline cudaError_t gpuPointerGetDevice(int* device, const void* p) {
   cudaPointerAttributes attributes;
   const cudaError_t err = cudaPointerGetAttributes(&attributes, p);
   *device = attributes.device;
   return err;
 }
-inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
+inline cudaError_t gpuDeviceUuid(unsigned char out[16], int device) {
   cudaDeviceProp prop;
   const cudaError_t err = cudaGetDeviceProperties(&prop, device);
   for (int i = 0; i < 16; ++i)
@@ -188,6 +120,39 @@ inline gpuError_t gpuDeviceUuid(unsigned char out[16], int device) {
 }
 
 #endif
+
+// The names every runtime has, spelled as above (the fake GPU has no
+// EventElapsedTime: gpu_check.cu, which times kernels, needs a device).
+using gpuError_t = PACKD_GPU_TYPE(Error);
+using gpuStream_t = PACKD_GPU_TYPE(Stream);
+using gpuEvent_t = PACKD_GPU_TYPE(Event);
+using gpuIpcMemHandle_t = PACKD_GPU_TYPE(IpcMemHandle);
+constexpr gpuError_t gpuSuccess = PACKD_GPU_CONSTANT(Success);
+#define gpuGetErrorString PACKD_GPU_API(GetErrorString)
+#define gpuGetLastError PACKD_GPU_API(GetLastError)
+#define gpuGetDeviceCount PACKD_GPU_API(GetDeviceCount)
+#define gpuSetDevice PACKD_GPU_API(SetDevice)
+#define gpuGetDevice PACKD_GPU_API(GetDevice)
+#define gpuGetDeviceProperties PACKD_GPU_API(GetDeviceProperties)
+#define gpuMalloc PACKD_GPU_API(Malloc)
+#define gpuFree PACKD_GPU_API(Free)
+#define gpuMemGetInfo PACKD_GPU_API(MemGetInfo)
+#define gpuMemcpyAsync PACKD_GPU_API(MemcpyAsync)
+#define gpuMemsetAsync PACKD_GPU_API(MemsetAsync)
+#define gpuMemcpyHostToDevice PACKD_GPU_CONSTANT(MemcpyHostToDevice)
+#define gpuMemcpyDeviceToHost PACKD_GPU_CONSTANT(MemcpyDeviceToHost)
+#define gpuMemcpyDeviceToDevice PACKD_GPU_CONSTANT(MemcpyDeviceToDevice)
+#define gpuStreamCreateWithFlags PACKD_GPU_API(StreamCreateWithFlags)
+#define gpuStreamSynchronize PACKD_GPU_API(StreamSynchronize)
+#define gpuStreamNonBlocking PACKD_GPU_CONSTANT(StreamNonBlocking)
+#define gpuEventCreate PACKD_GPU_API(EventCreate)
+#define gpuEventRecord PACKD_GPU_API(EventRecord)
+#define gpuEventSynchronize PACKD_GPU_API(EventSynchronize)
+#define gpuEventElapsedTime PACKD_GPU_API(EventElapsedTime)
+#define gpuIpcOpenMemHandle PACKD_GPU_API(IpcOpenMemHandle)
+#define gpuIpcCloseMemHandle PACKD_GPU_API(IpcCloseMemHandle)
+#define gpuIpcMemLazyEnablePeerAccess \
+  PACKD_GPU_CONSTANT(IpcMemLazyEnablePeerAccess)
 
 // Functions shared by host and device code.
 #if defined(__CUDACC__) || defined(__HIPCC__)

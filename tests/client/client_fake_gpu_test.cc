@@ -577,7 +577,7 @@ TEST_F(ClientFakeGpuTest, CallsWaitOnTheCallersStreamNotTheDevice) {
               fakegpu::kSuccess);
     fakegpu::testing::SetStreamDelay(absl::Milliseconds(200));
     EXPECT_EQ(fakegpu::MemcpyAsync(x.data_ptr(), host.data_ptr(), host.nbytes(),
-                                   fakegpu::kHostToDevice, callers),
+                                   fakegpu::kMemcpyHostToDevice, callers),
               fakegpu::kSuccess);
     fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
     return std::async(std::launch::async,
@@ -637,7 +637,7 @@ TEST_F(ClientFakeGpuTest, CallsWaitOnTheDefaultStreamNotTheDevice) {
   // The input, written late by the default stream.
   fakegpu::testing::SetStreamDelay(absl::Milliseconds(200));
   ASSERT_EQ(fakegpu::MemcpyAsync(x.data_ptr(), host.data_ptr(), host.nbytes(),
-                                 fakegpu::kHostToDevice, nullptr),
+                                 fakegpu::kMemcpyHostToDevice, nullptr),
             fakegpu::kSuccess);
   fakegpu::testing::SetStreamDelay(absl::ZeroDuration());
   gpu_->SetCallersStream(fakegpu::Stream{nullptr});  // the default stream

@@ -417,9 +417,9 @@ Error MemcpyAsync(void* dst, const void* src, size_t bytes, MemcpyKind kind,
   const int device = s->device;
   QueueFaulting(s, [=]() {
     const bool src_ok =
-        kind == kHostToDevice || AccessibleFrom(device, src, bytes);
+        kind == kMemcpyHostToDevice || AccessibleFrom(device, src, bytes);
     const bool dst_ok =
-        kind == kDeviceToHost || AccessibleFrom(device, dst, bytes);
+        kind == kMemcpyDeviceToHost || AccessibleFrom(device, dst, bytes);
     if (!src_ok || !dst_ok) return kErrorIllegalAddress;
     if (bytes > 0) std::memmove(dst, src, bytes);
     return kSuccess;

@@ -51,7 +51,11 @@ enum Error : int {
   kErrorLaunchFailure = 719,
 };
 
-enum MemcpyKind { kHostToDevice = 1, kDeviceToHost = 2, kDeviceToDevice = 3 };
+enum MemcpyKind {
+  kMemcpyHostToDevice = 1,
+  kMemcpyDeviceToHost = 2,
+  kMemcpyDeviceToDevice = 3,
+};
 constexpr unsigned kStreamNonBlocking = 1;
 constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;
 
