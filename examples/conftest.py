@@ -14,7 +14,7 @@ import packd  # noqa: E402
 
 @pytest.fixture(scope="module")
 def client():
-    with PackdServer(os.environ["PACKD_BINARY"]) as address:
+    with PackdServer() as address:
         with packd.Client(address) as c:
             yield c
 

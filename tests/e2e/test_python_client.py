@@ -60,7 +60,7 @@ def random_mask(dtype, B, S, density, gen):
 
 @pytest.fixture(scope="module")
 def server():
-    with PackdServer(os.environ["PACKD_BINARY"]) as address:
+    with PackdServer() as address:
         yield address
 
 
@@ -174,7 +174,7 @@ def test_a_budget_counts_what_calls_hold_not_a_multiple_of_a_guess():
     was refused as needing 384 MiB when results were counted as large as the inputs and every
     input as gathered), and the server's peak memory stays within the budget plus 512 MiB."""
     budget = 320 << 20
-    server = PackdServer(os.environ["PACKD_BINARY"], "--max_inflight_bytes=%d" % budget)
+    server = PackdServer("--max_inflight_bytes=%d" % budget)
     with server as address:
         opts = [("grpc.max_send_message_length", 1 << 30),
                 ("grpc.max_receive_message_length", 1 << 30)]

@@ -20,7 +20,7 @@ from packd.v1 import pack_service_pb2 as pb
 from fake_gpu_memory import FakeGpuMemory
 from packd_server import PackdServer
 from region_requests import region_pack_request
-from torch_reference import DTYPES, bits, random_tensor, reference_scatter, same
+from torch_reference import DTYPES, random_tensor, reference_scatter, same
 
 # This process's GPU i is physical device i; the server's index 0 is physical 1 and 1 is 0.
 SERVER_FLAGS = ("--fake_gpu_devices=2", "--fake_gpu_physical=1,0")
@@ -33,7 +33,7 @@ def gpu():
 
 @pytest.fixture(scope="module")
 def address():
-    with PackdServer(os.environ["PACKD_TESTING_BINARY"], *SERVER_FLAGS) as address:
+    with PackdServer(*SERVER_FLAGS, binary=os.environ["PACKD_TESTING_BINARY"]) as address:
         yield address
 
 
@@ -221,8 +221,8 @@ def test_freed_memory_is_unregistered_and_never_read_again(client, gpu):
 def test_a_region_freed_while_a_call_uses_it(gpu):
     """The client drops a region while the server still runs a call on it (packd_testing holds
     every call 1.5 s): the call completes on memory it holds, and the region is gone after."""
-    with PackdServer(os.environ["PACKD_TESTING_BINARY"], *SERVER_FLAGS,
-                     "--call_delay_ms=1500") as address, \
+    with PackdServer(*SERVER_FLAGS, "--call_delay_ms=1500",
+                     binary=os.environ["PACKD_TESTING_BINARY"]) as address, \
             packd.Client(address, gpu=packd.GpuOptions(device_memory=gpu)) as client:
         x, mask = gpu.put(torch.randn(2, 16, 4), 0), gpu.put(random_mask((2, 16)), 0)
         want = x[mask].clone()

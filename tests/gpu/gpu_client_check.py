@@ -116,7 +116,7 @@ class CudaGpu:
         torch.cuda.empty_cache()  # segments nothing holds go back to the driver
 
     def server(self):
-        return PackdServer(os.environ["PACKD_BINARY"], "--device=cpu",
+        return PackdServer("--device=cpu",
                            "--metrics_listen=127.0.0.1:%d" % METRICS_PORT)
 
 
@@ -145,7 +145,7 @@ class FakeGpu:
         gc.collect()  # a fake allocation is freed when its last tensor goes
 
     def server(self):
-        return PackdServer(os.environ["PACKD_BINARY"], "--fake_gpu_devices=1",
+        return PackdServer("--fake_gpu_devices=1",
                            "--metrics_listen=127.0.0.1:%d" % METRICS_PORT)
 
 

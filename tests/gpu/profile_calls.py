@@ -71,7 +71,7 @@ def main():
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     metrics = "127.0.0.1:%d" % free_port()
-    with PackdServer(os.environ["PACKD_BINARY"], "--device=cpu",
+    with PackdServer("--device=cpu",
                      "--metrics_listen=" + metrics) as address:
         client = packd.Client(address)
         gen = torch.Generator().manual_seed(7)

@@ -1,6 +1,5 @@
 """A real packd server for the model-family tests and the survey (PACKD_BINARY), and a client
 of it."""
-import os
 
 import pytest
 
@@ -9,7 +8,7 @@ from packd_server import PackdServer
 
 @pytest.fixture(scope="session")
 def address():
-    with PackdServer(os.environ["PACKD_BINARY"]) as address:
+    with PackdServer() as address:
         yield address
 
 

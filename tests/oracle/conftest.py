@@ -21,8 +21,8 @@ COVERAGE = collections.defaultdict(collections.Counter)
 @pytest.fixture(scope="session")
 def servers():
     binary = os.environ["PACKD_TESTING_BINARY"]
-    with PackdServer(binary, "--fake_gpu_devices=1") as span, \
-            PackdServer(binary, "--cpu_impl=torch") as torch_address:
+    with PackdServer("--fake_gpu_devices=1", binary=binary) as span, \
+            PackdServer("--cpu_impl=torch", binary=binary) as torch_address:
         yield {"span": (span, "cpu"), "torch": (torch_address, "cpu"),
                "fake_gpu": (span, "cuda:0"), "gpu_memory": (span, "gpu_memory")}
 

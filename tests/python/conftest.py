@@ -1,5 +1,4 @@
 """A real packd server for the Python client tests (PACKD_BINARY)."""
-import os
 
 import pytest
 
@@ -8,5 +7,5 @@ from packd_server import PackdServer
 
 @pytest.fixture(scope="session")
 def address():
-    with PackdServer(os.environ["PACKD_BINARY"]) as address:
+    with PackdServer() as address:
         yield address

@@ -20,7 +20,7 @@ address = f"127.0.0.1:{unused_port()}"
 code = code.replace(written, address)
 print("stack: " + ", ".join(f"{p} {metadata.version(p)}"
                             for p in ("torch", "grpcio", "protobuf", "numpy")))
-with PackdServer(binary, "--listen=" + address, "--device=cpu"):
+with PackdServer("--listen=" + address, "--device=cpu", binary=binary):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})

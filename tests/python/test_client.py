@@ -218,7 +218,7 @@ def test_shared_memory_and_inline_give_identical_bytes(address, client):
 def test_dns_addresses_default_to_round_robin():
     """dns:/// (a headless Kubernetes Service) balances over every address; calls work."""
     port = unused_port()
-    with PackdServer(os.environ["PACKD_BINARY"], f"--listen=127.0.0.1:{port}"):
+    with PackdServer(f"--listen=127.0.0.1:{port}"):
         for address, policy in [(f"dns:///127.0.0.1:{port}", "round_robin"),
                                 (f"127.0.0.1:{port}", None)]:
             with packd.Client(address,
@@ -358,7 +358,7 @@ def test_split_calls_equal_one_call(address):
 def test_bearer_token_from_file_or_environment(tmp_path, monkeypatch):
     tokens = tmp_path / "tokens"
     tokens.write_text("py-token\n")
-    with PackdServer(os.environ["PACKD_BINARY"], "--auth_token_file=%s" % tokens) as address:
+    with PackdServer("--auth_token_file=%s" % tokens) as address:
         mask = torch.ones(2, 3, dtype=torch.bool)
         x = torch.randn(2, 3, 4)
         monkeypatch.delenv("PACKD_TOKEN", raising=False)
@@ -381,7 +381,7 @@ def test_calls_lose_nothing_to_restarts():
     result. Calls refused by the draining server (UNAVAILABLE), cancelled by gRPC as the server
     shuts down (CANCELLED), or made while it is down are retried until it is back."""
     port = unused_port()
-    server = PackdServer(os.environ["PACKD_BINARY"], f"--listen=127.0.0.1:{port}")
+    server = PackdServer(f"--listen=127.0.0.1:{port}")
     stop = threading.Event()
     failures, calls = [], []
 
@@ -430,7 +430,7 @@ def test_calls_lose_nothing_to_restarts():
 def test_regions_come_back_after_their_lease_and_after_a_restart():
     """The scratch segment is leased; when the server drops it (lease run out, restart) the
     next call registers it again without the caller doing anything."""
-    server = PackdServer(os.environ["PACKD_BINARY"])
+    server = PackdServer()
     try:
         with packd.Client(
                 server.address,
@@ -468,7 +468,7 @@ def test_tls_and_mutual_tls(tmp_path):
     cert = lambda name: str(tmp_path / name)
     mask = torch.rand(3, 40) < 0.5
     x = random_tensor(torch.float16, (3, 40, 6))
-    with PackdServer(os.environ["PACKD_BINARY"], "--tls_cert_file=" + cert("server.pem"),
+    with PackdServer("--tls_cert_file=" + cert("server.pem"),
                      "--tls_key_file=" + cert("server.key"),
                      "--tls_client_ca_file=" + cert("ca.pem"),
                      "--health_listen=unix:{dir}/health.sock") as address:
@@ -642,7 +642,7 @@ def test_pack_micro_batches_goes_through_the_call_mechanism(tmp_path):
     never fit (RESOURCE_EXHAUSTED naming the flag) while smaller steps run; it is counted."""
     tokens = tmp_path / "tokens"
     tokens.write_text("step-token\n")
-    with PackdServer(os.environ["PACKD_BINARY"], "--auth_token_file=%s" % tokens,
+    with PackdServer("--auth_token_file=%s" % tokens,
                      "--max_inflight_bytes=4000000") as address:
         mask = torch.ones(64, 1024, dtype=torch.bool)
         x = torch.randn(64, 1024, 8)  # 2 MiB, its micro-batches more than the budget

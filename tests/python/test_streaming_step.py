@@ -280,7 +280,7 @@ def test_groups_held_count_against_the_memory_budget_until_their_rows_are_sent()
     from packd_server import PackdServer
     batch = corpus(seed=9, rows=12, seq=64)
     # A 4-row group holds about 5.4 KB (mask, token ids, loss mask, segment ids): two fit.
-    with PackdServer(os.environ["PACKD_BINARY"], "--max_inflight_bytes=12000") as address, \
+    with PackdServer("--max_inflight_bytes=12000") as address, \
             packd.Client(address) as client:
         for attempt in range(2):  # the second step finds the budget whole again
             with client.open_step(1 << 20, layout=LAYOUT) as step:

@@ -104,7 +104,7 @@ def world():
             os.chmod(os.path.join(root, d), 0o755)
         for f in files:
             os.chmod(os.path.join(root, f), 0o644)
-    with PackdServer(os.environ["PACKD_BINARY"], "--shm_key_prefix=/packd_tn") as address:
+    with PackdServer("--shm_key_prefix=/packd_tn") as address:
         os.chmod(os.path.dirname(address[len("unix:"):]), 0o755)
         yield address, public
     shutil.rmtree(public)

@@ -2,8 +2,10 @@
 directory, ready once grpc.health.v1 answers SERVING for packd.v1.PackService (the server's log
 is for people, not parsed), stopped with SIGTERM and required to exit 0.
 
-    with PackdServer(os.environ["PACKD_BINARY"]) as address:
+    with PackdServer() as address:              # the server under test: $PACKD_BINARY
         channel = grpc.insecure_channel(address)
+    with PackdServer("--shm_key_prefix=/t", binary=other) as address:  # flags, another binary
+        ...
 """
 import os
 import random
@@ -43,8 +45,18 @@ def unused_port():
     raise RuntimeError("no free loopback port")
 
 
+def binary_under_test():
+    """The packd the tests run: $PACKD_BINARY (ctest sets it)."""
+    binary = os.environ.get("PACKD_BINARY")
+    if not binary:
+        raise RuntimeError("PACKD_BINARY is not set: run the tests through ctest, or set it to "
+                           "the packd to test (e.g. PACKD_BINARY=build/bin/packd)")
+    return binary
+
+
 class PackdServer:
-    def __init__(self, binary, *flags, timeout=60.0):
+    def __init__(self, *flags, binary=None, timeout=60.0):
+        binary = binary or binary_under_test()
         self._dir = tempfile.TemporaryDirectory(prefix="packd-test-")
         self.address = "unix:" + os.path.join(self._dir.name, "packd.sock")
         # "{dir}" in a flag is the server's own directory; a --listen flag replaces the unix
