@@ -134,51 +134,42 @@ inline uint32_t FlagBits(uint64_t w) {
   return static_cast<uint32_t>(((w & kOnes) * 0x0102040810204080ULL) >> 56);
 }
 
-// Compress into a register and store it whole while a whole vector fits in
-// `room` elements (a compress store to memory is several times slower), then
-// compress stores.
-__attribute__((target("avx512f,popcnt"))) int64_t CompactAvx512_64(
-    const uint8_t* flags, const uint64_t* src, int64_t n, uint64_t* out,
-    int64_t room) {
-  int64_t k = 0, s = 0;
-  for (; s + 8 <= n && k + 8 <= room; s += 8) {
-    const uint32_t bits = FlagBits(Load64(flags + s));
-    _mm512_storeu_si512(
-        out + k, _mm512_maskz_compress_epi64(static_cast<__mmask8>(bits),
-                                             _mm512_loadu_si512(src + s)));
-    k += __builtin_popcount(bits);
-  }
-  for (; s + 8 <= n; s += 8) {
-    const uint32_t bits = FlagBits(Load64(flags + s));
-    _mm512_mask_compressstoreu_epi64(out + k, static_cast<__mmask8>(bits),
-                                     _mm512_loadu_si512(src + s));
-    k += __builtin_popcount(bits);
-  }
-  // Rows may be unaligned for the element's type (an element is a row of
-  // bytes, not necessarily one value): byte copies.
-  for (; s < n; ++s) {
-    if (flags[s]) std::memcpy(out + k++, src + s, sizeof(*src));
-  }
-  return k;
+// The flags of kLanes elements (a multiple of 8) as the bits of a mask.
+template <int kLanes>
+uint32_t VectorFlagBits(const uint8_t* flags) {
+  uint32_t bits = 0;
+  for (int i = 0; i < kLanes; i += 8) bits |= FlagBits(Load64(flags + i)) << i;
+  return bits;
 }
 
-__attribute__((target("avx512f,popcnt"))) int64_t CompactAvx512_32(
-    const uint8_t* flags, const uint32_t* src, int64_t n, uint32_t* out,
-    int64_t room) {
+// For elements of 4 or 8 bytes: compress into a register and store it whole
+// while a whole vector fits in `room` elements (a compress store to memory is
+// several times slower), then compress stores.
+template <typename T>
+__attribute__((target("avx512f,popcnt"))) int64_t CompactAvx512(
+    const uint8_t* flags, const T* src, int64_t n, T* out, int64_t room) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "a 512-bit vector's lanes");
+  constexpr int kLanes = 64 / sizeof(T);
   int64_t k = 0, s = 0;
-  for (; s + 16 <= n && k + 16 <= room; s += 16) {
-    const uint32_t bits =
-        FlagBits(Load64(flags + s)) | FlagBits(Load64(flags + s + 8)) << 8;
+  for (; s + kLanes <= n && k + kLanes <= room; s += kLanes) {
+    const uint32_t bits = VectorFlagBits<kLanes>(flags + s);
+    const __m512i v = _mm512_loadu_si512(src + s);
     _mm512_storeu_si512(
-        out + k, _mm512_maskz_compress_epi32(static_cast<__mmask16>(bits),
-                                             _mm512_loadu_si512(src + s)));
+        out + k,
+        sizeof(T) == 8
+            ? _mm512_maskz_compress_epi64(static_cast<__mmask8>(bits), v)
+            : _mm512_maskz_compress_epi32(static_cast<__mmask16>(bits), v));
     k += __builtin_popcount(bits);
   }
-  for (; s + 16 <= n; s += 16) {
-    const uint32_t bits =
-        FlagBits(Load64(flags + s)) | FlagBits(Load64(flags + s + 8)) << 8;
-    _mm512_mask_compressstoreu_epi32(out + k, static_cast<__mmask16>(bits),
-                                     _mm512_loadu_si512(src + s));
+  for (; s + kLanes <= n; s += kLanes) {
+    const uint32_t bits = VectorFlagBits<kLanes>(flags + s);
+    const __m512i v = _mm512_loadu_si512(src + s);
+    if (sizeof(T) == 8) {
+      _mm512_mask_compressstoreu_epi64(out + k, static_cast<__mmask8>(bits), v);
+    } else {
+      _mm512_mask_compressstoreu_epi32(out + k, static_cast<__mmask16>(bits),
+                                       v);
+    }
     k += __builtin_popcount(bits);
   }
   // Rows may be unaligned for the element's type (an element is a row of
@@ -244,26 +235,21 @@ void NeighbourChangesWith(const void* v, int64_t n, uint64_t* bits) {
   for (; 64 * w < n - 1; ++w) bits[w] = ChangeWordPortable<T>(p, n, w);
 }
 
-__attribute__((target("avx512f"))) uint64_t ChangeWordAvx512_32(
+// For elements of 4 or 8 bytes: a word of changes (bit j: element j differs
+// from element j + 1), a 512-bit vector at a time.
+template <typename T>
+__attribute__((target("avx512f"))) uint64_t ChangeWordAvx512(
     const unsigned char* p) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "a 512-bit vector's lanes");
+  constexpr int kLanes = 64 / sizeof(T);
   uint64_t word = 0;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 64 / kLanes; ++i) {
     const unsigned char* q = p + 64 * i;
-    const __mmask16 m = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(q),
-                                                 _mm512_loadu_si512(q + 4));
-    word |= static_cast<uint64_t>(m) << (16 * i);
-  }
-  return word;
-}
-
-__attribute__((target("avx512f"))) uint64_t ChangeWordAvx512_64(
-    const unsigned char* p) {
-  uint64_t word = 0;
-  for (int i = 0; i < 8; ++i) {
-    const unsigned char* q = p + 64 * i;
-    const __mmask8 m = _mm512_cmpneq_epi64_mask(_mm512_loadu_si512(q),
-                                                _mm512_loadu_si512(q + 8));
-    word |= static_cast<uint64_t>(m) << (8 * i);
+    const __m512i a = _mm512_loadu_si512(q);
+    const __m512i b = _mm512_loadu_si512(q + sizeof(T));
+    const uint64_t m = sizeof(T) == 8 ? _mm512_cmpneq_epi64_mask(a, b)
+                                      : _mm512_cmpneq_epi32_mask(a, b);
+    word |= m << (kLanes * i);
   }
   return word;
 }
@@ -301,28 +287,22 @@ __attribute__((target("avx2"))) uint64_t ChangeWordAvx2_16(
   return word;
 }
 
-__attribute__((target("avx2"))) uint64_t ChangeWordAvx2_32(
+// For elements of 4 or 8 bytes: each lane's sign bits, as a float's or a
+// double's, are its equality.
+template <typename T>
+__attribute__((target("avx2"))) uint64_t ChangeWordAvx2Wide(
     const unsigned char* p) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "a 256-bit vector's lanes");
+  constexpr int kLanes = 32 / sizeof(T);
   uint64_t word = 0;
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 64 / kLanes; ++i) {
     const unsigned char* q = p + 32 * i;
+    const __m256i a = PACKD_LOAD256(q), b = PACKD_LOAD256(q + sizeof(T));
     const uint32_t eq =
-        static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(
-            _mm256_cmpeq_epi32(PACKD_LOAD256(q), PACKD_LOAD256(q + 4)))));
-    word |= static_cast<uint64_t>(~eq & 0xffu) << (8 * i);
-  }
-  return word;
-}
-
-__attribute__((target("avx2"))) uint64_t ChangeWordAvx2_64(
-    const unsigned char* p) {
-  uint64_t word = 0;
-  for (int i = 0; i < 16; ++i) {
-    const unsigned char* q = p + 32 * i;
-    const uint32_t eq =
-        static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(
-            _mm256_cmpeq_epi64(PACKD_LOAD256(q), PACKD_LOAD256(q + 8)))));
-    word |= static_cast<uint64_t>(~eq & 0xfu) << (4 * i);
+        sizeof(T) == 8
+            ? _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(a, b)))
+            : _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)));
+    word |= static_cast<uint64_t>(~eq & ((1u << kLanes) - 1)) << (kLanes * i);
   }
   return word;
 }
@@ -336,10 +316,12 @@ void NeighbourChanges(const void* v, int64_t n, int width, uint64_t* bits,
   if (n < 2) return;
 #if PACKD_X86
   if (path == VectorPath::kAvx512 && width == 4) {
-    return NeighbourChangesWith<uint32_t, ChangeWordAvx512_32>(v, n, bits);
+    return NeighbourChangesWith<uint32_t, ChangeWordAvx512<uint32_t>>(v, n,
+                                                                      bits);
   }
   if (path == VectorPath::kAvx512 && width == 8) {
-    return NeighbourChangesWith<uint64_t, ChangeWordAvx512_64>(v, n, bits);
+    return NeighbourChangesWith<uint64_t, ChangeWordAvx512<uint64_t>>(v, n,
+                                                                      bits);
   }
   if (path >= VectorPath::kAvx2) {
     switch (width) {
@@ -348,9 +330,11 @@ void NeighbourChanges(const void* v, int64_t n, int width, uint64_t* bits,
       case 2:
         return NeighbourChangesWith<uint16_t, ChangeWordAvx2_16>(v, n, bits);
       case 4:
-        return NeighbourChangesWith<uint32_t, ChangeWordAvx2_32>(v, n, bits);
+        return NeighbourChangesWith<uint32_t, ChangeWordAvx2Wide<uint32_t>>(
+            v, n, bits);
       default:
-        return NeighbourChangesWith<uint64_t, ChangeWordAvx2_64>(v, n, bits);
+        return NeighbourChangesWith<uint64_t, ChangeWordAvx2Wide<uint64_t>>(
+            v, n, bits);
     }
   }
 #endif
@@ -370,12 +354,12 @@ int64_t CompactFlags(const uint8_t* flags, const void* src, int64_t n,
                      int width, void* out, int64_t room, VectorPath path) {
 #if PACKD_X86
   if (path == VectorPath::kAvx512 && width == 8) {
-    return CompactAvx512_64(flags, static_cast<const uint64_t*>(src), n,
-                            static_cast<uint64_t*>(out), room);
+    return CompactAvx512(flags, static_cast<const uint64_t*>(src), n,
+                         static_cast<uint64_t*>(out), room);
   }
   if (path == VectorPath::kAvx512 && width == 4) {
-    return CompactAvx512_32(flags, static_cast<const uint32_t*>(src), n,
-                            static_cast<uint32_t*>(out), room);
+    return CompactAvx512(flags, static_cast<const uint32_t*>(src), n,
+                         static_cast<uint32_t*>(out), room);
   }
 #endif
   switch (width) {
