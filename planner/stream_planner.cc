@@ -39,6 +39,7 @@ absl::StatusOr<StreamPlanner> StreamPlanner::Make(const Options& options) {
   }
   StreamPlanner planner(options);
   planner.rank_costs_.assign(planner.ranks(), 0.0);
+  planner.committed_.resize(planner.ranks());
   return planner;
 }
 
@@ -84,34 +85,10 @@ bool StreamPlanner::TryWave(Wave* wave) {
       floor * std::max<int64_t>(behind, 1) + reserve) {
     return false;
   }
-  // Largest first, each into the micro-batch of the rank whose cost would be
-  // least with it (a unit over the budget only into an empty one), water-
-  // filling the ranks' costs under the budget.
-  std::vector<size_t> order(pool_.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return pool_[a].length > pool_[b].length;
-  });
-  std::vector<MicroBatch> bins(R);
-  std::vector<char> taken(pool_.size(), 0);
+  std::vector<MicroBatch> bins;
+  std::vector<char> taken;
+  WaterFill(&bins, &taken);
   auto total_cost = [&](int r) { return rank_costs_[r] + bins[r].cost; };
-  for (size_t i : order) {
-    const StreamUnit& u = pool_[i];
-    int best = -1;
-    for (int r = 0; r < R; ++r) {
-      const bool fits =
-          bins[r].padded_tokens + u.length <= budget || bins[r].samples.empty();
-      if (fits && (best < 0 || total_cost(r) < total_cost(best))) best = r;
-    }
-    if (best < 0) continue;
-    MicroBatch& m = bins[best];
-    m.samples.push_back(u.id);
-    m.tokens += u.length;
-    m.padded_tokens += u.length;
-    m.loss_tokens += u.loss_tokens;
-    m.cost += u.cost;
-    taken[i] = 1;
-  }
   // Committed when every rank is filled, or already costs as much as the
   // least costly filled one: more for it now would only unbalance the step.
   double least_filled = -1;
@@ -128,25 +105,101 @@ bool StreamPlanner::TryWave(Wave* wave) {
       return false;
     }
   }
-  std::vector<StreamUnit> rest;
   int64_t kept = 0;
   for (size_t i = 0; i < pool_.size(); ++i) {
-    if (!taken[i]) {
-      rest.push_back(pool_[i]);
-      kept += pool_[i].length;
-    }
+    if (!taken[i]) kept += pool_[i].length;
   }
   if (static_cast<double>(kept) < reserve) return false;
+  Commit(&bins, taken, wave);
+  return true;
+}
+
+bool StreamPlanner::CommitUnderFilled(Wave* wave) {
+  if (closed_ || pool_.empty()) return false;
+  std::vector<MicroBatch> bins;
+  std::vector<char> taken;
+  WaterFill(&bins, &taken);
+  Commit(&bins, taken, wave);
+  return true;
+}
+
+void StreamPlanner::WaterFill(std::vector<MicroBatch>* bins,
+                              std::vector<char>* taken) const {
+  const int32_t R = ranks();
+  const int64_t budget = options_.plan.max_tokens_per_micro_batch;
+  // Largest first, each into the micro-batch of the rank whose cost would be
+  // least with it (a unit over the budget only into an empty one), water-
+  // filling the ranks' costs under the budget.
+  std::vector<size_t> order(pool_.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return pool_[a].length > pool_[b].length;
+  });
+  bins->assign(R, MicroBatch{});
+  taken->assign(pool_.size(), 0);
+  auto total_cost = [&](int r) { return rank_costs_[r] + (*bins)[r].cost; };
+  for (size_t i : order) {
+    const StreamUnit& u = pool_[i];
+    int best = -1;
+    for (int r = 0; r < R; ++r) {
+      const bool fits = (*bins)[r].padded_tokens + u.length <= budget ||
+                        (*bins)[r].samples.empty();
+      if (fits && (best < 0 || total_cost(r) < total_cost(best))) best = r;
+    }
+    if (best < 0) continue;
+    MicroBatch& m = (*bins)[best];
+    m.samples.push_back(u.id);
+    m.tokens += u.length;
+    m.padded_tokens += u.length;
+    m.loss_tokens += u.loss_tokens;
+    m.cost += u.cost;
+    (*taken)[i] = 1;
+  }
+}
+
+void StreamPlanner::Commit(std::vector<MicroBatch>* bins,
+                           const std::vector<char>& taken, Wave* wave) {
+  const int32_t R = ranks();
+  std::vector<StreamUnit> rest;
+  for (size_t i = 0; i < pool_.size(); ++i) {
+    if (!taken[i]) rest.push_back(pool_[i]);
+  }
   pool_ = std::move(rest);
   wave->micro_batches.assign(R, MicroBatch{});
   for (int r = 0; r < R; ++r) {
-    std::sort(bins[r].samples.begin(), bins[r].samples.end());
-    bins[r].rank = r;
-    rank_costs_[r] += bins[r].cost;
-    wave->micro_batches[r] = std::move(bins[r]);
+    MicroBatch& b = (*bins)[r];
+    std::sort(b.samples.begin(), b.samples.end());
+    b.rank = r;
+    rank_costs_[r] += b.cost;
+    committed_[r].push_back(b);
+    wave->micro_batches[r] = std::move(b);
   }
   ++waves_;
-  return true;
+}
+
+Plan StreamPlanner::plan() const {
+  Plan plan;
+  plan.micro_batches_per_rank = waves_;
+  plan.global_loss_tokens = loss_tokens_;
+  int64_t most_tokens = 0, all_tokens = 0;
+  double most_cost = 0, all_cost = 0;
+  for (const std::vector<MicroBatch>& rank : committed_) {
+    int64_t tokens = 0;
+    double cost = 0;
+    for (const MicroBatch& m : rank) {
+      plan.micro_batches.push_back(m);
+      tokens += m.tokens;
+      cost += m.cost;
+    }
+    most_tokens = std::max(most_tokens, tokens);
+    most_cost = std::max(most_cost, cost);
+    all_tokens += tokens;
+    all_cost += cost;
+  }
+  const double R = static_cast<double>(committed_.size());
+  plan.imbalance = all_tokens > 0 ? most_tokens * R / all_tokens : 1.0;
+  plan.cost_imbalance = all_cost > 0 ? most_cost * R / all_cost : 1.0;
+  return plan;
 }
 
 absl::StatusOr<std::vector<Wave>> StreamPlanner::Close() {
@@ -237,6 +290,9 @@ absl::StatusOr<std::vector<Wave>> StreamPlanner::Close() {
       b.rank = r;
       waves[j].micro_batches[r] = std::move(b);
     }
+  }
+  for (const Wave& w : waves) {
+    for (int32_t r = 0; r < R; ++r) committed_[r].push_back(w.micro_batches[r]);
   }
   pool_.clear();
   waves_ = padded;

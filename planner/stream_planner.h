@@ -71,10 +71,21 @@ class StreamPlanner {
   // Close(); the unit is then not added.
   absl::StatusOr<std::vector<Wave>> Add(const StreamUnit& unit);
 
+  // Commits one wave of what the pool holds now, water-filled as a wave is
+  // but under-filled if need be and leaving no reserve: what its owner does
+  // when the units it holds back fill its memory, so that they never pin it.
+  // False (nothing committed) when the pool is empty or the plan is closed.
+  bool CommitUnderFilled(Wave* wave);
+
   // Plans every unit still in the pool as PlanMicroBatches would (the same
   // errors), then pads every rank to a multiple of micro_batch_multiple with
   // empty micro-batches; its waves follow the committed ones. At most once.
   absl::StatusOr<std::vector<Wave>> Close();
+
+  // Every micro-batch committed so far, by rank then position (samples are
+  // unit ids), with the plan's counts and balance: after Close, the step's
+  // whole plan (global_sequences, which units do not tell, left 0).
+  Plan plan() const;
 
   // Each rank's summed cost of the micro-batches committed so far.
   const std::vector<double>& rank_costs() const { return rank_costs_; }
@@ -91,11 +102,21 @@ class StreamPlanner {
   }
   // Commits one wave from the pool when it can fill every rank; true if so.
   bool TryWave(Wave* wave);
+  // Each rank's micro-batch of the pool's units, largest first into the rank
+  // that costs least with it, under the budget; `taken` marks the units
+  // placed.
+  void WaterFill(std::vector<MicroBatch>* bins, std::vector<char>* taken) const;
+  // Commits `bins` as the next wave and takes the units `taken` marks out of
+  // the pool.
+  void Commit(std::vector<MicroBatch>* bins, const std::vector<char>& taken,
+              Wave* wave);
 
   Options options_;
   std::vector<StreamUnit> pool_;
   std::unordered_set<int64_t> ids_;  // every id added
   std::vector<double> rank_costs_;
+  // By rank: every micro-batch committed.
+  std::vector<std::vector<MicroBatch>> committed_;
   int64_t waves_ = 0;
   int64_t loss_tokens_ = 0;
   bool closed_ = false;

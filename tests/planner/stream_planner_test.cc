@@ -33,23 +33,33 @@ struct Streamed {
   std::vector<Wave> waves;  // committed while units arrived, then the rest
   int64_t committed_before_close = 0;
   int64_t loss_tokens = 0;
+  Plan plan;  // the planner's own account of the step's plan
 };
 
+// `under_filled_every`: after every that many units, an under-filled wave
+// (as a step whose held rows fill its memory commits); 0: none.
 Streamed Stream(const std::vector<StreamUnit>& units,
-                const StreamPlanner::Options& options) {
+                const StreamPlanner::Options& options,
+                size_t under_filled_every = 0) {
   absl::StatusOr<StreamPlanner> planner = StreamPlanner::Make(options);
   EXPECT_TRUE(planner.ok()) << planner.status();
   Streamed out;
-  for (const StreamUnit& u : units) {
-    absl::StatusOr<std::vector<Wave>> waves = planner->Add(u);
+  for (size_t i = 0; i < units.size(); ++i) {
+    absl::StatusOr<std::vector<Wave>> waves = planner->Add(units[i]);
     EXPECT_TRUE(waves.ok()) << waves.status();
     for (Wave& w : *waves) out.waves.push_back(std::move(w));
+    Wave forced;
+    if (under_filled_every > 0 && (i + 1) % under_filled_every == 0 &&
+        planner->CommitUnderFilled(&forced)) {
+      out.waves.push_back(std::move(forced));
+    }
   }
   out.committed_before_close = static_cast<int64_t>(out.waves.size());
   absl::StatusOr<std::vector<Wave>> rest = planner->Close();
   EXPECT_TRUE(rest.ok()) << rest.status();
   for (Wave& w : *rest) out.waves.push_back(std::move(w));
   out.loss_tokens = planner->loss_tokens();
+  out.plan = planner->plan();
   return out;
 }
 
@@ -90,6 +100,24 @@ std::string Broken(const Streamed& s, const std::vector<StreamUnit>& units,
   const int64_t multiple = std::max(options.plan.micro_batch_multiple, 1);
   if (s.waves.size() % multiple != 0) return "micro-batches not a multiple";
   if (loss != s.loss_tokens) return "the divisor is not every unit's loss";
+  // The plan: every wave's micro-batches, by rank then position.
+  const Plan& plan = s.plan;
+  if (plan.micro_batches_per_rank != static_cast<int64_t>(s.waves.size()) ||
+      plan.micro_batches.size() != s.waves.size() * R ||
+      plan.global_loss_tokens != s.loss_tokens) {
+    return "the plan's counts differ from the waves'";
+  }
+  for (size_t k = 0; k < plan.micro_batches.size(); ++k) {
+    const MicroBatch& want =
+        s.waves[k % s.waves.size()].micro_batches[k / s.waves.size()];
+    if (plan.micro_batches[k].samples != want.samples ||
+        plan.micro_batches[k].rank != want.rank) {
+      return "the plan's micro-batches are not the waves'";
+    }
+  }
+  if (plan.imbalance < 1.0 - 1e-12 || plan.cost_imbalance < 1.0 - 1e-12) {
+    return "an imbalance below 1";
+  }
   return "";
 }
 
@@ -130,6 +158,61 @@ TEST(StreamPlanner, KeepsEveryRuleOnRandomInputs) {
     const Streamed s = Stream(units, options);
     EXPECT_EQ(Broken(s, units, options), "");
   }
+}
+
+TEST(StreamPlanner, UnderFilledWavesKeepEveryRule) {
+  std::mt19937_64 rng = Fresh();
+  for (int trial = 0; trial < 100; ++trial) {
+    const int64_t n = std::vector<int64_t>{1, 5, 40, 300}[trial % 4];
+    StreamPlanner::Options options;
+    options.plan.num_ranks = 1 + static_cast<int32_t>(rng() % 8);
+    options.plan.micro_batch_multiple = static_cast<int32_t>(rng() % 3);
+    options.plan.max_tokens_per_micro_batch = 1 + rng() % 8000;
+    options.reserve = (rng() % 4) / 2.0;
+    std::vector<int64_t> lengths = UniformLengths(rng, n, 0, 6000);
+    PlanOptions model;
+    model.cost_per_token_squared = 1;
+    const std::vector<StreamUnit> units = Units(lengths, model, rng);
+    SCOPED_TRACE(::testing::Message()
+                 << "n " << n << " ranks " << options.plan.num_ranks
+                 << " budget " << options.plan.max_tokens_per_micro_batch);
+    const Streamed s = Stream(units, options, 1 + rng() % 7);
+    EXPECT_EQ(Broken(s, units, options), "");
+  }
+}
+
+TEST(StreamPlanner, AnUnderFilledWaveTakesWhatThePoolHoldsUnderTheBudget) {
+  StreamPlanner::Options options;
+  options.plan.num_ranks = 2;
+  options.plan.max_tokens_per_micro_batch = 100;
+  options.fill = 0.9;
+  options.reserve = 1;
+  absl::StatusOr<StreamPlanner> planner = StreamPlanner::Make(options);
+  ASSERT_TRUE(planner.ok());
+  Wave wave;
+  EXPECT_FALSE(planner->CommitUnderFilled(&wave)) << "an empty pool";
+  // Rows of 60 and 44: no two fill a micro-batch to 90, so no wave commits
+  // however many arrive (and the reserve holds back two micro-batches more).
+  for (int64_t id = 0; id < 6; ++id) {
+    const int64_t len = id % 2 ? 44 : 60;
+    absl::StatusOr<std::vector<Wave>> waves =
+        planner->Add({id, len, len, static_cast<double>(len)});
+    ASSERT_TRUE(waves.ok());
+    EXPECT_TRUE(waves->empty()) << id;
+  }
+  ASSERT_TRUE(planner->CommitUnderFilled(&wave));
+  ASSERT_EQ(wave.micro_batches.size(), 2u);
+  int64_t placed = 0;
+  for (const MicroBatch& m : wave.micro_batches) {
+    EXPECT_LE(m.padded_tokens, 100);
+    EXPECT_GT(m.padded_tokens, 0) << "every rank gets rows";
+    placed += static_cast<int64_t>(m.samples.size());
+  }
+  EXPECT_EQ(planner->pending(), 6u - static_cast<size_t>(placed));
+  EXPECT_EQ(planner->waves(), 1);
+  absl::StatusOr<std::vector<Wave>> rest = planner->Close();
+  ASSERT_TRUE(rest.ok());
+  EXPECT_FALSE(planner->CommitUnderFilled(&wave)) << "after the close";
 }
 
 TEST(StreamPlanner, CommitsAWaveOnlyOnceEveryRankIsFilled) {
