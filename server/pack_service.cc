@@ -136,13 +136,14 @@ PackServiceImpl::OpenStep(grpc::CallbackServerContext* context) {
 grpc::ServerUnaryReactor* PackServiceImpl::SubmitGroup(
     grpc::CallbackServerContext* context, const v1::SubmitGroupRequest* request,
     v1::SubmitGroupResponse* response) {
-  return calls_.Unary(context, "SubmitGroup", Draining::kRefused, *request,
-                      response, [=](const Tenant& tenant) -> absl::Status {
-                        PACKD_ASSIGN_OR_RETURN(
-                            std::shared_ptr<StreamingStep> step,
-                            steps_.Find(request->step_id()));
-                        return step->Submit(tenant, *request, response);
-                      });
+  return calls_.Unary(
+      context, "SubmitGroup", Draining::kRefused, *request, response,
+      [=](const Tenant& tenant) -> absl::Status {
+        PACKD_ASSIGN_OR_RETURN(
+            std::shared_ptr<StreamingStep> step,
+            steps_.Find(tenant, request->step_id(), StepAccess::kSubmit));
+        return step->Submit(tenant, *request, response);
+      });
 }
 
 grpc::ServerWriteReactor<v1::PackMicroBatchesResponse>*

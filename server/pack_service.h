@@ -42,7 +42,7 @@
 #include "server/rpc_runner.h"
 #include "service/memory_budget.h"
 #include "service/service_core.h"
-#include "service/stream_step.h"
+#include "service/step_registry.h"
 
 namespace packd {
 

@@ -14,30 +14,30 @@ OpenStepReactor::OpenStepReactor(RpcRunner* calls, StepRegistry* steps,
   absl::StatusOr<Tenant> admitted = calls_->Admit(*context, Draining::kRefused);
   if (!admitted.ok()) {
     absl::MutexLock lock(&mu_);
-    End(admitted.status());
+    EndLocked(admitted.status());
     return;
   }
   admitted_ = true;
-  tenant_ = admitted->name;
+  tenant_ = *std::move(admitted);
   listener_ = std::make_shared<StepListener>([this] { Wake(); });
   StartRead(&control_);
 }
 
 void OpenStepReactor::OnReadDone(bool ok) {
   std::shared_ptr<StreamingStep> step;
-  bool close_read = false;
+  Phase phase;
   {
     absl::MutexLock lock(&mu_);
-    if (finished_) return;
+    if (phase_ == Phase::kFinished) return;
     step = step_;
-    close_read = close_read_;
+    phase = phase_;
   }
   if (!ok) {
-    if (step == nullptr) {
+    if (phase == Phase::kAwaitingOpen) {
       absl::MutexLock lock(&mu_);
-      End(absl::InvalidArgumentError(
+      EndLocked(absl::InvalidArgumentError(
           "the controller's stream ended before it opened a step"));
-    } else if (!close_read) {
+    } else if (phase == Phase::kOpen) {
       step->Fail(absl::CancelledError(absl::StrCat(
           "step ", step->id(),
           "'s controller stream ended before it closed the step")));
@@ -53,13 +53,14 @@ void OpenStepReactor::OnReadDone(bool ok) {
       return;
     }
     absl::StatusOr<std::shared_ptr<StreamingStep>> opened =
-        steps_->Open(control_.open());
+        steps_->Open(tenant_, control_.open());
     absl::MutexLock lock(&mu_);
     if (!opened.ok()) {
-      End(opened.status());
+      EndLocked(opened.status());
       return;
     }
     step_ = *opened;
+    phase_ = Phase::kOpen;
     step_->SetController(listener_);
     opened_.set_step_id(step_->id());
     opened_.set_address(steps_->address());
@@ -71,17 +72,17 @@ void OpenStepReactor::OnReadDone(bool ok) {
   if (control_.has_close()) {
     if (step == nullptr) {
       absl::MutexLock lock(&mu_);
-      End(absl::InvalidArgumentError("close came before open"));
+      EndLocked(absl::InvalidArgumentError("close came before open"));
       return;
     }
     {
       absl::MutexLock lock(&mu_);
-      close_read_ = true;
+      if (phase_ == Phase::kOpen) phase_ = Phase::kClosing;
     }
     const absl::Status closed = step->Close();
     if (!closed.ok()) {
       absl::MutexLock lock(&mu_);
-      End(closed);
+      EndLocked(closed);
       return;
     }
     StartRead(&control_);
@@ -93,7 +94,7 @@ void OpenStepReactor::OnReadDone(bool ok) {
     step->Fail(bad);
   } else {
     absl::MutexLock lock(&mu_);
-    End(bad);
+    EndLocked(bad);
   }
 }
 
@@ -101,48 +102,50 @@ void OpenStepReactor::Wake() {
   std::shared_ptr<StreamingStep> step;
   {
     absl::MutexLock lock(&mu_);
-    if (finished_ || step_ == nullptr || summary_ready_) return;
+    if (phase_ == Phase::kAwaitingOpen || phase_ >= Phase::kSummaryReady) {
+      return;
+    }
     step = step_;
   }
   v1::StepEvent summary;
   const std::optional<absl::Status> outcome = step->Outcome(&summary);
   if (!outcome.has_value()) return;
   absl::MutexLock lock(&mu_);
-  if (finished_ || summary_ready_) return;
+  if (phase_ >= Phase::kSummaryReady) return;
   if (!outcome->ok()) {
-    End(*outcome);
+    EndLocked(*outcome);
     return;
   }
   summary.set_address(steps_->address());
   summary_ = summary;
-  summary_ready_ = true;
-  WriteSummary();
+  phase_ = Phase::kSummaryReady;
+  WriteSummaryLocked();
 }
 
-void OpenStepReactor::WriteSummary() {
-  if (writing_ || summary_started_ || !summary_ready_) return;
+void OpenStepReactor::WriteSummaryLocked() {
+  if (writing_ || phase_ != Phase::kSummaryReady) return;
   writing_ = true;
-  summary_started_ = true;
+  phase_ = Phase::kSummaryWriting;
   StartWrite(&summary_);
 }
 
 void OpenStepReactor::OnWriteDone(bool ok) {
   absl::MutexLock lock(&mu_);
   writing_ = false;
-  if (finished_) return;
+  if (phase_ == Phase::kFinished) return;
   if (!ok) {
-    End(absl::UnavailableError("the controller's stream went away"));
-  } else if (summary_started_) {
-    End(absl::OkStatus());
+    EndLocked(absl::UnavailableError("the controller's stream went away"));
+  } else if (phase_ == Phase::kSummaryWriting) {
+    EndLocked(absl::OkStatus());
   } else {
-    WriteSummary();
+    WriteSummaryLocked();
   }
 }
 
-void OpenStepReactor::End(const absl::Status& status) {
-  if (finished_) return;
-  finished_ = true;
-  calls_->End("OpenStep", start_, status, admitted_, 0, 0, tenant_);
+void OpenStepReactor::EndLocked(const absl::Status& status) {
+  if (phase_ == Phase::kFinished) return;
+  phase_ = Phase::kFinished;
+  calls_->End("OpenStep", start_, status, admitted_, 0, 0, tenant_.name);
   HandOff(this);
   Finish(ToGrpcStatus(status));
 }
@@ -151,10 +154,10 @@ void OpenStepReactor::OnCancel() {
   std::shared_ptr<StreamingStep> step;
   {
     absl::MutexLock lock(&mu_);
-    if (finished_) return;
+    if (phase_ == Phase::kFinished) return;
     step = step_;
     if (step == nullptr) {
-      End(absl::CancelledError("the controller cancelled its stream"));
+      EndLocked(absl::CancelledError("the controller cancelled its stream"));
       return;
     }
   }
@@ -174,7 +177,7 @@ void OpenStepReactor::OnDone() {
     // Its end releases what it held, for every party still attached.
     step->Fail(absl::CancelledError(
         absl::StrCat("step ", step->id(), "'s controller stream ended")));
-    steps_->Remove(step->id());
+    steps_->Remove(*step);
   }
   if (admitted_) calls_->Release();
   delete this;
@@ -190,7 +193,7 @@ ReceiveStepReactor::ReceiveStepReactor(RpcRunner* calls, StepRegistry* steps,
     admitted_ = true;
     tenant_ = admitted->name;
     absl::StatusOr<std::shared_ptr<StreamingStep>> step =
-        steps->Find(request->step_id());
+        steps->Find(*admitted, request->step_id(), StepAccess::kOwner);
     status = step.status();
     if (step.ok()) {
       step_ = *std::move(step);
@@ -206,7 +209,7 @@ ReceiveStepReactor::ReceiveStepReactor(RpcRunner* calls, StepRegistry* steps,
       absl::MutexLock lock(&mu_);
       finished_ = true;
     }
-    End(status, false);
+    EndUnlocked(status, false);
     return;
   }
   Pump();
@@ -222,7 +225,7 @@ void ReceiveStepReactor::Pump() {
     if (message != nullptr) {
       current_ = message;
       writing_ = true;
-      sent_bytes_ += message->ByteSizeLong();
+      sent_bytes_ += message->response.ByteSizeLong();
     } else if (!end.has_value()) {
       return;
     } else {
@@ -230,10 +233,10 @@ void ReceiveStepReactor::Pump() {
     }
   }
   if (message != nullptr) {
-    StartWrite(message.get());
+    StartWrite(&message->response);
     return;
   }
-  End(*end, end->ok());
+  EndUnlocked(*end, end->ok());
 }
 
 void ReceiveStepReactor::OnWriteDone(bool ok) {
@@ -245,7 +248,8 @@ void ReceiveStepReactor::OnWriteDone(bool ok) {
     if (!ok) finished_ = true;
   }
   if (!ok) {
-    End(absl::UnavailableError("the receiver's stream went away"), false);
+    EndUnlocked(absl::UnavailableError("the receiver's stream went away"),
+                false);
     return;
   }
   Pump();
@@ -257,10 +261,11 @@ void ReceiveStepReactor::OnCancel() {
     if (finished_) return;
     finished_ = true;
   }
-  End(absl::CancelledError("the receiver cancelled its stream"), false);
+  EndUnlocked(absl::CancelledError("the receiver cancelled its stream"), false);
 }
 
-void ReceiveStepReactor::End(const absl::Status& status, bool after_last) {
+void ReceiveStepReactor::EndUnlocked(const absl::Status& status,
+                                     bool after_last) {
   if (step_ != nullptr && slot_ >= 0) step_->Detach(slot_, after_last);
   size_t sent = 0;
   {

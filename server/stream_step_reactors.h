@@ -22,7 +22,7 @@
 #include "absl/time/time.h"
 #include "packd/v1/pack_service.pb.h"
 #include "server/rpc_runner.h"
-#include "service/stream_step.h"
+#include "service/step_registry.h"
 
 namespace packd {
 
@@ -39,28 +39,35 @@ class OpenStepReactor final
   void OnDone() override;
 
  private:
+  // Where the controller's stream is; each moves only forward, and any may
+  // end in kFinished (the step's failure, or the stream's).
+  enum class Phase {
+    kAwaitingOpen,    // no step yet: the first message must open one
+    kOpen,            // the step takes groups
+    kClosing,         // `close` read: waiting for every rank's last message
+    kSummaryReady,    // the summary is made, waiting for a write in flight
+    kSummaryWriting,  // the summary is being written: then the stream ends
+    kFinished,        // Finish called
+  };
   // Writes the step's summary, or finishes with its failure, once it is over.
   void Wake();
   // Starts the summary's write once it is ready and nothing else is written.
-  void WriteSummary() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Finishes once (the call's metrics and the step's end).
-  void End(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WriteSummaryLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Finishes once (the call's metrics and the step's end); mu_ held.
+  void EndLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   RpcRunner* const calls_;
   StepRegistry* const steps_;
   const absl::Time start_ = absl::Now();
   bool admitted_ = false;
-  std::string tenant_;
+  Tenant tenant_;
   v1::StepControl control_;
   absl::Mutex mu_;
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kAwaitingOpen;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a write in flight
   std::shared_ptr<StreamingStep> step_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<StepListener> listener_;
   v1::StepEvent opened_, summary_;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool close_read_ ABSL_GUARDED_BY(mu_) = false;
-  bool summary_ready_ ABSL_GUARDED_BY(mu_) = false;
-  bool summary_started_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Used by gRPC's threads and the step's: what both touch is under mu_.
@@ -77,7 +84,9 @@ class ReceiveStepReactor final
  private:
   // Writes the slot's next message, or finishes once nothing more will come.
   void Pump();
-  void End(const absl::Status& status, bool after_last);
+  // Finishes (the call's metrics, the slot detached); called without mu_,
+  // once finished_ is set.
+  void EndUnlocked(const absl::Status& status, bool after_last);
 
   RpcRunner* const calls_;
   const absl::Time start_ = absl::Now();

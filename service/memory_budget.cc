@@ -71,6 +71,35 @@ MemoryBudget::Hold MemoryBudget::Take(int64_t bytes,
   return Hold(new Reservation(this, bytes, tenant));
 }
 
+absl::StatusOr<MemoryBudget::Hold> MemoryBudget::TryReserve(
+    int64_t bytes, const std::string& tenant) {
+  if (limit_ <= 0 || bytes <= 0) return Hold();
+  if (bytes > limit_ || (tenant_limit_ > 0 && bytes > tenant_limit_)) {
+    return TooLarge(bytes);
+  }
+  absl::MutexLock lock(&mu_);
+  bool waiting_ahead = false;
+  for (const Waiter& w : waiters_) {
+    waiting_ahead = waiting_ahead || TenantHasRoom(w.tenant, w.bytes);
+  }
+  if (!waiting_ahead && in_use_ + bytes <= limit_ &&
+      TenantHasRoom(tenant, bytes)) {
+    return Take(bytes, tenant);
+  }
+  return absl::ResourceExhaustedError(
+      TenantHasRoom(tenant, bytes)
+          ? absl::StrCat(in_use_, " of ", limit_, " bytes are in use")
+          : absl::StrCat("tenant ", tenant, "'s share of ", tenant_limit_,
+                         " bytes (--max_inflight_bytes_per_tenant) is in use"));
+}
+
+MemoryBudget::Hold MemoryBudget::Charge(int64_t bytes,
+                                        const std::string& tenant) {
+  if (limit_ <= 0) return nullptr;
+  absl::MutexLock lock(&mu_);
+  return Take(std::max<int64_t>(bytes, 0), tenant);
+}
+
 bool MemoryBudget::TenantHasRoom(const std::string& tenant,
                                  int64_t bytes) const {
   if (tenant_limit_ <= 0) return true;

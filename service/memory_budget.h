@@ -61,6 +61,18 @@ class MemoryBudget {
   void Reserve(int64_t bytes, absl::Time deadline, Callback done,
                bool first = false, const std::string& tenant = "");
 
+  // `bytes` for `tenant` now, or RESOURCE_EXHAUSTED at once when they do
+  // not fit now (the budget, the tenant's share, or reservations waiting
+  // ahead), without waiting: for holders that refuse rather than queue.
+  absl::StatusOr<Hold> TryReserve(int64_t bytes,
+                                  const std::string& tenant = "");
+
+  // Counts `bytes` for `tenant` at once, past the limit if need be, and
+  // returns their hold (null when the budget has no limit): for bytes a
+  // holder already counted that change form (a streaming step's rows packed
+  // into the micro-batch that holds them), never for new ones.
+  Hold Charge(int64_t bytes, const std::string& tenant = "");
+
   // Returns all but `bytes` of `hold` to the budget at once (nothing when it
   // holds no more, or is null). Not safe against a concurrent ShrinkTo of the
   // same hold.

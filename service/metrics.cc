@@ -226,6 +226,14 @@ Metrics::Metrics(Gauges gauges)
               .Add({},
                    prometheus::Histogram::BucketBoundaries{
                        0.001, 0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800})),
+      stream_step_held_(
+          prometheus::BuildGauge()
+              .Name("packd_stream_step_held_bytes")
+              .Help("Bytes each open streaming step holds of "
+                    "--max_inflight_bytes: kind=groups, rows submitted and "
+                    "not yet packed; kind=micro_batches, packed and not yet "
+                    "taken by their rank's stream.")
+              .Register(*registry_)),
       collector_(std::make_shared<Collector>(registry_, std::move(gauges))) {}
 
 void Metrics::StreamSteps(int64_t delta) {
@@ -234,6 +242,23 @@ void Metrics::StreamSteps(int64_t delta) {
 
 void Metrics::StreamRowsPending(int64_t delta) {
   stream_rows_pending_.Increment(static_cast<double>(delta));
+}
+
+Metrics::StepHeld Metrics::AddStepHeld(const std::string& tenant,
+                                       const std::string& step) {
+  StepHeld held;
+  held.groups = &stream_step_held_.Add(
+      {{"tenant", tenant}, {"step", step}, {"kind", "groups"}});
+  held.micro_batches = &stream_step_held_.Add(
+      {{"tenant", tenant}, {"step", step}, {"kind", "micro_batches"}});
+  return held;
+}
+
+void Metrics::RemoveStepHeld(const StepHeld& held) {
+  if (held.groups != nullptr) stream_step_held_.Remove(held.groups);
+  if (held.micro_batches != nullptr) {
+    stream_step_held_.Remove(held.micro_batches);
+  }
 }
 
 void Metrics::StreamWave() { stream_waves_.Increment(); }

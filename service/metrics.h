@@ -100,6 +100,15 @@ class Metrics {
   void StreamRowsPending(int64_t delta);
   void StreamWave();
   void StreamGroupSent(absl::Duration waited);
+  // One streaming step's bytes in --max_inflight_bytes, by kind: "groups"
+  // (rows submitted and not yet packed) and "micro_batches" (packed and not
+  // yet taken by their rank's stream). Its series go with RemoveStepHeld.
+  struct StepHeld {
+    prometheus::Gauge* groups = nullptr;
+    prometheus::Gauge* micro_batches = nullptr;
+  };
+  StepHeld AddStepHeld(const std::string& tenant, const std::string& step);
+  void RemoveStepHeld(const StepHeld& held);
 
   // What /metrics serves: the registry and the gauges, read when collected.
   std::shared_ptr<prometheus::Collectable> collectable() const {
@@ -138,6 +147,7 @@ class Metrics {
   prometheus::Gauge& stream_rows_pending_;
   prometheus::Counter& stream_waves_;
   prometheus::Histogram& stream_group_wait_;
+  prometheus::Family<prometheus::Gauge>& stream_step_held_;
   std::shared_ptr<prometheus::Collectable> collector_;  // a Collector
 
   mutable absl::Mutex mu_;

@@ -27,22 +27,12 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
       new TrainingStep(message.batch(), max_message_bytes, tenant));
   PACKD_ASSIGN_OR_RETURN(step->batch_,
                          StepBatch::Make(request, decoder, step->spec_));
-  PACKD_ASSIGN_OR_RETURN(step->values_, step->CheckBatchLayout(message.plan()));
   v1::PlanRequest filled = message.plan();
   std::vector<MeasuredRow> rows;
-  PACKD_RETURN_IF_ERROR(step->Measure(&filled, &rows));
+  PACKD_RETURN_IF_ERROR(step->MeasureBatch(&filled, &rows));
   step->measured_ = filled;
   const absl::Time measured = absl::Now();
   step->phases_.measure = measured - start;
-  // The mask is valid now (Measure packed it); the inputs' rows are gathered
-  // per micro-batch before any Pack sees them, so their shapes are checked
-  // here.
-  const DecodedCall& call = step->batch_->call();
-  for (size_t i = 0; i < call.tensors.size(); ++i) {
-    PACKD_RETURN_IF_ERROR(CheckStartsWithMask(
-        call.tensors[i], call.mask, absl::StrCat("batch.inputs[", i, "]"),
-        "batch.mask"));
-  }
   PACKD_ASSIGN_OR_RETURN(
       const Plan planned,
       PlanStepRows(filled, step->spec_.layout, max_message_bytes));
@@ -71,6 +61,42 @@ absl::StatusOr<std::unique_ptr<TrainingStep>> TrainingStep::Make(
   }
   step->phases_.plan = absl::Now() - measured;
   return step;
+}
+
+absl::StatusOr<v1::PlanRequest> TrainingStep::MeasureDecoded(
+    const v1::PackRequest& headers, const DecodedCall& call,
+    std::optional<TensorView> loss_mask, const v1::PlanRequest& plan,
+    int64_t max_message_bytes, const Tenant& tenant) {
+  auto step = std::unique_ptr<TrainingStep>(
+      new TrainingStep(headers, max_message_bytes, tenant));
+  DecodedCall views;  // the caller's call holds what they view
+  views.device = call.device;
+  views.mask = call.mask;
+  views.tensors = call.tensors;
+  views.segment_ids = call.segment_ids;
+  views.tenant = call.tenant;
+  PACKD_ASSIGN_OR_RETURN(step->batch_,
+                         StepBatch::Of(std::move(views), std::move(loss_mask)));
+  v1::PlanRequest filled = plan;
+  std::vector<MeasuredRow> rows;
+  PACKD_RETURN_IF_ERROR(step->MeasureBatch(&filled, &rows));
+  return filled;
+}
+
+absl::Status TrainingStep::MeasureBatch(v1::PlanRequest* plan,
+                                        std::vector<MeasuredRow>* rows) {
+  PACKD_ASSIGN_OR_RETURN(values_, CheckBatchLayout(*plan));
+  PACKD_RETURN_IF_ERROR(Measure(plan, rows));
+  // The mask is valid now (Measure packed it); the inputs' rows are gathered
+  // per micro-batch before any Pack sees them, so their shapes are checked
+  // here.
+  const DecodedCall& call = batch_->call();
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    PACKD_RETURN_IF_ERROR(CheckStartsWithMask(
+        call.tensors[i], call.mask, absl::StrCat("batch.inputs[", i, "]"),
+        "batch.mask"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LayoutValues> TrainingStep::CheckBatchLayout(

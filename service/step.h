@@ -63,6 +63,18 @@ class TrainingStep {
       const RequestDecoder& decoder, int64_t max_message_bytes,
       const Tenant& tenant);
 
+  // The rows of a batch already decoded (`call`, in host memory, with its
+  // `loss_mask` when given) measured as Make measures them, without a plan
+  // and without copying a tensor (`call` keeps its regions mapped): the plan
+  // request `plan` (its cost model) with every row's length, cost and loss
+  // tokens. `headers`: the batch's PackRequest, its layout and tensor headers
+  // (their bytes are not read). Make's errors for the batch's layout and rows.
+  // What a streaming step learns of each group.
+  static absl::StatusOr<v1::PlanRequest> MeasureDecoded(
+      const v1::PackRequest& headers, const DecodedCall& call,
+      std::optional<TensorView> loss_mask, const v1::PlanRequest& plan,
+      int64_t max_message_bytes, const Tenant& tenant);
+
   const v1::PlanResponse& plan() const { return plan_; }
   // The plan request with every row's measured length, cost and loss tokens.
   const v1::PlanRequest& measured() const { return measured_; }
@@ -106,6 +118,10 @@ class TrainingStep {
                const Tenant& tenant)
       : max_message_bytes_(max_message_bytes),
         spec_(CallSpec::Of(batch, "batch.", max_message_bytes, tenant)) {}
+  // After the batch is decoded into batch_: its layout checked, its rows
+  // measured into `plan` (Measure) and its inputs' shapes checked.
+  absl::Status MeasureBatch(v1::PlanRequest* plan,
+                            std::vector<MeasuredRow>* rows);
   // The layout Pack would refuse for the batch, before anything is planned;
   // otherwise its pad values and fills.
   absl::StatusOr<LayoutValues> CheckBatchLayout(

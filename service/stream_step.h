@@ -1,16 +1,21 @@
-// The streaming step (docs/design.md §18) without gRPC: StepRegistry holds the
-// steps open on this replica by id; a StreamingStep takes finished groups
-// (measured as PackMicroBatches measures rows, copied into the step's memory),
-// plans them as they arrive (planner/stream_planner.h), packs every rank's
-// micro-batch of each wave committed, and queues it for that rank's receiving
-// stream; at close it plans the rest, then queues every receiver its last
-// message (the step's plan and global_loss_tokens). Any failure ends the step
-// for every party with one status.
+// The streaming step (docs/design.md §18) without gRPC (service/step_registry.h
+// holds the steps open on this replica, each its tenant's); a
+// StreamingStep takes finished groups (measured as PackMicroBatches measures
+// rows, copied into the step's memory row by row, each group once by its key),
+// plans them as they arrive (planner/stream_planner.h) and queues every rank's
+// micro-batch of each wave committed; a micro-batch is packed when its rank's
+// stream asks for it, so a slow rank slows the waves and the step's bytes stay
+// in --max_inflight_bytes until its stream has taken them. At close it plans
+// the rest, then queues every receiver its last message (the step's plan and
+// global_loss_tokens). Any failure ends the step for every party with one
+// status.
 //
 // clang-format off
-//   PACKD_ASSIGN_OR_RETURN(auto step, registry.Open(tenant, options, controller));
-//   step->Submit(tenant, group, &reply);  // from each submitter
-//   step->Attach(rank, cp_rank, receiver); step->Next(slot, &end);
+//   PACKD_ASSIGN_OR_RETURN(auto step, registry.Open(tenant, options));
+//   PACKD_ASSIGN_OR_RETURN(auto same, registry.Find(submitter, id, StepAccess::kSubmit));
+//   same->Submit(submitter, group, &reply);  // from each submitter
+//   PACKD_ASSIGN_OR_RETURN(int slot, step->Attach(rank, cp_rank, receiver));
+//   StreamingStep::Message m = step->Next(slot, &end);  // write m->response, then drop m
 //   step->Close();
 // clang-format on
 #ifndef PACKD_SERVICE_STREAM_STEP_H_
@@ -23,7 +28,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -31,11 +36,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "packd/v1/pack_service.pb.h"
 #include "planner/stream_planner.h"
 #include "service/memory_budget.h"
+#include "service/metrics.h"
+#include "service/request_decoder.h"
 #include "service/service_core.h"
+#include "service/stream_rows.h"
 #include "service/tenant.h"
 
 namespace packd {
@@ -65,27 +74,51 @@ class StepListener {
 // once; mu_ guards its state.
 class StreamingStep {
  public:
-  using Message = std::shared_ptr<const v1::PackMicroBatchesResponse>;
+  // A message for a receiving stream; a micro-batch's bytes stay in
+  // --max_inflight_bytes until the stream has taken it and drops it.
+  struct Outgoing {
+    Outgoing() = default;
+    Outgoing(const Outgoing&) = delete;
+    Outgoing& operator=(const Outgoing&) = delete;
+    ~Outgoing() {
+      if (gauge != nullptr) gauge->Decrement(static_cast<double>(bytes));
+    }
+    v1::PackMicroBatchesResponse response;
+    MemoryBudget::Hold held;
+    prometheus::Gauge* gauge = nullptr;  // the step's micro_batches gauge
+    int64_t bytes = 0;
+  };
+  using Message = std::shared_ptr<const Outgoing>;
 
-  // `budget` (--max_inflight_bytes) counts the groups the step holds; it
-  // must outlive the step's groups (EndAll before it goes).
-  StreamingStep(std::string id, const v1::StepOptions& options,
+  // `budget` (--max_inflight_bytes) counts what the step holds; it must
+  // outlive the step's groups (EndAll before it goes). `owner`: the tenant
+  // that opened it.
+  StreamingStep(std::string id, Tenant owner, const v1::StepOptions& options,
                 StreamPlanner planner, ServiceCore* core, MemoryBudget* budget,
                 int cp_ranks, absl::Time deadline);
   ~StreamingStep();
 
   const std::string& id() const { return id_; }
+  const Tenant& owner() const { return owner_; }
   absl::Time deadline() const { return deadline_; }
+  absl::Time opened() const { return opened_; }
+  // Whether `tenant` may submit groups: the owner, or a tenant the open
+  // named in `submitters`.
+  bool TakesGroupsFrom(const Tenant& tenant) const;
 
-  // A finished group, measured with the step's layout and kept. Errors:
+  // A finished group, measured with the step's layout and kept. A repeat of
+  // a group_key taken already gets the first reply and changes nothing.
+  // Errors: ALREADY_EXISTS for a taken key with other content;
   // FAILED_PRECONDITION for a group older than the staleness bound (naming
   // its version), for tensors in device memory, and once the step is closed
-  // or has ended; INVALID_ARGUMENT for a malformed group (PackMicroBatches'
-  // errors for its rows, naming its fields) or one whose inputs differ in
-  // number, dtype or tail from the step's first group; RESOURCE_EXHAUSTED
-  // when the groups held (until their rows are sent) would pass
-  // --max_inflight_bytes; the step continues after any of them. A wave the
-  // group lets commit is packed and queued before this returns.
+  // or has ended; INVALID_ARGUMENT for a group without rows, a malformed one
+  // (PackMicroBatches' errors for its rows, naming its fields) or one whose
+  // inputs differ in number, dtype or tail from the step's first group;
+  // RESOURCE_EXHAUSTED when its bytes do not fit --max_inflight_bytes now
+  // (the step then commits what its planner holds back as an under-filled
+  // wave, so that room comes once the ranks have read it); the step
+  // continues after any of them. A wave the group lets commit is queued
+  // before this returns.
   absl::Status Submit(const Tenant& tenant, const v1::SubmitGroupRequest& group,
                       v1::SubmitGroupResponse* reply);
 
@@ -94,8 +127,10 @@ class StreamingStep {
   // or was, the step's status once it has ended. Returns its slot.
   absl::StatusOr<int> Attach(int rank, int cp_rank,
                              std::shared_ptr<StepListener> listener);
-  // The slot's next message, or null: then `end` is set when nothing more
-  // will come (OK after its last message; the step's failure otherwise).
+  // The slot's next message (a micro-batch packed now), or null: then `end`
+  // is set when nothing more will come (OK after its last message; the
+  // step's failure otherwise). The stream asks for the next once it has
+  // taken this one.
   Message Next(int slot, std::optional<absl::Status>* end);
   // The receiver of `slot` has gone: after its last message, or before (the
   // step then ends UNAVAILABLE for every party, naming the rank).
@@ -116,44 +151,56 @@ class StreamingStep {
   std::optional<absl::Status> Outcome(v1::StepEvent* summary);
 
  private:
-  struct Group {
-    int64_t first_row = 0;
-    int64_t rows = 0;
-    int64_t S = 0;
-    std::string mask, segment_ids;
-    std::vector<std::string> inputs;
-    std::vector<int64_t> prefix_lengths;
-    absl::Time arrived;
-    int64_t unsent = 0;  // its rows not yet sent: its bytes go with the last
-    MemoryBudget::Hold held;  // its bytes, in --max_inflight_bytes
+  // A micro-batch committed and not yet packed for every CP or SP rank.
+  struct Planned {
+    MicroBatch batch;  // rank, samples (ascending step rows), sizes
+    int index = 0;     // its position in its rank
+    int unpacked = 0;  // CP or SP ranks still to pack it
   };
   struct Slot {
-    std::deque<Message> queue;
+    std::deque<std::shared_ptr<Planned>> planned;
+    Message last;  // queued at the close
     std::shared_ptr<StepListener> listener;
     bool attached = false;
-    bool last_queued = false;
+    bool last_given = false;
     bool last_sent = false;
   };
-
-  // The group's tensors in the step's memory: inline bytes as they are,
-  // region bytes copied out of host regions.
-  absl::Status Keep(const Tenant& tenant, const v1::SubmitGroupRequest& group,
-                    Group* kept) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The group's bytes in --max_inflight_bytes, or RESOURCE_EXHAUSTED at
-  // once when they do not fit.
+  // A group_key taken: the digest of its group's content, and its reply.
+  struct Taken {
+    std::string digest;
+    v1::SubmitGroupResponse reply;
+  };
+  // The repeat of a taken key: its first reply, or ALREADY_EXISTS when
+  // `digest` differs; nullopt for a key not taken.
+  std::optional<absl::Status> Repeat(const v1::SubmitGroupRequest& group,
+                                     const std::string& digest,
+                                     v1::SubmitGroupResponse* reply) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Takes a measured group into the step (its rows copied in, planned), or
+  // refuses it with nothing changed.
+  absl::Status Take(const Tenant& tenant, const v1::SubmitGroupRequest& group,
+                    const DecodedGroup& decoded, const v1::PlanRequest& rows,
+                    v1::SubmitGroupResponse* reply)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `bytes` in --max_inflight_bytes, or RESOURCE_EXHAUSTED at once when they
+  // do not fit (after committing what the planner holds back, when it holds
+  // any, as an under-filled wave).
   absl::StatusOr<MemoryBudget::Hold> Reserve(const Tenant& tenant,
-                                             const Group& kept);
-  // Packs and queues every receiver's micro-batch of each wave.
-  absl::Status Send(const std::vector<Wave>& waves)
+                                             int64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The Pack request of a micro-batch's rows (ascending step rows) for the
-  // CP or SP rank `cp_rank`.
-  v1::PackRequest RowsRequest(const std::vector<int64_t>& rows,
-                              int cp_rank) const
+  // Queues every rank's micro-batch of each wave for its receivers.
+  void Commit(const std::vector<Wave>& waves)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The step's rows of planner unit `id`.
+  // Packs `planned` for `cp_rank`; once every CP or SP rank has, its rows'
+  // bytes go.
+  absl::StatusOr<Message> Pack(Planned* planned, int cp_rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The step's rows of planner unit `id`: a row, or with a shared prefix a
+  // group's rows.
   void RowsOf(int64_t unit, std::vector<int64_t>* rows) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The last message: every micro-batch sent, by rank, and the step's counts.
+  v1::PlanResponse Summary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Wakes every listener (outside mu_).
   void WakeAll();
   void FailLocked(const absl::Status& status)
@@ -164,75 +211,33 @@ class StreamingStep {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const std::string id_;
+  const Tenant owner_;
   const v1::StepOptions options_;
   ServiceCore* const core_;
   MemoryBudget* const budget_;
   const int ranks_;
   const int cp_ranks_;
   const absl::Time deadline_;
-  const bool
-      shared_;  // the layout shares each group's prompt: a group is a unit
+  const absl::Time opened_ = absl::Now();
+  // The layout shares each group's prompt: a group is one planning unit.
+  const bool shared_;
+  const Metrics::StepHeld held_;  // its series, gone with the step
 
   absl::Mutex mu_;
   StreamPlanner planner_ ABSL_GUARDED_BY(mu_);
-  std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);
-  int64_t rows_ ABSL_GUARDED_BY(mu_) = 0;
-  // The first group's inputs: every later one must match them.
-  std::vector<v1::Tensor> schema_ ABSL_GUARDED_BY(mu_);
-  std::optional<v1::DType> segment_dtype_ ABSL_GUARDED_BY(mu_);
-  v1::DType mask_dtype_ ABSL_GUARDED_BY(mu_) = v1::DTYPE_UNSPECIFIED;
+  StreamRows rows_ ABSL_GUARDED_BY(mu_);
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<StepListener> controller_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<absl::Status> failed_ ABSL_GUARDED_BY(mu_);
-  // Every micro-batch sent, by rank then position (the last message's plan).
-  std::vector<std::vector<v1::MicroBatch>> sent_ ABSL_GUARDED_BY(mu_);
+  // Micro-batches committed, by rank.
+  std::vector<int> sent_ ABSL_GUARDED_BY(mu_);
   int64_t waves_before_close_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sequences_ ABSL_GUARDED_BY(mu_) = 0;
-  // Rows submitted and not sent, as counted in the metrics' gauge (given back
-  // when the step ends).
+  // Rows submitted and not packed, as counted in the metrics' gauge (given
+  // back when the step ends).
   int64_t rows_pending_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
-// The steps open on this replica. Safe to share across threads; mu_ guards
-// the map. A thread ends steps past their deadline.
-class StepRegistry {
- public:
-  // `budget` counts the groups steps hold; it must outlive every step's
-  // groups: call EndAll() before it goes.
-  StepRegistry(ServiceCore* core, MemoryBudget* budget);
-  ~StepRegistry();
-
-  // Where submitters and receivers reach this replica (--advertise_address,
-  // else the address packd listens on). Set once the server listens.
-  void SetAddress(std::string address);
-  std::string address() const;
-
-  // Opens a step. INVALID_ARGUMENT for options a step cannot take (naming
-  // the field), ALREADY_EXISTS for the id of a step open here.
-  absl::StatusOr<std::shared_ptr<StreamingStep>> Open(
-      const v1::StepOptions& options);
-  // NOT_FOUND, naming this replica, for a step not open here.
-  absl::StatusOr<std::shared_ptr<StreamingStep>> Find(
-      const std::string& id) const;
-  // Forgets the step (its memory goes with the last reference).
-  void Remove(const std::string& id);
-  int64_t open_steps() const;
-  // Ends every step (UNAVAILABLE: the server is going) and forgets it.
-  void EndAll();
-
- private:
-  void Reap();
-
-  ServiceCore* const core_;
-  MemoryBudget* const budget_;
-  mutable absl::Mutex mu_;
-  std::string address_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<StreamingStep>> steps_
-      ABSL_GUARDED_BY(mu_);
-  int64_t named_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread reaper_;
+  absl::flat_hash_map<std::string, Taken> keys_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace packd
