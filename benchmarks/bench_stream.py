@@ -131,7 +131,7 @@ def streaming(model, client, batch, ends, max_tokens, workers):
     optimizer.zero_grad()
     layout = packd.Layout(shifts=((0, -100),))
     step = client.open_step(max_tokens, layout=layout, with_position_ids=True)
-    stream = client.receive_step(step.step_id, 0, layout=layout, with_position_ids=True)
+    stream = client.receive_step(step.step_id, 0)
     start = time.monotonic() + 0.05
     last = start + max(ends.values())  # the last group's end
     workers.jobs.put((step.address, step.step_id, start, ends))

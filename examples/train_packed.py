@@ -169,8 +169,7 @@ def streaming_step(model, client, batch, *, num_ranks, max_tokens, per_micro_bat
     random.Random(seed).shuffle(rows)
     with client.open_step(max_tokens, plan=packd.PlanOptions(num_ranks=num_ranks, cost=(DIM, 1)),
                           layout=layout, with_position_ids=True) as step:
-        streams = [client.receive_step(step.step_id, r, layout=layout, with_position_ids=True,
-                                       documents=True) for r in range(num_ranks)]
+        streams = [client.receive_step(step.step_id, r) for r in range(num_ranks)]
         received = [[] for _ in range(num_ranks)]
         ranks = [threading.Thread(target=received[r].extend, args=(streams[r],))
                  for r in range(num_ranks)]

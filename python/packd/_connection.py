@@ -147,6 +147,15 @@ class Connection:
         self.step = self.channels[0].unary_stream(
             "/packd.v1.PackService/PackMicroBatches", request_serializer=_wire.serialize,
             response_deserializer=_wire.parser(pb.PackMicroBatchesResponse, pb.Tensor))
+        # The streaming step's: a group's tensors sent from their own memory, a rank's
+        # micro-batches read as PackMicroBatches' are.
+        self.submit_group = self.channels[0].unary_unary(
+            "/packd.v1.PackService/SubmitGroup", request_serializer=_wire.serialize,
+            response_deserializer=pb.SubmitGroupResponse.FromString)
+        self.receive_step = self.channels[0].unary_stream(
+            "/packd.v1.PackService/ReceiveStep",
+            request_serializer=pb.ReceiveStepRequest.SerializeToString,
+            response_deserializer=_wire.parser(pb.PackMicroBatchesResponse, pb.Tensor))
 
     def metadata_for(self, request: Any):
         """The call's metadata: the token, and for Pack and Scatter the request's size, so
@@ -157,18 +166,24 @@ class Connection:
             ("packd-request-bytes", str(_wire.serialized_size(request))),)
 
     def call(self, method: Any, request: Any, retries: Optional[int] = None,
-             connection: int = 0) -> Any:
+             connection: int = 0, attempt_timeout: Optional[float] = None) -> Any:
         """method(request) (a callable of channel `connection`), retried with backoff on the
-        codes in RETRIED, every attempt within the one deadline."""
+        codes in RETRIED, every attempt within the one deadline. With attempt_timeout, each
+        attempt waits at most that long, and one whose own deadline passed is retried too (for
+        calls packd takes once however often they come: SubmitGroup with its group key)."""
         retries = self.retries if retries is None else retries
         deadline = time.monotonic() + self.timeout
         backoff = INITIAL_BACKOFF
         for attempt in range(retries + 1):
+            left = max(deadline - time.monotonic(), 1e-3)
+            wait = left if attempt_timeout is None else min(left, attempt_timeout)
             try:
-                return method(request, timeout=max(deadline - time.monotonic(), 1e-3),
-                              metadata=self.metadata_for(request))
+                return method(request, timeout=wait, metadata=self.metadata_for(request))
             except grpc.RpcError as e:
-                if (e.code() not in RETRIED or attempt == retries
+                retried = e.code() in RETRIED or (
+                    attempt_timeout is not None and wait < left
+                    and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+                if (not retried or attempt == retries
                         or time.monotonic() + backoff >= deadline):
                     raise error(e) from None
                 self._back_off(connection, backoff)

@@ -32,6 +32,19 @@ ROOM_FOR_ALL_BYTES = 64 << 20
 _gpu_regions = itertools.count()
 
 
+def device_slice(storage_offset: int, storage_bytes: int, tensor_offset: int,
+                 tensor_bytes: int) -> Tuple[int, int]:
+    """The (offset, byte_size) of a tensor in a device region registered from its IPC handle.
+
+    The handle maps the allocation from its start; the tensor's storage begins
+    `storage_offset` bytes into the allocation, and the tensor `tensor_offset` bytes into its
+    storage. The region must cover storage_offset + storage_bytes."""
+    if tensor_offset < 0 or tensor_offset + tensor_bytes > storage_bytes:
+        raise ValueError("the tensor (%d bytes at %d) is not inside its storage of %d bytes"
+                         % (tensor_bytes, tensor_offset, storage_bytes))
+    return storage_offset + tensor_offset, tensor_bytes
+
+
 class Gpu:
     def __init__(self, connection: Connection, regions: Regions,
                  memory: _device.DeviceMemory, lease_seconds: int) -> None:

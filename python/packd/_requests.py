@@ -13,6 +13,23 @@ from packd.v1 import pack_service_pb2 as pb
 Encoder = Callable[[torch.Tensor, int, _wire.Outgoing], None]
 
 
+def rows_of(t, rows):
+    """t[rows], or t itself for rows None."""
+    return t if rows is None else t[rows]
+
+
+def by_rows(mask, tensors):
+    """Whether a call can go in parts of the rows: every tensor [B, S, ...] like the [B, S]
+    mask, with B >= 2."""
+    return (mask.dim() == 2 and mask.shape[0] >= 2
+            and all(t.dim() >= 2 and t.shape[:2] == mask.shape for t in tensors))
+
+
+def part_bounds(rows, parts):
+    """The first row of each of `parts` parts of `rows` rows, and `rows`."""
+    return [rows * k // parts for k in range(parts + 1)]
+
+
 def _add_tensors(encode: Encoder, out: _wire.Outgoing, mask: torch.Tensor,
                  tensors: Sequence[torch.Tensor], segment_ids: Optional[torch.Tensor]) -> None:
     """The tensor fields PackRequest and ScatterRequest share the numbers of: mask (1), the

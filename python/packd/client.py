@@ -12,12 +12,15 @@ import grpc
 import torch
 
 from packd import _device, _memory, _requests, _wire, streaming
+from packd._gpu import device_slice
+from packd._requests import by_rows, part_bounds, rows_of
 from packd._connection import Connection, Interceptor, PackdError, PackdValueError
 from packd._gpu import Gpu
 from packd._regions import Regions
 from packd.layout import Layout, MRope, SharedPrefix
 from packd.options import (ConnectionOptions, GpuOptions, PlanOptions, SharedMemoryOptions,
-                           TlsOptions, TokenOptions, same_names, with_deprecated)
+                           TlsOptions, TokenOptions, same_names, split_deprecated,
+                           with_deprecated)
 from packd.results import (MicroBatch, PackResult, Plan, PlannedMicroBatch, SharedResult,
                            joined, pack_result, varlen_kwargs)
 from packd.step_plan import StepPlan
@@ -40,7 +43,6 @@ _LAYOUT = same_names([f.name for f in dataclasses.fields(Layout)])
 _SCATTER_LAYOUT = same_names(["pad_multiple", "cp_size", "cp_rank", "fixed", "sp_size",
                               "sp_rank", "shared_prefix"])
 _PLAN = same_names(["num_ranks", "micro_batch_multiple", "cost", "groups", "pipeline_order"])
-_STREAM_PLAN = same_names(["num_ranks", "micro_batch_multiple", "cost"])
 _CLIENT = {
     "connection": same_names(["max_message_bytes", "load_balancing_policy", "connections",
                               "split_threshold_bytes", "keep_freed_memory"]),
@@ -55,44 +57,7 @@ _CLIENT = {
 }
 
 
-def _split(old, *groups):
-    """The deprecated keywords `old`, one dict per group of names, and the rest last."""
-    parts = [{k: v for k, v in old.items() if k in g} for g in groups]
-    known = set().union(*groups)
-    return parts + [{k: v for k, v in old.items() if k not in known}]
-
-
-def _rows(t, rows):
-    """t[rows], or t itself for rows None."""
-    return t if rows is None else t[rows]
-
-
-def _by_rows(mask, tensors):
-    """Whether a call can go in parts of the rows: every tensor [B, S, ...] like the [B, S]
-    mask, with B >= 2."""
-    return (mask.dim() == 2 and mask.shape[0] >= 2
-            and all(t.dim() >= 2 and t.shape[:2] == mask.shape for t in tensors))
-
-
-def _bounds(rows, parts):
-    """The first row of each of `parts` parts of `rows` rows, and `rows`."""
-    return [rows * k // parts for k in range(parts + 1)]
-
-
-def device_slice(storage_offset: int, storage_bytes: int, tensor_offset: int,
-                 tensor_bytes: int) -> Tuple[int, int]:
-    """The (offset, byte_size) of a tensor in a device region registered from its IPC handle.
-
-    The handle maps the allocation from its start; the tensor's storage begins
-    `storage_offset` bytes into the allocation, and the tensor `tensor_offset` bytes into its
-    storage. The region must cover storage_offset + storage_bytes."""
-    if tensor_offset < 0 or tensor_offset + tensor_bytes > storage_bytes:
-        raise ValueError("the tensor (%d bytes at %d) is not inside its storage of %d bytes"
-                         % (tensor_bytes, tensor_offset, storage_bytes))
-    return storage_offset + tensor_offset, tensor_bytes
-
-
-class Client:
+class Client(streaming.StepCalls):
     """A connection to packd. Safe to share across threads, as gRPC stubs are: calls from many
     threads at once each get their own scratch memory, parts and results.
 
@@ -124,7 +89,7 @@ class Client:
                  shared_memory: Optional[SharedMemoryOptions] = None,
                  gpu: Optional[GpuOptions] = None, interceptors: Sequence[Interceptor] = (),
                  **deprecated: Any) -> None:
-        old = _split(deprecated, *_CLIENT.values())
+        old = split_deprecated(deprecated, *_CLIENT.values())
         if old[-1]:
             raise TypeError("Client() got an unexpected keyword argument %r"
                             % sorted(old[-1])[0])
@@ -189,13 +154,13 @@ class Client:
 
         def request(rows):
             return regions.request_in(scratch, lambda: _requests.pack_request(
-                encode, device, with_position_ids, layout, _rows(mask, rows),
-                [_rows(t, rows) for t in tensors],
-                None if segment_ids is None else _rows(segment_ids, rows)), sizes)
+                encode, device, with_position_ids, layout, rows_of(mask, rows),
+                [rows_of(t, rows) for t in tensors],
+                None if segment_ids is None else rows_of(segment_ids, rows)), sizes)
 
         extra = [] if segment_ids is None else [segment_ids]
         parts = (self._parts(nbytes, scratch, mask.shape[0])
-                 if _by_rows(mask, tensors + extra) and not laid_out else 1)
+                 if by_rows(mask, tensors + extra) and not laid_out else 1)
         pack = self._connection.pack
         if parts == 1:
             reply, results = regions.with_regions(
@@ -203,7 +168,7 @@ class Client:
             return (reply, [regions.decode(m, t, scratch)
                             for m, t in zip(reply.packed, results.get(1, []))],
                     results.get(14, []))
-        bounds = _bounds(mask.shape[0], parts)
+        bounds = part_bounds(mask.shape[0], parts)
         replies = self._connection.in_parts(
             pack, [request(slice(bounds[k], bounds[k + 1])) for k in range(parts)])
         packed = [torch.cat([r[1][1][i] for r in replies]) for i in range(len(tensors))]
@@ -296,9 +261,9 @@ class Client:
 
         def request(mask_rows, packed_rows):
             return regions.request_in(scratch, lambda: _requests.scatter_request(
-                encode, device, layout, tail_shape, _rows(mask, mask_rows),
-                [_rows(t, packed_rows) for t in tensors],
-                None if segment_ids is None else _rows(segment_ids, mask_rows)), sizes)
+                encode, device, layout, tail_shape, rows_of(mask, mask_rows),
+                [rows_of(t, packed_rows) for t in tensors],
+                None if segment_ids is None else rows_of(segment_ids, mask_rows)), sizes)
 
         scatter = self._connection.scatter
         try:
@@ -306,7 +271,7 @@ class Client:
                      if mask.dim() == 2 and not laid_out else 1)
             if parts > 1:
                 # Part k's packed rows start at the active count before its first row.
-                bounds = _bounds(mask.shape[0], parts)
+                bounds = part_bounds(mask.shape[0], parts)
                 before = [0] + (mask != 0).sum(1).cumsum(0).tolist()
                 first = [before[b] for b in bounds]
                 if all(t.dim() >= 1 and t.shape[0] == first[-1] for t in tensors):
@@ -394,7 +359,7 @@ class Client:
         empty), its length its stream rows and its cost over its segments' queries and keys;
         its loss tokens are its targets active in loss_mask. Raises PackdValueError (a
         ValueError) for malformed input."""
-        old_plan, old_layout = _split(deprecated, _PLAN)
+        old_plan, old_layout = split_deprecated(deprecated, _PLAN)
         plan = with_deprecated("pack_micro_batches", "plan", plan, PlanOptions(), old_plan, _PLAN)
         layout = with_deprecated("pack_micro_batches", "layout", layout, Layout(), old_layout,
                                  _LAYOUT)
@@ -465,77 +430,6 @@ class Client:
             self._step_output_bytes = first[0].output_bytes
         return StepPlan(call, first[0], lambda: regions.give_back(scratch), options,
                         lambda m, t: regions.decode(m, t, scratch))
-
-    def open_step(self, max_tokens: int, *, plan: Optional[PlanOptions] = None,
-                  layout: Optional[Layout] = None, with_position_ids: bool = False,
-                  device: str = "", policy_version: int = 0, max_staleness: int = 0,
-                  step_id: str = "", wave_fill: float = 0.0, reserve: Optional[float] = None,
-                  timeout_seconds: int = 0, **deprecated: Any) -> streaming.StepController:
-        """Opens a streaming step (docs/operation.md, "The streaming step") on this replica and
-        returns its StepController: `.step_id`, and `.address`, where submitters and ranks reach
-        the replica holding it. Groups are planned as they arrive into micro-batches of at most
-        max_tokens tokens over plan.num_ranks ranks (packd.PlanOptions: num_ranks, cost and
-        micro_batch_multiple, as pack_micro_batches'; groups come whole), packed
-        with `layout` (a Layout without cp_rank or sp_rank: each receiver names its own; a
-        shared prefix as SharedPrefix((), (), same_inputs): each group brings its prefix
-        lengths). A group whose policy version is below policy_version - max_staleness is
-        refused. wave_fill (0: 0.9) is how full every rank's micro-batch must be for a wave;
-        `reserve` micro-batches per rank are left for the close to balance (default: 1 with
-        several ranks, 0 with one). timeout_seconds (0: 3600) bounds the step's life. The step lives while the controller's stream is open."""
-        plan = with_deprecated("open_step", "plan", plan, PlanOptions(), deprecated,
-                               _STREAM_PLAN)
-        if plan.groups is not None or plan.pipeline_order:
-            raise ValueError("open_step: a streaming step plans each group whole as it arrives; "
-                             "PlanOptions.groups and pipeline_order are pack_micro_batches'")
-        options = streaming.step_options(
-            max_tokens, num_ranks=plan.num_ranks, layout=layout or Layout(),
-            with_position_ids=with_position_ids, device=device, cost=plan.cost,
-            micro_batch_multiple=plan.micro_batch_multiple, policy_version=policy_version,
-            max_staleness=max_staleness, step_id=step_id, wave_fill=wave_fill, reserve=reserve,
-            timeout_seconds=timeout_seconds)
-        return streaming.StepController(self._connection.stub, options, self._step_timeout(),
-                                        self._connection.metadata_for(None))
-
-    def submit_group(self, step_id: str, x_or_tensors: TensorOrList, mask: torch.Tensor, *,
-                     policy_version: int = 0, segment_ids: Optional[torch.Tensor] = None,
-                     loss_mask: Optional[torch.Tensor] = None,
-                     prefix_lengths: Optional[Sequence[int]] = None
-                     ) -> streaming.SubmittedGroup:
-        """Submits one finished group to streaming step `step_id` (call the controller's
-        `address`): its rows mask [g, S] and tensors each [g, S, *tail] (the same dtypes and
-        tails as every group of the step), optional segment_ids and loss_mask [g, S], and with
-        a shared-prefix layout its prompt's length on each row. A group is never split where
-        the layout shares its prompt. Raises PackdError: INVALID_ARGUMENT for a malformed group
-        (the step goes on), FAILED_PRECONDITION for a stale one or a closed step, NOT_FOUND
-        when no such step is open on this replica."""
-        tensors = [x_or_tensors] if isinstance(x_or_tensors, torch.Tensor) else list(x_or_tensors)
-        request = streaming.group_request(step_id, tensors, mask, policy_version, segment_ids,
-                                          loss_mask, prefix_lengths)
-        # Never retried: a group the server took must not be taken twice.
-        reply = self._call(self._connection.stub.SubmitGroup, request, retries=0)
-        return streaming.SubmittedGroup(reply.group, reply.first_row, reply.waves)
-
-    def receive_step(self, step_id: str, rank: int, *, cp_rank: int = 0,
-                     layout: Optional[Layout] = None, with_position_ids: bool = False,
-                     documents: bool = False, single: bool = False,
-                     cu_seqlens_dtype: torch.dtype = torch.int64) -> streaming.StepStream:
-        """Rank `rank`'s (and with a CP or SP layout, cp_rank's) receiving stream of streaming
-        step `step_id`: iterate it for its micro-batches as waves commit (MicroBatch(rank,
-        index, samples, result), result exactly pack() of the step's rows `samples`), then its
-        `global_loss_tokens`. layout, with_position_ids, documents (groups carry segment ids)
-        and single (one input: result.packed a tensor) say how to read the results, as the step
-        was opened. Every rank must receive: a rank's stream that ends early ends the step for
-        all with UNAVAILABLE naming it."""
-        call = self._connection.stub.ReceiveStep(
-            pb.ReceiveStepRequest(step_id=step_id, rank=rank, cp_rank=cp_rank),
-            timeout=self._step_timeout(), metadata=self._connection.metadata_for(None))
-        return streaming.StepStream(call, single, documents, with_position_ids,
-                                    layout or Layout(), cu_seqlens_dtype)
-
-    def _step_timeout(self) -> float:
-        """A streaming step's streams live as long as the step: their deadline is an hour, or
-        the client's timeout when longer."""
-        return max(self._connection.timeout, 3600.0)
 
     def register_cuda_tensor(self, name: str, tensor: torch.Tensor,
                              device: Optional[str] = None) -> pb.RegionSlice:

@@ -145,6 +145,32 @@ class Layout:
         if self.mrope is not None:
             self.mrope.to(message.mrope)
 
+    @classmethod
+    def of(cls, message: pb.PackRequest) -> "Layout":
+        """The layout a PackRequest's fields say (to_pack's inverse): what a streaming step's
+        ranks read their micro-batches with."""
+        fixed = message.fixed
+        shared = message.shared_prefix if message.HasField("shared_prefix") else None
+        mrope = message.mrope if message.HasField("mrope") else None
+        return cls(
+            pad_multiple=message.pad_multiple,
+            pad_values=list(message.pad_values) or None,
+            cp_size=message.cp_size, cp_rank=message.cp_rank,
+            with_seq_idx=message.with_seq_idx,
+            shifts=[(s.input, s.fill) for s in message.shifts],
+            fixed=((fixed.tokens, fixed.sequences, fixed.max_seqlen)
+                   if message.HasField("fixed") else None),
+            sp_size=message.sp_size, sp_rank=message.sp_rank,
+            shared_prefix=(SharedPrefix(list(shared.groups), list(shared.prefix_lengths),
+                                        tuple(shared.same_inputs), shared.targets)
+                           if shared is not None else None),
+            with_token_mask=message.with_token_mask,
+            mrope=(MRope(mrope.image_token_id, mrope.video_token_id,
+                         [(g.t, g.h, g.w) for g in mrope.grids], mrope.spatial_merge_size,
+                         mrope.vision_start_token_id, mrope.tokens_per_second,
+                         tuple(mrope.seconds_per_grid), mrope.input)
+                   if mrope is not None else None))
+
     def to_scatter(self, message: pb.ScatterRequest) -> None:
         """Sets a ScatterRequest's layout fields: those that place rows (for_scatter's), so that
         a Pack's own Layout inverts it; pad_values, shifts, with_seq_idx, with_token_mask and

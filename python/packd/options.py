@@ -134,3 +134,10 @@ def with_deprecated(call: str, argument: str, given: Optional[Options], default:
 def same_names(names: Sequence[str]) -> Dict[str, str]:
     """Keywords that keep their names as the option object's fields."""
     return {name: name for name in names}
+
+
+def split_deprecated(old, *groups):
+    """The deprecated keywords `old`, one dict per group of names, and the rest last."""
+    parts = [{k: v for k, v in old.items() if k in g} for g in groups]
+    known = set().union(*groups)
+    return parts + [{k: v for k, v in old.items() if k not in known}]

@@ -10,6 +10,25 @@ from packd.results import MicroBatch, Plan, pack_result
 from packd.v1 import pack_service_pb2 as pb
 
 
+def micro_batch(reply: pb.PackMicroBatchesResponse, tensors: dict, options: Tuple[Any, ...],
+                decode: Callable[[Any, Any], torch.Tensor] = lambda msg, t: t,
+                place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> MicroBatch:
+    """A micro-batch's message (packd/_wire.py's parser: the message, and its tensors by field)
+    as a MicroBatch. options: (single, cu_seqlens_dtype, docs, with_position_ids, layout);
+    decode: a result tensor from its header and inline tensor (or its arena); place: where the
+    metadata goes. What PackMicroBatches and a streaming step's ranks both receive."""
+    packed_reply, inner = tensors.get(
+        pb.PackMicroBatchesResponse.PACKED_FIELD_NUMBER, [(pb.PackResponse(), {})])[0]
+    single, cu_dtype, docs, with_position_ids, layout = options
+    packed = [decode(m, t) for m, t in zip(packed_reply.packed,
+                                           inner.get(pb.PackResponse.PACKED_FIELD_NUMBER, []))]
+    shifted = [decode(m, t) for m, t in zip(packed_reply.shifted,
+                                            inner.get(pb.PackResponse.SHIFTED_FIELD_NUMBER, []))]
+    return MicroBatch(reply.rank, reply.index, list(reply.samples), pack_result(
+        packed_reply, packed, shifted, single, cu_dtype, docs, with_position_ids, layout,
+        place))
+
+
 class StepPlan:
     """A PackMicroBatches call in progress: `plan` (a Plan) at once, then the micro-batches
     (MicroBatch) as they arrive, by iterating it. The server packs the next micro-batch while
@@ -33,20 +52,9 @@ class StepPlan:
     def __iter__(self) -> Iterator[MicroBatch]:
         try:
             for reply, tensors in self._call:
-                packed_reply, inner = tensors.get(
-                    pb.PackMicroBatchesResponse.PACKED_FIELD_NUMBER, [(pb.PackResponse(), {})])[0]
-                single, cu_dtype, docs, with_position_ids, layout = self._options
-                if any(m.HasField("region") for m in packed_reply.packed):
+                if any(m.HasField("region") for m in reply.packed.packed):
                     self.through_shared_memory += 1
-                packed = [self._decode(m, t)
-                          for m, t in zip(packed_reply.packed,
-                                          inner.get(pb.PackResponse.PACKED_FIELD_NUMBER, []))]
-                shifted = [self._decode(m, t)
-                           for m, t in zip(packed_reply.shifted,
-                                          inner.get(pb.PackResponse.SHIFTED_FIELD_NUMBER, []))]
-                yield MicroBatch(reply.rank, reply.index, list(reply.samples), pack_result(
-                    packed_reply, packed, shifted, single, cu_dtype, docs, with_position_ids,
-                    layout, self._place))
+                yield micro_batch(reply, tensors, self._options, self._decode, self._place)
         except grpc.RpcError as e:
             raise error(e) from None
         finally:

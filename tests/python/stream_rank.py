@@ -20,11 +20,9 @@ from train_packed import TinyLM  # noqa: E402
 
 def main(address, step_id, rank, out):
     model = TinyLM(seed=0).double()
-    layout = packd.Layout(shifts=((0, -100),))
     micro_batches = []
     with packd.Client(address) as client:
-        stream = client.receive_step(step_id, int(rank), layout=layout, with_position_ids=True,
-                                     documents=True)
+        stream = client.receive_step(step_id, int(rank))  # read with the step's layout
         for mb in stream:
             r = mb.result
             micro_batches.append(list(mb.samples))

@@ -263,3 +263,33 @@ def test_the_old_keywords_beside_their_object_or_unknown_ones_are_refused(addres
         packd.Client(address, tls=packd.TlsOptions(), tls_ca_file="ca.pem")
     with pytest.raises(TypeError, match="unexpected keyword argument 'shm_threshold'"):
         packd.Client(address, shm_threshold=0)
+
+
+def test_a_layout_read_back_from_its_pack_request_is_itself():
+    from packd.v1 import pack_service_pb2 as pb
+    layouts = [
+        packd.Layout(),
+        packd.Layout(pad_multiple=8, pad_values=[1.5, -2.0], cp_size=2, cp_rank=1,
+                     with_seq_idx=True, shifts=[(0, -100), (1, 0.5)], fixed=(64, 4, 32),
+                     with_token_mask=True),
+        packd.Layout(sp_size=4, sp_rank=3, shifts=[(0, -100)]),
+        packd.Layout(shared_prefix=packd.SharedPrefix([0, 0, 1], [3, 3, 5], (0,))),
+        packd.Layout(mrope=packd.MRope(7, 8, [(1, 2, 2), (2, 4, 4)], 2, 6, 2.0, (0.5,), 1)),
+    ]
+    for layout in layouts:
+        message = pb.PackRequest()
+        layout.to_pack(message)
+        assert packd.Layout.of(message) == layout
+
+
+def test_a_rank_reads_with_the_steps_layout_and_the_old_keywords_warn(address):
+    with packd.Client(address) as client:
+        with client.open_step(8) as step:
+            with pytest.warns(packd.PackdDeprecationWarning,
+                              match="layout, with_position_ids are no longer needed"):
+                stream = client.receive_step(step.step_id, 0, layout=packd.Layout(),
+                                             with_position_ids=True)
+            with pytest.raises(TypeError, match="unexpected keyword argument 'layuot'"):
+                client.receive_step(step.step_id, 1, layuot=packd.Layout())
+            stream.cancel()
+            step.cancel()

@@ -8,7 +8,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import grpc
@@ -21,6 +20,7 @@ import packd
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "examples"))
 from train_packed import DIM, TinyLM, corpus  # noqa: E402
+from step_receiver import Receiver  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUT = packd.Layout(shifts=((0, -100),))
@@ -110,31 +110,13 @@ def test_scale_gradients_is_world_size_over_global_loss_tokens():
     assert p.grad.tolist() == [2.0, 2.0, 2.0]
 
 
-class Receiver(threading.Thread):
-    """A rank's receiving stream on a thread: its micro-batches, or the error it ended with."""
-
-    def __init__(self, client, step_id, rank, **kwargs):
-        super().__init__(daemon=True)
-        self.stream = client.receive_step(step_id, rank, **kwargs)
-        self.micro_batches, self.error = [], None
-        self.start()
-
-    def run(self):
-        try:
-            for mb in self.stream:
-                self.micro_batches.append(mb)
-        except packd.PackdError as e:
-            self.error = e
-
-
 def test_each_micro_batch_is_exactly_pack_of_its_rows_and_idle_ranks_get_empty_ones(address):
     batch = corpus(seed=3, rows=8, seq=64)
     tokens, mask, segments, loss_mask = batch
     with packd.Client(address) as client:
         with client.open_step(1 << 20, plan=packd.PlanOptions(num_ranks=3), layout=LAYOUT, with_position_ids=True) \
                 as step:
-            receivers = [Receiver(client, step.step_id, r, layout=LAYOUT,
-                                  with_position_ids=True, documents=True) for r in range(3)]
+            receivers = [Receiver(client, step.step_id, r) for r in range(3)]
             submit(client, step.step_id, batch, [0, 1])
             summary = step.close()
         for r in receivers:
@@ -167,7 +149,7 @@ def test_a_bad_group_is_refused_to_its_submitter_and_the_step_goes_on(address):
     tokens, mask, segments, loss_mask = batch
     with packd.Client(address) as client:
         with client.open_step(1 << 20, layout=LAYOUT) as step:
-            receiver = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
+            receiver = Receiver(client, step.step_id, 0)
             with pytest.raises(packd.PackdError) as bad:
                 client.submit_group(step.step_id, [tokens[:4, :16]], mask[:4])
             assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -202,8 +184,8 @@ def test_a_rank_that_leaves_ends_the_step_for_every_rank_naming_it(address):
     batch = corpus(seed=6, rows=16, seq=64)
     with packd.Client(address) as client:
         step = client.open_step(64, plan=packd.PlanOptions(num_ranks=2), layout=LAYOUT)
-        staying = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
-        leaving = client.receive_step(step.step_id, 1, layout=LAYOUT, documents=True)
+        staying = Receiver(client, step.step_id, 0)
+        leaving = client.receive_step(step.step_id, 1)
         for rows in groups_of(batch):
             submit(client, step.step_id, batch, rows)
         next(iter(leaving))  # attached, and received a micro-batch
@@ -221,7 +203,7 @@ def test_the_controller_leaving_ends_the_step_and_frees_it(address):
     batch = corpus(seed=8, rows=4, seq=32)
     with packd.Client(address) as client:
         step = client.open_step(1 << 20, layout=LAYOUT)
-        receiver = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
+        receiver = Receiver(client, step.step_id, 0)
         submit(client, step.step_id, batch, [0, 1])
         step.cancel()
         receiver.join(30)
@@ -284,7 +266,7 @@ def test_groups_held_count_against_the_memory_budget_until_their_rows_are_sent()
             packd.Client(address) as client:
         for attempt in range(2):  # the second step finds the budget whole again
             with client.open_step(1 << 20, layout=LAYOUT) as step:
-                receiver = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
+                receiver = Receiver(client, step.step_id, 0)
                 submit(client, step.step_id, batch, [0, 1, 2, 3])
                 submit(client, step.step_id, batch, [4, 5, 6, 7])
                 with pytest.raises(packd.PackdError) as full:
@@ -299,8 +281,12 @@ def test_groups_held_count_against_the_memory_budget_until_their_rows_are_sent()
 
 def test_a_group_in_shared_memory_is_copied_in_and_packed_as_inline(address):
     from multiprocessing import shared_memory
-    from packd.streaming import group_request
+    from packd._tensors import TO_WIRE
     from packd.v1 import pack_service_pb2 as pb, pack_service_pb2_grpc as pb_grpc
+
+    def inline(t):
+        return pb.Tensor(dtype=TO_WIRE[t.dtype], shape=list(t.shape),
+                         data=t.contiguous().numpy().tobytes())
     batch = corpus(seed=10, rows=4, seq=32)
     tokens, mask, segments, loss_mask = batch
     with packd.Client(address) as client:
@@ -313,12 +299,14 @@ def test_a_group_in_shared_memory_is_copied_in_and_packed_as_inline(address):
             stub.RegisterSystemRegion(pb.RegisterSystemRegionRequest(
                 name="stream-tokens", key=key, offset=0, byte_size=len(raw)))
             with client.open_step(1 << 20, layout=LAYOUT) as step:
-                receiver = Receiver(client, step.step_id, 0, layout=LAYOUT, documents=True)
-                request = group_request(step.step_id, [tokens, loss_mask.to(torch.int64)], mask,
-                                        0, segments, loss_mask, None)
-                request.inputs[0].ClearField("data")
-                request.inputs[0].region.CopyFrom(pb.RegionSlice(
-                    region="stream-tokens", offset=0, byte_size=len(raw)))
+                receiver = Receiver(client, step.step_id, 0)
+                request = pb.SubmitGroupRequest(
+                    step_id=step.step_id, mask=inline(mask), segment_ids=inline(segments),
+                    loss_mask=inline(loss_mask),
+                    inputs=[pb.Tensor(dtype=TO_WIRE[tokens.dtype], shape=list(tokens.shape),
+                                      region=pb.RegionSlice(region="stream-tokens", offset=0,
+                                                            byte_size=len(raw))),
+                            inline(loss_mask.to(torch.int64))])
                 stub.SubmitGroup(request)
                 seg.buf[:len(raw)] = bytes(len(raw))  # the step holds its own copy
                 step.close()
