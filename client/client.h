@@ -156,6 +156,20 @@ struct StepMicroBatch {
   bool through_shared_memory = false;
 };
 
+// A group for a streaming step (Client::SubmitGroup).
+struct GroupOptions {
+  int64_t policy_version = 0;  // the policy that generated the group
+  at::Tensor segment_ids;      // [g, S] documents within rows, or undefined
+  at::Tensor loss_mask;        // [g, S], or undefined
+  // With a shared-prefix layout: one per row, the group's prompt length.
+  std::vector<int64_t> prefix_lengths;
+  // Names the group within the step; empty: a fresh random key per call.
+  std::string group_key;
+  // How long each attempt waits for its reply before the call is retried;
+  // zero: a quarter of the client's deadline.
+  absl::Duration attempt_timeout = absl::ZeroDuration();
+};
+
 // The slice of region `region` (registered from an IPC handle of the
 // allocation starting at `allocation_base`) that holds the `bytes` bytes at
 // `data`: its offset is data - allocation_base, because an IPC handle maps an
@@ -260,6 +274,33 @@ class Client {
       const std::vector<at::Tensor>& tensors, const at::Tensor& mask,
       int64_t max_tokens_per_micro_batch, const StepCallOptions& options,
       const std::function<absl::Status(const v1::PlanResponse&)>& on_plan,
+      const std::function<absl::Status(StepMicroBatch)>& on_micro_batch);
+
+  // The streaming step (docs/operation.md, "The streaming step"), for
+  // rollout workers and trainer ranks in C++ (the step is opened by a
+  // controller, packd.Client.open_step or OpenStep).
+  //
+  // SubmitGroup: one finished group to step `step_id` on this replica: its
+  // rows `mask` [g, S] and `tensors` [g, S, *tail], in host memory, sent
+  // inline. packd takes it once: the options' group_key (default: a fresh
+  // random key for this call) names it, so the call is retried like every
+  // other and also when an attempt's reply does not come within
+  // attempt_timeout; a repeat of a key taken gets the first reply. Errors as
+  // docs/service.md lists them (RESOURCE_EXHAUSTED: retry after a wait).
+  //
+  //   GroupOptions o{.policy_version = v, .loss_mask = response_mask};
+  //   auto taken = client->SubmitGroup(step_id, {token_ids}, mask, o);
+  absl::StatusOr<v1::SubmitGroupResponse> SubmitGroup(
+      const std::string& step_id, const std::vector<at::Tensor>& tensors,
+      const at::Tensor& mask, const GroupOptions& options = {});
+  // ReceiveStep: rank `rank`'s (and `cp_rank`'s) micro-batches of step
+  // `step_id`, each to `on_micro_batch` as waves commit (read with the step's
+  // own layout, which packd sends with each; cu_seqlens as int32 when
+  // asked), then the step's plan (global_loss_tokens: scale the summed
+  // gradients by world_size / it). A callback's error cancels the stream,
+  // which ends the step for every party, and is returned.
+  absl::StatusOr<v1::PlanResponse> ReceiveStep(
+      const std::string& step_id, int rank, int cp_rank, bool cu_seqlens_int32,
       const std::function<absl::Status(StepMicroBatch)>& on_micro_batch);
 
   // `t` on the GPU holding `like`, when it is not there (a gradient autograd
@@ -442,6 +483,11 @@ class Client {
   // there (which they keep) or inline ones copied to it.
   using StepResults = std::function<absl::StatusOr<std::vector<at::Tensor>>(
       const Tensors&, const WireMessage&)>;
+  // A micro-batch's message as a StepMicroBatch: its results through
+  // `results`, its metadata as `pack` asks (micro_batches.cc).
+  static absl::StatusOr<StepMicroBatch> MicroBatchOf(
+      const Wire<v1::PackMicroBatchesResponse>& reply,
+      const PackCallOptions& pack, const StepResults& results);
   // A step's batch on GPU `index` encoded into `request` (slices of its
   // device regions), with its results' arena of `arena` bytes (0: none, the
   // results come inline) allocated there; returns once the GPU's queued work

@@ -148,17 +148,24 @@ Connection::Connection(
 
 absl::Status Connection::Call(
     const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
-    const std::function<bool()>& may_retry) {
-  const absl::Time deadline = absl::Now() + options_.deadline;
+    const std::function<bool()>& may_retry, CallTimes times) {
+  const absl::Time deadline =
+      absl::Now() +
+      (times.total > absl::ZeroDuration() ? times.total : options_.deadline);
   absl::Duration backoff = options_.initial_backoff;
   for (int attempt = 1;; ++attempt) {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(deadline));
+    const absl::Time own = std::min(deadline, absl::Now() + times.attempt);
+    context.set_deadline(absl::ToChronoTime(own));
     if (!token_.empty())
       context.AddMetadata("authorization", "Bearer " + token_);
     const grpc::Status status = rpc(&context);
-    if (!IsRetried(status.error_code()) || attempt >= options_.max_attempts ||
-        absl::Now() + backoff >= deadline || (may_retry && !may_retry())) {
+    const bool expired_early =
+        status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+        own < deadline;
+    if (!(IsRetried(status.error_code()) || expired_early) ||
+        attempt >= options_.max_attempts || absl::Now() + backoff >= deadline ||
+        (may_retry && !may_retry())) {
       return FromGrpcStatus(status);
     }
     absl::SleepFor(backoff);
@@ -168,25 +175,28 @@ absl::Status Connection::Call(
 
 absl::Status Connection::RawCall(int connection, const char* method,
                                  const WireMessage& request,
-                                 WireMessage* response) {
+                                 WireMessage* response, CallTimes times) {
   const grpc::ByteBuffer sent = ToByteBuffer(request);
   grpc::ByteBuffer received;
-  PACKD_RETURN_IF_ERROR(Call([&](grpc::ClientContext* context) {
-    absl::Notification done;
-    grpc::Status status;
-    received.Clear();
-    context->AddMetadata(kRequestBytesHeader, std::to_string(sent.Length()));
-    HandOff(&done);
-    generic_[connection % generic_.size()]->UnaryCall(
-        context, method, grpc::StubOptions(), &sent, &received,
-        [&](grpc::Status s) {
-          TakeOver(&done);
-          status = std::move(s);
-          done.Notify();
-        });
-    done.WaitForNotification();
-    return status;
-  }));
+  PACKD_RETURN_IF_ERROR(Call(
+      [&](grpc::ClientContext* context) {
+        absl::Notification done;
+        grpc::Status status;
+        received.Clear();
+        context->AddMetadata(kRequestBytesHeader,
+                             std::to_string(sent.Length()));
+        HandOff(&done);
+        generic_[connection % generic_.size()]->UnaryCall(
+            context, method, grpc::StubOptions(), &sent, &received,
+            [&](grpc::Status s) {
+              TakeOver(&done);
+              status = std::move(s);
+              done.Notify();
+            });
+        done.WaitForNotification();
+        return status;
+      },
+      nullptr, times));
   const absl::Status parsed = Receive(received, response);
   if (!parsed.ok()) {
     return absl::InternalError(
@@ -197,7 +207,8 @@ absl::Status Connection::RawCall(int connection, const char* method,
 
 absl::Status Connection::RawStream(
     const char* method, const WireMessage& request,
-    const std::function<absl::Status(const grpc::ByteBuffer&)>& on_message) {
+    const std::function<absl::Status(const grpc::ByteBuffer&)>& on_message,
+    CallTimes times) {
   const grpc::ByteBuffer sent = ToByteBuffer(request);
   bool delivered = false;
   absl::Status refused;  // what on_message answered, when it failed
@@ -240,7 +251,7 @@ absl::Status Connection::RawStream(
         }
         return finished;
       },
-      [&] { return !delivered; });
+      [&] { return !delivered; }, times);
   return refused.ok() ? status : refused;
 }
 

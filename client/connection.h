@@ -121,6 +121,22 @@ inline constexpr char kScatterMethod[] = "/packd.v1.PackService/Scatter";
 inline constexpr char kPackMicroBatchesMethod[] =
     "/packd.v1.PackService/PackMicroBatches";
 
+// The streaming step's methods (docs/design.md §18).
+inline constexpr char kSubmitGroupMethod[] =
+    "/packd.v1.PackService/SubmitGroup";
+inline constexpr char kReceiveStepMethod[] =
+    "/packd.v1.PackService/ReceiveStep";
+
+// How long a call may take: all its attempts together, and each one.
+struct CallTimes {
+  // The call's deadline; zero: the connection's (ClientOptions::deadline).
+  absl::Duration total = absl::ZeroDuration();
+  // Each attempt's own deadline; an attempt whose own deadline passed before
+  // the call's is retried too (for calls packd takes once however often they
+  // come: SubmitGroup with its group key). Infinite: the call's.
+  absl::Duration attempt = absl::InfiniteDuration();
+};
+
 // Safe to share across threads, as gRPC channels are: calls from many threads
 // at once each have their own context, deadline and reply.
 class Connection {
@@ -138,7 +154,7 @@ class Connection {
   // made again (a stream that delivered messages may not).
   absl::Status Call(
       const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
-      const std::function<bool()>& may_retry = nullptr);
+      const std::function<bool()>& may_retry = nullptr, CallTimes times = {});
 
   // Calls `method` (kPackMethod, kScatterMethod) on connection `connection`
   // (taken modulo connections(): parts of a call run at once on different
@@ -146,7 +162,8 @@ class Connection {
   // reply into `response`, its inline bytes left in place in the received
   // slices it then holds (INTERNAL when it does not parse).
   absl::Status RawCall(int connection, const char* method,
-                       const WireMessage& request, WireMessage* response);
+                       const WireMessage& request, WireMessage* response,
+                       CallTimes times = {});
 
   // Calls server-streaming `method` (kPackMicroBatchesMethod) with `request`,
   // sent in place, and gives each message to `on_message` as it arrives, in
@@ -154,7 +171,8 @@ class Connection {
   // after. A failure of `on_message` cancels the call and is returned.
   absl::Status RawStream(
       const char* method, const WireMessage& request,
-      const std::function<absl::Status(const grpc::ByteBuffer&)>& on_message);
+      const std::function<absl::Status(const grpc::ByteBuffer&)>& on_message,
+      CallTimes times = {});
 
   absl::StatusOr<v1::ServerInfo> Info();
   // grpc.health.v1 status of `service` ("" liveness, "packd.v1.PackService"

@@ -95,17 +95,8 @@ absl::Status Client::PackMicroBatches(
       }
       return on_plan(reply->plan());
     }
-    StepMicroBatch mb;
-    mb.rank = reply->rank();
-    mb.index = reply->index();
-    mb.samples.assign(reply->samples().begin(), reply->samples().end());
-    mb.through_shared_memory = reply->packed().packed_size() > 0 &&
-                               reply->packed().packed(0).has_region();
-    PACKD_ASSIGN_OR_RETURN(mb.batch.packed,
-                           results(reply->packed().packed(), reply));
-    PACKD_ASSIGN_OR_RETURN(mb.batch.shifted,
-                           results(reply->packed().shifted(), reply));
-    FillMetadata(reply->packed(), pack, &mb.batch);
+    PACKD_ASSIGN_OR_RETURN(StepMicroBatch mb,
+                           MicroBatchOf(reply, pack, results));
     if (gpu.has_value()) {
       PACKD_RETURN_IF_ERROR(MetadataToDevice(*gpu, &mb.batch));
     }
@@ -122,6 +113,23 @@ absl::Status Client::PackMicroBatches(
     }
   }
   return status;
+}
+
+absl::StatusOr<StepMicroBatch> Client::MicroBatchOf(
+    const Wire<v1::PackMicroBatchesResponse>& reply,
+    const PackCallOptions& pack, const StepResults& results) {
+  StepMicroBatch mb;
+  mb.rank = reply->rank();
+  mb.index = reply->index();
+  mb.samples.assign(reply->samples().begin(), reply->samples().end());
+  mb.through_shared_memory = reply->packed().packed_size() > 0 &&
+                             reply->packed().packed(0).has_region();
+  PACKD_ASSIGN_OR_RETURN(mb.batch.packed,
+                         results(reply->packed().packed(), reply));
+  PACKD_ASSIGN_OR_RETURN(mb.batch.shifted,
+                         results(reply->packed().shifted(), reply));
+  FillMetadata(reply->packed(), pack, &mb.batch);
+  return mb;
 }
 
 }  // namespace packd
