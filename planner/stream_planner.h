@@ -11,7 +11,10 @@
 //
 // clang-format off
 //   PACKD_ASSIGN_OR_RETURN(StreamPlanner planner, StreamPlanner::Make({.plan = options}));
-//   for (const StreamUnit& u : arriving) for (Wave& w : planner.Add(u)) send(w);
+//   for (const StreamUnit& u : arriving) {
+//     PACKD_ASSIGN_OR_RETURN(std::vector<Wave> waves, planner.Add(u));
+//     for (const Wave& w : waves) send(w);
+//   }
 //   PACKD_ASSIGN_OR_RETURN(std::vector<Wave> rest, planner.Close());
 // clang-format on
 #ifndef PACKD_PLANNER_STREAM_PLANNER_H_

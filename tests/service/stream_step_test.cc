@@ -302,6 +302,16 @@ TEST(StreamStep, BytesStayInTheBudgetUntilTheirStreamHasTakenThem) {
   EXPECT_FALSE(
       step.Submit(Tenant(), Group(step.id(), {60, 60, 60, 60}, 50), &reply)
           .ok());
+  // The metrics show what the step holds, by kind.
+  const std::string shown = replica.core.metrics().Render();
+  const std::string series = absl::StrCat(
+      "packd_stream_step_held_bytes{kind=\"micro_batches\",step=\"", step.id(),
+      "\",tenant=\"anonymous\"} ", m->bytes);
+  EXPECT_THAT(shown, HasSubstr(series));
+  EXPECT_THAT(shown,
+              HasSubstr(absl::StrCat(
+                  "packd_stream_step_held_bytes{kind=\"groups\",step=\"",
+                  step.id(), "\",tenant=\"anonymous\"} ", 9 * group_bytes)));
   m.reset();
   EXPECT_LE(replica.budget.in_use(), 9 * group_bytes);
   EXPECT_TRUE(
