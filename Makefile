@@ -12,7 +12,7 @@ FUZZ_TARGETS = fuzz_request fuzz_regions fuzz_plan
 
 TSAN_DIR ?= build-tsan
 TSAN_TESTS = server_regions_test memory_budget_test metrics_test regions_test service_test soak_test \
-  shared_client_test client_fake_gpu_test
+  shared_client_test client_fake_gpu_test stream_step_test client_step_test
 
 .PHONY: all deps configure build test run wheel bench bench-step bench-grpo bench-train bench-stream plots image check-image fuzz tsan clean format
 

@@ -3,7 +3,8 @@
 The cross product of the layout options (documents, padding, CP or Ulysses SP, fixed shapes,
 shifts, seq_idx with the token mask and, for Pack, multimodal positions of image and video runs,
 a shared prefix) for Pack, for Scatter (the options that place rows, and a shared prefix's
-stream or targets) and for PackMicroBatches,
+stream or targets), for PackMicroBatches and for the streaming step (its groups submitted in a
+random order, every rank and CP or SP rank receiving),
 on each backend (span, torch, fake GPU; and every tensor in fake GPU memory), each combination on fresh random data with 1- to
 16-byte rows (and a wide one), pad values, position ids and a random rank. A combination the
 design refuses (CP without a multiple of 2 * cp_size, CP with SP, ...) is checked for its named
@@ -17,6 +18,8 @@ import dataclasses
 import itertools
 import os
 import random
+import re
+import threading
 
 import pytest
 import torch
@@ -55,7 +58,7 @@ LAYOUT_DIMS = {"docs": (False, True), "pad": (False, True), "parallel": ("none",
                "shared": (False, True)}
 SCATTER_DIMS = {d: LAYOUT_DIMS[d] for d in ("docs", "pad", "parallel", "fixed")}
 SCATTER_DIMS["shared"] = ("none", "stream", "targets")
-OPS = {"pack": LAYOUT_DIMS, "scatter": SCATTER_DIMS, "step": LAYOUT_DIMS}
+OPS = {"pack": LAYOUT_DIMS, "scatter": SCATTER_DIMS, "step": LAYOUT_DIMS, "stream": LAYOUT_DIMS}
 PLAIN = dict(docs=False, pad=False, parallel="none", fixed=False, shifts=False, seq_idx=False,
              shared=False)
 BACKENDS = ("span", "torch", "fake_gpu", "gpu_memory")
@@ -175,7 +178,7 @@ class Case:
             o["with_seq_idx"] = cell["seq_idx"]
             o["with_token_mask"] = cell["seq_idx"]  # the other per-row array rides with it
         if cell["fixed"]:
-            o["fixed"] = self._fixed(rng, o, whole_batch=op == "step")
+            o["fixed"] = self._fixed(rng, o, whole_batch=op in ("step", "stream"))
         if is_shared(cell):
             o["shared_prefix"] = self._share(rng, op, targets=cell["shared"] == "targets")
         return o
@@ -424,11 +427,104 @@ def run_step(client, device, case, o, what, rng):
     assert count == len(plan.micro_batches), what
 
 
+class Collect(threading.Thread):
+    """A streaming step's receiver on a thread: its micro-batches, or its error."""
+
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream, self.micro_batches, self.error = stream, [], None
+        self.start()
+
+    def run(self):
+        try:
+            self.micro_batches.extend(self.stream)
+        except packd.PackdError as e:
+            self.error = e
+
+
+def stream_groups(case, rng):
+    """The batch's rows as the groups a streaming step takes, in a random order: a shared
+    prefix's groups whole (their rows in batch order), else random runs of rows."""
+    sp = case.options.get("shared_prefix")
+    if sp is not None:
+        ids = list(sp.groups)[:case.B]
+        groups = [[b for b in range(case.B) if ids[b] == g] for g in dict.fromkeys(ids)]
+    else:
+        cuts = sorted(rng.sample(range(1, case.B), rng.randint(0, case.B - 1)))
+        groups = [list(range(a, b)) for a, b in zip([0] + cuts, cuts + [case.B])]
+    rng.shuffle(groups)
+    return groups
+
+
+def run_stream(client, device, case, o, what, rng):
+    """The streaming step of the case's batch (docs/design.md §18), opened with its layout:
+    every rank and CP or SP rank receives, and each micro-batch is the model's Pack of its rows
+    for that receiver; every row is in exactly one micro-batch of each receiver's rank."""
+    opts = {k: v for k, v in case.options.items() if k not in ("cp_rank", "sp_rank")}
+    sp = opts.get("shared_prefix")
+    if sp is not None:  # each group brings its rows' prompt lengths
+        opts["shared_prefix"] = packd.SharedPrefix((), (), sp.same_inputs, sp.targets)
+    receivers = max(o.cp_size, o.sp_size, 1)
+    ranks = rng.randint(1, 2)
+    budget = 1 << 20
+    try:
+        case_call("step", case, o)
+    except Refused:  # what packd must refuse: the group, with the step's layout
+        with client.open_step(budget, layout=packd.Layout(**opts), device=device,
+                              with_position_ids=case.with_position_ids) as step:
+            client.submit_group(step.step_id, case.inputs, case.mask, segment_ids=case.ids,
+                                prefix_lengths=None if sp is None else sp.prefix_lengths)
+        return
+    if sp is None:
+        lengths = plan_lengths(case.mask_lists, case.ids_lists, o)
+        budget = max(max(lengths) + rng.randint(0, sum(lengths)), 1)
+    with client.open_step(budget, plan=packd.PlanOptions(num_ranks=ranks),
+                          layout=packd.Layout(**opts), device=device,
+                          with_position_ids=case.with_position_ids,
+                          wave_fill=rng.choice([0.0, 0.5])) as step:
+        collectors = {(r, c): Collect(client.receive_step(step.step_id, r, cp_rank=c))
+                      for r in range(ranks) for c in range(receivers)}
+        batch_row = {}
+        for rows in stream_groups(case, rng):
+            got = client.submit_group(
+                step.step_id, [x[rows] for x in case.inputs], case.mask[rows],
+                segment_ids=None if case.ids is None else case.ids[rows],
+                prefix_lengths=None if sp is None else [sp.prefix_lengths[b] for b in rows])
+            batch_row.update({got.first_row + k: b for k, b in enumerate(rows)})
+        summary = step.close()
+    for (r, c), got in collectors.items():
+        got.join(60)
+        assert got.error is None, "%s: receiver %d/%d: %s" % (what, r, c, got.error)
+        assert len(got.micro_batches) == summary.micro_batches_per_rank, what
+    for c in range(receivers):
+        seen = sorted(batch_row[s] for r in range(ranks)
+                      for mb in collectors[(r, c)].micro_batches for s in mb.samples)
+        assert seen == list(range(case.B)), "%s: every row once" % what
+    for (r, c), got in collectors.items():
+        sub_o = dataclasses.replace(o, cp_rank=c if o.cp_size > 1 else 0,
+                                    sp_rank=c if o.sp_size > 1 else 0)
+        for mb in got.micro_batches:
+            rows = [batch_row[s] for s in mb.samples]
+            if not rows:
+                assert mb.result.total_active == 0, what
+                continue
+            sub = [x[rows] for x in case.inputs]
+            ids = None if case.ids is None else [case.ids_lists[b] for b in rows]
+            if o.shared is not None:
+                groups, prefix, same, _ = o.shared
+                sub_o = dataclasses.replace(sub_o, shared=(
+                    tuple(groups[b] for b in rows), tuple(prefix[b] for b in rows), same, False))
+            expect_pack(mb.result, case, [case.mask_lists[b] for b in rows], ids, sub, sub_o,
+                        "%s: micro-batch %d of rank %d, receiver %d" % (what, mb.index, r, c))
+
+
 def run(client, device, op, case, o, what, rng, gen):
     if op == "pack":
         run_pack(client, device, case, o, what)
     elif op == "scatter":
         run_scatter(client, device, case, o, what, gen)
+    elif op == "stream":
+        run_stream(client, device, case, o, what, rng)
     else:
         run_step(client, device, case, o, what, rng)
 
@@ -504,6 +600,12 @@ def connect(address, device):
         yield OnGpu(client)
 
 
+def skip_streamed_device_memory(op, backend):
+    if op == "stream" and backend == "gpu_memory":
+        pytest.skip("a streaming step's groups come inline or in shared memory, not in device "
+                    "memory (packd refuses those, FAILED_PRECONDITION)")
+
+
 def seeded(*names):
     """A random.Random and a torch.Generator for one test, from the run's seed."""
     rng = random.Random(" ".join(str(n) for n in (SEED,) + names))
@@ -513,6 +615,7 @@ def seeded(*names):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", list(OPS))
 def test_every_layout_combination(servers, op, backend):
+    skip_streamed_device_memory(op, backend)
     address, device = servers[backend]
     rng, gen = seeded(op, backend)
     coverage = COVERAGE[(op, backend)]
@@ -554,11 +657,14 @@ def test_every_layout_combination(servers, op, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", list(OPS))
 def test_refused_combinations_name_their_field(servers, op, backend):
+    skip_streamed_device_memory(op, backend)
     address, device = servers[backend]
     rng, gen = seeded("refused", op, backend)
     coverage = COVERAGE[(op, backend)]
     with connect(address, device) as client:
         for name, options, message in REFUSED:
+            if op == "stream" and (options.get("cp_rank") or options.get("sp_rank")):
+                continue  # a stream's receivers name their own (test_streaming_step.py)
             case = Case(rng, gen, PLAIN, 8, op)
             case.options = dict(options)
             o = case.model_options(op)
@@ -583,6 +689,7 @@ def test_shared_prompts(servers, op, backend):
     """Random groups (ids in any order, groups of one, prompts of 0 and of a whole row, empty
     rows), shifts in target space, seq_idx, position ids and same_inputs, each against the
     model."""
+    skip_streamed_device_memory(op, backend)
     address, device = servers[backend]
     rng, gen = seeded("shared", op, backend)
     coverage = COVERAGE[(op, backend)]
@@ -620,12 +727,13 @@ def _prompt_differs(sp, case, rng):
 # name, the ops, and how a valid shared prefix (one group of the full rows, prompt 1 .. S) is
 # made bad; the model says what packd must.
 SHARED_REFUSED = [
-    ("targets in a Pack", ("pack", "step"), lambda sp, case, rng: dataclasses.replace(
-        sp, targets=True)),
-    ("groups too long", OPS, lambda sp, case, rng: dataclasses.replace(
+    ("targets in a Pack", ("pack", "step", "stream"), lambda sp, case, rng:
+        dataclasses.replace(sp, targets=True)),
+    # (A streaming step's groups and prefix arrays are its own, one per group submitted.)
+    ("groups too long", ("pack", "scatter", "step"), lambda sp, case, rng: dataclasses.replace(
         sp, groups=list(sp.groups) + [1])),
-    ("prefix_lengths too short", OPS, lambda sp, case, rng: dataclasses.replace(
-        sp, prefix_lengths=list(sp.prefix_lengths)[:-1])),
+    ("prefix_lengths too short", ("pack", "scatter", "step"), lambda sp, case, rng:
+        dataclasses.replace(sp, prefix_lengths=list(sp.prefix_lengths)[:-1])),
     ("negative prefix", OPS, lambda sp, case, rng: dataclasses.replace(
         sp, prefix_lengths=[-1] * case.B)),
     ("prefixes differ in a group", OPS, lambda sp, case, rng: dataclasses.replace(
@@ -634,7 +742,7 @@ SHARED_REFUSED = [
         sp, prefix_lengths=[case.S + 1] * case.B)),
     ("same_inputs names no input", OPS, lambda sp, case, rng: dataclasses.replace(
         sp, same_inputs=[len(case.inputs) + 2])),
-    ("a prompt differs", ("pack", "step"), _prompt_differs),
+    ("a prompt differs", ("pack", "step", "stream"), _prompt_differs),
 ]
 
 
@@ -644,6 +752,7 @@ def test_refused_shared_prompts(servers, op, backend):
     """Every §14 error is INVALID_ARGUMENT with what the model says (the field, the row or
     group, the first differing prompt token), and the server serves the next call; with
     documents, padding, CP, SP or fixed the cross product above checks the refusal."""
+    skip_streamed_device_memory(op, backend)
     address, device = servers[backend]
     rng, gen = seeded("shared refused", op, backend)
     coverage = COVERAGE[(op, backend)]
@@ -664,7 +773,10 @@ def test_refused_shared_prompts(servers, op, backend):
             with pytest.raises(Refused) as model:
                 case_call(op, case, o)
             what = "PACKD_ORACLE_SEED=%d %s on %s: %s" % (SEED, op, backend, name)
-            expect_refused(client, device, op, case, o, what, rng, gen, str(model.value))
+            message = str(model.value)
+            if op == "stream":  # the group submitted is the request's only group, 0
+                message = re.sub(r"group -?\d+", "group 0", message)
+            expect_refused(client, device, op, case, o, what, rng, gen, message)
             coverage["refused shared: " + name] += 1
         x = torch.arange(6).view(1, 6)
         assert client.pack(x, torch.ones(1, 6), device=device).packed.tolist() == list(range(6))

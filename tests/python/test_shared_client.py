@@ -56,8 +56,9 @@ def _case(rng, nbytes, dtypes):
 def test_threads_sharing_one_client_each_get_their_own_results(address):
     """8 threads share one client and mix every path (inline, split into parts over 3
     connections, shared-memory scratch) with pack, scatter, a differentiable pack, a layout
-    pack, a shared prefix's stream and targets, a plan by cost and a streamed step; every
-    result equals torch's, byte for byte. Before each call had its own scratch segment, most
+    pack, a shared prefix's stream and targets, a plan by cost, a step and a streaming step
+    (opened, submitted to and received on the one client); every result equals torch's, byte
+    for byte. Before each call had its own scratch segment, most
     such calls returned another thread's rows or were refused."""
     seed = random.randrange(1 << 30)
     print("seed", seed)
@@ -87,7 +88,8 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
             path = rng.choice(["inline", "split", "shm"])
             nbytes = {"inline": 4 << 10, "split": 14 << 10,
                       "shm": (40 << 10) + rng.randrange(400 << 10)}[path]
-            kind = rng.choice(["pack", "scatter", "grad", "layout", "shared", "plan", "step"])
+            kind = rng.choice(["pack", "scatter", "grad", "layout", "shared", "plan", "step",
+                               "streaming"])
             x, mask = _case(rng, nbytes, FLOATS if kind == "grad" else DTYPES)
             active = mask != 0
             total = 2 * x.numel() * x.element_size() + mask.numel() * mask.element_size()
@@ -144,6 +146,26 @@ def test_threads_sharing_one_client_each_get_their_own_results(address):
                         assert same(bits(x)[rows][active[rows]].view(x.dtype),
                                     mb.result.packed), where
                         rows_seen += mb.samples
+                    assert sorted(rows_seen) == list(range(x.shape[0])), where
+                elif kind == "streaming":  # open, submit and receive on the one client
+                    with client.open_step(rng.randint(8, 64)) as opened:
+                        stream = client.receive_step(opened.step_id, 0)
+                        received = []
+                        reader = threading.Thread(target=received.extend, args=(stream,))
+                        reader.start()
+                        half = x.shape[0] // 2
+                        row_of = {}
+                        for a, b in ((0, half), (half, x.shape[0])):
+                            first = client.submit_group(opened.step_id, x[a:b], mask[a:b]).first_row
+                            row_of.update({first + k: a + k for k in range(b - a)})
+                        opened.close()
+                        reader.join(30)
+                    rows_seen = []
+                    for mb in received:
+                        rows = torch.tensor([row_of[s] for s in mb.samples], dtype=torch.long)
+                        assert same(bits(x)[rows][active[rows]].view(x.dtype),
+                                    mb.result.packed[0]), where
+                        rows_seen += rows.tolist()
                     assert sorted(rows_seen) == list(range(x.shape[0])), where
                 elif kind == "plan":
                     lengths, kwargs, want = rng.choice(plans)
