@@ -181,13 +181,18 @@ TEST(StreamPlanner, UnderFilledWavesKeepEveryRule) {
   }
 }
 
-TEST(StreamPlanner, AnUnderFilledWaveTakesWhatThePoolHoldsUnderTheBudget) {
+// Two ranks, micro-batches of 100 tokens that a wave fills to 90.
+absl::StatusOr<StreamPlanner> TwoRanksOf100(double reserve) {
   StreamPlanner::Options options;
   options.plan.num_ranks = 2;
   options.plan.max_tokens_per_micro_batch = 100;
   options.fill = 0.9;
-  options.reserve = 1;
-  absl::StatusOr<StreamPlanner> planner = StreamPlanner::Make(options);
+  options.reserve = reserve;
+  return StreamPlanner::Make(options);
+}
+
+TEST(StreamPlanner, AnUnderFilledWaveTakesWhatThePoolHoldsUnderTheBudget) {
+  absl::StatusOr<StreamPlanner> planner = TwoRanksOf100(/*reserve=*/1);
   ASSERT_TRUE(planner.ok());
   Wave wave;
   EXPECT_FALSE(planner->CommitUnderFilled(&wave)) << "an empty pool";
@@ -216,12 +221,7 @@ TEST(StreamPlanner, AnUnderFilledWaveTakesWhatThePoolHoldsUnderTheBudget) {
 }
 
 TEST(StreamPlanner, CommitsAWaveOnlyOnceEveryRankIsFilled) {
-  StreamPlanner::Options options;
-  options.plan.num_ranks = 2;
-  options.plan.max_tokens_per_micro_batch = 100;
-  options.fill = 0.9;
-  options.reserve = 0;
-  absl::StatusOr<StreamPlanner> planner = StreamPlanner::Make(options);
+  absl::StatusOr<StreamPlanner> planner = TwoRanksOf100(/*reserve=*/0);
   ASSERT_TRUE(planner.ok());
   // 95, then 50 + 30 on the other rank: one filled, the other short of 90
   // and behind it (costs are lengths), until the fourth unit.

@@ -39,6 +39,46 @@ TEST(MemoryBudgetTest, FitsAtOnceAndReleasesWithTheHold) {
   EXPECT_EQ(budget.in_use(), 0);
 }
 
+TEST(MemoryBudgetTest, TryReserveNeverWaitsNorPassesAWaiter) {
+  MemoryBudget budget(100, /*tenant_limit=*/70);
+  absl::StatusOr<MemoryBudget::Hold> a = budget.TryReserve(60, "a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  const absl::StatusOr<MemoryBudget::Hold> full = budget.TryReserve(50, "b");
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.status().message(), HasSubstr("60 of 100 bytes"));
+  const absl::StatusOr<MemoryBudget::Hold> share = budget.TryReserve(20, "a");
+  EXPECT_EQ(share.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(share.status().message(), HasSubstr("tenant a's share of 70"));
+  EXPECT_EQ(budget.TryReserve(101, "b").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // A waiter ahead that the budget's room would let in keeps its turn.
+  Outcome waiting;
+  budget.Reserve(45, absl::InfiniteFuture(), waiting.Callback(), false, "b");
+  EXPECT_FALSE(waiting.done.HasBeenNotified());
+  EXPECT_FALSE(budget.TryReserve(30, "c").ok()) << "fits, but b waits first";
+  a->reset();
+  waiting.done.WaitForNotification();
+  EXPECT_TRUE(waiting.result->ok());
+  EXPECT_EQ(budget.in_use(), 45);
+  EXPECT_TRUE(budget.TryReserve(30, "c").ok());
+  EXPECT_TRUE(MemoryBudget(0).TryReserve(1 << 30).value() == nullptr)
+      << "no limit: every reservation, and no hold";
+}
+
+TEST(MemoryBudgetTest, ChargeCountsPastTheLimitUntilTheHoldGoes) {
+  MemoryBudget budget(100);
+  absl::StatusOr<MemoryBudget::Hold> rows = budget.TryReserve(90);
+  ASSERT_TRUE(rows.ok());
+  MemoryBudget::Hold message = budget.Charge(40);
+  EXPECT_EQ(budget.in_use(), 130) << "a change of form is never refused";
+  rows->reset();  // the rows went into the message
+  EXPECT_EQ(budget.in_use(), 40);
+  EXPECT_FALSE(budget.TryReserve(61).ok());
+  message.reset();
+  EXPECT_EQ(budget.in_use(), 0);
+  EXPECT_EQ(MemoryBudget(0).Charge(40), nullptr);
+}
+
 TEST(MemoryBudgetTest, LargerThanTheBudgetIsRefusedAtOnce) {
   MemoryBudget budget(100);
   Outcome a;
