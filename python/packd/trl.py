@@ -83,9 +83,11 @@ def _take(batch: Dict[str, Any], rows: List[int]) -> Dict[str, Any]:
     return out
 
 
-def whole_group_parts(tokens: Sequence[int], group: int, parts: int) -> List[List[int]]:
+def whole_group_parts(tokens: Sequence[int], group: int, parts: int,
+                      order: Optional[Sequence[int]] = None) -> List[List[int]]:
     """Rows of groups of `group` consecutive rows (tokens: each row's), in `parts` parts of the
-    same number of whole groups each, placed largest group first into the part with the fewest
+    same number of whole groups each, placed largest group first (ties in `order`, a
+    permutation of the rows: a group's place is its first row's) into the part with the fewest
     tokens so far; each part's rows in batch order. ValueError when the groups do not divide
     into `parts` equal counts."""
     rows = len(tokens)
@@ -101,8 +103,15 @@ def whole_group_parts(tokens: Sequence[int], group: int, parts: int) -> List[Lis
             % (groups, parts))
     per_part = groups // parts
     sizes = [sum(tokens[g * group:(g + 1) * group]) for g in range(groups)]
+    rank = list(range(groups))
+    if order is not None:
+        seen = []
+        for row in order:
+            if row // group not in seen:
+                seen.append(row // group)
+        rank = [seen.index(g) for g in range(groups)]
     load, members = [0] * parts, [[] for _ in range(parts)]
-    for g in sorted(range(groups), key=lambda g: -sizes[g]):
+    for g in sorted(range(groups), key=lambda g: (-sizes[g], rank[g])):
         p = min((p for p in range(parts) if len(members[p]) < per_part), key=lambda p: load[p])
         members[p].append(g)
         load[p] += sizes[g]
@@ -156,7 +165,11 @@ class PackedGRPOTrainer(GRPOTrainer):
             if batch.get(key) is not None:
                 raise ValueError("packd.trl: %s: vision-language batches are not packed yet" % key)
         tokens = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
-        parts = whole_group_parts(tokens, self.num_generations, self.args.steps_per_generation)
+        # TRL shuffles the rows with torch's generator: the same draw orders the groups, so
+        # that the random stream (and every later generation) stays TRL's.
+        order = torch.randperm(len(tokens)).tolist()
+        parts = whole_group_parts(tokens, self.num_generations, self.args.steps_per_generation,
+                                  order)
         return [_take(batch, rows) for rows in parts]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,

@@ -30,10 +30,8 @@ from hf_families import Float64Steps, keep_float64  # noqa: E402
 from packd.trl import PackedGRPOTrainer, whole_group_parts  # noqa: E402
 
 # TRL's own configuration sets a field transformers 5.24 renamed.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`\w*gradient_checkpointing\w*` is deprecated:FutureWarning")
 
 WORDS = ["<pad>", "<eos>", "<unk>"] + ["w%d" % i for i in range(45)]
 
@@ -164,6 +162,37 @@ def test_loss_and_gradients_equal_the_stock_trainers(address, monkeypatch, tmp_p
 
 def test_in_float32_with_trls_own_kernel(address, tmp_path):
     assert_equal(*stock_and_packed(address, tmp_path, "dapo", True, 4, torch.float32), 1e-6)
+
+
+def test_five_optimizer_steps_log_what_the_stock_trainer_logs(address, monkeypatch, tmp_path):
+    """trainer.train() for five optimizer steps (two micro-batches each, a new generation batch
+    each step) from one seed: every logged loss, gradient norm and reward equal to 1e-9. The
+    micro-batches hold other rows, so their losses differ and only their sum is equal: the
+    Trainer sums them in a tensor of torch's default dtype, float64 here as the model is."""
+    keep_float64(monkeypatch, ["qwen2"])
+    monkeypatch.setattr(trl.kernels, "ChunkedLogProbFunction", ExactLogProb)
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", ExactLogProb)
+    from transformers import set_seed
+    histories = []
+    with packd.Client(address) as client:
+        for make in (GRPOTrainer, lambda **kw: PackedGRPOTrainer(packd_client=client, **kw)):
+            args = config(tmp_path, "dapo", 2)
+            args.max_steps, args.learning_rate = 5, 1e-2
+            trainer = make(model=tiny_qwen(torch.float64), reward_funcs=reward, args=args,
+                           train_dataset=prompts(64), processing_class=tokenizer())
+            set_seed(0)
+            torch.set_default_dtype(torch.float64)
+            try:
+                with Float64Steps().kept():
+                    trainer.train()
+            finally:
+                torch.set_default_dtype(torch.float32)
+            histories.append([h for h in trainer.state.log_history if "loss" in h])
+    want, got = histories
+    assert len(want) == len(got) == 5
+    for step, (w, g) in enumerate(zip(want, got)):
+        for key in ("loss", "grad_norm", "reward"):
+            assert abs(g[key] - w[key]) <= 1e-9 * max(abs(w[key]), 1e-12), (step, key, g, w)
 
 
 def test_bnpo_is_refused_by_name(address, tmp_path):
