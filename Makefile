@@ -14,7 +14,7 @@ TSAN_DIR ?= build-tsan
 TSAN_TESTS = server_regions_test memory_budget_test metrics_test regions_test service_test soak_test \
   shared_client_test client_fake_gpu_test stream_step_test client_step_test
 
-.PHONY: all deps configure build test run wheel bench bench-step bench-grpo bench-train bench-stream plots image check-image fuzz tsan clean format
+.PHONY: all deps configure build test run wheel bench bench-step bench-grpo bench-train bench-stream bench-trl plots image check-image fuzz tsan clean format
 
 all: build
 
@@ -66,6 +66,12 @@ bench-grpo: build
 bench-train: build
 	cd $(BUILD_DIR) && ctest -R '^python_install_pypi$$' > /dev/null && \
 	  venv-pypi/bin/python $(CURDIR)/benchmarks/bench_train.py --packd bin/packd
+
+# TRL's GRPOTrainer against packd.trl's on the same frozen generation batches
+# (benchmarks/bench_trl.py): tokens forwarded and time per optimizer step, on PyPI's stack (TRL).
+bench-trl: build
+	cd $(BUILD_DIR) && ctest -R '^python_install_pypi$$' > /dev/null && \
+	  venv-pypi/bin/python $(CURDIR)/benchmarks/bench_trl.py --packd bin/packd
 
 # The streaming step against waiting for the whole batch (benchmarks/bench_stream.py): rollouts
 # finishing over time, bench-train's model trained both ways, on PyPI's stack (transformers).

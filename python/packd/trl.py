@@ -145,6 +145,7 @@ class PackedGRPOTrainer(GRPOTrainer):
         model.set_attn_implementation("packd_varlen")
         self.packd_client = packd_client or packd.Client(packd_address)
         self.share_prompt = share_prompt
+        self.tokens_forwarded = 0  # the packed streams' rows, over every forward
         self._softcap, self._logit_scale = _head_scales(model)
 
     def _prepare_inputs(self, generation_batch: Dict[str, Any]) -> Dict[str, Any]:
@@ -200,6 +201,7 @@ class PackedGRPOTrainer(GRPOTrainer):
             [input_ids.detach().cpu()], mask.cpu(), with_position_ids=True,
             layout=Layout(shared_prefix=SharedPrefix(groups, prompt_lengths, (0,)),
                           shifts=[(0, 0)]))
+        self.tokens_forwarded += r.total_active
         device = input_ids.device
         unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
