@@ -1,0 +1,151 @@
+"""GRPO with TRL's trainer on packd: change one import (docs/trl.md).
+
+A tiny Qwen 2 (built from its config, random weights) is trained by GRPO on prompts of a few
+words: TRL generates 4 completions per prompt with transformers' generate on the CPU, scores
+them with the reward below, and trains.
+`packd.trl.PackedGRPOTrainer` is TRL's GRPOTrainer with every micro-batch packed by packd, each
+group's prompt forwarded once; nothing else in the script changes.
+
+    python examples/train_trl_grpo.py --address 127.0.0.1:50051            # train, print the log
+    python examples/train_trl_grpo.py --address 127.0.0.1:50051 --check    # and compare
+
+--check trains TRL's own GRPOTrainer beside it from the same seed, in float64, and requires the
+same loss, gradient norm and rewards at every step, to 1e-9 relative.
+
+Needs TRL: pip install 'packd[trl]'.
+"""
+import argparse
+import os
+import random
+import sys
+import tempfile
+import warnings
+
+import torch
+
+import packd
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + ["w%d" % i for i in range(45)]
+
+# TRL 1.16's configuration still sets a field transformers 5.24 renamed.
+warnings.filterwarnings("ignore", r"`\w*gradient_checkpointing\w*` is deprecated", FutureWarning)
+
+
+def tokenizer():
+    """A word-level tokenizer over WORDS, made in code."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def prompts(n, seed=0):
+    """n prompts of 2 to 9 words."""
+    from datasets import Dataset
+    rng = random.Random(seed)
+    return Dataset.from_dict({"prompt": [
+        " ".join("w%d" % rng.randrange(45) for _ in range(rng.randint(2, 9))) for _ in range(n)]})
+
+
+def tiny_qwen(dtype=torch.float32):
+    """A 2-layer Qwen 2 (hidden 32), random weights; EOS made likely enough that some
+    completions end before the length limit."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    config = Qwen2Config(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.lm_head.weight[1] *= 12
+    return model.double() if dtype == torch.float64 else model  # its rotary buffers too
+
+
+def reward(completions, **kwargs):
+    """The sum of a completion's word numbers modulo 7: rewards that differ within a group."""
+    return [float(sum(int(w[1:]) for w in c.split() if w.startswith("w")) % 7)
+            for c in completions]
+
+
+def config(output_dir, steps, loss_type="dapo", accumulation=2):
+    from trl import GRPOConfig
+    return GRPOConfig(
+        output_dir=output_dir, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, loss_type=loss_type, use_cpu=True, report_to=[],
+        bf16=False, fp16=False, seed=0, beta=0.0, logging_steps=1, max_steps=steps,
+        learning_rate=1e-2)
+
+
+def train(client, steps, trainer_class=None, dtype=torch.float32):
+    """Trains `steps` optimizer steps with PackedGRPOTrainer (or `trainer_class`, given TRL's
+    own); returns the log of each step."""
+    from transformers import set_seed
+    from packd.trl import PackedGRPOTrainer
+    kwargs = dict(model=tiny_qwen(dtype), reward_funcs=reward,
+                  args=config(tempfile.mkdtemp(prefix="train-trl-"), steps),
+                  train_dataset=prompts(64), processing_class=tokenizer())
+    if trainer_class is None:
+        trainer = PackedGRPOTrainer(packd_client=client, **kwargs)
+    else:
+        trainer = trainer_class(**kwargs)
+    set_seed(0)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def check(client, steps):
+    """The packed trainer beside TRL's own, in float64 (TRL's float32-accumulating LM-head
+    kernel replaced in both by its arithmetic in float64, transformers' float32 steps kept in
+    float64): the worst relative difference of loss, gradient norm and reward over the steps."""
+    import trl.kernels
+    import trl.trainer.utils
+    from trl import GRPOTrainer
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                    "support"))
+    from hf_families import Float64Steps, keep_float64
+    from exact_log_prob import ExactLogProb
+
+    class Patch:
+        setattr = staticmethod(setattr)
+
+    keep_float64(Patch(), ["qwen2"])
+    trl.kernels.ChunkedLogProbFunction = ExactLogProb
+    trl.trainer.utils._ChunkedLogProbFunction = ExactLogProb
+    torch.set_default_dtype(torch.float64)  # the Trainer's loss sum too
+    try:
+        with Float64Steps().kept():
+            want = train(client, steps, GRPOTrainer, torch.float64)
+            got = train(client, steps, dtype=torch.float64)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    worst = 0.0
+    for w, g in zip(want, got):
+        for key in ("loss", "grad_norm", "reward"):
+            worst = max(worst, abs(g[key] - w[key]) / max(abs(w[key]), 1e-12))
+    return worst, len(got) == len(want) == steps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--address", default="127.0.0.1:50051")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    with packd.Client(args.address) as client:
+        if args.check:
+            worst, complete = check(client, args.steps)
+            print("packd.trl against TRL's GRPOTrainer, %d steps: worst relative difference "
+                  "%.1e" % (args.steps, worst))
+            return 0 if complete and worst <= 1e-9 else 1
+        for step, log in enumerate(train(client, args.steps)):
+            print("step %d: loss %.6f, grad_norm %.4f, reward %.3f"
+                  % (step + 1, log["loss"], log["grad_norm"], log["reward"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
