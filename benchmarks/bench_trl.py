@@ -55,7 +55,8 @@ def generation_batch(seed, vocab, groups, members, prompt, responses):
             rows.append((p, [rng.randrange(3, vocab) for _ in range(n)]))
     P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
     B = len(rows)
-    prompt_ids, prompt_mask = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, P, dtype=torch.long)
+    prompt_ids = torch.zeros(B, P, dtype=torch.long)
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
     completion_ids = torch.zeros(B, C, dtype=torch.long)
     completion_mask = torch.zeros(B, C, dtype=torch.long)
     for b, (p, c) in enumerate(rows):

@@ -206,7 +206,8 @@ class PackedGRPOTrainer(GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
             hidden = unwrapped.base_model(
-                input_ids=r.packed[0][None].to(device), position_ids=r.position_ids[None].to(device),
+                input_ids=r.packed[0][None].to(device),
+                position_ids=r.position_ids[None].to(device),
                 use_cache=False, **shared_attention_kwargs(r)).last_hidden_state[0]
         head = unwrapped.get_output_embeddings()
         rows = hidden[r.shared.pred_index.to(device)]
