@@ -203,13 +203,15 @@ class PackedGRPOTrainer(GRPOTrainer):
                           shifts=[(0, 0)]))
         self.tokens_forwarded += r.total_active
         device = input_ids.device
-        unwrapped = self.accelerator.unwrap_model(model)
+        # Through the model as TRL calls it (a wrapper's forward included), its last hidden
+        # state (after the final norm) taken and one position's logits computed.
         with self.accelerator.autocast():
-            hidden = unwrapped.base_model(
+            hidden = model(
                 input_ids=r.packed[0][None].to(device),
-                position_ids=r.position_ids[None].to(device),
-                use_cache=False, **shared_attention_kwargs(r)).last_hidden_state[0]
-        head = unwrapped.get_output_embeddings()
+                position_ids=r.position_ids[None].to(device), use_cache=False,
+                output_hidden_states=True, logits_to_keep=1,
+                **shared_attention_kwargs(r)).hidden_states[-1][0]
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
         rows = hidden[r.shared.pred_index.to(device)]
         if self.args.cast_lm_head_to_fp32:
             rows = rows.float()
