@@ -324,6 +324,42 @@ TEST(StreamStep, BytesStayInTheBudgetUntilTheirStreamHasTakenThem) {
   EXPECT_EQ(replica.budget.in_use(), 0);
 }
 
+TEST(StreamStep, AFaultEndsTheStepForEveryPartyAndHoldsNothing) {
+  Replica replica(/*limit=*/1 << 20);
+  absl::StatusOr<std::shared_ptr<StreamingStep>> opened =
+      replica.steps.Open(Tenant(), Options(2, 256));
+  ASSERT_TRUE(opened.ok());
+  StreamingStep& step = **opened;
+  Receiver rank0(&step, 0), rank1(&step, 1);
+  v1::SubmitGroupResponse reply;
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(
+        step.Submit(Tenant(), Group(step.id(), {60, 60, 60, 60}, i), &reply)
+            .ok());
+  }
+  std::optional<absl::Status> end;
+  StreamingStep::Message taken = step.Next(rank0.slot, &end);  // being written
+  ASSERT_NE(taken, nullptr);
+  EXPECT_GT(replica.budget.in_use(), 0);
+  step.Fail(absl::UnavailableError("rank 1's stream ended"));
+  rank0.ReadAll();
+  rank1.ReadAll();
+  for (const Receiver* r : {&rank0, &rank1}) {
+    ASSERT_TRUE(r->ended.has_value());
+    EXPECT_EQ(r->ended->code(), absl::StatusCode::kUnavailable);
+  }
+  EXPECT_EQ(step.Submit(Tenant(), Group(step.id(), {4}, 9), &reply).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(replica.budget.in_use(), taken->bytes)
+      << "only the message its stream is writing";
+  taken.reset();
+  EXPECT_EQ(replica.budget.in_use(), 0);
+  EXPECT_THAT(replica.core.metrics().Render(),
+              HasSubstr(absl::StrCat(
+                  "packd_stream_step_held_bytes{kind=\"groups\",step=\"",
+                  step.id(), "\",tenant=\"anonymous\"} 0")));
+}
+
 TEST(StreamStep, RowsThePlannerHoldsBackNeverPinTheBudget) {
   // Two ranks, micro-batches of 100 tokens filled to 90 for a wave: rows of
   // 60 and 44 tokens never make one (60 + 44 > 100, 44 + 44 < 90), so
