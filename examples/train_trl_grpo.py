@@ -8,9 +8,12 @@ group's prompt forwarded once; nothing else in the script changes.
 
     python examples/train_trl_grpo.py --address 127.0.0.1:50051            # train, print the log
     python examples/train_trl_grpo.py --address 127.0.0.1:50051 --check    # and compare
+    accelerate launch --cpu --num_processes 2 examples/train_trl_grpo.py --check   # two ranks
 
 --check trains TRL's own GRPOTrainer beside it from the same seed, in float64, and requires the
-same loss, gradient norm and rewards at every step, to 1e-9 relative.
+same loss, gradient norm and rewards at every step, to 1e-9 relative. With several processes
+each rank trains its own micro-batches (DDP over gloo) and the check also prints how evenly
+packd placed the tokens on the ranks, beside TRL's own slices.
 
 Needs TRL: pip install 'packd[trl]'.
 """
@@ -83,6 +86,11 @@ def config(output_dir, steps, loss_type="dapo", accumulation=2):
 def train(client, steps, trainer_class=None, dtype=torch.float32):
     """Trains `steps` optimizer steps with PackedGRPOTrainer (or `trainer_class`, given TRL's
     own); returns the log of each step."""
+    return [h for h in run(client, steps, trainer_class, dtype).state.log_history if "loss" in h]
+
+
+def run(client, steps, trainer_class=None, dtype=torch.float32):
+    """The trainer, after `steps` optimizer steps (train's)."""
     from transformers import set_seed
     from packd.trl import PackedGRPOTrainer
     kwargs = dict(model=tiny_qwen(dtype), reward_funcs=reward,
@@ -94,13 +102,15 @@ def train(client, steps, trainer_class=None, dtype=torch.float32):
         trainer = trainer_class(**kwargs)
     set_seed(0)
     trainer.train()
-    return [h for h in trainer.state.log_history if "loss" in h]
+    return trainer
 
 
 def check(client, steps):
     """The packed trainer beside TRL's own, in float64 (TRL's float32-accumulating LM-head
     kernel replaced in both by its arithmetic in float64, transformers' float32 steps kept in
-    float64): the worst relative difference of loss, gradient norm and reward over the steps."""
+    float64): the worst relative difference of loss, gradient norm and reward over the steps,
+    whether both logged every step, and per generation batch the ranks' largest token count over
+    their mean as packd placed them and as TRL's own slices hold them."""
     import trl.kernels
     import trl.trainer.utils
     from trl import GRPOTrainer
@@ -119,14 +129,17 @@ def check(client, steps):
     try:
         with Float64Steps().kept():
             want = train(client, steps, GRPOTrainer, torch.float64)
-            got = train(client, steps, dtype=torch.float64)
+            packed = run(client, steps, dtype=torch.float64)
     finally:
         torch.set_default_dtype(torch.float32)
+    got = [h for h in packed.state.log_history if "loss" in h]
+    balance = [tuple(max(ranks) * len(ranks) / sum(ranks) for ranks in batch)
+               for batch in packed.rank_tokens]
     worst = 0.0
     for w, g in zip(want, got):
         for key in ("loss", "grad_norm", "reward"):
             worst = max(worst, abs(g[key] - w[key]) / max(abs(w[key]), 1e-12))
-    return worst, len(got) == len(want) == steps
+    return worst, len(got) == len(want) == steps, balance
 
 
 def main():
@@ -137,9 +150,12 @@ def main():
     args = parser.parse_args()
     with packd.Client(args.address) as client:
         if args.check:
-            worst, complete = check(client, args.steps)
+            worst, complete, balance = check(client, args.steps)
             print("packd.trl against TRL's GRPOTrainer, %d steps: worst relative difference "
                   "%.1e" % (args.steps, worst))
+            for i, (ours, trls) in enumerate(balance):
+                print("generation batch %d: the busiest rank's tokens over the mean %.3f "
+                      "(TRL's slices: %.3f)" % (i, ours, trls))
             return 0 if complete and worst <= 1e-9 else 1
         for step, log in enumerate(train(client, args.steps)):
             print("step %d: loss %.6f, grad_norm %.4f, reward %.3f"

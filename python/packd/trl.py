@@ -26,9 +26,12 @@ What changes, and nothing else:
   micro-batch by its own token count, which whole-group micro-batches change: it is refused
   unless `accept_bnpo_difference=True`.
 
-Not yet: several processes (accelerate with more than one), vision-language inputs and MoE
-auxiliary losses are refused by name; the streaming step is driven by packd.Client directly
-(docs/operation.md)."""
+- **Several ranks.** With several processes (accelerate's DDP) each generation batch is gathered
+  on every rank and its groups placed on the ranks, the same number of whole groups on each,
+  evened out by tokens; each rank then splits its own groups as above. Every rank runs the
+  same number of forwards, none of them empty.
+
+Not yet: vision-language inputs and MoE auxiliary losses are refused by name."""
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -80,6 +83,29 @@ def _take(batch: Dict[str, Any], rows: List[int]) -> Dict[str, Any]:
             out[key] = value[index.to(value.device)]
         else:
             out[key] = [value[i] for i in rows]
+    return out
+
+
+def _gathered(accelerator: Any, batch: Dict[str, Any]) -> Dict[str, Any]:
+    """Every process's rows of a generation batch, in process order, on every process: per-row
+    tensors gathered (those of two dimensions first padded to the widest process's: prompts on
+    the left, as TRL pads them, the rest on the right), lists gathered as objects, 0-dim tensors
+    (TRL's global counts) and None kept."""
+    from accelerate.utils import gather_object
+    out = {}
+    for key, value in batch.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            out[key] = value
+        elif isinstance(value, torch.Tensor):
+            if value.ndim == 2:
+                value = accelerator.pad_across_processes(value, dim=1,
+                                                         pad_first=key.startswith("prompt_"))
+            out[key] = accelerator.gather(value.contiguous())
+        elif isinstance(value, list):
+            out[key] = gather_object(value)
+        else:
+            raise ValueError("packd.trl: the generation batch's %r (a %s) is not gathered across "
+                             "processes" % (key, type(value).__name__))
     return out
 
 
@@ -138,14 +164,13 @@ class PackedGRPOTrainer(GRPOTrainer):
                 "accept_bnpo_difference=True")
         register_varlen_attention()
         super().__init__(*args, **kwargs)
-        if self.accelerator.num_processes > 1:
-            raise ValueError("packd.trl runs one process for now: %d processes were launched"
-                             % self.accelerator.num_processes)
         model = self.accelerator.unwrap_model(self.model)
         model.set_attn_implementation("packd_varlen")
         self.packd_client = packd_client or packd.Client(packd_address)
         self.share_prompt = share_prompt
         self.tokens_forwarded = 0  # the packed streams' rows, over every forward
+        # Per generation batch: each rank's tokens as placed here, and as TRL's own slices.
+        self.rank_tokens: List[Any] = []
         self._softcap, self._logit_scale = _head_scales(model)
 
     def _prepare_inputs(self, generation_batch: Dict[str, Any]) -> Dict[str, Any]:
@@ -160,18 +185,39 @@ class PackedGRPOTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def split_generation_batch(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
-        """A scored generation batch as this trainer's micro-batches: steps_per_generation parts
-        of the same number of whole groups each, evened out by tokens."""
+        """A scored generation batch (this process's rows) as this process's micro-batches: with
+        several processes the whole batch is gathered first and its groups placed on the ranks
+        (the same number of whole groups on each, evened out by tokens); then this rank's groups
+        in steps_per_generation parts of the same number of whole groups each, evened out by
+        tokens. Every rank computes the same placement from the same gathered batch."""
         for key in _MULTIMODAL:
             if batch.get(key) is not None:
                 raise ValueError("packd.trl: %s: vision-language batches are not packed yet" % key)
-        tokens = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
+        processes, parts = self.accelerator.num_processes, self.args.steps_per_generation
+        local = len(batch["prompt_ids"])
         # TRL shuffles the rows with torch's generator: the same draw orders the groups, so
-        # that the random stream (and every later generation) stays TRL's.
-        order = torch.randperm(len(tokens)).tolist()
-        parts = whole_group_parts(tokens, self.num_generations, self.args.steps_per_generation,
-                                  order)
-        return [_take(batch, rows) for rows in parts]
+        # that the random stream (and every later generation) stays TRL's. Every process draws
+        # the same permutation of its own rows (one seed).
+        draw = torch.randperm(local).tolist()
+        if processes > 1:
+            batch = _gathered(self.accelerator, batch)
+        tokens = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
+        order = [p * local + i for p in range(processes) for i in draw]
+        groups = len(tokens) // self.num_generations
+        if len(tokens) % self.num_generations == 0 and groups % (processes * parts):
+            raise ValueError(
+                "packd.trl: a generation batch of %d groups does not split into %d processes x "
+                "steps_per_generation = %d micro-batches of whole groups: make the groups per "
+                "generation batch (generation_batch_size / num_generations) a multiple of %d"
+                % (groups, processes, parts, processes * parts))
+        placed = whole_group_parts(tokens, self.num_generations, processes, order)
+        mine = placed[self.accelerator.process_index]
+        place = {row: i for i, row in enumerate(mine)}
+        split = whole_group_parts([tokens[row] for row in mine], self.num_generations, parts,
+                                  [place[row] for row in order if row in place])
+        self.rank_tokens.append(([sum(tokens[row] for row in rows) for rows in placed],
+                                 [sum(tokens[p * local:(p + 1) * local]) for p in range(processes)]))
+        return [_take(batch, [mine[i] for i in rows]) for rows in split]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None, compute_entropy=False,
