@@ -215,8 +215,9 @@ class PackedGRPOTrainer(GRPOTrainer):
         place = {row: i for i, row in enumerate(mine)}
         split = whole_group_parts([tokens[row] for row in mine], self.num_generations, parts,
                                   [place[row] for row in order if row in place])
+        trl_slices = [sum(tokens[p * local:(p + 1) * local]) for p in range(processes)]
         self.rank_tokens.append(([sum(tokens[row] for row in rows) for rows in placed],
-                                 [sum(tokens[p * local:(p + 1) * local]) for p in range(processes)]))
+                                 trl_slices))
         return [_take(batch, [mine[i] for i in rows]) for rows in split]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
