@@ -2,7 +2,9 @@
 (a new generation batch each) from one seed exactly as TRL's own GRPOTrainer does: the same loss,
 gradient norm and rewards at every step, in float64 to 1e-9 relative; and so it does with two
 ranks, each its own process (accelerate's launcher, DDP over gloo on the CPU), its tokens placed
-on the ranks more evenly than TRL's own slices of the batch. Needs TRL (PyPI's stack;
+on the ranks more evenly than TRL's own slices of the batch. The streaming form trains on one
+rank and on two, each rank its own micro-batches of every step (the proofs of its gradients:
+tests/python/test_trl_streaming.py). Needs TRL (PyPI's stack;
 Debian 12 has no package of it, and the test skips there, saying so)."""
 import importlib.util
 import os
@@ -34,17 +36,21 @@ def test_the_example_trains_and_logs(client):
     assert len(logs) == 2 and all(log["grad_norm"] > 0 for log in logs)
 
 
-def test_two_ranks_train_as_trls_own_trainer_and_even_out_their_tokens(client):
-    """Two processes, as `accelerate launch --multi_gpu --num_processes 2` starts them (torch's
-    launcher; with use_cpu the ranks run on the CPU over gloo)."""
+def on_two_ranks(client, *args):
+    """The example as `accelerate launch --multi_gpu --num_processes 2` starts it (torch's
+    launcher; with use_cpu the ranks run on the CPU over gloo): its output."""
     example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_trl_grpo.py")
     run = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
          "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         "--main_process_port", "0", example, "--address", client.address, "--check",
-         "--steps", "3"], capture_output=True, text=True, timeout=600)
-    out = run.stdout
-    assert run.returncode == 0, out + run.stderr[-4000:]
+         "--main_process_port", "0", example, "--address", client.address, *args],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    return run.stdout
+
+
+def test_two_ranks_train_as_trls_own_trainer_and_even_out_their_tokens(client):
+    out = on_two_ranks(client, "--check", "--steps", "3")
     worst = [float(w) for w in re.findall(r"worst relative difference (\S+)", out)]
     balance = re.findall(r"generation batch (\d+): .* over the mean (\S+) \(TRL's slices: "
                          r"(\S+)\)", out)
@@ -53,3 +59,35 @@ def test_two_ranks_train_as_trls_own_trainer_and_even_out_their_tokens(client):
     assert len(balance) == 2 * 3, out                   # each rank, each generation batch
     for _, ours, trls in balance:
         assert 1.0 <= float(ours) <= float(trls), out
+
+
+def test_the_streaming_form_trains_on_one_rank(client):
+    trainer = train_trl_grpo.train_streaming(client, 2)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(log["grad_norm"] > 0 for log in logs)
+    assert [log["packd/groups"] for log in logs] == [4, 4]
+    for streamed in trainer.streamed_steps:
+        assert streamed["micro_batches"] and streamed["global_loss_tokens"] == sum(
+            t for _, t, _ in streamed["micro_batches"])
+
+
+def test_the_streaming_form_trains_on_two_ranks_each_its_own_micro_batches(client):
+    out = on_two_ranks(client, "--streaming", "--steps", "2")
+    print(out)
+    lines = re.findall(r"rank (\d), step (\d): (\d+) micro-batches, global tokens (\d+); (.*)",
+                       out)
+    assert sorted((r, s) for r, s, *_ in lines) == [("0", "1"), ("0", "2"), ("1", "1"),
+                                                    ("1", "2")], out
+    for step in ("1", "2"):
+        ranks = [line for line in lines if line[1] == step]
+        # The same count of micro-batches, the same global count and log on both ranks.
+        assert len({line[2:] for line in ranks}) == 1, ranks
+        assert int(ranks[0][2]) >= 1
+
+
+def test_a_streamed_step_on_two_ranks_is_the_whole_batch_token_mean(client):
+    """Each rank's gradients (DDP's one all-reduce of the summed micro-batch losses, scaled by
+    the global count) against the token mean of the groups the step took, in float64."""
+    out = on_two_ranks(client, "--streaming", "--check")
+    worst = [float(w) for w in re.findall(r"token mean: worst relative difference (\S+)", out)]
+    assert len(worst) == 2 and max(worst) <= 1e-12, out

@@ -10,19 +10,28 @@ group's prompt forwarded once; nothing else in the script changes.
     python examples/train_trl_grpo.py --address 127.0.0.1:50051 --check    # and compare
     accelerate launch --cpu --num_processes 2 examples/train_trl_grpo.py --check   # two ranks
 
+    python examples/train_trl_grpo.py --address 127.0.0.1:50051 --streaming  # streaming form
+
 --check trains TRL's own GRPOTrainer beside it from the same seed, in float64, and requires the
-same loss, gradient norm and rewards at every step, to 1e-9 relative. With several processes
+same loss, gradient norm and rewards at every step, to 1e-9 relative.
+
+--streaming trains from packd's streaming step instead: two rollout worker processes generate
+each group with transformers' generate from the weights of the policy version they are given
+(the trainer saves each version's), score it and submit it as soon as it is scored, while
+every rank trains the micro-batches packd sends it. With several processes
 each rank trains its own micro-batches (DDP over gloo) and the check also prints how evenly
 packd placed the tokens on the ranks, beside TRL's own slices.
 
 Needs TRL: pip install 'packd[trl]'.
 """
 import argparse
+import contextlib
 import os
 import random
 import sys
 import tempfile
 import warnings
+import zlib
 
 import torch
 
@@ -105,33 +114,146 @@ def run(client, steps, trainer_class=None, dtype=torch.float32):
     return trainer
 
 
-def check(client, steps):
-    """The packed trainer beside TRL's own, in float64 (TRL's float32-accumulating LM-head
-    kernel replaced in both by its arithmetic in float64, transformers' float32 steps kept in
-    float64): the worst relative difference of loss, gradient norm and reward over the steps,
-    whether both logged every step, and per generation batch the ranks' largest token count over
-    their mean as packd placed them and as TRL's own slices hold them."""
+_POLICY = {}  # a rollout worker's model, by policy version
+
+
+def rollout(example, n, policy):
+    """The streaming form's rollout (a worker process's): n completions of the prompt sampled by
+    transformers' generate from the policy version's weights, each up to and with its EOS,
+    rewarded by reward()."""
+    from packd.trl import ScoredGroup
+    if policy.version not in _POLICY:
+        model = tiny_qwen()
+        model.load_state_dict(torch.load(policy.weights, weights_only=True))
+        _POLICY.clear()
+        _POLICY[policy.version] = model.eval()
+    tok = tokenizer()
+    prompt = tok(example["prompt"])["input_ids"]
+    torch.manual_seed(zlib.crc32(("%d %s" % (policy.version, example["prompt"])).encode()))
+    with torch.no_grad():
+        out = _POLICY[policy.version].generate(
+            torch.tensor([prompt] * n), attention_mask=torch.ones(n, len(prompt), dtype=torch.long),
+            do_sample=True, max_new_tokens=6, eos_token_id=1, pad_token_id=0)
+    completions = []
+    for row in out[:, len(prompt):].tolist():
+        completions.append(row[:row.index(1) + 1] if 1 in row else row)
+    texts = tok.batch_decode(completions, skip_special_tokens=True)
+    return ScoredGroup(prompt, completions, reward(texts))
+
+
+def train_streaming(client, steps, dtype=torch.float32, callbacks=None, **config):
+    """Trains `steps` optimizer steps from streaming steps (rollout() in two worker processes);
+    returns the trainer."""
+    from packd.trl import PackedGRPOTrainer, Streaming
+    from trl import GRPOConfig
+    directory = tempfile.mkdtemp(prefix="train-trl-")
+    args = GRPOConfig(
+        output_dir=directory, per_device_train_batch_size=16, num_generations=4,
+        max_completion_length=6, use_cpu=True, report_to=[], bf16=False, fp16=False, seed=0,
+        beta=0.0, logging_steps=1, max_steps=steps, learning_rate=1e-2, **config)
+    trainer = PackedGRPOTrainer(
+        model=tiny_qwen(dtype), reward_funcs=reward, args=args, train_dataset=prompts(64),
+        processing_class=tokenizer(), packd_client=client, callbacks=callbacks,
+        streaming=Streaming(rollout, processes=2, max_tokens=48, max_staleness=0,
+                            weights_dir=os.path.join(directory, "policy")))
+    trainer.train()
+    return trainer
+
+
+@contextlib.contextmanager
+def in_float64():
+    """The checks' float64: TRL's LM-head kernel (which accumulates in float32) replaced by its
+    arithmetic in float64, the float32 steps transformers takes in a float64 Qwen 2 (rotary
+    angles, norms) kept in float64, float64 the default dtype (the Trainer's loss sum too); all
+    undone on leaving."""
     import trl.kernels
     import trl.trainer.utils
-    from trl import GRPOTrainer
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                     "support"))
     from hf_families import Float64Steps, keep_float64
     from exact_log_prob import ExactLogProb
 
     class Patch:
-        setattr = staticmethod(setattr)
+        def __init__(self):
+            self.undo = []
 
-    keep_float64(Patch(), ["qwen2"])
-    trl.kernels.ChunkedLogProbFunction = ExactLogProb
-    trl.trainer.utils._ChunkedLogProbFunction = ExactLogProb
-    torch.set_default_dtype(torch.float64)  # the Trainer's loss sum too
+        def setattr(self, target, name, value):
+            self.undo.append((target, name, getattr(target, name)))
+            setattr(target, name, value)
+
+    patch = Patch()
+    keep_float64(patch, ["qwen2"])
+    patch.setattr(trl.kernels, "ChunkedLogProbFunction", ExactLogProb)
+    patch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", ExactLogProb)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
     try:
         with Float64Steps().kept():
-            want = train(client, steps, GRPOTrainer, torch.float64)
-            packed = run(client, steps, dtype=torch.float64)
+            yield
     finally:
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(default)
+        for target, name, value in reversed(patch.undo):
+            setattr(target, name, value)
+
+
+def token_mean(groups, dtype=torch.float64):
+    """The token-mean loss of scored groups (TRL's dapo, the policy's own log-probs as the old
+    ones: each token's loss -advantage * exp(logp - logp.detach())) and its gradients, without
+    packd: each completion its own forward of tiny_qwen's initial weights. Returns the loss,
+    each parameter's gradient and the token count."""
+    from packd._trl_stream import group_advantages
+    model = tiny_qwen(dtype)
+    total, tokens = 0.0, 0
+    for group in groups:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)  # as in the rollout worker's process
+        try:
+            advantages = group_advantages(group.rewards, "group")
+        finally:
+            torch.set_default_dtype(default)
+        for completion, advantage in zip(group.completion_ids, advantages):
+            ids = torch.tensor(list(group.prompt_ids) + list(completion))[None]
+            logits = model(input_ids=ids).logits[0]
+            p = len(group.prompt_ids)
+            logp = torch.log_softmax(logits[p - 1:-1], -1).gather(
+                1, torch.tensor(completion)[:, None])[:, 0]
+            total = total + (-advantage * torch.exp(logp - logp.detach())).sum()
+            tokens += len(completion)
+    loss = total / tokens
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}, tokens
+
+
+def check_streaming(client):
+    """One streamed optimizer step in float64 (as check()'s), its gradients as the optimizer
+    takes them (unclipped) against the token mean of the groups the step took, each row its own
+    forward: the worst relative difference over the parameters."""
+    from transformers import TrainerCallback
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    gradients = Gradients()
+    with in_float64():
+        trainer = train_streaming(client, 1, torch.float64, [gradients], max_grad_norm=0.0)
+        step = trainer.streamed_steps[0]
+        _, want, tokens = token_mean(step["groups"])
+    assert tokens == step["global_loss_tokens"]
+    return max(float((gradients.grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-300))
+               for n, g in want.items())
+
+
+def check(client, steps):
+    """The packed trainer beside TRL's own, in float64 (TRL's float32-accumulating LM-head
+    kernel replaced in both by its arithmetic in float64, transformers' float32 steps kept in
+    float64): the worst relative difference of loss, gradient norm and reward over the steps,
+    whether both logged every step, and per generation batch the ranks' largest token count over
+    their mean as packd placed them and as TRL's own slices hold them."""
+    from trl import GRPOTrainer
+    with in_float64():
+        want = train(client, steps, GRPOTrainer, torch.float64)
+        packed = run(client, steps, dtype=torch.float64)
     got = [h for h in packed.state.log_history if "loss" in h]
     balance = [tuple(max(ranks) * len(ranks) / sum(ranks) for ranks in batch)
                for batch in packed.rank_tokens]
@@ -147,8 +269,25 @@ def main():
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--streaming", action="store_true")
     args = parser.parse_args()
     with packd.Client(args.address) as client:
+        if args.streaming and args.check:
+            worst = check_streaming(client)
+            print("streamed step against the whole batch's token mean: worst relative "
+                  "difference %.1e" % worst)
+            return 0 if worst <= 1e-12 else 1
+        if args.streaming:
+            trainer = train_streaming(client, args.steps)
+            logs = [h for h in trainer.state.log_history if "loss" in h]
+            for step, (log, streamed) in enumerate(zip(logs, trainer.streamed_steps)):
+                print("rank %d, step %d: %d micro-batches, global tokens %d; loss %.6f, "
+                      "grad_norm %.4f, reward %.3f, stale groups %d"
+                      % (trainer.accelerator.process_index, step + 1,
+                         len(streamed["micro_batches"]), streamed["global_loss_tokens"],
+                         log["loss"], log["grad_norm"], log["reward"],
+                         log["packd/stale_groups"]))
+            return 0 if len(logs) == args.steps else 1
         if args.check:
             worst, complete, balance = check(client, args.steps)
             print("packd.trl against TRL's GRPOTrainer, %d steps: worst relative difference "

@@ -31,12 +31,23 @@ What changes, and nothing else:
   evened out by tokens; each rank then splits its own groups as above. Every rank runs the
   same number of forwards, none of them empty.
 
+- **Streaming** (streaming=Streaming(rollout, ...)): rollout workers in their own processes
+  score each group and submit it to a streaming step as soon as it is scored; every rank
+  trains the micro-batches packd sends it inside one training_step, each one's summed token
+  loss backpropagated, and _clip_grad_norm first scales the gradients by the step's global
+  token count (packd/_trl_stream.py).
+
 Not yet: vision-language inputs and MoE auxiliary losses are refused by name."""
-from typing import Any, Dict, List, Optional, Sequence
+import collections
+import contextlib
+import time
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import torch
 
 import packd
+from packd import _trl_stream as _stream
+from packd._trl_stream import Policy, ScoredGroup, Streaming
 from packd.hf import register_varlen_attention, shared_attention_kwargs
 from packd.layout import Layout, SharedPrefix
 
@@ -47,7 +58,7 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("packd.trl needs TRL: pip install 'packd[trl]'") from e
 
-__all__ = ["PackedGRPOTrainer"]
+__all__ = ["PackedGRPOTrainer", "Policy", "ScoredGroup", "Streaming", "whole_group_parts"]
 
 # The keyword arguments of _get_per_token_logps_and_entropies that carry images or tiles.
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
@@ -150,11 +161,13 @@ class PackedGRPOTrainer(GRPOTrainer):
     packd_client (a packd.Client; default: one to packd_address, "127.0.0.1:50051" unless
     given), share_prompt (each group's prompt once; default True), accept_bnpo_difference
     (allow loss_type="bnpo", whose per-micro-batch normalisation whole-group micro-batches
-    change)."""
+    change), streaming (a packd.trl.Streaming: train from streaming steps fed by rollout
+    workers; docs/trl.md, "Streaming")."""
 
     def __init__(self, *args: Any, packd_client: Optional[packd.Client] = None,
                  packd_address: str = "127.0.0.1:50051", share_prompt: bool = True,
-                 accept_bnpo_difference: bool = False, **kwargs: Any) -> None:
+                 accept_bnpo_difference: bool = False, streaming: Optional[Streaming] = None,
+                 **kwargs: Any) -> None:
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         if getattr(config, "loss_type", None) == "bnpo" and not accept_bnpo_difference:
             raise ValueError(
@@ -162,8 +175,12 @@ class PackedGRPOTrainer(GRPOTrainer):
                 " own token count, so micro-batches of whole groups give it another value than "
                 "TRL's shuffled slices; use 'dapo' (the generation batch's token mean), or pass "
                 "accept_bnpo_difference=True")
+        if streaming is not None and config is not None:
+            _stream.check_streaming(config, share_prompt)
         register_varlen_attention()
         super().__init__(*args, **kwargs)
+        if streaming is not None and config is None:  # TRL's default configuration
+            _stream.check_streaming(self.args, share_prompt)
         model = self.accelerator.unwrap_model(self.model)
         model.set_attn_implementation("packd_varlen")
         self.packd_client = packd_client or packd.Client(packd_address)
@@ -171,6 +188,14 @@ class PackedGRPOTrainer(GRPOTrainer):
         self.tokens_forwarded = 0  # the packed streams' rows, over every forward
         # Per generation batch: each rank's tokens as placed here, and as TRL's own slices.
         self.rank_tokens: List[Any] = []
+        self.streaming = streaming
+        # The last streamed steps, each what it trained: examples (the generation batch's
+        # prompts), groups (those taken, as they arrived), arrival (their indices in
+        # examples), global_loss_tokens, micro_batches ((rows, tokens, summed loss) each).
+        self.streamed_steps: Deque[Dict[str, Any]] = collections.deque(maxlen=16)
+        self._rollouts: Optional[_stream.Rollouts] = None
+        self._clients: Dict[str, packd.Client] = {}
+        self._streamed = self._masked = self._gradient_scale = None
         self._softcap, self._logit_scale = _head_scales(model)
 
     def _prepare_inputs(self, generation_batch: Dict[str, Any]) -> Dict[str, Any]:
@@ -225,29 +250,17 @@ class PackedGRPOTrainer(GRPOTrainer):
                                            compute_aux_loss=False, **multimodal):
         """The completion tokens' log-probs (and entropies) in TRL's (B, logits_to_keep) shape,
         zero where the completion mask is: the rows packed by packd (prompts once per group
-        with share_prompt), the model run over the packed stream, and TRL's fused LM head
-        kernel applied to the rows that predict each completion token."""
+        with share_prompt; a streamed micro-batch comes packed), the model run over the packed
+        stream, and TRL's fused LM head kernel applied to the rows that predict each completion
+        token."""
         if any(v is not None for v in multimodal.values()):
             raise ValueError("packd.trl: vision-language inputs are not packed yet")
         if compute_aux_loss:
             raise ValueError("packd.trl: a MoE auxiliary loss is not computed packed yet")
         mask = attention_mask.bool()
-        B, S = input_ids.shape
-        prompt = mask[:, :S - logits_to_keep]
-        prompt_lengths = prompt.sum(1).tolist()
-        if self.share_prompt:  # consecutive rows with one prompt are one group
-            ids = input_ids[:, :prompt.shape[1]]
-            groups, g = [], -1
-            for b in range(B):
-                if b == 0 or not torch.equal(ids[b][prompt[b]], ids[b - 1][prompt[b - 1]]):
-                    g += 1
-                groups.append(g)
-        else:
-            groups = list(range(B))
-        r = self.packd_client.pack(
-            [input_ids.detach().cpu()], mask.cpu(), with_position_ids=True,
-            layout=Layout(shared_prefix=SharedPrefix(groups, prompt_lengths, (0,)),
-                          shifts=[(0, 0)]))
+        completion = mask[:, mask.shape[1] - logits_to_keep:]
+        r = self._streamed if self._streamed is not None else self._packed(input_ids, mask,
+                                                                            logits_to_keep)
         self.tokens_forwarded += r.total_active
         device = input_ids.device
         # Through the model as TRL calls it (a wrapper's forward included), its last hidden
@@ -267,12 +280,173 @@ class PackedGRPOTrainer(GRPOTrainer):
             rows.to(head.weight.device), head.weight, head.bias,
             r.shifted[0].to(head.weight.device), self.temperature, _CHUNK, self._softcap,
             self._logit_scale, outputs)
-        completion = mask[:, S - logits_to_keep:]
 
         def placed(values):
-            # Targets come row by row, each row's completion tokens in order (DESIGN §14).
+            # Targets come row by row, each row's completion tokens in order (DESIGN §14); a
+            # masked micro-batch's one placeholder target is dropped.
+            values = values[:int(completion.sum())]
             return values.new_zeros(completion.shape).masked_scatter(completion, values)
 
         logps = placed(per_token[0])
         entropies = placed(per_token[1]) if compute_entropy else None
         return logps, entropies, None
+
+    def _packed(self, input_ids: torch.Tensor, mask: torch.Tensor, logits_to_keep: int):
+        """A micro-batch's padded rows packed by packd: with share_prompt, consecutive rows with
+        one prompt are one group and its prompt is packed once."""
+        B, S = input_ids.shape
+        prompt = mask[:, :S - logits_to_keep]
+        prompt_lengths = prompt.sum(1).tolist()
+        if self.share_prompt:
+            ids = input_ids[:, :prompt.shape[1]]
+            groups, g = [], -1
+            for b in range(B):
+                if b == 0 or not torch.equal(ids[b][prompt[b]], ids[b - 1][prompt[b - 1]]):
+                    g += 1
+                groups.append(g)
+        else:
+            groups = list(range(B))
+        return self.packd_client.pack(
+            [input_ids.detach().cpu()], mask.cpu(), with_position_ids=True,
+            layout=Layout(shared_prefix=SharedPrefix(groups, prompt_lengths, (0,)),
+                          shifts=[(0, 0)]))
+
+    # The streaming form (packd/_trl_stream.py, docs/trl.md "Streaming").
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's; with streaming, one optimizer step's streaming step: rank 0 opens it and hands
+        the generation batch's prompts to the rollout workers, every rank trains each
+        micro-batch it receives (the summed token loss backpropagated; an empty one as a masked
+        forward, so that the ranks' collectives stay in step)."""
+        if self.streaming is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        started = time.perf_counter()
+        model.train()
+        loss = self._streamed_step(model, inputs)
+        self._step += 1
+        self._metrics["train"]["step_time"].append(time.perf_counter() - started)
+        return loss
+
+    def _streamed_step(self, model, inputs) -> torch.Tensor:
+        from accelerate.utils import broadcast_object_list, gather_object
+        processes, n = self.accelerator.num_processes, self.num_generations
+        rows = gather_object(list(inputs)) if processes > 1 else list(inputs)
+        if len(rows) % n or any(rows[i] != rows[i - i % n] for i in range(len(rows))):
+            raise ValueError("packd.trl: the generation batch's rows are not num_generations = %d"
+                             " copies of each prompt in a row (TRL's RepeatSampler)" % n)
+        examples = rows[::n]
+        version = self.state.global_step
+        closer, shared = None, [None, None]
+        if self.accelerator.is_main_process:
+            if self._rollouts is None:
+                self._rollouts = _stream.Rollouts(self.streaming)
+            weights = None
+            if self.streaming.weights_dir:
+                weights = _stream.publish_weights(self.accelerator.unwrap_model(model),
+                                                  self.streaming.weights_dir, version,
+                                                  self.streaming.max_staleness)
+            controller = self.packd_client.open_step(
+                self.streaming.max_tokens, plan=packd.PlanOptions(num_ranks=processes),
+                layout=_stream.stream_layout(), with_position_ids=True, policy_version=version,
+                max_staleness=self.streaming.max_staleness, wave_fill=self.streaming.wave_fill)
+            address = controller.address or self.packd_client.address
+            shared = [controller.step_id, address]
+            self._rollouts.run(address, controller.step_id, examples, n,
+                               _stream.Policy(version, weights), self.scale_rewards)
+            closer = _stream.StepCloser(self._rollouts, controller, len(examples))
+            closer.start()
+        if processes > 1:
+            broadcast_object_list(shared)
+        step_id, address = shared
+        client = (self.packd_client if address == self.packd_client.address
+                  else self._clients.setdefault(address, packd.Client(address)))
+        total, batches = None, []
+        stream = client.receive_step(step_id, self.accelerator.process_index)
+        # DDP's all-reduce once per step, not per micro-batch: the ranks' summed gradients.
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        try:
+            with model.no_sync() if ddp else contextlib.nullcontext():
+                for mb in stream:
+                    loss = self._streamed_loss(model, mb.result)
+                    self.accelerator.backward(loss)
+                    total = loss.detach() if total is None else total + loss.detach()
+                    batches.append((len(mb.samples), int(mb.result.shifted[0].numel()),
+                                    float(loss.detach())))
+        except packd.PackdError:
+            if closer is not None:
+                if closer.failure is None:
+                    closer.controller.cancel()  # another party's failure: end the step here too
+                closer.join(timeout=30)
+                if closer.failure:
+                    raise RuntimeError("packd.trl: a rollout failed, and the step with it:\n"
+                                       + closer.failure) from None
+            raise
+        report = [None]
+        if closer is not None:
+            closer.join()
+            report = [_stream.StepReport.of(closer)]
+        if processes > 1:
+            broadcast_object_list(report)  # rank 0's, logged by every rank
+        for key, value in report[0].metrics().items():
+            self._metrics["train"][key].append(value)
+        tokens = int(stream.global_loss_tokens)
+        if ddp:
+            _stream.sum_gradients(model.parameters())
+        # Gradients averaged over the ranks (a wrapper's mean) or summed (DDP's, above).
+        self._gradient_scale = (1 if ddp else processes, tokens)
+        self.streamed_steps.append({"step_id": step_id, "examples": examples,
+                                    "groups": report[0].groups, "arrival": report[0].arrival,
+                                    "global_loss_tokens": tokens, "micro_batches": batches})
+        if total is None:  # no micro-batch at all: every group refused
+            total = torch.zeros((), device=self.args.device)
+        # The mean over the ranks (the Trainer's log) is the step's token mean.
+        return total * (processes / max(tokens, 1))
+
+    def _streamed_loss(self, model, result) -> torch.Tensor:
+        """TRL's _compute_loss of one received micro-batch: its summed token loss. An empty
+        micro-batch is a masked forward of a one-token placeholder."""
+        empty = result.shared is None or len(result.shared.target_cu_seqlens) <= 1
+        if empty:
+            result = self._placeholder()
+        inputs = _stream.streamed_inputs(result, self.accelerator.num_processes)
+        if empty:
+            inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+        inputs = {k: v.to(self.args.device) for k, v in inputs.items()}
+        self._streamed = result
+        try:
+            return self._compute_loss(model, inputs)
+        finally:
+            self._streamed = None
+
+    def _placeholder(self):
+        """A one-token stream with one target, packed once: the masked forward's."""
+        if self._masked is None:
+            self._masked = self.packd_client.pack(
+                [torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)],
+                torch.ones(1, 2, dtype=torch.bool), with_position_ids=True,
+                layout=Layout(shared_prefix=SharedPrefix([0], [1], (0,)),
+                              shifts=[(0, 0), (1, 0)]))
+        return self._masked
+
+    def _scale_streamed(self) -> None:
+        if self._gradient_scale is not None:
+            packd.scale_gradients(self.model.parameters(), *self._gradient_scale)
+            self._gradient_scale = None
+
+    def _clip_grad_norm(self, model):
+        """TRL's, after a streamed step's gradients were scaled by world_size / its global token
+        count (transformers clips before on_pre_optimizer_step: a callback would be late)."""
+        self._scale_streamed()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        self._scale_streamed()  # max_grad_norm = 0: no clipping, the scale all the same
+        return super()._get_grad_norm(model, grad_norm)
+
+    def train(self, *args: Any, **kwargs: Any):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._rollouts is not None:
+                self._rollouts.stop()
+                self._rollouts = None
