@@ -83,33 +83,44 @@ def declared_sequences(bounds: Sequence[Tuple[int, int]]) -> Iterator[Declared]:
 
 # transformers' layer types whose layers mix tokens through the attention function alone.
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# Layer types that mix no tokens (a hybrid's feed-forward blocks).
+_PER_TOKEN_LAYERS = frozenset({"mlp", "moe"})
 
 
 def check_model(model: torch.nn.Module) -> None:
     """Refuses (ValueError naming the family) a model packd_varlen cannot train packed: one
-    with layer types other than full, sliding or chunked attention (recurrent, convolutional,
-    linear or indexed layers would see across documents), whose forward takes no position ids
+    with layer types other than full, sliding or chunked attention that packd does not run per
+    document (packd/_stateful.py; indexed or compressed sparse attention would see across
+    documents), whose forward takes no position ids
     (its positions could not restart at every document), that does not declare transformers'
     attention interface (packd_varlen may never be called), or whose embeddings number
     positions from after the pad id (a document's first position is not 0)."""
+    from packd._stateful import stateful_layers
     config = getattr(model, "config", None)
     kind = "%s (%s)" % (type(model).__name__, getattr(config, "model_type", "?"))
     configs = [config] + [v for v in vars(config).values()
                           if type(v).__name__.endswith("Config")] if config is not None else []
+    stateful = len(stateful_layers(model))
+    attention = stateful == 0
     for c in configs:
-        other = sorted({t for t in (getattr(c, "layer_types", None) or [])
-                        if t not in _ATTENTION_LAYERS})
-        if other:
+        types = [t for t in (getattr(c, "layer_types", None) or [])
+                 if t not in _ATTENTION_LAYERS and t not in _PER_TOKEN_LAYERS]
+        attention = attention or any(t in _ATTENTION_LAYERS
+                                     for t in (getattr(c, "layer_types", None) or []))
+        if types and len(types) > stateful:
             raise ValueError("packd_varlen cannot serve %s: its layer types %s are not an "
-                             "attention packd_varlen computes (recurrent, convolutional, linear "
-                             "or indexed layers), and would see across documents"
-                             % (kind, ", ".join(other)))
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+                             "attention packd_varlen computes nor a layer packd runs per "
+                             "document (packd._stateful: gated delta nets, Mamba mixers, short "
+                             "convolutions, lightning and delta attention, recurrent blocks), "
+                             "and would see across documents"
+                             % (kind, ", ".join(sorted(set(types)))))
+    if attention and "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError("packd_varlen cannot serve %s: its forward takes no position_ids, so "
                          "its positions cannot restart at every document" % kind)
     for sub in model.modules():
         if (hasattr(sub, "config") and hasattr(type(sub), "_supports_attention_backend")
-                and not type(sub)._supports_attention_backend):
+                and not type(sub)._supports_attention_backend
+                and not (stateful and _interfaced(model))):
             raise ValueError("packd_varlen cannot serve %s: %s does not declare transformers' "
                              "attention interface (_supports_attention_backend is False), so "
                              "packd_varlen may never be called and its documents would attend "
@@ -121,6 +132,23 @@ def check_model(model: torch.nn.Module) -> None:
                              "from padding_idx + 1 = %d, not 0, so packd's position ids (0 at "
                              "every document) are not its own" % (kind, type(sub).__name__,
                                                                   sub.padding_idx + 1))
+
+
+def _interfaced(model: torch.nn.Module) -> bool:
+    """Whether every attention module of a hybrid model (a class named *Attention that packd
+    does not run per document) calls transformers' attention interface, though the model does
+    not declare it (transformers' hybrid families do not)."""
+    from packd._stateful import STATEFUL
+    classes = {type(m) for m in model.modules()
+               if type(m).__name__.endswith("Attention") and not STATEFUL.search(type(m).__name__)}
+    for cls in classes:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            return False
+        if "ALL_ATTENTION_FUNCTIONS" not in source:
+            return False
+    return True
 
 
 def _family(module: torch.nn.Module) -> str:

@@ -34,12 +34,14 @@ import torch
 
 from packd import _default
 from packd._mrope import mrope_of, mrope_position_ids
+from packd._stateful import bound_states
 from packd._varlen import (check_model, declared_sequences, register_varlen_attention,
                            shared_attention_kwargs, varlen_attention)
 from packd.client import Client
 from packd.layout import Layout
 
-__all__ = ["DataCollatorWithFlattening", "mrope_of", "mrope_position_ids", "packed_row",
+__all__ = ["DataCollatorWithFlattening", "bound_states", "mrope_of", "mrope_position_ids",
+           "packed_row",
            "register_varlen_attention", "shared_attention_kwargs", "varlen_attention"]
 
 
@@ -71,6 +73,7 @@ def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator
         raise ValueError("packed_row needs a Pack with with_position_ids=True")
     if model is not None:
         check_model(model)
+        bound_states(model)
     if result.cu_seqlens_padded is not None:
         cu, longest = result.cu_seqlens_padded, result.max_seqlen_padded
     elif result.doc_cu_seqlens is not None:

@@ -48,6 +48,8 @@ import torch
 import packd
 from packd import _trl_stream as _stream
 from packd._trl_stream import Policy, ScoredGroup, Streaming
+from packd._stateful import bound_states
+from packd._varlen import check_model
 from packd.hf import register_varlen_attention, shared_attention_kwargs
 from packd.layout import Layout, SharedPrefix
 
@@ -182,6 +184,8 @@ class PackedGRPOTrainer(GRPOTrainer):
         if streaming is not None and config is None:  # TRL's default configuration
             _stream.check_streaming(self.args, share_prompt)
         model = self.accelerator.unwrap_model(self.model)
+        check_model(model)   # a family packd cannot train packed is refused here, by name
+        bound_states(model)  # layers with state refuse a shared stream by name (_stateful)
         model.set_attn_implementation("packd_varlen")
         self.packd_client = packd_client or packd.Client(packd_address)
         self.share_prompt = share_prompt

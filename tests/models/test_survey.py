@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from packd import _varlen
+from packd._stateful import stateful_layers
 from packd.hf import packed_row, register_varlen_attention
 from hf_families import Float64Steps
 from survey import VOCAB, causal_lm_types, tiny_model, transformers
@@ -153,7 +154,67 @@ def test_packed_equals_padded_or_is_refused(client, kind, float64_steps):
             raise
         RESULTS[kind] = ("refused", first_line(e))
         return
-    RESULTS[kind] = ("equal", "%.1e, by %s%s" % (max(errors), " and ".join(sorted(sources)),
-                                                 "" if kept else
-                                          " (the family keeps modules in float32: its float32 "
-                                          "steps left as they are)"))
+    stateful = ""
+    if stateful_layers(packed):
+        stateful = stateful_documents(client, padded, packed, rng, tokens, float64_steps, kept,
+                                      kind)
+    RESULTS[kind] = ("equal", "%.1e, by %s%s%s" % (max(errors), " and ".join(sorted(sources)),
+                                                   "" if kept else
+                                            " (the family keeps modules in float32: its float32 "
+                                            "steps left as they are)", stateful))
+
+
+def stateful_documents(client, padded, packed, rng, tokens, float64_steps, kept, kind):
+    """A family with layers that carry state (packd/_stateful.py), again on documents around
+    the chunked scans' chunk size (2, 63 and 65 tokens): its logits and every parameter's
+    gradient of a weighted sum of them, packed, equal each document alone (the padded model,
+    one document per call) to 1e-9; and transformers alone on the packed row (position ids
+    restarting, no packd): whether its state leaks across the documents. The reason's tail."""
+    documents = [[rng.choice(tokens) for _ in range(n)] for n in (2, 63, 65)]
+    row = torch.tensor([t for d in documents for t in d])[None]
+    segments = torch.tensor([i for i, d in enumerate(documents) for _ in d])[None]
+    r = client.pack([row], torch.ones_like(row, dtype=torch.bool), segment_ids=segments,
+                    with_position_ids=True)
+    weights = torch.randn(row.shape[1], padded.config.vocab_size, dtype=torch.float64)
+    names = [n for n, p in packed.named_parameters() if p.requires_grad]
+
+    def run(model, weights, **call):
+        logits = logits_of(model(**call))[0]
+        params = [p for n, p in model.named_parameters() if p.requires_grad]
+        grads = torch.autograd.grad((logits * weights).sum(), params, allow_unused=True)
+        return logits.detach(), [torch.zeros_like(p) if g is None else g
+                                 for g, p in zip(grads, params)]
+
+    with float64_steps.kept(kept):
+        with packed_row(r, packed) as kwargs:
+            got, got_grads = run(packed, weights, input_ids=r.packed[0][None], **kwargs)
+        want, want_grads, start = [], None, 0
+        for d in documents:
+            logits, grads = run(padded, weights[start:start + len(d)],
+                                input_ids=torch.tensor(d)[None], use_cache=False)
+            want.append(logits)
+            want_grads = grads if want_grads is None else [a + b for a, b in
+                                                           zip(want_grads, grads)]
+            start += len(d)
+        want = torch.cat(want)
+        worst = float((got - want).abs().max() / want.abs().max())
+        for name, g, w in zip(names, got_grads, want_grads):
+            if w.abs().max() > 0:
+                worst = max(worst, float((g - w).abs().max() / w.abs().max()))
+        if not worst <= TOLERANCE:
+            RESULTS[kind] = ("DIFFERENT", "stateful layers on documents of 2, 63 and 65 tokens: "
+                             "%.2g relative (logits or a gradient)" % worst)
+            pytest.fail("%s: packed logits or gradients differ from each document alone by %.3g"
+                        % (kind, worst))
+        try:
+            with torch.no_grad():
+                alone = logits_of(padded(input_ids=r.packed[0][None],
+                                         position_ids=kwargs["position_ids"], use_cache=False))[0]
+            leak = float((alone - want).abs().max() / want.abs().max())
+            alone = ("leaks %.2g" % leak) if leak > TOLERANCE else "does not leak"
+        except Exception as e:  # noqa: BLE001 - what transformers does is the record
+            alone = "raises %s" % type(e).__name__
+    return ("; stateful layers (%s): logits and gradients on documents of 2, 63 and 65 tokens "
+            "%.1e; transformers alone %s" % (", ".join(sorted({type(m).__name__ for _, m in
+                                                               stateful_layers(packed)})),
+                                             worst, alone))

@@ -191,12 +191,14 @@ def test_chunked_attention_counts_its_chunks_within_each_document(client, float6
                    attention_mask=torch.ones_like(r.packed[0][None]), use_cache=False)
 
 
-@pytest.mark.parametrize("kind, extra", [("mamba", {}), ("bart", {}), ("roberta", {}),
-                                         ("lfm2", {"full_attn_idxs": [1]})])
+@pytest.mark.parametrize("kind, extra", [
+    ("rwkv", {}), ("bart", {}), ("roberta", {}),
+    ("llama", {"layer_types": ["full_attention", "indexed_attention"]})])
 def test_families_it_cannot_serve_are_refused_before_the_forward(client, kind, extra):
     """packd.hf.packed_row(result, model) refuses, naming the family, a model whose layers mix
-    tokens outside attention, whose forward takes no position ids, or whose positions start
-    after its pad id."""
+    tokens outside attention and outside the stateful layers packd runs per document (an
+    indexed attention), whose forward takes no position ids, or whose positions start after its
+    pad id."""
     from packd.hf import packed_row
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.for_model(kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,

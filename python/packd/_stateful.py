@@ -1,0 +1,216 @@
+"""Every document its own state in the layers that carry state across tokens (docs/client.md,
+"Hybrid families"): transformers' gated delta nets (Qwen 3.5, Qwen3-Next, OLMo hybrid), Mamba 1
+and 2 mixers (Mamba, Falcon-H1, Falcon-Mamba, Jamba, Bamba, Nemotron-H, Zamba), short
+convolutions (LFM), lightning attention (MiniMax), delta attention (Kimi Linear) and recurrent
+blocks (recurrent Gemma).
+
+transformers' own CPU implementations of these layers ignore where a packed row's documents
+start: the recurrent and convolution states run on from one document into the next. On a packed
+row, each such layer here runs the row's documents as the rows of a right-padded batch, each
+from a zero state, through the layer's own implementation (its kernels where installed), and
+the results are packed back in order: what the layer computes on each document alone. Right
+padding changes nothing a causal layer computes before it.
+
+The documents are found as packd_varlen finds them (packd/_varlen.py), first found first:
+`cu_seq_lens_q`, then position ids that restart at every document, from the model's call or the
+layer's own; a row declared by packd.hf.packed_row must be found so, else the layer refuses
+(ValueError naming it). A layer handed a cache (generation) or a mask of another shape is
+refused by name, never run across documents.
+
+bound_states(model) installs this on a model's stateful layers (packd.hf.packed_row(r, model)
+does it) and returns their names; check_model refuses a family with layer types no installed
+layer covers."""
+import contextvars
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+# transformers' classes of causal layers that carry state across tokens, by name.
+STATEFUL = re.compile(r"(GatedDeltaNet|MambaMixer|Mamba2Mixer|FalconH1Mixer|BambaMixer"
+                      r"|ShortConv|LightningAttention|RecurrentBlock|DeltaAttention)$")
+# Keyword arguments that describe the packed row itself: dropped for the padded documents.
+_ROW_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+             "kv_index", "cu_seqlens")
+_CACHES = ("cache", "cache_params", "past_key_values", "past_key_value")
+
+# The model call's keyword arguments while its forward runs (innermost call last).
+_calls: contextvars.ContextVar[Tuple[Dict[str, Any], ...]] = contextvars.ContextVar(
+    "packd_model_calls", default=())
+
+
+def stateful_layers(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """The model's layers that carry state across tokens (a vision tower's left out)."""
+    return [(name, m) for name, m in model.named_modules()
+            if STATEFUL.search(type(m).__name__) and "Vision" not in type(m).__name__]
+
+
+def bound_states(model: torch.nn.Module) -> List[str]:
+    """Makes every stateful layer of `model` run each packed document from a zero state (once
+    per model; a deep copy keeps it): returns the layers' names."""
+    layers = stateful_layers(model)
+    if layers and not getattr(model, "_packd_states_bound", False):
+        model.register_forward_pre_hook(_enter_call, with_kwargs=True)
+        model.register_forward_hook(_leave_call, always_call=True)
+        for _, layer in layers:
+            layer.register_forward_pre_hook(_split_documents, with_kwargs=True)
+            layer.register_forward_hook(_join_documents, always_call=True)
+        model._packd_states_bound = True
+    return [name for name, _ in layers]
+
+
+def _enter_call(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
+    _calls.set(_calls.get() + (dict(kwargs),))
+
+
+def _leave_call(module: torch.nn.Module, args: Any, output: Any) -> None:
+    calls = _calls.get()
+    _calls.set(calls[:-1])
+
+
+def _refuse(layer: torch.nn.Module, what: str) -> ValueError:
+    return ValueError("packd cannot run %s on a packed row: %s" % (type(layer).__name__, what))
+
+
+def _documents(layer: torch.nn.Module, length: int,
+               kwargs: Dict[str, Any]) -> Optional[List[Tuple[int, int]]]:
+    """The row's documents, as packd_varlen finds a row's sequences (its sources, its order,
+    its check against packd.hf.packed_row's declaration)."""
+    from packd._varlen import _declared, sequence_bounds
+    sources = dict(_calls.get()[-1]) if _calls.get() else {}
+    sources.update({k: v for k, v in kwargs.items() if v is not None})
+    found = sequence_bounds(1, length, {k: sources.get(k) for k in ("cu_seq_lens_q",
+                                                                    "cu_seq_lens_k",
+                                                                    "position_ids")})
+    bounds = found[0] if found is not None else None
+    declared = _declared.get()
+    if declared is not None and declared.bounds[-1][1] == length:
+        starts = {s for s, _ in bounds or [(0, length)]}
+        missing = [s for s, _ in declared.bounds if s not in starts]
+        if missing:
+            raise _refuse(layer, "the row holds %d documents (packd.hf.packed_row), but %s; "
+                          "the document at token %d would start from the state of the ones "
+                          "before it. Pass the model position_ids that restart at every "
+                          "document, or cu_seq_lens_q"
+                          % (len(declared.bounds), "neither cu_seq_lens_q nor position ids "
+                             "reached it" if bounds is None else "it finds %d" % len(bounds),
+                             missing[0]))
+    return bounds
+
+
+def _index(bounds: Sequence[Tuple[int, int]], device: torch.device):
+    longest = max(e - s for s, e in bounds)
+    offsets = torch.arange(longest, device=device)
+    starts = torch.tensor([s for s, _ in bounds], device=device)[:, None]
+    ends = torch.tensor([e for _, e in bounds], device=device)[:, None]
+    valid = offsets[None, :] < ends - starts
+    return torch.where(valid, starts + offsets[None, :], torch.zeros_like(starts)), valid
+
+
+def _padded(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[1, T, ...] as [documents, longest, ...], zero after each document."""
+    out = t[0][index]
+    return out * valid.view(*valid.shape, *([1] * (out.dim() - 2))).to(out.dtype)
+
+
+def _padded_mask(layer: torch.nn.Module, mask: Any, bounds, index, valid) -> Any:
+    if mask is None or not isinstance(mask, torch.Tensor):
+        return None  # transformers' mask function (packd_varlen's): each document is one row
+    if mask.dim() == 2:
+        return _padded(mask, index, valid)
+    if mask.dim() == 4 and mask.shape[0] == 1:
+        longest = index.shape[1]
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+        out = torch.eye(longest, dtype=torch.bool, device=mask.device).repeat(
+            len(bounds), mask.shape[1], 1, 1)
+        for d, (s, e) in enumerate(bounds):
+            out[d, :, :e - s, :e - s] = allowed[0, :, s:e, s:e]
+        if mask.dtype == torch.bool:
+            return out
+        return torch.zeros(out.shape, dtype=mask.dtype, device=mask.device).masked_fill(
+            ~out, torch.finfo(mask.dtype).min)
+    raise _refuse(layer, "its attention mask has shape %s" % (tuple(mask.shape),))
+
+
+def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
+                     kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    stack = layer.__dict__.setdefault("_packd_documents", [])
+    hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        stack.append(None)
+        return None
+    batch, length = hidden.shape[:2]
+    named = dict(zip(("hidden_states",), args[:1]), **kwargs)
+    if batch != 1:
+        rows = _multi_row(named, batch, length)
+        if rows:
+            raise _refuse(layer, "row %d of a %d-row batch holds several documents; pack them "
+                          "into one row" % (rows[0], batch))
+        stack.append(None)
+        return None
+    calls = _calls.get()
+    if kwargs.get("kv_index") is not None or (calls and calls[-1].get("kv_index") is not None):
+        raise _refuse(layer, "a shared prompts' stream (kv_index): a response would need its "
+                      "prompt's final state; pack the rows without a shared prefix")
+    bounds = _documents(layer, length, named)
+    if bounds is None or len(bounds) <= 1:
+        stack.append(None)
+        return None
+    for name in _CACHES:
+        if kwargs.get(name) is not None:
+            raise _refuse(layer, "it was handed a cache (%s): a packed row is not generation; "
+                          "call the model with use_cache=False" % name)
+    index, valid = _index(bounds, hidden.device)
+
+    def per_document(name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(
+                value.shape[:2]) == (1, length):
+            return _padded(value, index, valid)
+        if isinstance(value, tuple) and value and all(
+                isinstance(v, torch.Tensor) and tuple(v.shape[:2]) == (1, length)
+                for v in value):
+            return tuple(_padded(v, index, valid) for v in value)  # rotary (cos, sin)
+        if name == "cache_position" and isinstance(value, torch.Tensor):
+            return torch.arange(index.shape[1], device=value.device)
+        return value
+
+    new_args = tuple(per_document("", a) for a in args)
+    new_kwargs = {}
+    for name, value in kwargs.items():
+        if name in _ROW_ONLY:
+            continue
+        if name == "attention_mask":
+            new_kwargs[name] = _padded_mask(layer, value, bounds, index, valid)
+        else:
+            new_kwargs[name] = per_document(name, value)
+    stack.append((valid, length))
+    return new_args, new_kwargs
+
+
+def _multi_row(named: Dict[str, Any], batch: int, length: int) -> List[int]:
+    """The rows of a batch whose position ids restart inside them."""
+    positions = named.get("position_ids")
+    calls = _calls.get()
+    if positions is None and calls:
+        positions = calls[-1].get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.shape[-1] != length:
+        return []
+    positions = positions.reshape(-1, length)
+    restarts = (positions[:, 1:] != positions[:, :-1] + 1).any(-1)
+    return restarts.nonzero().flatten().tolist()
+
+
+def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:
+    split = layer.__dict__.get("_packd_documents", [None]).pop()
+    if split is None:
+        return None
+    valid, length = split
+
+    def packed(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == tuple(valid.shape):
+            return value[valid][None]
+        return value
+
+    if isinstance(output, tuple):
+        return tuple(packed(v) for v in output)
+    return packed(output)

@@ -1,0 +1,113 @@
+"""Each kind of layer that carries state across tokens, on a packed row, equals the layer run on
+each document alone (packd/_stateful.py: every document from a zero state): the logits at every
+token and every parameter's gradient of a weighted sum of them, documents of 1, 2, 63, 64, 65
+and 300 tokens (around the chunk sizes of the chunked scans, 64), in float64 (1e-9 relative)
+and float32 (1e-4: the padded documents' batched arithmetic against each document's own).
+The layer kind runs inside the tiny model of a family that has it (survey.tiny_model).
+
+Beside it, transformers' own packed path (position ids restarting at every document, its
+eager attention, no packd) on the same row: the test prints whether it leaks state across the documents (its
+logits differ from the documents alone) or refuses, the fact docs/operation.md records."""
+import copy
+import random
+
+import pytest
+import torch
+
+from hf_families import Float64Steps
+from packd.hf import packed_row, register_varlen_attention
+from packd._stateful import stateful_layers
+from survey import VOCAB, tiny_model, transformers
+
+pytestmark = pytest.mark.skipif(transformers is None, reason="transformers is not installed "
+                                "(Debian 12 has no package of it); the PyPI stack's run tests")
+
+# The layer kind: (a model type that has it, its layer class).
+KINDS = {
+    "gated delta rule + short convolution": ("qwen3_5_text", "Qwen3_5GatedDeltaNet"),
+    "Mamba 1 scan": ("mamba", "MambaMixer"),
+    "Mamba 2 scan": ("falcon_h1", "FalconH1Mixer"),
+    "Mamba 2 scan (Nemotron-H)": ("nemotron_h", "NemotronHMamba2Mixer"),
+    "short convolution": ("lfm3", "Lfm3ShortConv"),
+    "lightning attention": ("minimax", "MiniMaxLightningAttention"),
+    "RG-LRU recurrence + convolution": ("recurrent_gemma", "RecurrentGemmaRecurrentBlock"),
+}
+LENGTHS = [1, 2, 63, 64, 65, 300]
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+LEAKS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def table():
+    yield
+    if LEAKS:
+        print("\n| layer kind | transformers alone, packed (eager, position ids) |\n| --- | --- |")
+        for kind, what in LEAKS.items():
+            print("| %s | %s |" % (kind, what))
+
+
+def relative(got, want):
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-300))
+
+
+def logits_and_grads(model, weights, **call):
+    logits = model(**call).logits[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((logits * weights).sum(), params, allow_unused=True)
+    return logits.detach(), [g if g is not None else torch.zeros_like(p)
+                             for g, p in zip(grads, params)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_document_its_own_state(client, kind, dtype):
+    # transformers' float32 steps (norms, scores) kept in float64 for a float64 model.
+    with Float64Steps().kept(dtype == torch.float64):
+        each_document_its_own_state(client, kind, dtype)
+
+
+def each_document_its_own_state(client, kind, dtype):
+    model_type, layer_class = KINDS[kind]
+    register_varlen_attention()
+    rng = random.Random()
+    torch.manual_seed(rng.randrange(1 << 30))
+    model = tiny_model(model_type, "eager").to(dtype)
+    assert layer_class in {type(m).__name__ for _, m in stateful_layers(model)}
+    plain = copy.deepcopy(model)  # transformers alone, no packd
+    documents = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in LENGTHS]
+    row = torch.tensor([t for d in documents for t in d])[None]
+    segments = torch.tensor([i for i, d in enumerate(documents) for _ in d])[None]
+    r = client.pack([row], torch.ones_like(row, dtype=torch.bool), segment_ids=segments,
+                    with_position_ids=True)
+    weights = torch.randn(row.shape[1], model.config.vocab_size, dtype=dtype)
+
+    model.set_attn_implementation("packd_varlen")
+    with packed_row(r, model) as kwargs:
+        got, got_grads = logits_and_grads(model, weights, input_ids=r.packed[0][None], **kwargs)
+    # Each document alone: its logits, and the sum of the documents' gradients.
+    want, want_grads, start = [], None, 0
+    for d in documents:
+        logits, grads = logits_and_grads(model, weights[start:start + len(d)],
+                                         input_ids=torch.tensor(d)[None], use_cache=False)
+        want.append(logits)
+        want_grads = grads if want_grads is None else [a + b for a, b in zip(want_grads, grads)]
+        start += len(d)
+    want = torch.cat(want)
+    tolerance = TOLERANCE[dtype]
+    assert relative(got, want) <= tolerance, (kind, relative(got, want))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, g, w in zip(names, got_grads, want_grads):
+        if w.abs().max() > 0:
+            assert relative(g, w) <= tolerance, (kind, name, relative(g, w))
+
+    if dtype == torch.float64:
+        try:
+            with torch.no_grad():
+                alone = plain(input_ids=r.packed[0][None], position_ids=kwargs["position_ids"],
+                              use_cache=False).logits[0]
+            error = relative(alone, want)
+            LEAKS[kind] = ("leaks: %.2g relative, from token %d" % (
+                error, int(((alone - want).abs().amax(-1) > 1e-9 * want.abs().max())
+                           .nonzero()[0])) if error > 1e-9 else "equal (%.1e)" % error)
+        except Exception as e:  # noqa: BLE001 - what transformers does is the record
+            LEAKS[kind] = "raises %s: %s" % (type(e).__name__, str(e).splitlines()[0][:160])
