@@ -6,8 +6,9 @@ and float32 (1e-4: the padded documents' batched arithmetic against each documen
 The layer kind runs inside the tiny model of a family that has it (survey.tiny_model).
 
 Beside it, transformers' own packed path (position ids restarting at every document, its
-eager attention, no packd) on the same row: the test prints whether it leaks state across the documents (its
-logits differ from the documents alone) or refuses, the fact docs/operation.md records."""
+eager attention, no packd) on the same row: the test prints whether it leaks state across the
+documents (its logits differ from the documents alone) or refuses, the fact docs/operation.md
+records."""
 import copy
 import random
 
