@@ -62,10 +62,12 @@ bench-grpo: build
 	  venv/bin/python $(CURDIR)/benchmarks/bench_grpo.py --packd bin/packd
 
 # A transformers model's training step on a GRPO rollout, padded, flattened by transformers and
-# packed by packd (benchmarks/bench_train.py), on PyPI's stack (transformers).
+# packed by packd (benchmarks/bench_train.py), on PyPI's stack (transformers): Qwen 3, then the
+# hybrid Qwen 3.5 (gated delta nets).
 bench-train: build
 	cd $(BUILD_DIR) && ctest -R '^python_install_pypi$$' > /dev/null && \
-	  venv-pypi/bin/python $(CURDIR)/benchmarks/bench_train.py --packd bin/packd
+	  venv-pypi/bin/python $(CURDIR)/benchmarks/bench_train.py --packd bin/packd && \
+	  venv-pypi/bin/python $(CURDIR)/benchmarks/bench_train.py --packd bin/packd --family qwen3_5
 
 # TRL's GRPOTrainer against packd.trl's on the same frozen generation batches
 # (benchmarks/bench_trl.py): tokens forwarded and time per optimizer step, on PyPI's stack (TRL).
