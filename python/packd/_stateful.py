@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 # transformers' classes of causal layers that carry state across tokens, by name.
-STATEFUL = re.compile(r"(GatedDeltaNet|MambaMixer|Mamba2Mixer|FalconH1Mixer|BambaMixer"
+STATEFUL = re.compile(r"(GatedDeltaNet|MambaMixer|Mamba2Mixer|FalconH1Mixer|BambaMixer|MambaLayer"
                       r"|ShortConv|LightningAttention|RecurrentBlock|DeltaAttention)$")
 # Keyword arguments that describe the packed row itself: dropped for the padded documents.
 _ROW_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",

@@ -28,6 +28,18 @@ EXACT = {
     "n_shared_experts": 1, "kv_lora_rank": 8, "q_lora_rank": 8, "qk_rope_head_dim": 4,
     "qk_nope_head_dim": 4, "v_head_dim": 8, "sliding_window": WINDOW,
     "attention_chunk_size": WINDOW, "rotary_dim": 4}
+# Per type, what the generic shrinking misses: layer-type lists that keep a layer of each kind,
+# and the sub-module shapes of Mamba 2 mixers (heads x head size = expand x hidden) and of
+# routers (no more experts per token than experts).
+RULES = {
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 16},
+    "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16},
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16},
+    "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "mamba_d_state": 16,
+               "attention_head_dim": 8, "num_query_groups": 4},
+    "kimi_linear": {"num_experts_per_token": 2},
+}
 LAYERS = r"(num_hidden_layers|n_layers?|num_layers|decoder_layers|encoder_layers|depth)"
 WIDTH = r"(hidden_size|n_embd|d_model|embed_dim|hidden_dim|dim)$"
 INNER = r"(intermediate|ffn|d_ff|n_inner|mlp)"
@@ -79,6 +91,8 @@ def _small(config):
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(values.get(token), int) and values[token] >= VOCAB:
             out[token] = 0
+    out.update({k: v for k, v in RULES.get(getattr(config, "model_type", None), {}).items()
+                if k in values})
     return out
 
 
