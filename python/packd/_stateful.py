@@ -2,7 +2,8 @@
 "Hybrid families"): transformers' gated delta nets (Qwen 3.5, Qwen3-Next, OLMo hybrid), Mamba 1
 and 2 mixers (Mamba, Falcon-H1, Falcon-Mamba, Jamba, Bamba, Nemotron-H, Zamba), short
 convolutions (LFM), lightning attention (MiniMax), delta attention (Kimi Linear) and recurrent
-blocks (recurrent Gemma).
+blocks (recurrent Gemma); and attention whose indexer picks its keys (DeepSeek V3.2, GLM DSA,
+HY v4, AXK2), run through transformers' eager attention under each document's causal mask.
 
 transformers' own CPU implementations of these layers ignore where a packed row's documents
 start: the recurrent and convolution states run on from one document into the next. On a packed
@@ -39,10 +40,23 @@ _calls: contextvars.ContextVar[Tuple[Dict[str, Any], ...]] = contextvars.Context
     "packd_model_calls", default=())
 
 
+def sparse_attention(module: torch.nn.Module) -> bool:
+    """An attention whose indexer picks its keys (its top-k: DeepSeek V3.2, GLM DSA, HY v4,
+    AXK2): it runs per document too, through transformers' eager attention under each
+    document's causal mask. One that also compresses its keys (DeepSeek V4: its mask spans the
+    compressed keys too) is not, and its family stays refused."""
+    parts = [type(c).__name__ for c in module.children()]
+    return (type(module).__name__.endswith("Attention")
+            and any(p.endswith("Indexer") for p in parts)
+            and not any(p.endswith("Compressor") for p in parts))
+
+
 def stateful_layers(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
-    """The model's layers that carry state across tokens (a vision tower's left out)."""
+    """The model's layers that carry state across tokens or pick keys across them (a vision
+    tower's left out)."""
     return [(name, m) for name, m in model.named_modules()
-            if STATEFUL.search(type(m).__name__) and "Vision" not in type(m).__name__]
+            if (STATEFUL.search(type(m).__name__) and "Vision" not in type(m).__name__)
+            or sparse_attention(m)]
 
 
 def bound_states(model: torch.nn.Module) -> List[str]:
@@ -113,7 +127,21 @@ def _padded(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.
     return out * valid.view(*valid.shape, *([1] * (out.dim() - 2))).to(out.dtype)
 
 
-def _padded_mask(layer: torch.nn.Module, mask: Any, bounds, index, valid) -> Any:
+def _causal(bounds, index, dtype, device) -> torch.Tensor:
+    """Each document's causal mask over its own tokens, additive [documents, 1, L, L] (a padding
+    query sees itself)."""
+    longest = index.shape[1]
+    lengths = torch.tensor([e - s for s, e in bounds], device=device)[:, None, None]
+    q = torch.arange(longest, device=device)[None, :, None]
+    k = torch.arange(longest, device=device)[None, None, :]
+    allowed = ((k <= q) & (k < lengths)) | (k == q)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def _padded_mask(layer: torch.nn.Module, mask: Any, bounds, index, valid, dtype) -> Any:
+    if sparse_attention(layer) and not isinstance(mask, torch.Tensor):
+        return _causal(bounds, index, dtype, index.device)
     if mask is None or not isinstance(mask, torch.Tensor):
         return None  # transformers' mask function (packd_varlen's): each document is one row
     if mask.dim() == 2:
@@ -153,7 +181,10 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         raise _refuse(layer, "a shared prompts' stream (kv_index): a response would need its "
                       "prompt's final state; pack the rows without a shared prefix")
     bounds = _documents(layer, length, named)
-    if bounds is None or len(bounds) <= 1:
+    sparse = sparse_attention(layer)
+    if sparse and bounds is None:
+        bounds = [(0, length)]
+    if bounds is None or (len(bounds) <= 1 and not sparse):
         stack.append(None)
         return None
     for name in _CACHES:
@@ -180,10 +211,17 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         if name in _ROW_ONLY:
             continue
         if name == "attention_mask":
-            new_kwargs[name] = _padded_mask(layer, value, bounds, index, valid)
+            new_kwargs[name] = _padded_mask(layer, value, bounds, index, valid, hidden.dtype)
         else:
             new_kwargs[name] = per_document(name, value)
-    stack.append((valid, length))
+    if sparse and "attention_mask" not in kwargs:
+        raise _refuse(layer, "its attention mask was not handed by name, so packd cannot give "
+                      "each document its own")
+    implementation = None
+    if sparse:  # transformers' eager attention, which applies the indexer's choice as a mask
+        implementation = layer.config._attn_implementation
+        layer.config._attn_implementation = "eager"
+    stack.append((valid, length, implementation))
     return new_args, new_kwargs
 
 
@@ -204,7 +242,9 @@ def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:
     split = layer.__dict__.get("_packd_documents", [None]).pop()
     if split is None:
         return None
-    valid, length = split
+    valid, length, implementation = split
+    if implementation is not None:
+        layer.config._attn_implementation = implementation
 
     def packed(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == tuple(valid.shape):

@@ -29,8 +29,8 @@ EXACT = {
     "qk_nope_head_dim": 4, "v_head_dim": 8, "sliding_window": WINDOW,
     "attention_chunk_size": WINDOW, "rotary_dim": 4}
 # Per type, what the generic shrinking misses: layer-type lists that keep a layer of each kind,
-# and the sub-module shapes of Mamba 2 mixers (heads x head size = expand x hidden) and of
-# routers (no more experts per token than experts).
+# the sub-module shapes of Mamba 2 mixers (heads x head size = expand x hidden) and of routers
+# (no more experts per token than experts), and indexers that choose.
 RULES = {
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 16},
@@ -39,6 +39,9 @@ RULES = {
     "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "mamba_d_state": 16,
                "attention_head_dim": 8, "num_query_groups": 4},
     "kimi_linear": {"num_experts_per_token": 2},
+    # An indexer that picks fewer keys than a document has: its top-k choice is exercised.
+    "deepseek_v32": {"index_topk": 4}, "glm_moe_dsa": {"index_topk": 4},
+    "hy_v4": {"index_topk": 4}, "axk2": {"index_topk": 4},
 }
 LAYERS = r"(num_hidden_layers|n_layers?|num_layers|decoder_layers|encoder_layers|depth)"
 WIDTH = r"(hidden_size|n_embd|d_model|embed_dim|hidden_dim|dim)$"

@@ -1,5 +1,5 @@
-"""Each kind of layer that carries state across tokens, on a packed row, equals the layer run on
-each document alone (packd/_stateful.py: every document from a zero state): the logits at every
+"""Each kind of layer that carries state across tokens (or whose indexer picks keys across them),
+on a packed row, equals the layer run on each document alone (packd/_stateful.py: every document from a zero state): the logits at every
 token and every parameter's gradient of a weighted sum of them, documents of 1, 2, 63, 64, 65
 and 300 tokens (around the chunk sizes of the chunked scans, 64), in float64 (1e-9 relative)
 and float32 (1e-4: the padded documents' batched arithmetic against each document's own).
@@ -32,6 +32,8 @@ KINDS = {
     "short convolution": ("lfm3", "Lfm3ShortConv"),
     "lightning attention": ("minimax", "MiniMaxLightningAttention"),
     "RG-LRU recurrence + convolution": ("recurrent_gemma", "RecurrentGemmaRecurrentBlock"),
+    "Kimi delta attention": ("kimi_linear", "KimiLinearDeltaAttention"),
+    "indexed top-k attention (4 keys)": ("deepseek_v32", "DeepseekV32Attention"),
 }
 LENGTHS = [1, 2, 63, 64, 65, 300]
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
