@@ -1,9 +1,10 @@
 """Each kind of layer that carries state across tokens (or whose indexer picks keys across them),
-on a packed row, equals the layer run on each document alone (packd/_stateful.py: every document from a zero state): the logits at every
-token and every parameter's gradient of a weighted sum of them, documents of 1, 2, 63, 64, 65
-and 300 tokens (around the chunk sizes of the chunked scans, 64), in float64 (1e-9 relative)
-and float32 (1e-4: the padded documents' batched arithmetic against each document's own).
-The layer kind runs inside the tiny model of a family that has it (survey.tiny_model).
+on a packed row, equals the layer run on each document alone (packd/_stateful.py: every
+document from a zero state): the logits at every token and every parameter's gradient of a
+weighted sum of them, documents of 1, 2, 63, 64, 65 and 300 tokens (around the chunk sizes of
+the chunked scans, 64), in float64 (1e-9 relative) and float32 (1e-4: the padded documents'
+batched arithmetic against each document's own). The layer kind runs inside the tiny model of a
+family that has it (survey.tiny_model).
 
 Beside it, transformers' own packed path (position ids restarting at every document, its
 eager attention, no packd) on the same row: the test prints whether it leaks state across the
