@@ -90,25 +90,22 @@ def _documents(layer: torch.nn.Module, length: int,
                kwargs: Dict[str, Any]) -> Optional[List[Tuple[int, int]]]:
     """The row's documents, as packd_varlen finds a row's sequences (its sources, its order,
     its check against packd.hf.packed_row's declaration)."""
-    from packd._varlen import _declared, sequence_bounds
+    from packd._varlen import _declared, sequence_bounds, undeclared
     sources = dict(_calls.get()[-1]) if _calls.get() else {}
     sources.update({k: v for k, v in kwargs.items() if v is not None})
     found = sequence_bounds(1, length, {k: sources.get(k) for k in ("cu_seq_lens_q",
                                                                     "cu_seq_lens_k",
                                                                     "position_ids")})
     bounds = found[0] if found is not None else None
-    declared = _declared.get()
-    if declared is not None and declared.bounds[-1][1] == length:
-        starts = {s for s, _ in bounds or [(0, length)]}
-        missing = [s for s, _ in declared.bounds if s not in starts]
-        if missing:
-            raise _refuse(layer, "the row holds %d documents (packd.hf.packed_row), but %s; "
-                          "the document at token %d would start from the state of the ones "
-                          "before it. Pass the model position_ids that restart at every "
-                          "document, or cu_seq_lens_q"
-                          % (len(declared.bounds), "neither cu_seq_lens_q nor position ids "
-                             "reached it" if bounds is None else "it finds %d" % len(bounds),
-                             missing[0]))
+    missing = undeclared(bounds, length)
+    if missing:
+        raise _refuse(layer, "the row holds %d documents (packd.hf.packed_row), but %s; the "
+                      "document at token %d would start from the state of the ones before it. "
+                      "Pass the model position_ids that restart at every document, or "
+                      "cu_seq_lens_q"
+                      % (len(_declared.get().bounds), "neither cu_seq_lens_q nor position ids "
+                         "reached it" if bounds is None else "it finds %d" % len(bounds),
+                         missing[0]))
     return bounds
 
 

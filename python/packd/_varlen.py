@@ -161,6 +161,17 @@ def _refuse(module: torch.nn.Module, what: str) -> ValueError:
     return ValueError("packd_varlen in %s: %s" % (_family(module), what))
 
 
+def undeclared(found: Optional[Sequence[Tuple[int, int]]], length: int) -> List[int]:
+    """The starts of the sequences packd.hf.packed_row declared for a row of `length` tokens
+    that `found` (a row's [start, end) bounds; None: the row whole) does not have; [] when
+    nothing was declared for such a row."""
+    declared = _declared.get()
+    if declared is None or declared.bounds[-1][1] != length:
+        return []
+    starts = {s for s, _ in found or [(0, length)]}
+    return [s for s, _ in declared.bounds if s not in starts]
+
+
 def _bounds_of_edges(edges: List[int], length: int, what: str) -> List[Tuple[int, int]]:
     if (not edges or edges[0] != 0 or edges[-1] != length
             or any(b < a for a, b in zip(edges, edges[1:]))):
@@ -488,8 +499,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     declared = _declared.get()
     if declared is not None and batch == 1 and declared.bounds[-1][1] == length:
         declared.sources.append(source or "none")
-        found = {s for s, _ in bounds[0]}
-        missing = [s for s, _ in declared.bounds if s not in found]
+        missing = undeclared(bounds[0], length)
         if missing:
             raise _refuse(module, "the row holds %d sequences (packd.hf.packed_row), but %s; "
                           "the sequence starting at token %d would attend to the ones before "

@@ -33,12 +33,21 @@ EXACT = {
 # (no more experts per token than experts), and indexers that choose.
 RULES = {
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
-    "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 16},
-    "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16},
-    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16},
+    "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 16,
+               "chunk_size": 64},
+    "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+              "mamba_chunk_size": 64},
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+                         "mamba_chunk_size": 64},
     "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "mamba_d_state": 16,
-               "attention_head_dim": 8, "num_query_groups": 4},
-    "kimi_linear": {"num_experts_per_token": 2},
+               "attention_head_dim": 8, "num_query_groups": 4, "chunk_size": 64},
+    # Mamba 2 scans in chunks of 64 (documents of 63, 64 and 65 tokens straddle them), which
+    # also bounds the reference scan's [chunk, chunk] blocks.
+    "falcon_h1": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_ssm": 64,
+                  "mamba_d_state": 16, "mamba_chunk_size": 64},
+    "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
+                   "n_groups": 1, "chunk_size": 64},
+    "kimi_linear": {"num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 8},
     # An indexer that picks fewer keys than a document has: its top-k choice is exercised.
     "deepseek_v32": {"index_topk": 4}, "glm_moe_dsa": {"index_topk": 4},
     "hy_v4": {"index_topk": 4}, "axk2": {"index_topk": 4},
@@ -141,3 +150,33 @@ def tiny_model(model_type, attn_implementation):
 def _in_place(config):
     _set_small(config, set())
     return config
+
+
+def logits_of(output):
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def logits_and_grads(model, weights, **call):
+    """The model's logits of one row and every trainable parameter's gradient of the weighted
+    sum (weights [tokens, vocabulary]); zeros for a parameter the row does not reach."""
+    logits = logits_of(model(**call))[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((logits * weights).sum(), params, allow_unused=True)
+    return logits.detach(), [torch.zeros_like(p) if g is None else g
+                             for g, p in zip(grads, params)]
+
+
+def packed_and_alone(packed, alone, result, documents, weights):
+    """(logits, gradients) of `packed` on a Pack's row of the documents (packd.hf.packed_row),
+    and of `alone` on each document by itself (logits in order, gradients summed)."""
+    from packd.hf import packed_row
+    with packed_row(result, packed) as kwargs:
+        got = logits_and_grads(packed, weights, input_ids=result.packed[0][None], **kwargs)
+    want, want_grads, start = [], None, 0
+    for d in documents:
+        logits, grads = logits_and_grads(alone, weights[start:start + len(d)],
+                                         input_ids=torch.tensor(d)[None], use_cache=False)
+        want.append(logits)
+        want_grads = grads if want_grads is None else [a + b for a, b in zip(want_grads, grads)]
+        start += len(d)
+    return got, (torch.cat(want), want_grads)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hf_families import Float64Steps
-from packd.hf import packed_row, register_varlen_attention
+from packd.hf import register_varlen_attention
 from packd._stateful import stateful_layers
-from survey import VOCAB, tiny_model, transformers
+from survey import VOCAB, packed_and_alone, tiny_model, transformers
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="transformers is not installed "
                                 "(Debian 12 has no package of it); the PyPI stack's run tests")
@@ -54,14 +54,6 @@ def relative(got, want):
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-300))
 
 
-def logits_and_grads(model, weights, **call):
-    logits = model(**call).logits[0]
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad((logits * weights).sum(), params, allow_unused=True)
-    return logits.detach(), [g if g is not None else torch.zeros_like(p)
-                             for g, p in zip(grads, params)]
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_document_its_own_state(client, kind, dtype):
@@ -86,17 +78,8 @@ def each_document_its_own_state(client, kind, dtype):
     weights = torch.randn(row.shape[1], model.config.vocab_size, dtype=dtype)
 
     model.set_attn_implementation("packd_varlen")
-    with packed_row(r, model) as kwargs:
-        got, got_grads = logits_and_grads(model, weights, input_ids=r.packed[0][None], **kwargs)
     # Each document alone: its logits, and the sum of the documents' gradients.
-    want, want_grads, start = [], None, 0
-    for d in documents:
-        logits, grads = logits_and_grads(model, weights[start:start + len(d)],
-                                         input_ids=torch.tensor(d)[None], use_cache=False)
-        want.append(logits)
-        want_grads = grads if want_grads is None else [a + b for a, b in zip(want_grads, grads)]
-        start += len(d)
-    want = torch.cat(want)
+    (got, got_grads), (want, want_grads) = packed_and_alone(model, model, r, documents, weights)
     tolerance = TOLERANCE[dtype]
     assert relative(got, want) <= tolerance, (kind, relative(got, want))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -107,8 +90,8 @@ def each_document_its_own_state(client, kind, dtype):
     if dtype == torch.float64:
         try:
             with torch.no_grad():
-                alone = plain(input_ids=r.packed[0][None], position_ids=kwargs["position_ids"],
-                              use_cache=False).logits[0]
+                alone = plain(input_ids=r.packed[0][None], use_cache=False,
+                              position_ids=r.position_ids.long()[None]).logits[0]
             error = relative(alone, want)
             LEAKS[kind] = ("leaks: %.2g relative, from token %d" % (
                 error, int(((alone - want).abs().amax(-1) > 1e-9 * want.abs().max())

@@ -29,7 +29,7 @@ from packd import _varlen
 from packd._stateful import stateful_layers
 from packd.hf import packed_row, register_varlen_attention
 from hf_families import Float64Steps
-from survey import VOCAB, causal_lm_types, tiny_model, transformers
+from survey import VOCAB, causal_lm_types, logits_of, packed_and_alone, tiny_model, transformers
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="transformers is not installed "
                                 "(Debian 12 has no package of it); the PyPI stack's run surveys")
@@ -74,9 +74,6 @@ def first_line(error):
     text = str(error).strip().splitlines()
     return "%s: %s" % (type(error).__name__, text[0][:300] if text else "")
 
-
-def logits_of(output):
-    return output.logits if hasattr(output, "logits") else output[0]
 
 
 @pytest.mark.parametrize("kind", causal_lm_types())
@@ -177,26 +174,9 @@ def stateful_documents(client, padded, packed, rng, tokens, float64_steps, kept,
                     with_position_ids=True)
     weights = torch.randn(row.shape[1], padded.config.vocab_size, dtype=torch.float64)
     names = [n for n, p in packed.named_parameters() if p.requires_grad]
-
-    def run(model, weights, **call):
-        logits = logits_of(model(**call))[0]
-        params = [p for n, p in model.named_parameters() if p.requires_grad]
-        grads = torch.autograd.grad((logits * weights).sum(), params, allow_unused=True)
-        return logits.detach(), [torch.zeros_like(p) if g is None else g
-                                 for g, p in zip(grads, params)]
-
     with float64_steps.kept(kept):
-        with packed_row(r, packed) as kwargs:
-            got, got_grads = run(packed, weights, input_ids=r.packed[0][None], **kwargs)
-        want, want_grads, start = [], None, 0
-        for d in documents:
-            logits, grads = run(padded, weights[start:start + len(d)],
-                                input_ids=torch.tensor(d)[None], use_cache=False)
-            want.append(logits)
-            want_grads = grads if want_grads is None else [a + b for a, b in
-                                                           zip(want_grads, grads)]
-            start += len(d)
-        want = torch.cat(want)
+        (got, got_grads), (want, want_grads) = packed_and_alone(packed, padded, r, documents,
+                                                                weights)
         worst = float((got - want).abs().max() / want.abs().max())
         for name, g, w in zip(names, got_grads, want_grads):
             if w.abs().max() > 0:
@@ -208,8 +188,8 @@ def stateful_documents(client, padded, packed, rng, tokens, float64_steps, kept,
                         % (kind, worst))
         try:
             with torch.no_grad():
-                alone = logits_of(padded(input_ids=r.packed[0][None],
-                                         position_ids=kwargs["position_ids"], use_cache=False))[0]
+                alone = logits_of(padded(input_ids=r.packed[0][None], use_cache=False,
+                                         position_ids=r.position_ids.long()[None]))[0]
             leak = float((alone - want).abs().max() / want.abs().max())
             alone = ("leaks %.2g" % leak) if leak > TOLERANCE else "does not leak"
         except Exception as e:  # noqa: BLE001 - what transformers does is the record
