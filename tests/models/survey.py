@@ -48,6 +48,21 @@ RULES = {
     "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
                    "n_groups": 1, "chunk_size": 64},
     "kimi_linear": {"num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 8},
+    # Multi-head latent attention: the rotary part's width is head_dim, a head's query and key
+    # nope + rope; expert groups that divide the experts.
+    "deepseek_v3": {"head_dim": 4, "qk_head_dim": 8, "n_group": 1, "topk_group": 1},
+    "youtu": {"head_dim": 4, "qk_head_dim": 8, "n_group": 1, "topk_group": 1},
+    "axk1": {"head_dim": 4, "qk_head_dim": 8, "n_group": 1, "topk_group": 1},
+    "deepseek_v2": {"qk_head_dim": 8, "num_experts_per_tok": 2},
+    # Defaults left to be derived (None): given.
+    "hunyuan_v1_dense": {"head_dim": 8}, "hunyuan_v1_moe": {"head_dim": 8},
+    "ministral": {"head_dim": 8}, "nemotron": {"num_key_value_heads": 2},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "plbart": {"encoder_attention_heads": 4, "decoder_attention_heads": 4},
+    "whisper": {"encoder_attention_heads": 4, "decoder_attention_heads": 4},
+    "reformer": {"is_decoder": True},
+    "beam": {"n_group": 1, "topk_group": 1},
+    "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1, "num_experts_per_token": 2},
     # An indexer that picks fewer keys than a document has: its top-k choice is exercised.
     "deepseek_v32": {"index_topk": 4}, "glm_moe_dsa": {"index_topk": 4},
     "hy_v4": {"index_topk": 4}, "axk2": {"index_topk": 4},
@@ -98,6 +113,18 @@ def _small(config):
                 new = 64
             if new is not None and new != v:
                 out[k] = new
+    layers = config.to_dict().get("per_layer_config") if "num_hidden_layers" in values else None
+    if isinstance(layers, dict) and keep is not None:
+        # Per-layer overrides, keyed by layer index: those of the kept layers, re-indexed, with
+        # a head size of their own (twice the others') so that they stay per layer.
+        out["per_layer_config"] = {
+            "%0*d" % (len(k), keep.index(int(k))): {
+                name: 2 * EXACT["head_dim"] if name == "head_dim" else value
+                for name, value in v.items()}
+            for k, v in layers.items() if k.isdigit() and int(k) in keep}
+    if "vocab_size_per_layer_input" in values:  # Gemma's per-layer token embeddings
+        out["vocab_size_per_layer_input"] = VOCAB
+        out["hidden_size_per_layer_input"] = 8
     if "kv_lora_rank" in values:  # multi-head latent attention: as many key heads as query
         out["num_key_value_heads"] = EXACT["num_attention_heads"]
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
