@@ -2,8 +2,10 @@
 "Hybrid families"): transformers' gated delta nets (Qwen 3.5, Qwen3-Next, OLMo hybrid), Mamba 1
 and 2 mixers (Mamba, Falcon-H1, Falcon-Mamba, Jamba, Bamba, Nemotron-H, Zamba), short
 convolutions (LFM), lightning attention (MiniMax), delta attention (Kimi Linear) and recurrent
-blocks (recurrent Gemma); and attention whose indexer picks its keys (DeepSeek V3.2, GLM DSA,
-HY v4, AXK2), run through transformers' eager attention under each document's causal mask.
+blocks (recurrent Gemma); and attention that mixes tokens besides its attention (an indexer
+that picks its keys, a compressor of key blocks, a convolution over queries and keys, relative
+logits: DeepSeek V3.2 and V4, GLM DSA, HY v4, AXK2, Qwen4-Exp, ZAYA, Inkling), run through
+transformers' eager attention under each document's causal mask.
 
 transformers' own CPU implementations of these layers ignore where a packed row's documents
 start: the recurrent and convolution states run on from one document into the next. On a packed
@@ -29,7 +31,15 @@ import torch
 
 # transformers' classes of causal layers that carry state across tokens, by name.
 STATEFUL = re.compile(r"(GatedDeltaNet|MambaMixer|Mamba2Mixer|FalconH1Mixer|BambaMixer|MambaLayer"
-                      r"|ShortConv|LightningAttention|RecurrentBlock|DeltaAttention)$")
+                      r"|ShortConv|ShortConvolution|LightningAttention|RecurrentBlock"
+                      r"|DeltaAttention)$")
+# What an attention holds that mixes tokens besides its attention, by the class's name's end:
+# an indexer that picks keys (DeepSeek V3.2, GLM DSA, HY v4, AXK2, Qwen4-Exp), a compressor of
+# key blocks (DeepSeek V4), a convolution over its queries and keys (ZAYA's CCA, Inkling's),
+# relative logits by distance (Inkling, Inkling 2). Such an attention runs per document, through
+# transformers' eager attention.
+_MIXED_ATTENTION = ("Indexer", "Compressor", "CCAProjection", "ShortConvolution",
+                    "RelativeLogits", "RelativePositionBias")
 # Keyword arguments that describe the packed row itself: dropped for the padded documents.
 _ROW_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
              "kv_index", "cu_seqlens")
@@ -38,17 +48,20 @@ _CACHES = ("cache", "cache_params", "past_key_values", "past_key_value")
 # The model call's keyword arguments while its forward runs (innermost call last).
 _calls: contextvars.ContextVar[Tuple[Dict[str, Any], ...]] = contextvars.ContextVar(
     "packd_model_calls", default=())
+# How many layers around this one run their documents as a padded batch now: a layer inside one
+# (Inkling's convolutions inside its attention) runs on that batch as it is.
+_split_depth: contextvars.ContextVar[int] = contextvars.ContextVar("packd_split_depth",
+                                                                  default=0)
 
 
 def sparse_attention(module: torch.nn.Module) -> bool:
-    """An attention whose indexer picks its keys (its top-k: DeepSeek V3.2, GLM DSA, HY v4,
-    AXK2): it runs per document too, through transformers' eager attention under each
-    document's causal mask. One that also compresses its keys (DeepSeek V4: its mask spans the
-    compressed keys too) is not, and its family stays refused."""
+    """An attention that mixes tokens besides its attention (_MIXED_ATTENTION: an indexer's
+    top-k, compressed key blocks, a convolution, relative logits): it runs per document too,
+    through transformers' eager attention under each document's causal mask, which applies
+    what packd_varlen cannot (`indices=`, keys beyond the queries, `position_bias=`)."""
     parts = [type(c).__name__ for c in module.children()]
     return (type(module).__name__.endswith("Attention")
-            and any(p.endswith("Indexer") for p in parts)
-            and not any(p.endswith("Compressor") for p in parts))
+            and any(p.endswith(_MIXED_ATTENTION) for p in parts))
 
 
 def stateful_layers(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
@@ -124,21 +137,30 @@ def _padded(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.
     return out * valid.view(*valid.shape, *([1] * (out.dim() - 2))).to(out.dtype)
 
 
-def _causal(bounds, index, dtype, device) -> torch.Tensor:
-    """Each document's causal mask over its own tokens, additive [documents, 1, L, L] (a padding
-    query sees itself)."""
+def _causal(bounds, index, dtype, device, window=None) -> torch.Tensor:
+    """Each document's causal mask over its own tokens (within `window` tokens of the query
+    when given, transformers' sliding window), additive [documents, 1, L, L] (a padding query
+    sees itself)."""
     longest = index.shape[1]
     lengths = torch.tensor([e - s for s, e in bounds], device=device)[:, None, None]
     q = torch.arange(longest, device=device)[None, :, None]
     k = torch.arange(longest, device=device)[None, None, :]
-    allowed = ((k <= q) & (k < lengths)) | (k == q)
+    allowed = (k <= q) & (k < lengths)
+    if window:
+        allowed &= q - k < window
+    allowed |= k == q
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
         ~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def _padded_mask(layer: torch.nn.Module, mask: Any, bounds, index, valid, dtype) -> Any:
+    if isinstance(mask, dict):  # by use (ZAYA: "causal", and "conv", a padding mask or None)
+        return {k: _padded_mask(layer, v, bounds, index, valid, dtype)
+                if v is not None or k == "causal" else None for k, v in mask.items()}
     if sparse_attention(layer) and not isinstance(mask, torch.Tensor):
-        return _causal(bounds, index, dtype, index.device)
+        window = getattr(layer, "sliding_window", None)
+        return _causal(bounds, index, dtype, index.device,
+                       window if isinstance(window, int) else None)
     if mask is None or not isinstance(mask, torch.Tensor):
         return None  # transformers' mask function (packd_varlen's): each document is one row
     if mask.dim() == 2:
@@ -161,7 +183,7 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
                      kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
     stack = layer.__dict__.setdefault("_packd_documents", [])
     hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or _split_depth.get():
         stack.append(None)
         return None
     batch, length = hidden.shape[:2]
@@ -198,6 +220,13 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
                 isinstance(v, torch.Tensor) and tuple(v.shape[:2]) == (1, length)
                 for v in value):
             return tuple(_padded(v, index, valid) for v in value)  # rotary (cos, sin)
+        if isinstance(value, dict) and name == "position_embeddings":
+            return {k: per_document(name, v) for k, v in value.items()}  # by rotary kind
+        if (name == "relative_distance" and isinstance(value, torch.Tensor)
+                and tuple(value.shape) == (length, length)):
+            # Inkling 2's query - key distances over the row: the same for every document's
+            # own positions, from 0.
+            return value[:index.shape[1], :index.shape[1]]
         if name == "cache_position" and isinstance(value, torch.Tensor):
             return torch.arange(index.shape[1], device=value.device)
         return value
@@ -219,6 +248,7 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         implementation = layer.config._attn_implementation
         layer.config._attn_implementation = "eager"
     stack.append((valid, length, implementation))
+    _split_depth.set(_split_depth.get() + 1)
     return new_args, new_kwargs
 
 
@@ -236,9 +266,11 @@ def _multi_row(named: Dict[str, Any], batch: int, length: int) -> List[int]:
 
 
 def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:
-    split = layer.__dict__.get("_packd_documents", [None]).pop()
+    stack = layer.__dict__.get("_packd_documents")
+    split = stack.pop() if stack else None  # none when its pre-hook refused the call
     if split is None:
         return None
+    _split_depth.set(_split_depth.get() - 1)
     valid, length, implementation = split
     if implementation is not None:
         layer.config._attn_implementation = implementation

@@ -90,7 +90,7 @@ _PER_TOKEN_LAYERS = frozenset({"mlp", "moe"})
 def check_model(model: torch.nn.Module) -> None:
     """Refuses (ValueError naming the family) a model packd_varlen cannot train packed: one
     with layer types other than full, sliding or chunked attention that packd does not run per
-    document (packd/_stateful.py; indexed or compressed sparse attention would see across
+    document (packd/_stateful.py; any other layer that mixes tokens would see across
     documents), whose forward takes no position ids
     (its positions could not restart at every document), that does not declare transformers'
     attention interface (packd_varlen may never be called), or whose embeddings number
@@ -111,7 +111,9 @@ def check_model(model: torch.nn.Module) -> None:
             raise ValueError("packd_varlen cannot serve %s: its layer types %s are not an "
                              "attention packd_varlen computes nor a layer packd runs per "
                              "document (packd._stateful: gated delta nets, Mamba mixers, short "
-                             "convolutions, lightning and delta attention, recurrent blocks), "
+                             "convolutions, lightning and delta attention, recurrent blocks, "
+                             "attention with an indexer, compressor, convolution or relative "
+                             "logits), "
                              "and would see across documents"
                              % (kind, ", ".join(sorted(set(types)))))
     if attention and "position_ids" not in inspect.signature(model.forward).parameters:
