@@ -21,7 +21,7 @@ WINDOW = 4  # sliding windows and attention chunks, in tokens
 
 # Sizes set to exactly these values wherever a config has them.
 EXACT = {
-    "vocab_size": VOCAB, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
     "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128,
     "n_positions": 128, "n_ctx": 128, "num_experts": 4, "num_local_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2,
@@ -65,7 +65,27 @@ RULES = {
     "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1, "num_experts_per_token": 2},
     # An indexer that picks fewer keys than a document has: its top-k choice is exercised.
     "deepseek_v32": {"index_topk": 4}, "glm_moe_dsa": {"index_topk": 4},
-    "hy_v4": {"index_topk": 4}, "axk2": {"index_topk": 4},
+    "hy_v4": {"index_topk": 4}, "axk2": {"index_topk": 4}, "dots3_note_text": {"index_topk": 4},
+    # Compressed keys: blocks of 4 tokens (picked by the indexer) and of 16, fewer tokens
+    # than the documents have.
+    "deepseek_v4": {"index_topk": 4, "compress_rates": {"compressed_sparse_attention": 4,
+                                                         "heavily_compressed_attention": 16}},
+    # Settings left undefined (None) or inconsistent by the defaults: given.
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "cohere_compass_text": {"rope_parameters": {
+        t: {"rope_type": "default", "rope_theta": 10000.0}
+        for t in ("full_attention", "sliding_attention")}},
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8,
+                       "indexer_budget": 8, "indexer_compress_ratio": 2},
+    "xmod": {"default_language": "en_XX"},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "gemma4_assistant": {"text_config": {
+        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+        "enable_moe_block": False, "use_double_wide_mlp": False}},
+    # One codebook: a row of tokens is one sequence.
+    "musicgen_decoder": {"num_codebooks": 1}, "musicgen_melody_decoder": {"num_codebooks": 1},
+    "longcat_flash": {"qk_head_dim": 8, "head_dim": 4},
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
 }
 LAYERS = r"(num_hidden_layers|n_layers?|num_layers|decoder_layers|encoder_layers|depth)"
 WIDTH = r"(hidden_size|n_embd|d_model|embed_dim|hidden_dim|dim)$"
@@ -88,6 +108,17 @@ def _kept_layers(values):
                 keep.append(i)
         return n, (keep[:3] if len(keep) > 1 else list(range(min(n, 2))))
     return n, (list(range(2)) if n and n > 2 else None)
+
+
+def _per_layer(name, value, mla):
+    """A per-layer override's small value."""
+    if name in ("head_dim", "num_attention_heads") or (name == "num_key_value_heads" and mla):
+        return 2 * EXACT[name if name != "num_key_value_heads" else "num_attention_heads"]
+    if name in EXACT and isinstance(value, int):
+        return EXACT[name]
+    if isinstance(value, int) and re.search(WIDTH, name):
+        return min(value, 32)
+    return value
 
 
 def _small(config):
@@ -115,12 +146,13 @@ def _small(config):
                 out[k] = new
     layers = config.to_dict().get("per_layer_config") if "num_hidden_layers" in values else None
     if isinstance(layers, dict) and keep is not None:
-        # Per-layer overrides, keyed by layer index: those of the kept layers, re-indexed, with
-        # a head size of their own (twice the others') so that they stay per layer.
+        # Per-layer overrides, keyed by layer index: those of the kept layers, re-indexed, made
+        # small as the others, the head sizes and counts twice the others' so that they stay
+        # per layer.
+        mla = "kv_lora_rank" in values
         out["per_layer_config"] = {
             "%0*d" % (len(k), keep.index(int(k))): {
-                name: 2 * EXACT["head_dim"] if name == "head_dim" else value
-                for name, value in v.items()}
+                name: _per_layer(name, value, mla) for name, value in v.items()}
             for k, v in layers.items() if k.isdigit() and int(k) in keep}
     if "vocab_size_per_layer_input" in values:  # Gemma's per-layer token embeddings
         out["vocab_size_per_layer_input"] = VOCAB
@@ -130,8 +162,9 @@ def _small(config):
     for token in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(values.get(token), int) and values[token] >= VOCAB:
             out[token] = 0
-    out.update({k: v for k, v in RULES.get(getattr(config, "model_type", None), {}).items()
-                if k in values})
+    for k, v in RULES.get(getattr(config, "model_type", None), {}).items():
+        if k in values:  # a sub-config's rule: merged into its small form
+            out[k] = {**out[k], **v} if isinstance(out.get(k), dict) and isinstance(v, dict) else v
     return out
 
 
@@ -157,21 +190,52 @@ def tiny_model(model_type, attn_implementation):
     """The type's causal LM at a tiny size in float64 (every parameter and buffer, the modules
     the family keeps in float32 too), eval mode: its config class's defaults, made small by
     keyword (or, where the class refuses that, in place)."""
-    default = AutoConfig.for_model(model_type)
+    default = _default_config(model_type)
     errors = []
     for make in (lambda: type(default)(**{**default.to_dict(), **_small(default)}),
-                 lambda: _in_place(AutoConfig.for_model(model_type))):
+                 lambda: _in_place(_default_config(model_type))):
         try:
             config = make()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model = AutoModelForCausalLM.from_config(
-                    config, attn_implementation=attn_implementation,
-                    experts_implementation="eager", dtype=torch.float64)
+                # The mapped class itself: a composite type's causal LM may take its decoder's
+                # config, which AutoModelForCausalLM does not map (Musicgen).
+                name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+                make = (getattr(transformers, name)._from_config if name
+                        else AutoModelForCausalLM.from_config)
+                model = make(config, attn_implementation=attn_implementation,
+                             experts_implementation="eager", dtype=torch.float64)
+            _hash_routes(model)
             return model.double().eval()  # the modules kept in float32 too
         except Exception as e:  # the next way, or the reason it cannot be built
             errors.append(e)
     raise errors[-1]
+
+
+def _hash_routes(model):
+    """A hash router's table of experts per token id (DeepSeek V4's first layers) is a
+    checkpoint's, zeros when built: every token would pick expert 0 for each of its slots, and
+    the router's weight would get a gradient of zero up to rounding. Distinct random experts
+    per token instead."""
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor) and table.dim() == 2:
+            experts = getattr(module, "num_experts", table.shape[1])
+            table.copy_(torch.stack([torch.randperm(experts)[:table.shape[1]]
+                                     for _ in range(table.shape[0])]))
+
+
+def _default_config(model_type):
+    """The default config of the type's causal LM: its model class's config class (a composite
+    type's causal LM may be its decoder alone: Musicgen), else the type's; where the defaults
+    do not validate, with the type's rules given."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    config_class = getattr(getattr(transformers, name or "", None), "config_class", None)
+    make = config_class or (lambda **kwargs: AutoConfig.for_model(model_type, **kwargs))
+    try:
+        return make()
+    except Exception:  # defaults that do not validate: the rules first
+        return make(**RULES.get(model_type, {}))
 
 
 def _in_place(config):

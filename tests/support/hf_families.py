@@ -110,7 +110,8 @@ def relative(a, b):
 class Float64Steps:
     """`kept()`: while open, the float32 steps transformers takes whatever the model's dtype
     (norms, rotary and scores cast to float32) stay in float64 for float64 tensors: a float64
-    tensor's .float(), .to(torch.float32) and .type(torch.float32) are itself. For a model that
+    tensor's .float(), .to(torch.float32) and .type(torch.float32) are itself, and
+    torch.zeros_like(it, dtype=torch.float32) is float64. For a model that
     is float64 through (its float32 modules made float64 too), both ways of a comparison run
     under it; the softmax is keep_float64's."""
 
@@ -124,7 +125,10 @@ class Float64Steps:
             if tensor.dtype == torch.float64 and target == torch.float32:
                 kwargs.pop("dtype", None)
                 args = tuple(a for a in args if not isinstance(a, torch.dtype))
-                return to(tensor, *args, **kwargs) if args or kwargs else tensor
+                if kwargs.get("device") is None and all(a is None or isinstance(a, bool)
+                                                        for a in args):
+                    return tensor  # nothing left to do (nn.Module.to passes device None)
+                return to(tensor, *args, **kwargs)
             return to(tensor, *args, **kwargs)
 
         def keep_float(tensor, *args, **kwargs):
@@ -135,10 +139,19 @@ class Float64Steps:
                 return tensor
             return as_type(tensor, *args, **kwargs)
 
+        zeros_like = torch.zeros_like
+
+        def keep_zeros_like(tensor, *args, **kwargs):  # a float32 accumulator (Inkling 2's)
+            if tensor.dtype == torch.float64 and kwargs.get("dtype") == torch.float32:
+                kwargs["dtype"] = torch.float64
+            return zeros_like(tensor, *args, **kwargs)
+
         if on:
             torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = (keep_to, keep_float,
                                                                       keep_type)
+            torch.zeros_like = keep_zeros_like
         try:
             yield
         finally:
             torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, as_float, as_type
+            torch.zeros_like = zeros_like
