@@ -122,13 +122,43 @@ def _documents(layer: torch.nn.Module, length: int,
     return bounds
 
 
-def _index(bounds: Sequence[Tuple[int, int]], device: torch.device):
-    longest = max(e - s for s, e in bounds)
-    offsets = torch.arange(longest, device=device)
-    starts = torch.tensor([s for s, _ in bounds], device=device)[:, None]
-    ends = torch.tensor([e for _, e in bounds], device=device)[:, None]
-    valid = offsets[None, :] < ends - starts
-    return torch.where(valid, starts + offsets[None, :], torch.zeros_like(starts)), valid
+def _shared_documents(layer: torch.nn.Module, length: int, sources: Dict[str, Any]):
+    """A shared prompts' stream (packd.hf.shared_attention_kwargs): each segment's document is
+    the rows its keys name (a response: its prompt's, then its own), of which the segment's
+    own are the last. (rows per document, how many of its last rows are the segment's)."""
+    try:
+        cu_q = [int(v) for v in sources["cu_seq_lens_q"].tolist()]
+        cu_k = [int(v) for v in sources["cu_seq_lens_k"].tolist()]
+        kv_index = sources["kv_index"].long()
+    except (KeyError, AttributeError):
+        raise _refuse(layer, "a shared prompts' stream (kv_index) needs cu_seq_lens_q and "
+                      "cu_seq_lens_k too: pass packd.hf.shared_attention_kwargs(r)") from None
+    if (not cu_q or cu_q[0] != 0 or cu_q[-1] != length or len(cu_k) != len(cu_q)
+            or cu_k[-1] != len(kv_index)):
+        raise _refuse(layer, "cu_seq_lens_q, cu_seq_lens_k and kv_index (%d keys) do not "
+                      "describe the stream's %d tokens" % (len(kv_index), length))
+    rows, takes = [], []
+    for n in range(len(cu_q) - 1):
+        keys, take = kv_index[cu_k[n]:cu_k[n + 1]], cu_q[n + 1] - cu_q[n]
+        own = torch.arange(cu_q[n], cu_q[n + 1], device=keys.device)
+        if take == 0 or len(keys) < take or not torch.equal(keys[len(keys) - take:], own):
+            raise _refuse(layer, "segment %d of the shared stream does not end its keys with "
+                          "its own tokens" % n)
+        rows.append(keys)
+        takes.append(take)
+    return rows, takes
+
+
+def _index(rows: Sequence[torch.Tensor], takes: Sequence[int], device: torch.device):
+    """The padded batch of documents given by their rows of the packed row: index
+    [documents, longest] (0 past a document's end), valid (inside a document) and keep (the
+    rows whose outputs are the packed row's, in its order)."""
+    lengths = torch.tensor([len(r) for r in rows], device=device)[:, None]
+    offsets = torch.arange(int(lengths.max()), device=device)[None, :]
+    valid = offsets < lengths
+    index = torch.nn.utils.rnn.pad_sequence([r.to(device) for r in rows], batch_first=True)
+    keep = valid & (offsets >= lengths - torch.tensor(takes, device=device)[:, None])
+    return index, valid, keep
 
 
 def _padded(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -137,12 +167,12 @@ def _padded(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.
     return out * valid.view(*valid.shape, *([1] * (out.dim() - 2))).to(out.dtype)
 
 
-def _causal(bounds, index, dtype, device, window=None) -> torch.Tensor:
+def _causal(rows, index, dtype, device, window=None) -> torch.Tensor:
     """Each document's causal mask over its own tokens (within `window` tokens of the query
     when given, transformers' sliding window), additive [documents, 1, L, L] (a padding query
     sees itself)."""
     longest = index.shape[1]
-    lengths = torch.tensor([e - s for s, e in bounds], device=device)[:, None, None]
+    lengths = torch.tensor([len(r) for r in rows], device=device)[:, None, None]
     q = torch.arange(longest, device=device)[None, :, None]
     k = torch.arange(longest, device=device)[None, None, :]
     allowed = (k <= q) & (k < lengths)
@@ -153,13 +183,13 @@ def _causal(bounds, index, dtype, device, window=None) -> torch.Tensor:
         ~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def _padded_mask(layer: torch.nn.Module, mask: Any, bounds, index, valid, dtype) -> Any:
+def _padded_mask(layer: torch.nn.Module, mask: Any, rows, index, valid, dtype) -> Any:
     if isinstance(mask, dict):  # by use (ZAYA: "causal", and "conv", a padding mask or None)
-        return {k: _padded_mask(layer, v, bounds, index, valid, dtype)
+        return {k: _padded_mask(layer, v, rows, index, valid, dtype)
                 if v is not None or k == "causal" else None for k, v in mask.items()}
     if sparse_attention(layer) and not isinstance(mask, torch.Tensor):
         window = getattr(layer, "sliding_window", None)
-        return _causal(bounds, index, dtype, index.device,
+        return _causal(rows, index, dtype, index.device,
                        window if isinstance(window, int) else None)
     if mask is None or not isinstance(mask, torch.Tensor):
         return None  # transformers' mask function (packd_varlen's): each document is one row
@@ -169,9 +199,10 @@ def _padded_mask(layer: torch.nn.Module, mask: Any, bounds, index, valid, dtype)
         longest = index.shape[1]
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
         out = torch.eye(longest, dtype=torch.bool, device=mask.device).repeat(
-            len(bounds), mask.shape[1], 1, 1)
-        for d, (s, e) in enumerate(bounds):
-            out[d, :, :e - s, :e - s] = allowed[0, :, s:e, s:e]
+            len(rows), mask.shape[1], 1, 1)
+        for d, r in enumerate(rows):
+            r = r.to(mask.device)
+            out[d, :, :len(r), :len(r)] = allowed[0][:, r][:, :, r]
         if mask.dtype == torch.bool:
             return out
         return torch.zeros(out.shape, dtype=mask.dtype, device=mask.device).masked_fill(
@@ -196,21 +227,27 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         stack.append(None)
         return None
     calls = _calls.get()
-    if kwargs.get("kv_index") is not None or (calls and calls[-1].get("kv_index") is not None):
-        raise _refuse(layer, "a shared prompts' stream (kv_index): a response would need its "
-                      "prompt's final state; pack the rows without a shared prefix")
-    bounds = _documents(layer, length, named)
+    sources = dict(calls[-1]) if calls else {}
+    sources.update({k: v for k, v in kwargs.items() if v is not None})
     sparse = sparse_attention(layer)
-    if sparse and bounds is None:
-        bounds = [(0, length)]
-    if bounds is None or (len(bounds) <= 1 and not sparse):
-        stack.append(None)
-        return None
+    if sources.get("kv_index") is not None:
+        # A shared stream: each response its prompt's rows then its own, from a zero state
+        # (the prompt computed again in this layer for each member, as the unshared batch does).
+        rows, takes = _shared_documents(layer, length, sources)
+    else:
+        bounds = _documents(layer, length, named)
+        if sparse and bounds is None:
+            bounds = [(0, length)]
+        if bounds is None or (len(bounds) <= 1 and not sparse):
+            stack.append(None)
+            return None
+        rows = [torch.arange(s, e, device=hidden.device) for s, e in bounds]
+        takes = [e - s for s, e in bounds]
     for name in _CACHES:
         if kwargs.get(name) is not None:
             raise _refuse(layer, "it was handed a cache (%s): a packed row is not generation; "
                           "call the model with use_cache=False" % name)
-    index, valid = _index(bounds, hidden.device)
+    index, valid, keep = _index(rows, takes, hidden.device)
 
     def per_document(name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(
@@ -237,7 +274,7 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         if name in _ROW_ONLY:
             continue
         if name == "attention_mask":
-            new_kwargs[name] = _padded_mask(layer, value, bounds, index, valid, hidden.dtype)
+            new_kwargs[name] = _padded_mask(layer, value, rows, index, valid, hidden.dtype)
         else:
             new_kwargs[name] = per_document(name, value)
     if sparse and "attention_mask" not in kwargs:
@@ -247,7 +284,7 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
     if sparse:  # transformers' eager attention, which applies the indexer's choice as a mask
         implementation = layer.config._attn_implementation
         layer.config._attn_implementation = "eager"
-    stack.append((valid, length, implementation))
+    stack.append((keep, length, implementation))
     _split_depth.set(_split_depth.get() + 1)
     return new_args, new_kwargs
 
@@ -271,13 +308,13 @@ def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:
     if split is None:
         return None
     _split_depth.set(_split_depth.get() - 1)
-    valid, length, implementation = split
+    keep, length, implementation = split
     if implementation is not None:
         layer.config._attn_implementation = implementation
 
     def packed(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == tuple(valid.shape):
-            return value[valid][None]
+        if isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == tuple(keep.shape):
+            return value[keep][None]
         return value
 
     if isinstance(output, tuple):

@@ -18,10 +18,11 @@ import random
 import pytest
 import torch
 
-from hf_families import Float64Steps
+import packd
+from hf_families import Float64Steps, keep_float64
 from packd.hf import register_varlen_attention
-from packd._stateful import stateful_layers
-from survey import VOCAB, packed_and_alone, tiny_model, transformers
+from packd._stateful import bound_states, stateful_layers
+from survey import VOCAB, logits_and_grads, packed_and_alone, tiny_model, transformers
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="transformers is not installed "
                                 "(Debian 12 has no package of it); the PyPI stack's run tests")
@@ -102,3 +103,72 @@ def each_document_its_own_state(client, kind, dtype):
                            .nonzero()[0])) if error > 1e-9 else "equal (%.1e)" % error)
         except Exception as e:  # noqa: BLE001 - what transformers does is the record
             LEAKS[kind] = "raises %s: %s" % (type(e).__name__, str(e).splitlines()[0][:160])
+
+
+# A GRPO group: its prompt and its responses, of lengths around the chunk size.
+PROMPT, RESPONSES = 63, [1, 2, 64, 65]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_shared_prompts_each_response_from_its_prompt(client, kind, monkeypatch):
+    """A shared prompts' stream (packd.hf.shared_attention_kwargs: the prompt once, each
+    response attending it): each response's logits and every parameter's gradient equal its
+    prompt and response run alone, the prompt's logits its own, in float64 (1e-9). A stateful
+    layer runs each response from the start of its prompt (the prompt computed again in that
+    layer for each member, as the unshared batch does, an indexed or compressed attention too);
+    attention layers read the prompt's keys once. transformers' eager softmax kept in float64:
+    in float32 its sums over the stream's padded rows and over each member alone round apart
+    (6e-8 in the indexed families' gradients)."""
+    keep_float64(monkeypatch, [])
+    with Float64Steps().kept():
+        shared_prompts(client, kind)
+
+
+def shared_prompts(client, kind):
+    from packd.hf import shared_attention_kwargs
+    model_type, layer_class = KINDS[kind]
+    register_varlen_attention()
+    rng = random.Random()
+    torch.manual_seed(rng.randrange(1 << 30))
+    model = tiny_model(model_type, "eager")
+    prompt = [rng.randrange(4, VOCAB) for _ in range(PROMPT)]
+    members = [prompt + [rng.randrange(4, VOCAB) for _ in range(n)] for n in RESPONSES]
+    width = max(len(m) for m in members)
+    ids = torch.zeros(len(members), width, dtype=torch.long)
+    mask = torch.zeros(len(members), width, dtype=torch.bool)
+    for b, m in enumerate(members):
+        ids[b, :len(m)], mask[b, :len(m)] = torch.tensor(m), True
+    r = client.pack([ids], mask, with_position_ids=True, layout=packd.Layout(
+        shared_prefix=packd.SharedPrefix([0] * len(members), [PROMPT] * len(members))))
+    # The stream's rows: the prompt once, then each response; their tokens of the batch.
+    stream = r.packed[0]
+    assert len(stream) == PROMPT + sum(RESPONSES)
+    weights = torch.randn(len(stream), model.config.vocab_size, dtype=torch.float64)
+
+    model.set_attn_implementation("packd_varlen")
+    assert bound_states(model)  # as packd.trl does (packed_row refuses a shared stream)
+    got, got_grads = logits_and_grads(model, weights, input_ids=stream[None],
+                                      position_ids=r.position_ids.long()[None], use_cache=False,
+                                      **shared_attention_kwargs(r))
+    # Alone: the prompt, and each member (its prompt's logits weighted zero, as the stream
+    # holds them once).
+    want = torch.zeros_like(got)
+    want_grads = None
+    start = PROMPT
+    calls = [(prompt, weights[:PROMPT], slice(0, PROMPT), slice(0, PROMPT))]
+    for m, n in zip(members, RESPONSES):
+        w = torch.cat([torch.zeros(PROMPT, weights.shape[1], dtype=weights.dtype),
+                       weights[start:start + n]])
+        calls.append((m, w, slice(start, start + n), slice(PROMPT, PROMPT + n)))
+        start += n
+    for tokens, w, into, part in calls:
+        logits, grads = logits_and_grads(model, w, input_ids=torch.tensor(tokens)[None],
+                                         use_cache=False)
+        want[into] = logits[part]
+        want_grads = grads if want_grads is None else [a + b for a, b in zip(want_grads, grads)]
+    assert relative(got, want) <= 1e-9, (kind, relative(got, want))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, g, w in zip(names, got_grads, want_grads):
+        if w.abs().max() > 0:
+            assert relative(g, w) <= 1e-9, (kind, name, relative(g, w))
+

@@ -65,7 +65,8 @@ def padded_and_packed(family):
 
 
 def keep_float64(monkeypatch, modules):
-    """Eager attention's softmax (softmax(..., dtype=torch.float32)), every RMSNorm of the
+    """Eager attention's softmax (softmax(..., dtype=torch.float32), as a function or a
+    tensor's method), every RMSNorm of the
     families' modeling modules `modules` (Llama's casts its input to float32, Gemma's input and
     weight) and Mixtral's router (which casts its logits) kept in float64 for float64 inputs.
     Otherwise a float64 reference differs by 4e-8 to 1e-7: a norm weight's gradient summed in
@@ -77,6 +78,12 @@ def keep_float64(monkeypatch, modules):
         return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
 
     monkeypatch.setattr(torch.nn.functional, "softmax", in_float64)
+    method = torch.Tensor.softmax
+
+    def method_in_float64(x, dim, dtype=None):  # DeepSeek V4's compressor: x.softmax(dim, dtype)
+        return method(x, dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+
+    monkeypatch.setattr(torch.Tensor, "softmax", method_in_float64)
 
     def llama(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
