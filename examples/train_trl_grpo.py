@@ -64,11 +64,18 @@ def prompts(n, seed=0):
 def tiny_qwen(dtype=torch.float32):
     """A 2-layer Qwen 2 (hidden 32), random weights; EOS made likely enough that some
     completions end before the length limit."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
     config = Qwen2Config(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
                          eos_token_id=1, bos_token_id=1)
+    return tiny_model(config, dtype)
+
+
+def tiny_model(config, dtype=torch.float32):
+    """`config`'s causal LM, random weights from seed 0; EOS (id 1) made likely enough that some
+    completions end before the length limit."""
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     with torch.no_grad():

@@ -32,7 +32,8 @@ from packd.trl import PackedGRPOTrainer, whole_group_parts  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "examples"))
-from train_trl_grpo import config, prompts, reward, tiny_qwen, tokenizer  # noqa: E402
+from train_trl_grpo import (WORDS, config, prompts, reward, tiny_model, tiny_qwen,  # noqa: E402
+                            tokenizer)
 
 # TRL's own configuration sets a field transformers 5.24 renamed.
 pytestmark = pytest.mark.filterwarnings(
@@ -61,19 +62,14 @@ def relative(got, want):
 def tiny_qwen3_5(dtype):
     """A 2-layer Qwen 3.5 (a gated delta net, then attention; hidden 32), random weights, the
     example's vocabulary."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-    config = Qwen3_5TextConfig(
-        vocab_size=tiny_qwen().config.vocab_size, hidden_size=32, intermediate_size=64,
+    from transformers import Qwen3_5TextConfig
+    return tiny_model(Qwen3_5TextConfig(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
         num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
-        eos_token_id=1, bos_token_id=1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    with torch.no_grad():
-        model.lm_head.weight[1] *= 12
-    return model.double() if dtype == torch.float64 else model
+        eos_token_id=1, bos_token_id=1), dtype)
 
 
 def stock_and_packed(address, tmp_path, loss_type, share_prompt, accumulation, dtype,
