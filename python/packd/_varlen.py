@@ -87,14 +87,25 @@ _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_a
 _PER_TOKEN_LAYERS = frozenset({"mlp", "moe"})
 
 
-def check_model(model: torch.nn.Module) -> None:
+def position_offset(model: torch.nn.Module) -> int:
+    """Where the model's embeddings number a sequence's positions from: padding_idx + 1 for
+    those that do so (RoBERTa and its kin), else 0."""
+    for sub in model.modules():
+        if (hasattr(sub, "position_embeddings") and isinstance(getattr(sub, "padding_idx", None),
+                                                                int)):
+            return sub.padding_idx + 1
+    return 0
+
+
+def check_model(model: torch.nn.Module, offset_positions: bool = False) -> None:
     """Refuses (ValueError naming the family) a model packd_varlen cannot train packed: one
     with layer types other than full, sliding or chunked attention that packd does not run per
     document (packd/_stateful.py; any other layer that mixes tokens would see across
     documents), whose forward takes no position ids
     (its positions could not restart at every document), that does not declare transformers'
-    attention interface (packd_varlen may never be called), or whose embeddings number
-    positions from after the pad id (a document's first position is not 0)."""
+    attention interface (packd_varlen may never be called), or, unless `offset_positions`
+    (the caller adds position_offset(model) to the position ids: packed_row does), whose
+    embeddings number positions from after the pad id (a document's first position is not 0)."""
     from packd._stateful import stateful_layers
     config = getattr(model, "config", None)
     kind = "%s (%s)" % (type(model).__name__, getattr(config, "model_type", "?"))
@@ -127,13 +138,12 @@ def check_model(model: torch.nn.Module) -> None:
                              "attention interface (_supports_attention_backend is False), so "
                              "packd_varlen may never be called and its documents would attend "
                              "to each other" % (kind, type(sub).__name__))
-    for sub in model.modules():
-        if (hasattr(sub, "position_embeddings") and isinstance(getattr(sub, "padding_idx", None),
-                                                                int)):
-            raise ValueError("packd_varlen cannot serve %s: %s numbers a sequence's positions "
-                             "from padding_idx + 1 = %d, not 0, so packd's position ids (0 at "
-                             "every document) are not its own" % (kind, type(sub).__name__,
-                                                                  sub.padding_idx + 1))
+    offset = position_offset(model)
+    if offset and not offset_positions:
+        raise ValueError("packd_varlen cannot serve %s here: its embeddings number a sequence's "
+                         "positions from padding_idx + 1 = %d, not 0, so packd's position ids "
+                         "(0 at every document) are not its own; packd.hf.packed_row(r, model) "
+                         "gives them from %d" % (kind, offset, offset))
 
 
 def _interfaced(model: torch.nn.Module) -> bool:

@@ -35,8 +35,8 @@ import torch
 from packd import _default
 from packd._mrope import mrope_of, mrope_position_ids
 from packd._stateful import bound_states
-from packd._varlen import (check_model, declared_sequences, register_varlen_attention,
-                           shared_attention_kwargs, varlen_attention)
+from packd._varlen import (check_model, declared_sequences, position_offset,
+                           register_varlen_attention, shared_attention_kwargs, varlen_attention)
 from packd.client import Client
 from packd.layout import Layout
 
@@ -61,6 +61,8 @@ def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator
     Given the model, it first refuses a family packd_varlen
     cannot train packed (packd._varlen.check_model: attention outside transformers' attention
     interface, layers that mix tokens outside attention, a forward without position ids).
+    A family whose embeddings number positions from padding_idx + 1 (RoBERTa and its kin, as
+    decoders) gets its position ids from there.
 
     The sequences are the documents with segment ids, else the rows; with a padded layout
     (pad_multiple, cp_size) the padded ones, whose position ids go on through their padding.
@@ -71,9 +73,11 @@ def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator
                          "through packd.hf.shared_attention_kwargs(result)")
     if result.position_ids is None:
         raise ValueError("packed_row needs a Pack with with_position_ids=True")
+    offset = 0
     if model is not None:
-        check_model(model)
+        check_model(model, offset_positions=True)
         bound_states(model)
+        offset = position_offset(model)
     if result.cu_seqlens_padded is not None:
         cu, longest = result.cu_seqlens_padded, result.max_seqlen_padded
     elif result.doc_cu_seqlens is not None:
@@ -82,7 +86,7 @@ def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator
         cu, longest = result.cu_seqlens, result.max_seqlen
     cu = cu.to(torch.int32)
     positions = (mrope_position_ids(result) if result.mrope_position_ids is not None
-                 else result.position_ids.to(torch.int64).view(1, -1))
+                 else result.position_ids.to(torch.int64).view(1, -1) + offset)
     kwargs = {"position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
               "max_length_q": int(longest), "max_length_k": int(longest), "use_cache": False}
     edges = [int(v) for v in cu.tolist()]

@@ -77,7 +77,12 @@ RULES = {
         for t in ("full_attention", "sliding_attention")}},
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8,
                        "indexer_budget": 8, "indexer_compress_ratio": 2},
-    "xmod": {"default_language": "en_XX"},
+    # RoBERTa and its kin as the causal LMs their *ForCausalLM classes are (bidirectional by
+    # default).
+    **{kind: {"is_decoder": True} for kind in (
+        "roberta", "camembert", "xlm-roberta", "xlm-roberta-xl", "data2vec-text",
+        "roberta-prelayernorm")},
+    "xmod": {"default_language": "en_XX", "is_decoder": True},
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "gemma4_assistant": {"text_config": {
         "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,

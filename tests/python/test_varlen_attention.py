@@ -192,13 +192,12 @@ def test_chunked_attention_counts_its_chunks_within_each_document(client, float6
 
 
 @pytest.mark.parametrize("kind, extra", [
-    ("rwkv", {}), ("bart", {}), ("roberta", {}),
+    ("rwkv", {}), ("bart", {}),
     ("llama", {"layer_types": ["full_attention", "indexed_attention"]})])
 def test_families_it_cannot_serve_are_refused_before_the_forward(client, kind, extra):
     """packd.hf.packed_row(result, model) refuses, naming the family, a model whose layers mix
     tokens outside attention and outside the stateful layers packd runs per document (an
-    indexed attention), whose forward takes no position ids, or whose positions start after its
-    pad id."""
+    indexed attention without an indexer module) or whose forward takes no position ids."""
     from packd.hf import packed_row
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.for_model(kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -209,3 +208,22 @@ def test_families_it_cannot_serve_are_refused_before_the_forward(client, kind, e
     with pytest.raises(ValueError, match=r"packd_varlen cannot serve .*\(%s\)" % kind):
         with packed_row(r, model):
             pass
+
+
+def test_positions_from_after_the_pad_id_come_from_packed_row(client):
+    """RoBERTa numbers a sequence's positions from padding_idx + 1: packed_row gives them from
+    there (restarting at every document), and check_model refuses the family to a caller that
+    passes packd's own position ids (0 at every document)."""
+    from packd._varlen import check_model
+    from packd.hf import packed_row
+    from transformers import AutoModelForCausalLM, RobertaConfig
+    model = AutoModelForCausalLM.from_config(RobertaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, is_decoder=True, pad_token_id=1))
+    r = client.pack([torch.arange(3, 9)[None]], torch.ones(1, 6, dtype=torch.bool),
+                    segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]), with_position_ids=True)
+    with packed_row(r, model) as kwargs:
+        assert kwargs["position_ids"].tolist() == [[2, 3, 4, 2, 3, 4]]
+    with pytest.raises(ValueError, match=r"cannot serve .*\(roberta\) here: .* from "
+                       r"padding_idx \+ 1 = 2"):
+        check_model(model)
