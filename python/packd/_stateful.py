@@ -149,14 +149,19 @@ def _shared_documents(layer: torch.nn.Module, length: int, sources: Dict[str, An
     return rows, takes
 
 
-def _index(rows: Sequence[torch.Tensor], takes: Sequence[int], device: torch.device):
-    """The padded batch of documents given by their rows of the packed row: index
-    [documents, longest] (0 past a document's end), valid (inside a document) and keep (the
-    rows whose outputs are the packed row's, in its order)."""
+def _index(rows: Sequence[Any], takes: Sequence[int], device: torch.device):
+    """The padded batch of documents given by their rows of the packed row (each a range, or a
+    tensor of rows on a shared stream): index [documents, longest] (0 past a document's end),
+    valid (inside a document) and keep (the rows whose outputs are the packed row's, in its
+    order)."""
     lengths = torch.tensor([len(r) for r in rows], device=device)[:, None]
     offsets = torch.arange(int(lengths.max()), device=device)[None, :]
     valid = offsets < lengths
-    index = torch.nn.utils.rnn.pad_sequence([r.to(device) for r in rows], batch_first=True)
+    if all(isinstance(r, range) for r in rows):  # a packed row's documents, one after another
+        starts = torch.tensor([r.start for r in rows], device=device)[:, None]
+        index = torch.where(valid, starts + offsets, torch.zeros_like(starts))
+    else:
+        index = torch.nn.utils.rnn.pad_sequence([r.to(device) for r in rows], batch_first=True)
     keep = valid & (offsets >= lengths - torch.tensor(takes, device=device)[:, None])
     return index, valid, keep
 
@@ -201,8 +206,11 @@ def _padded_mask(layer: torch.nn.Module, mask: Any, rows, index, valid, dtype) -
         out = torch.eye(longest, dtype=torch.bool, device=mask.device).repeat(
             len(rows), mask.shape[1], 1, 1)
         for d, r in enumerate(rows):
-            r = r.to(mask.device)
-            out[d, :, :len(r), :len(r)] = allowed[0][:, r][:, :, r]
+            if isinstance(r, range):
+                out[d, :, :len(r), :len(r)] = allowed[0, :, r.start:r.stop, r.start:r.stop]
+            else:
+                r = r.to(mask.device)
+                out[d, :, :len(r), :len(r)] = allowed[0][:, r][:, :, r]
         if mask.dtype == torch.bool:
             return out
         return torch.zeros(out.shape, dtype=mask.dtype, device=mask.device).masked_fill(
@@ -241,7 +249,7 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         if bounds is None or (len(bounds) <= 1 and not sparse):
             stack.append(None)
             return None
-        rows = [torch.arange(s, e, device=hidden.device) for s, e in bounds]
+        rows = [range(s, e) for s, e in bounds]
         takes = [e - s for s, e in bounds]
     for name in _CACHES:
         if kwargs.get(name) is not None:
