@@ -100,12 +100,11 @@ def _refuse(layer: torch.nn.Module, what: str) -> ValueError:
 
 
 def _documents(layer: torch.nn.Module, length: int,
-               kwargs: Dict[str, Any]) -> Optional[List[Tuple[int, int]]]:
-    """The row's documents, as packd_varlen finds a row's sequences (its sources, its order,
-    its check against packd.hf.packed_row's declaration)."""
+               sources: Dict[str, Any]) -> Optional[List[Tuple[int, int]]]:
+    """The row's documents, as packd_varlen finds a row's sequences (its sources: the model
+    call's keyword arguments and the layer's, its order, its check against
+    packd.hf.packed_row's declaration)."""
     from packd._varlen import _declared, sequence_bounds, undeclared
-    sources = dict(_calls.get()[-1]) if _calls.get() else {}
-    sources.update({k: v for k, v in kwargs.items() if v is not None})
     found = sequence_bounds(1, length, {k: sources.get(k) for k in ("cu_seq_lens_q",
                                                                     "cu_seq_lens_k",
                                                                     "position_ids")})
@@ -243,7 +242,7 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         # (the prompt computed again in this layer for each member, as the unshared batch does).
         rows, takes = _shared_documents(layer, length, sources)
     else:
-        bounds = _documents(layer, length, named)
+        bounds = _documents(layer, length, sources)
         if sparse and bounds is None:
             bounds = [(0, length)]
         if bounds is None or (len(bounds) <= 1 and not sparse):

@@ -21,7 +21,8 @@ WINDOW = 4  # sliding windows and attention chunks, in tokens
 
 # Sizes set to exactly these values wherever a config has them.
 EXACT = {
-    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "num_attention_heads": 4, "n_head": 4,
+    "n_heads": 4, "num_heads": 4,
     "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128,
     "n_positions": 128, "n_ctx": 128, "num_experts": 4, "num_local_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2,
@@ -205,11 +206,10 @@ def tiny_model(model_type, attn_implementation):
                 warnings.simplefilter("ignore")
                 # The mapped class itself: a composite type's causal LM may take its decoder's
                 # config, which AutoModelForCausalLM does not map (Musicgen).
-                name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-                make = (getattr(transformers, name)._from_config if name
-                        else AutoModelForCausalLM.from_config)
-                model = make(config, attn_implementation=attn_implementation,
-                             experts_implementation="eager", dtype=torch.float64)
+                cls = _causal_lm_class(model_type)
+                build = cls._from_config if cls else AutoModelForCausalLM.from_config
+                model = build(config, attn_implementation=attn_implementation,
+                              experts_implementation="eager", dtype=torch.float64)
             _hash_routes(model)
             return model.double().eval()  # the modules kept in float32 too
         except Exception as e:  # the next way, or the reason it cannot be built
@@ -230,12 +230,17 @@ def _hash_routes(model):
                                      for _ in range(table.shape[0])]))
 
 
+def _causal_lm_class(model_type):
+    """The type's causal-LM class in transformers' mapping (None for a type outside it)."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if name else None
+
+
 def _default_config(model_type):
     """The default config of the type's causal LM: its model class's config class (a composite
     type's causal LM may be its decoder alone: Musicgen), else the type's; where the defaults
     do not validate, with the type's rules given."""
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    config_class = getattr(getattr(transformers, name or "", None), "config_class", None)
+    config_class = getattr(_causal_lm_class(model_type), "config_class", None)
     make = config_class or (lambda **kwargs: AutoConfig.for_model(model_type, **kwargs))
     try:
         return make()

@@ -28,7 +28,7 @@ import torch
 from packd import _varlen
 from packd._stateful import stateful_layers
 from packd.hf import packed_row, register_varlen_attention
-from hf_families import Float64Steps
+from hf_families import Float64Steps, keep_float64
 from survey import VOCAB, causal_lm_types, logits_of, packed_and_alone, tiny_model, transformers
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="transformers is not installed "
@@ -61,12 +61,7 @@ def float64_steps(monkeypatch):
     keeps in float32 included: survey.tiny_model). Both ways of a type run under the same steps, so that the padded reference is
     float64 through where the family allows it (a family that keeps modules in float32 does
     not: it runs without `.kept()`)."""
-    softmax = torch.nn.functional.softmax
-
-    def in_float64(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", in_float64)
+    keep_float64(monkeypatch, [])  # the softmax alone (a function or a tensor's method)
     return Float64Steps()
 
 
