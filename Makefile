@@ -29,10 +29,13 @@ BUILD_TARGETS ?=
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) $(if $(BUILD_TARGETS),--target $(BUILD_TARGETS))
 
-# CTEST_ARGS narrows the run (e.g. CTEST_ARGS="-R gpu_").
+# CTEST_ARGS narrows the run (e.g. CTEST_ARGS="-R gpu_"). ctest runs JOBS tests at once, so each
+# test's torch computes on one thread (TEST_THREADS): torch's OpenMP workers spin while they wait,
+# and two tests of two threads each on two cores ran the model tests six times slower.
 CTEST_ARGS ?=
+TEST_THREADS ?= 1
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+	cd $(BUILD_DIR) && OMP_NUM_THREADS=$(TEST_THREADS) ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
 run: build
 	$(BUILD_DIR)/bin/packd --listen=127.0.0.1:50051 --device=cpu

@@ -110,6 +110,7 @@ else
   # Without the PyPI stack: its tests (label pypi) ran against this build already, on the same
   # Debian python3, and a venv made here would download its 3 GB again.
   in_root bash -c "cd '$checkout' && PACKD_PYPI=0 deploy/install-deps.sh >/dev/null"
-  in_root bash -c "cd '$tests_only' && ctest --output-on-failure -j $(nproc) -LE pypi"
+  # One torch thread per test, as `make test` runs them (its TEST_THREADS).
+  in_root bash -c "cd '$tests_only' && OMP_NUM_THREADS=1 ctest --output-on-failure -j $(nproc) -LE pypi"
 fi
 step "passed"

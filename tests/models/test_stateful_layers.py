@@ -2,11 +2,11 @@
 on a packed row, equals the layer run on each document alone (packd/_stateful.py: every
 document from a zero state): the logits at every token and every parameter's gradient of a
 weighted sum of them, documents of 1, 2, 63, 64, 65 and 300 tokens (around the chunk sizes of
-the chunked scans, 64), in float64 (1e-9 relative) and float32 (1e-4 for the logits, 1e-3 for
-a gradient: the padded documents' batched arithmetic against each document's own, and a
-parameter every token reaches, such as DeepSeek V4's hyper-connection head, sums some 700
-terms that cancel). The layer kind runs inside the tiny model of a
-family that has it (survey.tiny_model).
+the chunked scans, 64), in float64 (1e-9 relative; 1e-7 for the gradients of DeepSeek's
+query path, QUERY_PATH) and float32 (1e-4 for the logits, 1e-3 for a gradient: the padded
+documents' batched arithmetic against each document's own, and a parameter every token
+reaches, such as DeepSeek V4's hyper-connection head, sums some 700 terms that cancel). The
+layer kind runs inside the tiny model of a family that has it (survey.tiny_model).
 
 Beside it, transformers' own packed path (position ids restarting at every document, its
 eager attention, no packd) on the same row: the test prints whether it leaks state across the
@@ -14,6 +14,7 @@ documents (its logits differ from the documents alone) or refuses, the fact docs
 records."""
 import copy
 import random
+import re
 
 import pytest
 import torch
@@ -43,6 +44,11 @@ KINDS = {
 LENGTHS = [1, 2, 63, 64, 65, 300]
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}  # logits
 GRADIENT_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
+# DeepSeek's latent attention: its query path's gradients are the small remainder of terms that
+# cancel (a fresh model attends almost uniformly), so float64 rounding alone moves them: the
+# same model on the same 300 tokens, transformers alone, differs by up to 1.3e-8 there between
+# one thread and two (every other parameter by 0). Those parameters are held to 1e-7 in float64.
+QUERY_PATH = re.compile(r"\.q_(a_proj|a_layernorm|b_proj)\.")
 LEAKS = {}
 
 
@@ -57,6 +63,12 @@ def table():
 
 def relative(got, want):
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-300))
+
+
+def gradient_tolerance(name, dtype):
+    if dtype == torch.float64 and QUERY_PATH.search(name):
+        return 1e-7
+    return GRADIENT_TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -90,7 +102,7 @@ def each_document_its_own_state(client, kind, dtype):
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for name, g, w in zip(names, got_grads, want_grads):
         if w.abs().max() > 0:
-            assert relative(g, w) <= GRADIENT_TOLERANCE[dtype], (kind, name, relative(g, w))
+            assert relative(g, w) <= gradient_tolerance(name, dtype), (kind, name, relative(g, w))
 
     if dtype == torch.float64:
         try:
@@ -113,12 +125,12 @@ PROMPT, RESPONSES = 63, [1, 2, 64, 65]
 def test_shared_prompts_each_response_from_its_prompt(client, kind, monkeypatch):
     """A shared prompts' stream (packd.hf.shared_attention_kwargs: the prompt once, each
     response attending it): each response's logits and every parameter's gradient equal its
-    prompt and response run alone, the prompt's logits its own, in float64 (1e-9). A stateful
-    layer runs each response from the start of its prompt (the prompt computed again in that
-    layer for each member, as the unshared batch does, an indexed or compressed attention too);
-    attention layers read the prompt's keys once. transformers' eager softmax kept in float64:
-    in float32 its sums over the stream's padded rows and over each member alone round apart
-    (6e-8 in the indexed families' gradients)."""
+    prompt and response run alone, the prompt's logits its own, in float64 (1e-9; QUERY_PATH's
+    gradients 1e-7). A stateful layer runs each response from the start of its prompt (the
+    prompt computed again in that layer for each member, as the unshared batch does, an
+    indexed or compressed attention too); attention layers read the prompt's keys once.
+    transformers' eager softmax kept in float64: in float32 its sums over the stream's padded
+    rows and over each member alone round apart (6e-8 in the indexed families' gradients)."""
     keep_float64(monkeypatch, [])
     with Float64Steps().kept():
         shared_prompts(client, kind)
@@ -170,5 +182,6 @@ def shared_prompts(client, kind):
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for name, g, w in zip(names, got_grads, want_grads):
         if w.abs().max() > 0:
-            assert relative(g, w) <= 1e-9, (kind, name, relative(g, w))
+            assert relative(g, w) <= gradient_tolerance(name, torch.float64), (
+                kind, name, relative(g, w))
 
