@@ -6,7 +6,8 @@ the chunked scans, 64), in float64 (1e-9 relative; 1e-7 for the gradients of Dee
 query path, QUERY_PATH) and float32 (1e-4 for the logits, 1e-3 for a gradient: the padded
 documents' batched arithmetic against each document's own, and a parameter every token
 reaches, such as DeepSeek V4's hyper-connection head, sums some 700 terms that cancel). The
-layer kind runs inside the tiny model of a family that has it (survey.tiny_model).
+layer kind runs inside the tiny model of a family that has it (survey.tiny_model). The same
+row through transformers' eager attention (its 4-D mask cut per document) in float64.
 
 Beside it, transformers' own packed path (position ids restarting at every document, its
 eager attention, no packd) on the same row: the test prints whether it leaks state across the
@@ -79,7 +80,7 @@ def test_each_document_its_own_state(client, kind, dtype):
         each_document_its_own_state(client, kind, dtype)
 
 
-def each_document_its_own_state(client, kind, dtype):
+def each_document_its_own_state(client, kind, dtype, attention="packd_varlen"):
     model_type, layer_class = KINDS[kind]
     register_varlen_attention()
     rng = random.Random()
@@ -94,7 +95,7 @@ def each_document_its_own_state(client, kind, dtype):
                     with_position_ids=True)
     weights = torch.randn(row.shape[1], model.config.vocab_size, dtype=dtype)
 
-    model.set_attn_implementation("packd_varlen")
+    model.set_attn_implementation(attention)
     # Each document alone: its logits, and the sum of the documents' gradients.
     (got, got_grads), (want, want_grads) = packed_and_alone(model, model, r, documents, weights)
     tolerance = TOLERANCE[dtype]
@@ -104,7 +105,7 @@ def each_document_its_own_state(client, kind, dtype):
         if w.abs().max() > 0:
             assert relative(g, w) <= gradient_tolerance(name, dtype), (kind, name, relative(g, w))
 
-    if dtype == torch.float64:
+    if dtype == torch.float64 and attention == "packd_varlen":
         try:
             with torch.no_grad():
                 alone = plain(input_ids=r.packed[0][None], use_cache=False,
@@ -115,6 +116,35 @@ def each_document_its_own_state(client, kind, dtype):
                            .nonzero()[0])) if error > 1e-9 else "equal (%.1e)" % error)
         except Exception as e:  # noqa: BLE001 - what transformers does is the record
             LEAKS[kind] = "raises %s: %s" % (type(e).__name__, str(e).splitlines()[0][:160])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_eager_attention_its_mask_cut_per_document(client, kind, monkeypatch):
+    """The same row through transformers' eager attention (its block-diagonal [1, 1, T, T] mask,
+    found from the position ids) in float64: a layer that runs per document under an attention
+    mask gets its documents' blocks of that mask (packd._stateful._padded_mask), and the logits
+    and gradients equal the documents alone as through packd_varlen. transformers' eager softmax
+    kept in float64 (its float32 sums round apart over the padded rows and each document)."""
+    import packd._stateful as stateful
+    cut, padded_mask = [], stateful._padded_mask
+
+    def spy(layer, mask, *args):
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            cut.append(type(layer).__name__)
+        return padded_mask(layer, mask, *args)
+
+    monkeypatch.setattr(stateful, "_padded_mask", spy)
+    keep_float64(monkeypatch, [])
+    with Float64Steps().kept():
+        each_document_its_own_state(client, kind, torch.float64, attention="eager")
+    # The attentions that mix tokens besides attending, and RecurrentGemma's block, take the
+    # mask; the other scans take none.
+    assert bool(cut) == (kind in MASKED), (kind, cut)
+
+
+# The kinds whose per-document layer takes transformers' attention mask.
+MASKED = {"indexed top-k attention (4 keys)", "compressed sparse attention (blocks of 4 and 16)",
+          "RG-LRU recurrence + convolution"}
 
 
 # A GRPO group: its prompt and its responses, of lengths around the chunk size.
