@@ -198,6 +198,9 @@ ReceiveStepReactor::ReceiveStepReactor(RpcRunner* calls, StepRegistry* steps,
     if (step.ok()) {
       step_ = *std::move(step);
       listener_ = std::make_shared<StepListener>([this] { Pump(); });
+      // Once attached, a wave committed on another thread wakes the listener:
+      // mu_ is held until slot_ is set, so that its Pump waits for the slot.
+      absl::MutexLock lock(&mu_);
       absl::StatusOr<int> slot =
           step_->Attach(request->rank(), request->cp_rank(), listener_);
       status = slot.status();
@@ -266,12 +269,14 @@ void ReceiveStepReactor::OnCancel() {
 
 void ReceiveStepReactor::EndUnlocked(const absl::Status& status,
                                      bool after_last) {
-  if (step_ != nullptr && slot_ >= 0) step_->Detach(slot_, after_last);
+  int slot = -1;
   size_t sent = 0;
   {
     absl::MutexLock lock(&mu_);
+    slot = slot_;
     sent = sent_bytes_;
   }
+  if (step_ != nullptr && slot >= 0) step_->Detach(slot, after_last);
   calls_->End("ReceiveStep", start_, status, admitted_, 0, sent, tenant_);
   HandOff(this);
   Finish(ToGrpcStatus(status));

@@ -94,8 +94,8 @@ class ReceiveStepReactor final
   std::string tenant_;
   std::shared_ptr<StreamingStep> step_;
   std::shared_ptr<StepListener> listener_;
-  int slot_ = -1;
   absl::Mutex mu_;
+  int slot_ ABSL_GUARDED_BY(mu_) = -1;  // set while attaching, under mu_
   StreamingStep::Message current_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
