@@ -102,8 +102,9 @@ def check_model(model: torch.nn.Module, offset_positions: bool = False) -> None:
     with layer types other than full, sliding or chunked attention that packd does not run per
     document (packd/_stateful.py; any other layer that mixes tokens would see across
     documents), whose forward takes no position ids
-    (its positions could not restart at every document), that does not declare transformers'
-    attention interface (packd_varlen may never be called), or, unless `offset_positions`
+    (its positions could not restart at every document), whose attention modules do not call
+    transformers' attention interface (packd_varlen may never be called: the model declares
+    it, else each module's source reads it), or, unless `offset_positions`
     (the caller adds position_offset(model) to the position ids: packed_row does), whose
     embeddings number positions from after the pad id (a document's first position is not 0)."""
     from packd._stateful import stateful_layers
@@ -133,11 +134,12 @@ def check_model(model: torch.nn.Module, offset_positions: bool = False) -> None:
     for sub in model.modules():
         if (hasattr(sub, "config") and hasattr(type(sub), "_supports_attention_backend")
                 and not type(sub)._supports_attention_backend
-                and not (stateful and _interfaced(model))):
+                and not _interfaced(model, stateful)):
             raise ValueError("packd_varlen cannot serve %s: %s does not declare transformers' "
-                             "attention interface (_supports_attention_backend is False), so "
-                             "packd_varlen may never be called and its documents would attend "
-                             "to each other" % (kind, type(sub).__name__))
+                             "attention interface (_supports_attention_backend is False) and "
+                             "its attention modules do not all call it, so packd_varlen may "
+                             "never be called and its documents would attend to each other"
+                             % (kind, type(sub).__name__))
     offset = position_offset(model)
     if offset and not offset_positions:
         raise ValueError("packd_varlen cannot serve %s here: its embeddings number a sequence's "
@@ -146,13 +148,16 @@ def check_model(model: torch.nn.Module, offset_positions: bool = False) -> None:
                          "gives them from %d" % (kind, offset, offset))
 
 
-def _interfaced(model: torch.nn.Module) -> bool:
-    """Whether every attention module of a hybrid model (a class named *Attention that packd
-    does not run per document) calls transformers' attention interface, though the model does
-    not declare it (transformers' hybrid families do not)."""
+def _interfaced(model: torch.nn.Module, stateful: int) -> bool:
+    """Whether every attention module of a model (a class named *Attention that packd does not
+    run per document) calls transformers' attention interface, though the model does not
+    declare it (transformers' hybrid families do not, nor BioGPT and StableLM); a model with no
+    such module, only when it has `stateful` layers packd runs per document."""
     from packd._stateful import STATEFUL
     classes = {type(m) for m in model.modules()
                if type(m).__name__.endswith("Attention") and not STATEFUL.search(type(m).__name__)}
+    if not classes:
+        return stateful > 0
     for cls in classes:
         try:
             source = inspect.getsource(cls.forward)
