@@ -9,10 +9,11 @@ transformers' eager attention under each document's causal mask.
 
 transformers' own CPU implementations of these layers ignore where a packed row's documents
 start: the recurrent and convolution states run on from one document into the next. On a packed
-row, each such layer here runs the row's documents as the rows of a right-padded batch, each
-from a zero state, through the layer's own implementation (its kernels where installed), and
-the results are packed back in order: what the layer computes on each document alone. Right
-padding changes nothing a causal layer computes before it.
+row, each such layer here runs the row's documents as the rows of right-padded batches (one per
+group of similar lengths, _length_groups), each from a zero state, through the layer's own
+implementation (its kernels where installed), and the results are packed back in order: what
+the layer computes on each document alone. Right padding changes nothing a causal layer
+computes before it.
 
 The documents are found as packd_varlen finds them (packd/_varlen.py), first found first:
 `cu_seq_lens_q`, then position ids that restart at every document, from the model's call or the
@@ -44,6 +45,9 @@ _MIXED_ATTENTION = ("Indexer", "Compressor", "CCAProjection", "ShortConvolution"
 _ROW_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
              "kv_index", "cu_seqlens")
 _CACHES = ("cache", "cache_params", "past_key_values", "past_key_value")
+# Documents of at most this many tokens share one padded batch whatever their lengths (the
+# chunked scans' chunk: a shorter document costs a whole chunk anyway).
+_GROUP_FLOOR = 64
 
 # The model call's keyword arguments while its forward runs (innermost call last).
 _calls: contextvars.ContextVar[Tuple[Dict[str, Any], ...]] = contextvars.ContextVar(
@@ -58,10 +62,14 @@ def sparse_attention(module: torch.nn.Module) -> bool:
     """An attention that mixes tokens besides its attention (_MIXED_ATTENTION: an indexer's
     top-k, compressed key blocks, a convolution, relative logits): it runs per document too,
     through transformers' eager attention under each document's causal mask, which applies
-    what packd_varlen cannot (`indices=`, keys beyond the queries, `position_bias=`)."""
+    what packd_varlen cannot (`indices=`, keys beyond the queries, `position_bias=`). A layer
+    that reuses the previous layer's top-k instead of an indexer of its own (`skip_topk`: GLM
+    DSA's, HY v4's and Mistral Large 4's "shared" layers) is one too: it is handed that layer's
+    choice, packed, and gets it per document."""
     parts = [type(c).__name__ for c in module.children()]
     return (type(module).__name__.endswith("Attention")
-            and any(p.endswith(_MIXED_ATTENTION) for p in parts))
+            and (any(p.endswith(_MIXED_ATTENTION) for p in parts)
+                 or getattr(module, "skip_topk", None) is True))
 
 
 def stateful_layers(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
@@ -254,6 +262,47 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         if kwargs.get(name) is not None:
             raise _refuse(layer, "it was handed a cache (%s): a packed row is not generation; "
                           "call the model with use_cache=False" % name)
+    if sparse and "attention_mask" not in kwargs:
+        raise _refuse(layer, "its attention mask was not handed by name, so packd cannot give "
+                      "each document its own")
+    groups = _length_groups([len(r) for r in rows])
+    calls = [_padded_call(layer, args, kwargs, [rows[d] for d in g], [takes[d] for d in g],
+                          length, hidden) for g in groups]
+    inverse = None
+    if len(groups) > 1:  # the groups' kept rows, in the packed row's order again
+        ends = torch.tensor(takes).cumsum(0).tolist()
+        order = torch.cat([torch.arange(ends[d] - takes[d], ends[d]) for g in groups for d in g])
+        inverse = torch.argsort(order).to(hidden.device)
+    implementation = None
+    if sparse:  # transformers' eager attention, which applies the indexer's choice as a mask
+        implementation = layer.config._attn_implementation
+        layer.config._attn_implementation = "eager"
+    stack.append(([keep for _, _, keep in calls], calls[1:], inverse, implementation))
+    _split_depth.set(_split_depth.get() + 1)
+    new_args, new_kwargs, _ = calls[0]
+    return new_args, new_kwargs
+
+
+def _length_groups(lengths: Sequence[int]) -> List[List[int]]:
+    """The documents in groups of similar length, each group one padded batch (its documents in
+    the row's order): longest first, a group takes the next longest document while that has at
+    least half the group's longest tokens, or the longest is at most _GROUP_FLOOR tokens. So no
+    document is padded to more than twice its length (or the floor), and a row of similar
+    documents is one batch."""
+    groups: List[List[int]] = []
+    for d in sorted(range(len(lengths)), key=lambda d: -lengths[d]):
+        longest = lengths[groups[-1][0]] if groups else 0
+        if groups and (2 * lengths[d] >= longest or longest <= _GROUP_FLOOR):
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    return [sorted(g) for g in groups]
+
+
+def _padded_call(layer: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], rows,
+                 takes, length: int, hidden: torch.Tensor):
+    """The layer's arguments for the padded batch of the documents `rows` (of the packed row's
+    `length` tokens), and which of its outputs' rows are the packed row's."""
     index, valid, keep = _index(rows, takes, hidden.device)
 
     def per_document(name: str, value: Any) -> Any:
@@ -284,16 +333,7 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
             new_kwargs[name] = _padded_mask(layer, value, rows, index, valid, hidden.dtype)
         else:
             new_kwargs[name] = per_document(name, value)
-    if sparse and "attention_mask" not in kwargs:
-        raise _refuse(layer, "its attention mask was not handed by name, so packd cannot give "
-                      "each document its own")
-    implementation = None
-    if sparse:  # transformers' eager attention, which applies the indexer's choice as a mask
-        implementation = layer.config._attn_implementation
-        layer.config._attn_implementation = "eager"
-    stack.append((keep, length, implementation))
-    _split_depth.set(_split_depth.get() + 1)
-    return new_args, new_kwargs
+    return new_args, new_kwargs, keep
 
 
 def _multi_row(named: Dict[str, Any], batch: int, length: int) -> List[int]:
@@ -314,16 +354,43 @@ def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:
     split = stack.pop() if stack else None  # none when its pre-hook refused the call
     if split is None:
         return None
-    _split_depth.set(_split_depth.get() - 1)
-    keep, length, implementation = split
-    if implementation is not None:
-        layer.config._attn_implementation = implementation
+    keeps, rest, inverse, implementation = split
+    try:
+        # The other length groups, through the layer again (its hooks pass them through: the
+        # split depth is still raised).
+        outputs = [output] + [layer(*a, **k) for a, k, _ in rest]
+    finally:
+        _split_depth.set(_split_depth.get() - 1)
+        if implementation is not None:
+            layer.config._attn_implementation = implementation
 
-    def packed(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == tuple(keep.shape):
-            return value[keep][None]
-        return value
+    def packed(values: List[Any]) -> Any:
+        parts = [v[keep] for v, keep in zip(values, keeps)
+                 if isinstance(v, torch.Tensor) and tuple(v.shape[:2]) == tuple(keep.shape)]
+        if len(parts) != len(values):
+            return values[0]  # not the row's
+        parts = _same_width(parts)
+        if parts is None:
+            return values[0]
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return (out if inverse is None else out.index_select(0, inverse))[None]
 
     if isinstance(output, tuple):
-        return tuple(packed(v) for v in output)
-    return packed(output)
+        return tuple(packed([o[i] for o in outputs]) for i in range(len(output)))
+    return packed(outputs)
+
+
+def _same_width(parts: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    """The length groups' packed outputs with one shape past the tokens, or None. An indexer's
+    top-k indices (GLM DSA, HY v4, Mistral Large 4 hand them to the next layer) are
+    min(top-k, longest) wide in each group: a narrower group picked every key of its
+    documents, so its first index repeated widens it and names the same keys."""
+    widths = {p.shape[1:] for p in parts}
+    if len(widths) == 1:
+        return parts
+    widest = max(p.shape[-1] for p in parts)
+    if any(p.is_floating_point() or p.dim() < 2 or p.shape[1:-1] != parts[0].shape[1:-1]
+           for p in parts):
+        return None
+    return [torch.cat([p, p[..., :1].expand(*p.shape[:-1], widest - p.shape[-1])], -1)
+            for p in parts]

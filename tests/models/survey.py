@@ -64,9 +64,12 @@ RULES = {
     "reformer": {"is_decoder": True},
     "beam": {"n_group": 1, "topk_group": 1},
     "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1, "num_experts_per_token": 2},
-    # An indexer that picks fewer keys than a document has: its top-k choice is exercised.
-    "deepseek_v32": {"index_topk": 4}, "glm_moe_dsa": {"index_topk": 4},
-    "hy_v4": {"index_topk": 4}, "axk2": {"index_topk": 4}, "dots3_note_text": {"index_topk": 4},
+    # An indexer that picks fewer keys than a document has: its top-k choice is exercised; GLM
+    # DSA's and HY v4's second layer reuses the first's choice (handed on between the layers).
+    "deepseek_v32": {"index_topk": 4},
+    "glm_moe_dsa": {"index_topk": 4, "indexer_types": ["full", "shared"]},
+    "hy_v4": {"index_topk": 4, "indexer_types": ["full", "shared"]},
+    "axk2": {"index_topk": 4}, "dots3_note_text": {"index_topk": 4},
     # Compressed keys: blocks of 4 tokens (picked by the indexer) and of 16, fewer tokens
     # than the documents have.
     "deepseek_v4": {"index_topk": 4, "compress_rates": {"compressed_sparse_attention": 4,

@@ -215,3 +215,22 @@ def shared_prompts(client, kind):
             assert relative(g, w) <= gradient_tolerance(name, torch.float64), (
                 kind, name, relative(g, w))
 
+
+
+def test_length_groups_pad_no_document_past_twice_its_length():
+    """The row's documents run in groups of similar length (packd._stateful._length_groups):
+    every document in exactly one group, in the row's order within it, padded to at most twice
+    its length (or the chunked scans' chunk); documents of one length are one group. (The
+    tests above run documents of 1 to 300 tokens as three groups.)"""
+    from packd._stateful import _GROUP_FLOOR, _length_groups
+    rng = random.Random()
+    for _ in range(500):
+        lengths = [rng.randrange(1, rng.choice([70, 3000])) for _ in range(rng.randrange(1, 40))]
+        groups = _length_groups(lengths)
+        assert sorted(d for g in groups for d in g) == list(range(len(lengths)))
+        for g in groups:
+            assert g == sorted(g)
+            longest = max(lengths[d] for d in g)
+            assert all(longest <= max(2 * lengths[d], _GROUP_FLOOR) for d in g), (lengths, g)
+    assert _length_groups([300] * 8) == [list(range(8))]
+    assert _length_groups([1, 2, 63, 64, 65, 300]) == [[5], [2, 3, 4], [0, 1]]
