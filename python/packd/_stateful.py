@@ -266,8 +266,8 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         raise _refuse(layer, "its attention mask was not handed by name, so packd cannot give "
                       "each document its own")
     groups = _length_groups([len(r) for r in rows])
-    calls = [_padded_call(layer, args, kwargs, [rows[d] for d in g], [takes[d] for d in g],
-                          length, hidden) for g in groups]
+    batches = [_padded_call(layer, args, kwargs, [rows[d] for d in g], [takes[d] for d in g],
+                            length, hidden) for g in groups]
     inverse = None
     if len(groups) > 1:  # the groups' kept rows, in the packed row's order again
         ends = torch.tensor(takes).cumsum(0).tolist()
@@ -277,9 +277,9 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
     if sparse:  # transformers' eager attention, which applies the indexer's choice as a mask
         implementation = layer.config._attn_implementation
         layer.config._attn_implementation = "eager"
-    stack.append(([keep for _, _, keep in calls], calls[1:], inverse, implementation))
+    stack.append(([keep for _, _, keep in batches], batches[1:], inverse, implementation))
     _split_depth.set(_split_depth.get() + 1)
-    new_args, new_kwargs, _ = calls[0]
+    new_args, new_kwargs, _ = batches[0]
     return new_args, new_kwargs
 
 
@@ -357,8 +357,8 @@ def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:
     keeps, rest, inverse, implementation = split
     try:
         # The other length groups, through the layer again (its hooks pass them through: the
-        # split depth is still raised).
-        outputs = [output] + [layer(*a, **k) for a, k, _ in rest]
+        # split depth is still raised); none when the first raised (output None).
+        outputs = [output] + [layer(*a, **k) for a, k, _ in rest if output is not None]
     finally:
         _split_depth.set(_split_depth.get() - 1)
         if implementation is not None:
