@@ -54,13 +54,11 @@ def table():
 
 @pytest.fixture
 def float64_steps(monkeypatch):
-    """transformers' eager softmax kept in float64 for float64 scores; and, through
-    `.kept()`, the other float32 steps transformers takes whatever the model's dtype (norms and
-    scores cast to float32) kept in float64: a float64 tensor's .float(), .to(torch.float32)
-    and .type(torch.float32) are itself (the models are float64 through, the modules a family
-    keeps in float32 included: survey.tiny_model). Both ways of a type run under the same steps, so that the padded reference is
-    float64 through where the family allows it (a family that keeps modules in float32 does
-    not: it runs without `.kept()`)."""
+    """transformers' eager softmax kept in float64 for float64 scores (keep_float64); and,
+    through the returned Float64Steps' `.kept()`, its other float32 steps (the models are
+    float64 through: survey.tiny_model). Both ways of a type run under the same steps, so that
+    the padded reference is float64 through where the family allows it (a family that keeps
+    modules in float32 does not: it runs without `.kept()`)."""
     keep_float64(monkeypatch, [])  # the softmax alone (a function or a tensor's method)
     return Float64Steps()
 
