@@ -255,7 +255,12 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
             bounds = [(0, length)]
         if bounds is None or (len(bounds) <= 1 and not sparse):
             stack.append(None)
-            return None
+            # One document: the layer runs the row as it is, without the packed row's
+            # metadata (a gated delta net handed cu_seq_lens_q asks for kernels it may lack).
+            row_only = [k for k in _ROW_ONLY if kwargs.get(k) is not None]
+            if not row_only:
+                return None
+            return args, {k: v for k, v in kwargs.items() if k not in row_only}
         rows = [range(s, e) for s, e in bounds]
         takes = [e - s for s, e in bounds]
     for name in _CACHES:

@@ -22,7 +22,7 @@ import torch
 
 import packd
 from hf_families import Float64Steps, keep_float64
-from packd.hf import register_varlen_attention
+from packd.hf import packed_row, register_varlen_attention
 from packd._stateful import bound_states, stateful_layers
 from survey import VOCAB, logits_and_grads, packed_and_alone, tiny_model, transformers
 
@@ -116,6 +116,40 @@ def each_document_its_own_state(client, kind, dtype, attention="packd_varlen"):
                            .nonzero()[0])) if error > 1e-9 else "equal (%.1e)" % error)
         except Exception as e:  # noqa: BLE001 - what transformers does is the record
             LEAKS[kind] = "raises %s: %s" % (type(e).__name__, str(e).splitlines()[0][:160])
+
+
+@pytest.mark.parametrize("pad_multiple", [0, 16], ids=["unpadded", "pad_multiple"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_row_of_one_document(client, kind, pad_multiple, monkeypatch):
+    """A packed row that holds one document (a micro-batch of one long rollout), padded to a
+    multiple or not, runs every stateful layer as the document alone: the logits of its
+    tokens and every gradient, float64, to 1e-9 (transformers' own CPU scans raise when the
+    row's cu_seq_lens reach them)."""
+    model_type, _ = KINDS[kind]
+    register_varlen_attention()
+    keep_float64(monkeypatch, [])  # the reference's eager softmax in float64 too
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    with Float64Steps().kept():
+        model = tiny_model(model_type, "eager").to(torch.float64)
+        alone = copy.deepcopy(model)  # transformers alone, no packd
+        model.set_attn_implementation("packd_varlen")
+        document = torch.randint(4, VOCAB, (1, 37))
+        r = client.pack([document], torch.ones_like(document, dtype=torch.bool),
+                        with_position_ids=True, layout=packd.Layout(pad_multiple=pad_multiple))
+        assert r.packed[0].numel() == (48 if pad_multiple else 37)
+        weights = torch.randn(r.packed[0].numel(), model.config.vocab_size, dtype=torch.float64)
+        weights[37:] = 0  # the padding's logits weigh nothing
+        with packed_row(r, model) as kwargs:
+            got, got_grads = logits_and_grads(model, weights, input_ids=r.packed[0][None],
+                                              **kwargs)
+        want, want_grads = logits_and_grads(alone, weights[:37], input_ids=document,
+                                            use_cache=False)
+    assert relative(got[:37], want) <= 1e-9, (kind, seed, relative(got[:37], want))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, g, w in zip(names, got_grads, want_grads):
+        if w.abs().max() > 0:
+            assert relative(g, w) <= gradient_tolerance(name, torch.float64), (kind, seed, name)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
