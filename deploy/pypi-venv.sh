@@ -75,7 +75,7 @@ if [[ "${1:-}" == --update ]]; then
   "$python" -m venv "$tmp/venv"
   pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
   "${pip[@]}" install -q --upgrade pip
-  "${pip[@]}" install torch grpcio protobuf numpy transformers trl pytest einops
+  "${pip[@]}" install torch grpcio protobuf numpy transformers trl peft pytest einops
   # verl without its dependencies (see the constraints file), then what its modules import.
   "${pip[@]}" install --no-deps verl
   "${pip[@]}" install ray omegaconf "tensordict>=0.8.0,<=0.10.0,!=0.9.0"

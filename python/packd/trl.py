@@ -1,5 +1,4 @@
-"""TRL's GRPOTrainer on packd (docs/trl.md): the same loss and gradients, each group's prompt
-forwarded once.
+"""TRL's GRPOTrainer on packd (docs/trl.md): the same loss and gradients, prompts forwarded once.
 
     from packd.trl import PackedGRPOTrainer        # instead of trl.GRPOTrainer
     trainer = PackedGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
@@ -7,29 +6,34 @@ forwarded once.
     trainer.train()
 
 What changes, and nothing else:
-- **Micro-batches of whole groups.** TRL shuffles a generation batch's rows and slices it into
-  `steps_per_generation` micro-batches of equal row counts; here each micro-batch is whole
-  groups (the same number of groups in each, so the same rows, placed to even out their
-  tokens), so that a group's responses can share its prompt. The Trainer still runs exactly
-  `gradient_accumulation_steps` forwards per optimizer step on every rank.
+- **Micro-batches.** TRL shuffles a generation batch's rows and slices it into
+  `steps_per_generation` micro-batches of equal row counts. Here, where every statistic TRL
+  takes per micro-batch is one of its row count, each micro-batch is whole groups instead (the
+  same number of groups in each, so TRL's rows, placed to even out their tokens), so that a
+  group's responses share its prompt. Where TRL takes a statistic of the micro-batch's tokens
+  (bnpo's token count, the entropy mask's quantile, the entropy bonus's mean, a MoE model's
+  load-balancing loss), where optimizer steps fall inside a generation batch, or where the
+  groups do not divide into whole-group micro-batches, the micro-batches are TRL's own slices
+  (TRL's draw), each group's rows within a slice sharing their prompt (`micro_batches`).
+  The Trainer still runs exactly `gradient_accumulation_steps` forwards per optimizer step.
 - **The forward through packd.** Each micro-batch's padded rows (prompts left-padded,
   completions right-padded) are packed by packd: with `share_prompt` (the default) each group's
   prompt once and its responses as its continuations (DESIGN §14), else one document per row.
-  The model runs the packed stream with `attn_implementation="packd_varlen"` (registered here),
-  and the per-token log-probs and entropies of the completion tokens come back in TRL's `(B, C)`
-  shape, computed by TRL's own fused LM head kernel on the rows that predict them. TRL's
-  `_compute_loss` then runs unchanged: importance sampling, clipping, entropy masks, the loss
-  types and their normalisation, metrics and logging.
-- **Loss types.** `dapo` (TRL's default), `cispo`, `vespo`, `grpo`, `dr_grpo`, `sapo` and `luspo`
-  give TRL's values: the first three divide by the generation batch's token count, the others
-  by per-micro-batch counts that equal row counts keep equal to TRL's. `bnpo` divides each
-  micro-batch by its own token count, which whole-group micro-batches change: it is refused
-  unless `accept_bnpo_difference=True`.
+  Every model TRL scores through the log-prob hook runs the packed stream with
+  `attn_implementation="packd_varlen"` and per-document state: the policy, the reference model
+  (`beta > 0`) and a PEFT policy with its adapters disabled. The per-token log-probs and
+  entropies of the completion tokens come back in TRL's `(B, C)` shape, computed by TRL's own
+  fused LM head kernel on the rows that predict them; a MoE model's load-balancing loss is
+  TRL's, each packed token weighted by the rows that hold it. TRL's `_compute_loss` then runs
+  unchanged.
+- **Checked at first use.** The first time each model runs packed (and every `check_every`
+  optimizer steps), its log-probs and entropies are computed again through TRL's own padded
+  path and compared; a difference beyond the dtype's tolerance raises, naming the model.
 
-- **Several ranks.** With several processes (accelerate's DDP) each generation batch is gathered
-  on every rank and its groups placed on the ranks, the same number of whole groups on each,
-  evened out by tokens; each rank then splits its own groups as above. Every rank runs the
-  same number of forwards, none of them empty.
+- **Several ranks.** With several processes (accelerate's DDP) and whole-group micro-batches,
+  each generation batch is gathered on every rank and its groups placed on the ranks, the same
+  number of whole groups on each, evened out by tokens; each rank then splits its own groups as
+  above. Every rank runs the same number of forwards, none of them empty.
 
 - **Streaming** (streaming=Streaming(rollout, ...)): rollout workers in their own processes
   score each group and submit it to a streaming step as soon as it is scored; every rank
@@ -37,7 +41,9 @@ What changes, and nothing else:
   loss backpropagated, and _clip_grad_norm first scales the gradients by the step's global
   token count (packd/_trl_stream.py).
 
-Not yet: vision-language inputs and MoE auxiliary losses are refused by name."""
+Refused by name: vision-language inputs, `use_liger_kernel`, and in the streaming form the
+settings it cannot honour (_trl_stream.check_streaming). The private TRL names this relies on
+are listed, and checked, in packd/_trl_compat.py."""
 import collections
 import contextlib
 import time
@@ -46,6 +52,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 import torch
 
 import packd
+from packd import _trl_compat
 from packd import _trl_stream as _stream
 from packd._trl_stream import Policy, ScoredGroup, Streaming
 from packd._stateful import bound_states
@@ -57,10 +64,19 @@ try:
     import trl.kernels as _kernels
     from trl import GRPOTrainer
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as _CHUNK
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("packd.trl needs TRL: pip install 'packd[trl]'") from e
 
-__all__ = ["PackedGRPOTrainer", "Policy", "ScoredGroup", "Streaming", "whole_group_parts"]
+__all__ = ["PackedGRPOTrainer", "PackedPathDiffers", "Policy", "ScoredGroup", "Streaming",
+           "CHECK_TOLERANCE", "whole_group_parts"]
+
+# The first-use check's tolerance: the largest difference of a log-prob (or entropy) between the
+# packed forward and TRL's padded one, by the model's dtype (check_tolerance= overrides it). A
+# leak across documents moves log-probs by tenths; kernels' rounding by far less.
+CHECK_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-3, torch.bfloat16: 0.25,
+                   torch.float16: 0.1}
+MICRO_BATCHES = ("auto", "groups", "trl")
 
 # The keyword arguments of _get_per_token_logps_and_entropies that carry images or tiles.
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
@@ -157,39 +173,117 @@ def whole_group_parts(tokens: Sequence[int], group: int, parts: int,
     return [[g * group + k for g in sorted(m) for k in range(group)] for m in members]
 
 
+def _refuse_settings(config: Any) -> None:
+    """ValueError naming each GRPOConfig setting packd.trl cannot serve, before TRL builds
+    anything."""
+    if getattr(config, "use_liger_kernel", False):
+        raise ValueError("packd.trl: use_liger_kernel: Liger's fused loss takes the padded "
+                         "batch's hidden states, which a packed stream does not have; packd "
+                         "scores the packed rows with TRL's own fused LM head instead")
+
+
+class PackedPathDiffers(RuntimeError):
+    """The first-use check found a model's packed log-probs other than TRL's padded ones."""
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model that takes position_ids: a PEFT wrapper's base model, else the model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def _adapters_disabled(model: torch.nn.Module) -> bool:
+    """Whether a PEFT model's adapter layers are disabled now (TRL's use_adapter(model, None):
+    the reference of a policy trained with LoRA)."""
+    if not hasattr(model, "peft_config"):
+        return False
+    for module in model.modules():
+        disabled = getattr(module, "disable_adapters", None)
+        if isinstance(disabled, bool) and hasattr(module, "active_adapters"):
+            return disabled
+    return False
+
+
+def _by_prompt(batch: Dict[str, Any], rows: Sequence[int]) -> List[int]:
+    """`rows` with the rows of one prompt made consecutive (each prompt where its first row is),
+    so that packing shares each prompt once."""
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"].bool()
+    order: Dict[Any, List[int]] = {}
+    for row in rows:
+        order.setdefault(tuple(ids[row][mask[row]].tolist()), []).append(row)
+    return [row for members in order.values() for row in members]
+
+
+def token_rows(result: Any) -> torch.Tensor:
+    """How many of the padded rows hold each row of a shared stream (a group's prompt: its
+    members'; a completion token: 1): each padded row's tokens are the keys of its last
+    segment."""
+    s = result.shared
+    last: Dict[int, int] = {}
+    for n, row in enumerate(s.segment_row.tolist()):
+        last[row] = n
+    cu_k = s.cu_seqlens_k.tolist()
+    keys = torch.cat([s.kv_index[cu_k[n]:cu_k[n + 1]] for n in last.values()])
+    return torch.bincount(keys.long(), minlength=int(result.total_active))
+
+
 class PackedGRPOTrainer(GRPOTrainer):
-    """trl.GRPOTrainer whose micro-batches are whole groups and whose forward runs packed
-    through packd (the module's docstring). Takes every argument GRPOTrainer takes, and:
+    """trl.GRPOTrainer whose micro-batches' forward runs packed through packd (the module's
+    docstring). Takes every argument GRPOTrainer takes, and:
     packd_client (a packd.Client; default: one to packd_address, "127.0.0.1:50051" unless
-    given), share_prompt (each group's prompt once; default True), accept_bnpo_difference
-    (allow loss_type="bnpo", whose per-micro-batch normalisation whole-group micro-batches
-    change), streaming (a packd.trl.Streaming: train from streaming steps fed by rollout
-    workers; docs/trl.md, "Streaming")."""
+    given); share_prompt (each group's prompt once; default True); micro_batches ("auto", the
+    default: whole groups where TRL's statistics allow, else TRL's own slices; "groups" or
+    "trl" to insist: "groups" is refused where it would change the loss); check_packed (the
+    first-use check, default True), check_every (also every N optimizer steps; 0: first use
+    only), check_tolerance (a number, or a dict by dtype; default CHECK_TOLERANCE); streaming
+    (a packd.trl.Streaming: train from streaming steps fed by rollout workers; docs/trl.md,
+    "Streaming"). accept_bnpo_difference is accepted and has no effect (bnpo is TRL's value
+    now)."""
 
     def __init__(self, *args: Any, packd_client: Optional[packd.Client] = None,
                  packd_address: str = "127.0.0.1:50051", share_prompt: bool = True,
-                 accept_bnpo_difference: bool = False, streaming: Optional[Streaming] = None,
-                 **kwargs: Any) -> None:
+                 micro_batches: str = "auto", check_packed: bool = True, check_every: int = 0,
+                 check_tolerance: Any = None, accept_bnpo_difference: bool = False,
+                 streaming: Optional[Streaming] = None, **kwargs: Any) -> None:
+        _trl_compat.check()  # a TRL whose private names moved is refused before anything runs
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if getattr(config, "loss_type", None) == "bnpo" and not accept_bnpo_difference:
-            raise ValueError(
-                "packd.trl: loss_type='bnpo' divides each micro-batch's loss by that micro-batch's"
-                " own token count, so micro-batches of whole groups give it another value than "
-                "TRL's shuffled slices; use 'dapo' (the generation batch's token mean), or pass "
-                "accept_bnpo_difference=True")
+        if micro_batches not in MICRO_BATCHES:
+            raise ValueError("packd.trl: micro_batches is one of %s, not %r"
+                             % (", ".join(MICRO_BATCHES), micro_batches))
+        if config is not None:
+            _refuse_settings(config)
         if streaming is not None and config is not None:
             _stream.check_streaming(config, share_prompt)
         register_varlen_attention()
         super().__init__(*args, **kwargs)
-        if streaming is not None and config is None:  # TRL's default configuration
-            _stream.check_streaming(self.args, share_prompt)
-        model = self.accelerator.unwrap_model(self.model)
-        check_model(model)   # a family packd cannot train packed is refused here, by name
-        bound_states(model)  # layers with state refuse a shared stream by name (_stateful)
-        model.set_attn_implementation("packd_varlen")
+        _trl_compat.check_attributes(self)
+        if config is None:  # TRL's default configuration
+            _refuse_settings(self.args)
+            if streaming is not None:
+                _stream.check_streaming(self.args, share_prompt)
+        if streaming is not None and self.aux_loss_enabled:
+            raise ValueError("packd.trl: streaming needs no MoE load-balancing loss "
+                             "(router_aux_loss_coef = 0): it is a statistic of TRL's micro-batch,"
+                             " which a streamed micro-batch is not")
         self.packd_client = packd_client or packd.Client(packd_address)
         self.share_prompt = share_prompt
         self.tokens_forwarded = 0  # the packed streams' rows, over every forward
+        # Why this trainer's micro-batches are TRL's own slices (none: whole groups).
+        self.slice_reasons = self._slice_reasons()
+        if micro_batches == "groups" and self.slice_reasons:
+            raise ValueError("packd.trl: micro_batches='groups' would change the loss: "
+                             + "; ".join(self.slice_reasons))
+        if micro_batches == "trl":
+            self.slice_reasons = self.slice_reasons or ["micro_batches='trl'"]
+        self.micro_batches = micro_batches
+        self.check_packed, self.check_every = check_packed, check_every
+        self.check_tolerance = check_tolerance
+        self.checked: Dict[str, float] = {}  # each model checked: its largest difference
+        self._checked_at: Dict[Any, int] = {}
+        self._served: Dict[int, str] = {}
+        self._serve(self.model, "the policy")
+        if self.ref_model is not None:
+            self._serve(self.ref_model, "the reference model")
         # Per generation batch: each rank's tokens as placed here, and as TRL's own slices.
         self.rank_tokens: List[Any] = []
         self.streaming = streaming
@@ -200,11 +294,36 @@ class PackedGRPOTrainer(GRPOTrainer):
         self._rollouts: Optional[_stream.Rollouts] = None
         self._clients: Dict[str, packd.Client] = {}
         self._streamed = self._masked = self._gradient_scale = None
-        self._softcap, self._logit_scale = _head_scales(model)
+
+    def _serve(self, model: torch.nn.Module, name: str) -> None:
+        """A model TRL scores through the log-prob hook, made to run packed: a family packd
+        cannot train packed is refused here, by name; stateful layers run per document."""
+        base = _base_model(self.accelerator.unwrap_model(model))
+        check_model(base)
+        bound_states(base)
+        base.set_attn_implementation("packd_varlen")
+        self._served[id(base)] = name
+
+    def _slice_reasons(self) -> List[str]:
+        """The settings under which TRL's loss takes a statistic of its own micro-batch's tokens
+        (or rows across optimizer steps), so that packd trains TRL's slices."""
+        reasons = []
+        if self.loss_type == "bnpo":
+            reasons.append("loss_type='bnpo' divides by each micro-batch's token count")
+        if self.top_entropy_quantile < 1.0:
+            reasons.append("top_entropy_quantile < 1 masks by each micro-batch's quantile")
+        if self._entropy_bonus_enabled:
+            reasons.append("the entropy bonus is each micro-batch's token mean")
+        if self.aux_loss_enabled:
+            reasons.append("the MoE load-balancing loss is over each micro-batch's tokens")
+        if self.args.steps_per_generation != self.args.gradient_accumulation_steps:
+            reasons.append("steps_per_generation != gradient_accumulation_steps: each optimizer "
+                           "step trains TRL's slices of the generation batch")
+        return reasons
 
     def _prepare_inputs(self, generation_batch: Dict[str, Any]) -> Dict[str, Any]:
-        """TRL's, with the generation batch split into micro-batches of whole groups instead of
-        shuffled row slices."""
+        """TRL's, with the generation batch split into packd's micro-batches instead of TRL's
+        shuffled row slices (split_generation_batch)."""
         if not self.model.training:
             return self._generate_and_score_completions(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
@@ -214,31 +333,39 @@ class PackedGRPOTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def split_generation_batch(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
-        """A scored generation batch (this process's rows) as this process's micro-batches: with
-        several processes the whole batch is gathered first and its groups placed on the ranks
-        (the same number of whole groups on each, evened out by tokens); then this rank's groups
-        in steps_per_generation parts of the same number of whole groups each, evened out by
-        tokens. Every rank computes the same placement from the same gathered batch."""
+        """A scored generation batch (this process's rows) as this process's micro-batches.
+        Whole groups: with several processes the whole batch is gathered first and its groups
+        placed on the ranks (the same number of whole groups on each, evened out by tokens);
+        then this rank's groups in steps_per_generation parts of the same number of whole
+        groups each, evened out by tokens; every rank computes the same placement. TRL's slices
+        (slice_reasons, or groups that do not divide so): TRL's own, from the same draw, each
+        prompt's rows made consecutive."""
         for key in _MULTIMODAL:
             if batch.get(key) is not None:
                 raise ValueError("packd.trl: %s: vision-language batches are not packed yet" % key)
         processes, parts = self.accelerator.num_processes, self.args.steps_per_generation
         local = len(batch["prompt_ids"])
-        # TRL shuffles the rows with torch's generator: the same draw orders the groups, so
-        # that the random stream (and every later generation) stays TRL's. Every process draws
-        # the same permutation of its own rows (one seed).
+        # TRL shuffles the rows with torch's generator: the same draw orders the micro-batches,
+        # so that the random stream (and every later generation) stays TRL's. Every process
+        # draws the same permutation of its own rows (one seed).
         draw = torch.randperm(local).tolist()
+        rows = local * processes
+        whole = (not self.slice_reasons and rows % self.num_generations == 0
+                 and (rows // self.num_generations) % (processes * parts) == 0)
+        if not whole:
+            if not self.slice_reasons and self.micro_batches == "groups":
+                raise ValueError(
+                    "packd.trl: a generation batch of %d rows (num_generations = %d) does not "
+                    "split into %d processes x steps_per_generation = %d micro-batches of whole "
+                    "groups; micro_batches='auto' trains TRL's slices then"
+                    % (rows, self.num_generations, processes, parts))
+            size = local // parts  # TRL's split_tensor_dict
+            return [_take(batch, _by_prompt(batch, draw[k * size:(k + 1) * size]))
+                    for k in range(parts)]
         if processes > 1:
             batch = _gathered(self.accelerator, batch)
         tokens = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
         order = [p * local + i for p in range(processes) for i in draw]
-        groups = len(tokens) // self.num_generations
-        if len(tokens) % self.num_generations == 0 and groups % (processes * parts):
-            raise ValueError(
-                "packd.trl: a generation batch of %d groups does not split into %d processes x "
-                "steps_per_generation = %d micro-batches of whole groups: make the groups per "
-                "generation batch (generation_batch_size / num_generations) a multiple of %d"
-                % (groups, processes, parts, processes * parts))
         placed = whole_group_parts(tokens, self.num_generations, processes, order)
         mine = placed[self.accelerator.process_index]
         place = {row: i for i, row in enumerate(mine)}
@@ -252,38 +379,61 @@ class PackedGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None, compute_entropy=False,
                                            compute_aux_loss=False, **multimodal):
-        """The completion tokens' log-probs (and entropies) in TRL's (B, logits_to_keep) shape,
-        zero where the completion mask is: the rows packed by packd (prompts once per group
-        with share_prompt; a streamed micro-batch comes packed), the model run over the packed
-        stream, and TRL's fused LM head kernel applied to the rows that predict each completion
-        token."""
+        """The completion tokens' log-probs (and entropies, and a MoE model's load-balancing
+        loss) in TRL's (B, logits_to_keep) shape, zero where the completion mask is: the rows
+        packed by packd (prompts once per group with share_prompt; a streamed micro-batch comes
+        packed), the model run over the packed stream, and TRL's fused LM head kernel applied to
+        the rows that predict each completion token. The first time each model runs (and every
+        check_every steps), checked against TRL's own padded path."""
         if any(v is not None for v in multimodal.values()):
             raise ValueError("packd.trl: vision-language inputs are not packed yet")
-        if compute_aux_loss:
-            raise ValueError("packd.trl: a MoE auxiliary loss is not computed packed yet")
+        name = self._model_name(model)
+        got = self._packed_logps(model, input_ids, attention_mask, logits_to_keep,
+                                 compute_entropy, compute_aux_loss)
+        if self.check_packed and self._due(name):
+            self._check(name, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                        compute_entropy)
+        return got
+
+    def _model_name(self, model: torch.nn.Module) -> str:
+        unwrapped = self.accelerator.unwrap_model(model)
+        name = self._served.get(id(_base_model(unwrapped)))
+        if name is None:
+            raise ValueError("packd.trl: TRL scored a model packd.trl did not prepare (%s): "
+                             "it would run packed rows through its own attention"
+                             % type(unwrapped).__name__)
+        if _adapters_disabled(unwrapped):
+            name += " with its adapters disabled (the reference)"
+        return name
+
+    def _packed_logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy,
+                      compute_aux_loss):
         mask = attention_mask.bool()
         completion = mask[:, mask.shape[1] - logits_to_keep:]
         r = self._streamed if self._streamed is not None else self._packed(input_ids, mask,
                                                                             logits_to_keep)
         self.tokens_forwarded += r.total_active
         device = input_ids.device
+        base = _base_model(self.accelerator.unwrap_model(model))
+        extra = {"output_router_logits": True} if compute_aux_loss else {}
         # Through the model as TRL calls it (a wrapper's forward included), its last hidden
         # state (after the final norm) taken and one position's logits computed.
         with self.accelerator.autocast():
-            hidden = model(
-                input_ids=r.packed[0][None].to(device),
-                position_ids=r.position_ids[None].to(device), use_cache=False,
-                output_hidden_states=True, logits_to_keep=1,
-                **shared_attention_kwargs(r)).hidden_states[-1][0]
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+            out = model(input_ids=r.packed[0][None].to(device),
+                        position_ids=r.position_ids[None].to(device), use_cache=False,
+                        output_hidden_states=True, logits_to_keep=1,
+                        **shared_attention_kwargs(r), **extra)
+        hidden = out.hidden_states[-1][0]
+        head = base.get_output_embeddings()
         rows = hidden[r.shared.pred_index.to(device)]
         if self.args.cast_lm_head_to_fp32:
             rows = rows.float()
+        softcap, scale = _head_scales(base)
         outputs = ("log_probs", "entropy") if compute_entropy else ("log_probs",)
         per_token = _kernels.ChunkedLogProbFunction.apply(
             rows.to(head.weight.device), head.weight, head.bias,
-            r.shifted[0].to(head.weight.device), self.temperature, _CHUNK, self._softcap,
-            self._logit_scale, outputs)
+            r.shifted[0].to(head.weight.device), self.temperature, _CHUNK, softcap, scale,
+            outputs)
 
         def placed(values):
             # Targets come row by row, each row's completion tokens in order (DESIGN §14); a
@@ -293,7 +443,69 @@ class PackedGRPOTrainer(GRPOTrainer):
 
         logps = placed(per_token[0])
         entropies = placed(per_token[1]) if compute_entropy else None
-        return logps, entropies, None
+        aux_loss = None
+        if compute_aux_loss:
+            # TRL's fused head's loss (Mixtral's, on the padded rows under their attention
+            # mask): each packed token weighted by how many padded rows hold it.
+            text = base.config.get_text_config()
+            weights = token_rows(r).to(device=device, dtype=torch.float32)
+            if int(weights.sum()) != int(mask.sum()):
+                raise ValueError("packd.trl: the packed stream holds %d of the micro-batch's %d "
+                                 "tokens" % (int(weights.sum()), int(mask.sum())))
+            aux_loss = load_balancing_loss_func(out.router_logits, text.num_experts,
+                                                text.num_experts_per_tok, weights[None])
+        return logps, entropies, aux_loss
+
+    def _due(self, name: str) -> bool:
+        step = self.state.global_step
+        last = self._checked_at.get(name)
+        if last is None:
+            return True
+        return bool(self.check_every) and step != last and step % self.check_every == 0
+
+    def _check(self, name, model, input_ids, attention_mask, logits_to_keep, batch_size,
+               compute_entropy) -> None:
+        """The first-use check: the model's log-probs (and entropies) packed and through TRL's
+        own padded path, both in eval mode (no dropout, no random draw) without gradients;
+        PackedPathDiffers names the model and the largest difference beyond the tolerance."""
+        self._checked_at[name] = self.state.global_step
+        unwrapped = self.accelerator.unwrap_model(model)
+        training, forwarded = unwrapped.training, self.tokens_forwarded
+        unwrapped.eval()
+        try:
+            with torch.no_grad():
+                packed = self._packed_logps(model, input_ids, attention_mask, logits_to_keep,
+                                            compute_entropy, False)
+                padded = GRPOTrainer._get_per_token_logps_and_entropies(
+                    self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                    compute_entropy)
+        finally:
+            unwrapped.train(training)
+            self.tokens_forwarded = forwarded
+        dtype = next(unwrapped.parameters()).dtype
+        tolerance = self.check_tolerance
+        if tolerance is None or isinstance(tolerance, dict):
+            tolerance = {**CHECK_TOLERANCE, **(tolerance or {})}.get(dtype, 0.25)
+        completion = attention_mask.bool()[:, attention_mask.shape[1] - logits_to_keep:]
+        worst = 0.0
+        for what, got, want in zip(("log-prob", "entropy"), packed[:2], padded[:2]):
+            if got is None or want is None:
+                continue
+            difference = (got.float() - want.float()).abs()[completion]
+            if difference.numel() == 0:
+                continue
+            worst = max(worst, float(difference.max()))
+            if float(difference.max()) > tolerance:
+                row, col = divmod(int(((got.float() - want.float()).abs() * completion)
+                                      .flatten().argmax()), completion.shape[1])
+                raise PackedPathDiffers(
+                    "packd.trl: %s's packed %ss differ from TRL's padded ones by up to %.3g "
+                    "(row %d, completion token %d; tolerance %.3g for %s): packd will not "
+                    "train it packed. Is each of its attention layers on packd_varlen and "
+                    "its stateful layers per document? (check_packed=False skips this check)"
+                    % (name, what, float(difference.max()), row, col, tolerance,
+                       str(dtype).replace("torch.", "")))
+        self.checked[name] = worst
 
     def _packed(self, input_ids: torch.Tensor, mask: torch.Tensor, logits_to_keep: int):
         """A micro-batch's padded rows packed by packd: with share_prompt, consecutive rows with
