@@ -31,6 +31,18 @@ def test_packd_trl_trains_as_trls_own_trainer(client):
     assert worst <= 1e-9, worst
 
 
+def test_a_kl_penalty_trains_as_trls_own_trainer(client):
+    """beta = 0.04 over five steps: the reference model runs packed; loss, gradient norm and
+    rewards equal stock's with whole-group micro-batches, and with TRL's own slices
+    (micro_batches="trl") the logged KL too (a mean over the micro-batches, which whole groups
+    hold other rows than TRL's)."""
+    worst, complete, _ = train_trl_grpo.check(client, 5, beta=0.04)
+    assert complete and worst <= 1e-9, worst
+    worst, complete, _ = train_trl_grpo.check(client, 5, ("loss", "grad_norm", "reward", "kl"),
+                                              beta=0.04, micro_batches="trl")
+    assert complete and worst <= 1e-9, worst
+
+
 def test_the_example_trains_and_logs(client):
     logs = train_trl_grpo.train(client, 2)
     assert len(logs) == 2 and all(log["grad_norm"] > 0 for log in logs)
@@ -64,6 +76,14 @@ def test_two_ranks_train_as_trls_own_trainer_and_even_out_their_tokens(client):
     assert len(balance) == 2 * 3, out                   # each rank, each generation batch
     for _, ours, trls in balance:
         assert 1.0 <= float(ours) <= float(trls), out
+
+
+def test_two_ranks_with_groups_straddling_trls_slices(client):
+    """6 rows a micro-batch in groups of 4 on two ranks: 6 groups for 4 micro-batches, which
+    TRL trains with groups straddling its slices and ranks: packd trains those slices."""
+    out = on_two_ranks(client, "--check", "--steps", "3", "--uneven")
+    worst = [float(w) for w in re.findall(r"worst relative difference (%s)" % NUMBER, out)]
+    assert len(worst) == 2 and max(worst) <= 1e-9, out
 
 
 def test_the_streaming_form_trains_on_one_rank(client):

@@ -8,7 +8,9 @@ group's prompt forwarded once; nothing else in the script changes.
 
     python examples/train_trl_grpo.py --address 127.0.0.1:50051            # train, print the log
     python examples/train_trl_grpo.py --address 127.0.0.1:50051 --check    # and compare
-    accelerate launch --cpu --num_processes 2 examples/train_trl_grpo.py --check   # two ranks
+    accelerate launch --multi_gpu --num_processes 2 examples/train_trl_grpo.py --check  # 2 ranks
+    python examples/train_trl_grpo.py --check --beta 0.04     # a KL penalty (a reference model)
+    python examples/train_trl_grpo.py --check --uneven        # groups that straddle TRL's slices
 
     python examples/train_trl_grpo.py --address 127.0.0.1:50051 --streaming  # streaming form
 
@@ -89,33 +91,48 @@ def reward(completions, **kwargs):
             for c in completions]
 
 
-def config(output_dir, steps, loss_type="dapo", accumulation=2):
+def config(output_dir, steps, loss_type="dapo", accumulation=2, **settings):
+    """The run's GRPOConfig: 8 rows a micro-batch, groups of 4; `settings` override any field
+    (beta for a KL penalty, num_generations, ...)."""
     from trl import GRPOConfig
-    return GRPOConfig(
+    fields = dict(
         output_dir=output_dir, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=6, gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation, loss_type=loss_type, use_cpu=True, report_to=[],
         bf16=False, fp16=False, seed=0, beta=0.0, logging_steps=1, max_steps=steps,
         learning_rate=1e-2)
+    fields.update(settings)
+    return GRPOConfig(**fields)
 
 
-def train(client, steps, trainer_class=None, dtype=torch.float32):
+def train(client, steps, trainer_class=None, dtype=torch.float32, **settings):
     """Trains `steps` optimizer steps with PackedGRPOTrainer (or `trainer_class`, given TRL's
     own); returns the log of each step."""
-    return [h for h in run(client, steps, trainer_class, dtype).state.log_history if "loss" in h]
+    return [h for h in run(client, steps, trainer_class, dtype, **settings).state.log_history
+            if "loss" in h]
 
 
-def run(client, steps, trainer_class=None, dtype=torch.float32):
-    """The trainer, after `steps` optimizer steps (train's)."""
+def run(client, steps, trainer_class=None, dtype=torch.float32, micro_batches="auto",
+        **settings):
+    """The trainer, after `steps` optimizer steps (train's). With beta > 0 the model is saved
+    first and given by its path, from which TRL loads its reference model."""
     from transformers import set_seed
     from packd.trl import PackedGRPOTrainer
-    kwargs = dict(model=tiny_qwen(dtype), reward_funcs=reward,
-                  args=config(tempfile.mkdtemp(prefix="train-trl-"), steps),
+    directory = tempfile.mkdtemp(prefix="train-trl-")
+    model = tiny_qwen(dtype)
+    if settings.get("beta"):
+        model.save_pretrained(os.path.join(directory, "model"))
+        model = os.path.join(directory, "model")
+        settings["model_init_kwargs"] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    kwargs = dict(model=model, reward_funcs=reward, args=config(directory, steps, **settings),
                   train_dataset=prompts(64), processing_class=tokenizer())
     if trainer_class is None:
-        trainer = PackedGRPOTrainer(packd_client=client, **kwargs)
+        trainer = PackedGRPOTrainer(packd_client=client, micro_batches=micro_batches, **kwargs)
     else:
         trainer = trainer_class(**kwargs)
+    for m in (trainer.model, trainer.ref_model):
+        if m is not None and dtype == torch.float64:
+            m.double()  # a model loaded from its path: its rotary buffers too
     set_seed(0)
     trainer.train()
     return trainer
@@ -251,23 +268,27 @@ def check_streaming(client):
                for n, g in want.items())
 
 
-def check(client, steps):
+def check(client, steps, keys=("loss", "grad_norm", "reward"), **settings):
     """The packed trainer beside TRL's own, in float64 (TRL's float32-accumulating LM-head
     kernel replaced in both by its arithmetic in float64, transformers' float32 steps kept in
-    float64): the worst relative difference of loss, gradient norm and reward over the steps,
-    whether both logged every step, and per generation batch the ranks' largest token count over
-    their mean as packd placed them and as TRL's own slices hold them."""
+    float64): the worst relative difference of the logged `keys` over the steps, whether both
+    logged every step, and per generation batch the ranks' largest token count over their
+    mean as packd placed them and as TRL's own slices hold them (whole-group micro-batches
+    only). `settings`: GRPOConfig fields, and micro_batches."""
     from trl import GRPOTrainer
+    trl_settings = {k: v for k, v in settings.items() if k != "micro_batches"}
     with in_float64():
-        want = train(client, steps, GRPOTrainer, torch.float64)
-        packed = run(client, steps, dtype=torch.float64)
+        want = train(client, steps, GRPOTrainer, torch.float64, **trl_settings)
+        packed = run(client, steps, dtype=torch.float64, **settings)
     got = [h for h in packed.state.log_history if "loss" in h]
     balance = [tuple(max(ranks) * len(ranks) / sum(ranks) for ranks in batch)
                for batch in packed.rank_tokens]
     worst = 0.0
     for w, g in zip(want, got):
-        for key in ("loss", "grad_norm", "reward"):
-            worst = max(worst, abs(g[key] - w[key]) / max(abs(w[key]), 1e-12))
+        for key in keys:
+            # Relative; absolute below 1e-6 (an on-policy loss whose advantages cancel is 0
+            # up to rounding: -1.7e-17 against -1.9e-17).
+            worst = max(worst, abs(g[key] - w[key]) / max(abs(w[key]), 1e-6))
     return worst, len(got) == len(want) == steps, balance
 
 
@@ -277,7 +298,15 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--streaming", action="store_true")
+    parser.add_argument("--beta", type=float, default=0.0, help="a KL penalty")
+    parser.add_argument("--uneven", action="store_true",
+                        help="6 rows a micro-batch in groups of 4: groups straddle TRL's slices")
     args = parser.parse_args()
+    settings = {}
+    if args.beta:
+        settings.update(beta=args.beta)
+    if args.uneven:
+        settings.update(per_device_train_batch_size=6)
     with packd.Client(args.address) as client:
         if args.streaming and args.check:
             worst = check_streaming(client)
@@ -296,14 +325,14 @@ def main():
                          log["packd/stale_groups"]))
             return 0 if len(logs) == args.steps else 1
         if args.check:
-            worst, complete, balance = check(client, args.steps)
+            worst, complete, balance = check(client, args.steps, **settings)
             print("packd.trl against TRL's GRPOTrainer, %d steps: worst relative difference "
                   "%.1e" % (args.steps, worst))
             for i, (ours, trls) in enumerate(balance):
                 print("generation batch %d: the busiest rank's tokens over the mean %.3f "
                       "(TRL's slices: %.3f)" % (i, ours, trls))
             return 0 if complete and worst <= 1e-9 else 1
-        for step, log in enumerate(train(client, args.steps)):
+        for step, log in enumerate(train(client, args.steps, **settings)):
             print("step %d: loss %.6f, grad_norm %.4f, reward %.3f"
                   % (step + 1, log["loss"], log["grad_norm"], log["reward"]))
     return 0

@@ -244,17 +244,43 @@ def sum_gradients(parameters: Any) -> None:
 
 def publish_weights(model: torch.nn.Module, directory: str, version: int,
                     max_staleness: int) -> str:
-    """Saves the model's state_dict as version `version` in `directory` (written whole, then
-    renamed) and removes versions older than a rollout may still use; returns its path."""
+    """Saves the model's weights (merged_state_dict) as version `version` in `directory`
+    (written whole, then renamed) and removes versions older than a rollout may still use;
+    returns its path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "policy-%d.pt" % version)
-    torch.save(model.state_dict(), path + ".tmp")
+    torch.save(merged_state_dict(model), path + ".tmp")
     os.replace(path + ".tmp", path)
     stale = version - max_staleness - 1
     old = os.path.join(directory, "policy-%d.pt" % stale)
     if stale >= 0 and os.path.exists(old):
         os.remove(old)
     return path
+
+
+def merged_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The weights a rollout generates with: a PEFT model's as its base model's state_dict, each
+    LoRA layer's active adapters merged into its weight (W + the adapter's delta, as PEFT's
+    merge computes it, without changing the model), so that a plain model of the base's class
+    loads them; any other model's state_dict."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()
+    merged = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight.detach()
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight + module.get_delta_weight(adapter).detach()
+            merged[name + ".weight"] = weight
+    state = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" not in key:
+            state[key.replace(".base_layer.", ".")] = value
+    state.update(merged)
+    return state
 
 
 def streamed_inputs(result: Any, processes: int) -> Dict[str, Any]:
@@ -287,8 +313,6 @@ def check_streaming(args: Any, share_prompt: bool) -> None:
     if args.loss_type not in STREAMED_LOSSES:
         wrong.append("loss_type one of %s (normalised by the global token count), not %r"
                      % (", ".join(STREAMED_LOSSES), args.loss_type))
-    if args.beta != 0.0:
-        wrong.append("beta = 0 (no reference model's log-probs are streamed)")
     if args.scale_rewards not in ("group", "none"):
         wrong.append("scale_rewards 'group' or 'none' (a group is scored alone)")
     if args.use_vllm or args.off_policy_mask_threshold is not None:

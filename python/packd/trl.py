@@ -227,6 +227,30 @@ def token_rows(result: Any) -> torch.Tensor:
     return torch.bincount(keys.long(), minlength=int(result.total_active))
 
 
+def _padded_rows(result: Any, completion_width: int):
+    """A shared stream's rows as TRL pads them (prompts on the left, completions on the right
+    to completion_width): (input_ids, attention_mask). Row b's tokens are the keys of its last
+    segment, its completion the last of them (one per target)."""
+    s = result.shared
+    last: Dict[int, int] = {}
+    for n, row in enumerate(s.segment_row.tolist()):
+        last[row] = n
+    cu_k, targets = s.cu_seqlens_k.tolist(), s.target_cu_seqlens.tolist()
+    prompts, completions = [], []
+    for b in range(len(targets) - 1):
+        tokens = result.packed[0][s.kv_index[cu_k[last[b]]:cu_k[last[b] + 1]].long()]
+        c = targets[b + 1] - targets[b]
+        prompts.append(tokens[:len(tokens) - c])
+        completions.append(tokens[len(tokens) - c:])
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width + completion_width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids[b, width - len(p):width], mask[b, width - len(p):width] = p, 1
+        ids[b, width:width + len(c)], mask[b, width:width + len(c)] = c, 1
+    return ids, mask
+
+
 class PackedGRPOTrainer(GRPOTrainer):
     """trl.GRPOTrainer whose micro-batches' forward runs packed through packd (the module's
     docstring). Takes every argument GRPOTrainer takes, and:
@@ -390,7 +414,8 @@ class PackedGRPOTrainer(GRPOTrainer):
         name = self._model_name(model)
         got = self._packed_logps(model, input_ids, attention_mask, logits_to_keep,
                                  compute_entropy, compute_aux_loss)
-        if self.check_packed and self._due(name):
+        if (self.check_packed and attention_mask[:, attention_mask.shape[1] - logits_to_keep:].any()
+                and self._due(name)):
             self._check(name, model, input_ids, attention_mask, logits_to_keep, batch_size,
                         compute_entropy)
         return got
@@ -472,13 +497,16 @@ class PackedGRPOTrainer(GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         training, forwarded = unwrapped.training, self.tokens_forwarded
         unwrapped.eval()
+        rows, row_mask = input_ids, attention_mask
+        if self._streamed is not None:  # a streamed micro-batch's rows, as TRL pads them
+            rows, row_mask = _padded_rows(self._streamed, logits_to_keep)
+            rows, row_mask = rows.to(input_ids.device), row_mask.to(attention_mask.device)
         try:
             with torch.no_grad():
                 packed = self._packed_logps(model, input_ids, attention_mask, logits_to_keep,
                                             compute_entropy, False)
                 padded = GRPOTrainer._get_per_token_logps_and_entropies(
-                    self, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                    compute_entropy)
+                    self, model, rows, row_mask, logits_to_keep, batch_size, compute_entropy)
         finally:
             unwrapped.train(training)
             self.tokens_forwarded = forwarded
@@ -630,9 +658,29 @@ class PackedGRPOTrainer(GRPOTrainer):
         inputs = {k: v.to(self.args.device) for k, v in inputs.items()}
         self._streamed = result
         try:
+            if self.beta != 0.0:
+                inputs["ref_per_token_logps"] = self._reference_logps(inputs)
             return self._compute_loss(model, inputs)
         finally:
             self._streamed = None
+
+    def _reference_logps(self, inputs: Dict[str, Any]) -> torch.Tensor:
+        """A streamed micro-batch's reference log-probs, as TRL's generation computes them: the
+        reference model's, or a PEFT policy's with its adapters disabled (its "ref" adapter
+        where it has one), packed, without gradients."""
+        from trl.trainer.utils import use_adapter
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        width = inputs["completion_ids"].shape[1]
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return self._get_per_token_logps_and_entropies(self.ref_model, input_ids, mask,
+                                                               width)[0]
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            with use_adapter(unwrapped,
+                             adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                return self._get_per_token_logps_and_entropies(self.model, input_ids, mask,
+                                                               width)[0]
 
     def _placeholder(self):
         """A one-token stream with one target, packed once: the masked forward's."""

@@ -53,7 +53,8 @@ class Gradients(TrainerCallback):
         self.model, self.steps = model, []
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
+        self.steps.append({n: p.grad.clone() for n, p in self.model.named_parameters()
+                           if p.grad is not None})
 
 
 @pytest.fixture
@@ -69,15 +70,17 @@ def float64(monkeypatch):
         torch.set_default_dtype(torch.float32)
 
 
-def streamed(address, tmp_path, rollout, dtype=torch.float64, steps=1, max_tokens=40, **config):
+def streamed(address, tmp_path, rollout, dtype=torch.float64, steps=1, max_tokens=40,
+             trainer_kwargs=None, callbacks=(), **config):
     model = tiny_qwen(dtype)
     gradients = Gradients(model)
     with packd.Client(address) as client:
         trainer = PackedGRPOTrainer(
             model=model, reward_funcs=reward, args=streaming_config(str(tmp_path), steps, **config),
             train_dataset=prompts(64), processing_class=tokenizer(), packd_client=client,
-            callbacks=[gradients],
-            streaming=Streaming(rollout, processes=2, max_tokens=max_tokens))
+            callbacks=[gradients, *callbacks], **(trainer_kwargs or {}),
+            streaming=Streaming(rollout, processes=2, max_tokens=max_tokens,
+                                weights_dir=str(tmp_path / "policy")))
         trainer.train()
     return trainer, gradients.steps
 
@@ -138,7 +141,7 @@ def test_a_failed_rollout_ends_the_step_with_its_error(address, tmp_path):
 @pytest.mark.parametrize("overrides, words", [
     ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps = steps_per_generation"),
     ({"loss_type": "grpo"}, "loss_type one of dapo, cispo, vespo"),
-    ({"beta": 0.1}, "beta = 0"),
+    ({"top_entropy_quantile": 0.2}, "no entropy bonus or mask"),
     ({"scale_rewards": "batch"}, "scale_rewards 'group' or 'none'"),
 ])
 def test_what_streaming_cannot_honour_is_refused_by_name(address, tmp_path, overrides, words):
@@ -147,3 +150,59 @@ def test_what_streaming_cannot_honour_is_refused_by_name(address, tmp_path, over
                           args=streaming_config(str(tmp_path), **overrides),
                           train_dataset=prompts(64), processing_class=tokenizer(),
                           packd_address=address, streaming=Streaming(scripted))
+
+
+class Initial(TrainerCallback):
+    """The model's weights as training begins (a copy)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_kl_penalty_with_lora_streams(address, tmp_path, float64):
+    """beta = 0.04 and a LoRA adapter (random A and B): each received micro-batch's reference
+    log-probs are the policy's with its adapters disabled, packed; the step's gradients equal
+    the whole batch's token mean of TRL's per-token loss, each row its own forward (the
+    adapters on, and off for the reference), and the weights published for the rollouts are
+    the adapters merged into the base model's."""
+    peft = pytest.importorskip("peft")
+    from packd._trl_stream import group_advantages
+    lora = peft.LoraConfig(r=4, lora_alpha=1, lora_dropout=0.0, init_lora_weights=False,
+                           target_modules=["q_proj", "v_proj", "up_proj"])
+    initial, beta = Initial(), 0.04
+    trainer, gradients = streamed(address, tmp_path, scripted, beta=beta,
+                                  trainer_kwargs={"peft_config": lora}, callbacks=[initial])
+    step = trainer.streamed_steps[0]
+    model = peft.get_peft_model(tiny_qwen(torch.float64), lora)  # the weights trained from
+    model.load_state_dict(initial.state)
+    total, tokens = 0.0, 0
+    for group in step["groups"]:
+        torch.set_default_dtype(torch.float32)  # as in the rollout worker's process
+        advantages = group_advantages(group.rewards, "group")
+        torch.set_default_dtype(torch.float64)
+        for completion, advantage in zip(group.completion_ids, advantages):
+            ids = torch.tensor(list(group.prompt_ids) + list(completion))[None]
+            p, target = len(group.prompt_ids), torch.tensor(completion)[:, None]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0][p - 1:-1], -1).gather(
+                1, target)[:, 0]
+            with torch.no_grad(), model.disable_adapter():
+                ref = torch.log_softmax(model(input_ids=ids).logits[0][p - 1:-1], -1).gather(
+                    1, target)[:, 0]
+            ratio = torch.exp(logp - logp.detach())  # the old log-probs are the policy's own
+            kl = (torch.exp(ref - logp) - (ref - logp) - 1) * ratio  # use_bias_correction_kl
+            total = total + (-advantage * ratio + beta * kl).sum()
+            tokens += len(completion)
+    (total / tokens).backward()
+    assert tokens == step["global_loss_tokens"]
+    want = {n: q.grad for n, q in model.get_base_model().named_parameters() if q.requires_grad}
+    assert want and all("lora_" in n for n in want)
+    for name, g in want.items():
+        assert relative(gradients[0][name], g) <= 1e-12, name
+    logged = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert logged["kl"] > 0
+    # The published weights: the base model's names, each adapted weight W + its delta.
+    weights = torch.load(str(tmp_path / "policy" / "policy-0.pt"), weights_only=True)
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert set(weights) == set(tiny_qwen(torch.float64).state_dict())
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"],
+                       layer.get_base_layer().weight + layer.get_delta_weight("default"))
