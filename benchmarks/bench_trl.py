@@ -1,11 +1,14 @@
 """TRL's GRPOTrainer against packd.trl.PackedGRPOTrainer on the same frozen generation batches
-(docs/performance.md, "TRL's GRPOTrainer on packd"), three ways timed in one run:
+(docs/performance.md, "TRL's GRPOTrainer on packd"), four ways timed in one run:
 
   stock         trl.GRPOTrainer: every row padded to the generation batch's prompt and
                 completion lengths, each prompt forwarded once per response;
   packd         PackedGRPOTrainer(share_prompt=False): whole-group micro-batches, each row one
                 packed document;
-  packd shared  PackedGRPOTrainer: each group's prompt once.
+  packd shared  PackedGRPOTrainer: each group's prompt once;
+  packd slices  PackedGRPOTrainer(micro_batches="trl"): TRL's own slices, each prompt once per
+                slice that holds its rows (what bnpo, an entropy mask or a MoE's
+                load-balancing loss train).
 
 The model is bench-train's Qwen 3 from its config (float32, random weights); a generation batch
 is --groups groups of --members responses to prompts of --prompt tokens, responses lognormal
@@ -90,7 +93,8 @@ def trainer_of(kind, model, address, batch_rows, members, accumulation, max_comp
     if kind == "stock":
         return GRPOTrainer(**kwargs)
     return PackedGRPOTrainer(packd_client=packd.Client(address),
-                             share_prompt=kind == "packd shared", **kwargs)
+                             share_prompt=kind != "packd",
+                             micro_batches="trl" if kind == "packd slices" else "auto", **kwargs)
 
 
 def tokens_forwarded(trainer):
@@ -156,7 +160,7 @@ def main():
     active = [int(b["prompt_mask"].sum() + b["completion_mask"].sum()) for b in batches]
     results = {}
     with server(args.address, args.packd, "bench-trl") as address:
-        for way in ("stock", "packd", "packd shared"):
+        for way in ("stock", "packd", "packd shared", "packd slices"):
             model = model_of(args.vocab, args.hidden, args.layers, torch.float32)
             trainer = trainer_of(way, model, address, rows, args.members, args.accumulation,
                                  responses[1])
