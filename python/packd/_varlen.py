@@ -128,6 +128,11 @@ def check_model(model: torch.nn.Module, offset_positions: bool = False) -> None:
                              "logits), "
                              "and would see across documents"
                              % (kind, ", ".join(sorted(set(types)))))
+    unknown = _unknown_state(model)
+    if unknown:
+        raise ValueError("packd_varlen cannot serve %s: %s carries state across tokens (%s) and "
+                         "is no layer packd runs per document (packd._stateful), so it would "
+                         "carry it from one document into the next" % ((kind,) + unknown))
     if attention and "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError("packd_varlen cannot serve %s: its forward takes no position_ids, so "
                          "its positions cannot restart at every document" % kind)
@@ -146,6 +151,49 @@ def check_model(model: torch.nn.Module, offset_positions: bool = False) -> None:
                          "positions from padding_idx + 1 = %d, not 0, so packd's position ids "
                          "(0 at every document) are not its own; packd.hf.packed_row(r, model) "
                          "gives them from %d" % (kind, offset, offset))
+
+
+def _unknown_state(model: torch.nn.Module) -> Optional[Tuple[str, str]]:
+    """The first module that carries state across tokens by its structure, outside the layers
+    packd runs per document (and outside vision and audio towers): a causal convolution over
+    tokens (a Conv1d padded by its kernel less one), or the innermost module whose forward takes
+    a recurrent cache (`cache_params`) with no layer packd knows inside it (a block or a model
+    that hands the cache on to one is not it). (its name, why), or None."""
+    from packd._stateful import stateful_layers
+    covered = {id(m) for _, layer in stateful_layers(model) for m in layer.modules()}
+    takes: Dict[type, bool] = {}
+
+    def takes_cache(module: torch.nn.Module) -> bool:
+        if type(module) not in takes:
+            try:
+                parameters = inspect.signature(type(module).forward).parameters
+            except (TypeError, ValueError):
+                parameters = {}
+            takes[type(module)] = "cache_params" in parameters
+        return takes[type(module)]
+
+    # Whether a module's children hold a known layer or a cache taker.
+    module_below: Dict[int, bool] = {}
+
+    def visit(module: torch.nn.Module) -> bool:
+        below = False
+        for child in module.children():
+            below = visit(child) or below
+        module_below[id(module)] = below
+        return below or id(module) in covered or takes_cache(module)
+
+    visit(model)
+    for name, module in model.named_modules():
+        if id(module) in covered or any(t in name.lower() for t in ("vision", "audio")):
+            continue
+        if isinstance(module, torch.nn.Conv1d):
+            kernel, padding = module.kernel_size[0], module.padding
+            if kernel > 1 and not isinstance(padding, str) and padding[0] == kernel - 1:
+                return "%s (%s)" % (name, type(module).__name__), "a causal convolution"
+        elif takes_cache(module) and not module_below[id(module)]:
+            return "%s (%s)" % (name or "the model", type(module).__name__), (
+                "its forward takes cache_params")
+    return None
 
 
 def _interfaced(model: torch.nn.Module, stateful: int) -> bool:

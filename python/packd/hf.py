@@ -34,19 +34,29 @@ import torch
 
 from packd import _default
 from packd._mrope import mrope_of, mrope_position_ids
+from packd._probe import LeakFound, probe as _probe
 from packd._stateful import bound_states
 from packd._varlen import (check_model, declared_sequences, position_offset,
                            register_varlen_attention, shared_attention_kwargs, varlen_attention)
 from packd.client import Client
 from packd.layout import Layout
 
-__all__ = ["DataCollatorWithFlattening", "bound_states", "mrope_of", "mrope_position_ids",
-           "packed_row",
+__all__ = ["DataCollatorWithFlattening", "LeakFound", "bound_states", "check_model", "mrope_of",
+           "mrope_position_ids", "packed_row", "probe_model",
            "register_varlen_attention", "shared_attention_kwargs", "varlen_attention"]
 
 
+def probe_model(model: torch.nn.Module, shared: bool = False) -> None:
+    """The leak probe (packd._probe): `model` on a short packed row (with `shared`, also a
+    prefix with two continuations, as packd.trl packs groups) against each document alone, once
+    per family and configuration; LeakFound names the first layer whose output differs. Run it
+    with the model as it will train (its attention implementation set, bound_states done)."""
+    _probe(model, shared)
+
+
 @contextlib.contextmanager
-def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator[Dict[str, Any]]:
+def packed_row(result: Any, model: Optional[torch.nn.Module] = None, *,
+               probe: bool = True) -> Iterator[Dict[str, Any]]:
     """A Pack's (or a step's micro-batch's) one packed row as a transformers model takes it:
     yields the keyword arguments position_ids ([1, rows] int64; [4, 1, rows] with mrope),
     cu_seq_lens_q / cu_seq_lens_k (int32), max_length_q / max_length_k and use_cache=False
@@ -60,7 +70,10 @@ def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator
 
     Given the model, it first refuses a family packd_varlen
     cannot train packed (packd._varlen.check_model: attention outside transformers' attention
-    interface, layers that mix tokens outside attention, a forward without position ids).
+    interface, layers that mix tokens outside attention, a forward without position ids), then
+    runs the leak probe once per family and configuration (packd._probe: a short packed row
+    against each document alone; LeakFound names the first layer that differs; probe=False
+    skips it).
     A family whose embeddings number positions from padding_idx + 1 (RoBERTa and its kin, as
     decoders) gets its position ids from there.
 
@@ -78,6 +91,8 @@ def packed_row(result: Any, model: Optional[torch.nn.Module] = None) -> Iterator
         check_model(model, offset_positions=True)
         bound_states(model)
         offset = position_offset(model)
+        if probe:
+            probe_model(model)
     if result.cu_seqlens_padded is not None:
         cu, longest = result.cu_seqlens_padded, result.max_seqlen_padded
     elif result.doc_cu_seqlens is not None:

@@ -57,7 +57,7 @@ from packd import _trl_stream as _stream
 from packd._trl_stream import Policy, ScoredGroup, Streaming
 from packd._stateful import bound_states
 from packd._varlen import check_model
-from packd.hf import register_varlen_attention, shared_attention_kwargs
+from packd.hf import probe_model, register_varlen_attention, shared_attention_kwargs
 from packd.layout import Layout, SharedPrefix
 
 try:
@@ -259,7 +259,8 @@ class PackedGRPOTrainer(GRPOTrainer):
     default: whole groups where TRL's statistics allow, else TRL's own slices; "groups" or
     "trl" to insist: "groups" is refused where it would change the loss); check_packed (the
     first-use check, default True), check_every (also every N optimizer steps; 0: first use
-    only), check_tolerance (a number, or a dict by dtype; default CHECK_TOLERANCE); streaming
+    only), check_tolerance (a number, or a dict by dtype; default CHECK_TOLERANCE); leak_probe
+    (packd.hf.probe_model on each model served, once per family; default True); streaming
     (a packd.trl.Streaming: train from streaming steps fed by rollout workers; docs/trl.md,
     "Streaming"). accept_bnpo_difference is accepted and has no effect (bnpo is TRL's value
     now)."""
@@ -267,8 +268,9 @@ class PackedGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, packd_client: Optional[packd.Client] = None,
                  packd_address: str = "127.0.0.1:50051", share_prompt: bool = True,
                  micro_batches: str = "auto", check_packed: bool = True, check_every: int = 0,
-                 check_tolerance: Any = None, accept_bnpo_difference: bool = False,
-                 streaming: Optional[Streaming] = None, **kwargs: Any) -> None:
+                 check_tolerance: Any = None, leak_probe: bool = True,
+                 accept_bnpo_difference: bool = False, streaming: Optional[Streaming] = None,
+                 **kwargs: Any) -> None:
         _trl_compat.check()  # a TRL whose private names moved is refused before anything runs
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         if micro_batches not in MICRO_BATCHES:
@@ -290,7 +292,7 @@ class PackedGRPOTrainer(GRPOTrainer):
                              "(router_aux_loss_coef = 0): it is a statistic of TRL's micro-batch,"
                              " which a streamed micro-batch is not")
         self.packd_client = packd_client or packd.Client(packd_address)
-        self.share_prompt = share_prompt
+        self.share_prompt, self.leak_probe = share_prompt, leak_probe
         self.tokens_forwarded = 0  # the packed streams' rows, over every forward
         # Why this trainer's micro-batches are TRL's own slices (none: whole groups).
         self.slice_reasons = self._slice_reasons()
@@ -326,6 +328,8 @@ class PackedGRPOTrainer(GRPOTrainer):
         check_model(base)
         bound_states(base)
         base.set_attn_implementation("packd_varlen")
+        if self.leak_probe:  # packd._probe: a short packed row against each document alone
+            probe_model(base, shared=self.share_prompt)
         self._served[id(base)] = name
 
     def _slice_reasons(self) -> List[str]:
@@ -412,11 +416,14 @@ class PackedGRPOTrainer(GRPOTrainer):
         if any(v is not None for v in multimodal.values()):
             raise ValueError("packd.trl: vision-language inputs are not packed yet")
         name = self._model_name(model)
-        got = self._packed_logps(model, input_ids, attention_mask, logits_to_keep,
-                                 compute_entropy, compute_aux_loss)
-        if (self.check_packed and attention_mask[:, attention_mask.shape[1] - logits_to_keep:].any()
+        mask = attention_mask.bool()
+        r = self._streamed if self._streamed is not None else self._packed(input_ids, mask,
+                                                                            logits_to_keep)
+        got = self._packed_logps(model, r, mask, logits_to_keep, compute_entropy,
+                                 compute_aux_loss)
+        if (self.check_packed and mask[:, mask.shape[1] - logits_to_keep:].any()
                 and self._due(name)):
-            self._check(name, model, input_ids, attention_mask, logits_to_keep, batch_size,
+            self._check(name, model, r, input_ids, attention_mask, logits_to_keep, batch_size,
                         compute_entropy)
         return got
 
@@ -431,14 +438,12 @@ class PackedGRPOTrainer(GRPOTrainer):
             name += " with its adapters disabled (the reference)"
         return name
 
-    def _packed_logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy,
-                      compute_aux_loss):
-        mask = attention_mask.bool()
+    def _packed_logps(self, model, r, mask, logits_to_keep, compute_entropy, compute_aux_loss):
+        """The model over a packed micro-batch `r` (its padded rows' mask `mask`): TRL's
+        (log-probs, entropies or None, aux loss or None)."""
         completion = mask[:, mask.shape[1] - logits_to_keep:]
-        r = self._streamed if self._streamed is not None else self._packed(input_ids, mask,
-                                                                            logits_to_keep)
         self.tokens_forwarded += r.total_active
-        device = input_ids.device
+        device = mask.device
         base = _base_model(self.accelerator.unwrap_model(model))
         extra = {"output_router_logits": True} if compute_aux_loss else {}
         # Through the model as TRL calls it (a wrapper's forward included), its last hidden
@@ -488,7 +493,7 @@ class PackedGRPOTrainer(GRPOTrainer):
             return True
         return bool(self.check_every) and step != last and step % self.check_every == 0
 
-    def _check(self, name, model, input_ids, attention_mask, logits_to_keep, batch_size,
+    def _check(self, name, model, r, input_ids, attention_mask, logits_to_keep, batch_size,
                compute_entropy) -> None:
         """The first-use check: the model's log-probs (and entropies) packed and through TRL's
         own padded path, both in eval mode (no dropout, no random draw) without gradients;
@@ -503,7 +508,7 @@ class PackedGRPOTrainer(GRPOTrainer):
             rows, row_mask = rows.to(input_ids.device), row_mask.to(attention_mask.device)
         try:
             with torch.no_grad():
-                packed = self._packed_logps(model, input_ids, attention_mask, logits_to_keep,
+                packed = self._packed_logps(model, r, attention_mask.bool(), logits_to_keep,
                                             compute_entropy, False)
                 padded = GRPOTrainer._get_per_token_logps_and_entropies(
                     self, model, rows, row_mask, logits_to_keep, batch_size, compute_entropy)

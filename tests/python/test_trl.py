@@ -17,6 +17,7 @@ replace it, in both trainers alike, with the same arithmetic in float64 (ExactLo
 float32 steps transformers takes in a float64 model (rotary angles, norms) stay in float64
 (hf_families), since the padded rows' positions start at their left padding and the packed
 rows' at 0."""
+import contextlib
 import os
 import sys
 
@@ -134,8 +135,42 @@ def run_both(address, args, model, share_prompt=True, rows_per_part=None, prompt
         assert len(parts) == args.steps_per_generation
         if rows_per_part is not None:
             assert {len(p["prompt_ids"]) for p in parts} == {rows_per_part}
-        got = frozen_step(packed, parts, accumulation)
+        with packd_at_work(packed) as work:
+            got = frozen_step(packed, parts, accumulation)
+        # packd did the work: a Pack per micro-batch, packd_varlen reached, the packed streams
+        # forwarded (fewer rows than the micro-batches' tokens where a prompt is shared).
+        tokens = sum(int(p["prompt_mask"].sum() + p["completion_mask"].sum()) for p in parts)
+        assert work["packs"] == len(parts) and work["attention"] > 0, work
+        assert 0 < work["tokens"] <= tokens and (work["tokens"] < tokens) == share_prompt, (
+            work, tokens)
     return got, want, packed
+
+
+@contextlib.contextmanager
+def packd_at_work(trainer):
+    """Counts, while open, the trainer's Packs, the calls that reached packd_varlen and the
+    packed rows forwarded."""
+    from transformers import AttentionInterface
+    from packd._varlen import NAME, varlen_attention
+    work = {"packs": 0, "attention": 0, "tokens": trainer.tokens_forwarded}
+    pack = trainer.packd_client.pack
+
+    def counted_pack(*args, **kwargs):
+        work["packs"] += 1
+        return pack(*args, **kwargs)
+
+    def counted_attention(*args, **kwargs):
+        work["attention"] += 1
+        return varlen_attention(*args, **kwargs)
+
+    trainer.packd_client.pack = counted_pack
+    AttentionInterface.register(NAME, counted_attention)
+    try:
+        yield work
+    finally:
+        AttentionInterface.register(NAME, varlen_attention)
+        trainer.packd_client.pack = pack
+        work["tokens"] = trainer.tokens_forwarded - work["tokens"]
 
 
 def shuffled(batch):

@@ -215,11 +215,13 @@ def test_positions_from_after_the_pad_id_come_from_packed_row(client):
     there (restarting at every document), and check_model refuses the family to a caller that
     passes packd's own position ids (0 at every document)."""
     from packd._varlen import check_model
-    from packd.hf import packed_row
+    from packd.hf import packed_row, register_varlen_attention
     from transformers import AutoModelForCausalLM, RobertaConfig
+    register_varlen_attention()
     model = AutoModelForCausalLM.from_config(RobertaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, is_decoder=True, pad_token_id=1))
+        num_attention_heads=4, is_decoder=True, pad_token_id=1),
+        attn_implementation="packd_varlen")  # the leak probe runs it packed, from position 2
     r = client.pack([torch.arange(3, 9)[None]], torch.ones(1, 6, dtype=torch.bool),
                     segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]), with_position_ids=True)
     with packed_row(r, model) as kwargs:
