@@ -225,7 +225,7 @@ def token_mean(groups, dtype=torch.float64):
     ones: each token's loss -advantage * exp(logp - logp.detach())) and its gradients, without
     packd: each completion its own forward of tiny_qwen's initial weights. Returns the loss,
     each parameter's gradient and the token count."""
-    from packd._trl_stream import group_advantages
+    from packd.integrations.trl_stream import group_advantages
     model = tiny_qwen(dtype)
     total, tokens = 0.0, 0
     for group in groups:

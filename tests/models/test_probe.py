@@ -1,5 +1,5 @@
-"""The leak probe (packd/_probe.py): a family no table of packd's knows, whose layer mixes tokens
-outside attention, is refused at first use (packd.hf.packed_row, PackedGRPOTrainer), naming the
+"""The leak probe (packd/integrations/probe.py): a family no table of packd's knows, whose layer
+mixes tokens outside attention, is refused at first use (packd.hf.packed_row, PackedGRPOTrainer), naming the
 layer; a family packd serves passes it, once per configuration; and it catches an attention left
 outside packd_varlen. The made-up layer is a cumulative sum over tokens added to Llama's MLP,
 under a class name no table has."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import packd
-from packd import _probe
+from packd.integrations import probe as _probe
 from packd.hf import LeakFound, packed_row, probe_model, register_varlen_attention
 from survey import transformers
 
@@ -15,7 +15,8 @@ pytestmark = [
     pytest.mark.skipif(transformers is None, reason="transformers is not installed (Debian 12 "
                        "has no package of it); the PyPI stack's run tests"),
     # TRL 1.16's configuration still sets a field transformers 5.24 renamed.
-    pytest.mark.filterwarnings(r"ignore:`\w*gradient_checkpointing\w*` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings(
+        r"ignore:`\w*gradient_checkpointing\w*` is deprecated:FutureWarning"),
 ]
 
 

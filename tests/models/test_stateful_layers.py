@@ -1,5 +1,5 @@
 """Each kind of layer that carries state across tokens (or whose indexer picks keys across them),
-on a packed row, equals the layer run on each document alone (packd/_stateful.py: every
+on a packed row, equals the layer run on each document alone (packd/integrations/stateful.py: every
 document from a zero state): the logits at every token and every parameter's gradient of a
 weighted sum of them, documents of 1, 2, 63, 64, 65 and 300 tokens (around the chunk sizes of
 the chunked scans, 64), in float64 (1e-9 relative; 1e-7 for the gradients of DeepSeek's
@@ -25,7 +25,7 @@ import torch
 import packd
 from hf_families import Float64Steps, keep_float64
 from packd.hf import packed_row, register_varlen_attention
-from packd._stateful import bound_states, stateful_layers
+from packd.integrations.stateful import bound_states, stateful_layers
 from survey import VOCAB, logits_and_grads, packed_and_alone, tiny_model, transformers
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="transformers is not installed "
@@ -170,10 +170,10 @@ def test_a_row_of_one_document(client, kind, pad_multiple, monkeypatch):
 def test_eager_attention_its_mask_cut_per_document(client, kind, monkeypatch):
     """The same row through transformers' eager attention (its block-diagonal [1, 1, T, T] mask,
     found from the position ids) in float64: a layer that runs per document under an attention
-    mask gets its documents' blocks of that mask (packd._stateful._padded_mask), and the logits
-    and gradients equal the documents alone as through packd_varlen. transformers' eager softmax
+    mask gets its documents' blocks of that mask (packd.integrations.stateful._padded_mask), and
+    the logits and gradients equal the documents alone as through packd_varlen. transformers' eager softmax
     kept in float64 (its float32 sums round apart over the padded rows and each document)."""
-    import packd._stateful as stateful
+    import packd.integrations.stateful as stateful
     cut, padded_mask = [], stateful._padded_mask
 
     def spy(layer, mask, *args):
@@ -266,11 +266,11 @@ def shared_prompts(client, kind):
 
 
 def test_length_groups_pad_no_document_past_twice_its_length():
-    """The row's documents run in groups of similar length (packd._stateful._length_groups):
-    every document in exactly one group, in the row's order within it, padded to at most twice
+    """The row's documents run in groups of similar length
+    (packd.integrations.stateful._length_groups): every document in exactly one group, in the row's order within it, padded to at most twice
     its length (or the chunked scans' chunk); documents of one length are one group. (The
     tests above run documents of 1 to 300 tokens as three groups.)"""
-    from packd._stateful import _GROUP_FLOOR, _length_groups
+    from packd.integrations.stateful import _GROUP_FLOOR, _length_groups
     rng = seeded("", "length groups")
     for _ in range(500):
         lengths = [rng.randrange(1, rng.choice([70, 3000])) for _ in range(rng.randrange(1, 40))]

@@ -25,8 +25,8 @@ import random
 import pytest
 import torch
 
-from packd import _varlen
-from packd._stateful import stateful_layers
+from packd.integrations import documents as _varlen
+from packd.integrations.stateful import stateful_layers
 from packd.hf import packed_row, register_varlen_attention
 from hf_families import Float64Steps, keep_float64
 from survey import VOCAB, causal_lm_types, logits_of, packed_and_alone, tiny_model, transformers
@@ -125,7 +125,7 @@ def test_packed_equals_padded_or_is_refused(client, kind, float64_steps):
                     kwargs = {"position_ids": kwargs["position_ids"], "use_cache": False}
                 got = logits_of(packed(input_ids=r.packed[0][None], **kwargs))[0]
                 if way == "position ids":
-                    sources.update(_varlen._declared.get().sources)
+                    sources.update(_varlen.declaration().sources)
             scale = want.abs().max()
             error = float((got - want).abs().max() / scale)
             errors.append(error)
@@ -155,8 +155,8 @@ def test_packed_equals_padded_or_is_refused(client, kind, float64_steps):
 
 
 def stateful_documents(client, padded, packed, rng, tokens, float64_steps, kept, kind):
-    """A family with layers that carry state (packd/_stateful.py), again on documents around
-    the chunked scans' chunk size (2, 63 and 65 tokens): its logits and every parameter's
+    """A family with layers that carry state (packd/integrations/stateful.py), again on documents
+    around the chunked scans' chunk size (2, 63 and 65 tokens): its logits and every parameter's
     gradient of a weighted sum of them, packed, equal each document alone (the padded model,
     one document per call) to 1e-9; and transformers alone on the packed row (position ids
     restarting, no packd): whether its state leaks across the documents. The reason's tail."""

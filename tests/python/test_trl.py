@@ -35,7 +35,7 @@ from trl.trainer.utils import split_tensor_dict  # noqa: E402
 import packd  # noqa: E402
 from exact_log_prob import ExactLogProb  # noqa: E402
 from hf_families import Float64Steps, keep_float64  # noqa: E402
-from packd import _trl_compat  # noqa: E402
+from packd.integrations import compat as _trl_compat  # noqa: E402
 from packd.trl import PackedGRPOTrainer, PackedPathDiffers, whole_group_parts  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
@@ -151,7 +151,7 @@ def packd_at_work(trainer):
     """Counts, while open, the trainer's Packs, the calls that reached packd_varlen and the
     packed rows forwarded."""
     from transformers import AttentionInterface
-    from packd._varlen import NAME, varlen_attention
+    from packd.integrations.varlen import NAME, varlen_attention
     work = {"packs": 0, "attention": 0, "tokens": trainer.tokens_forwarded}
     pack = trainer.packd_client.pack
 
@@ -209,8 +209,8 @@ def test_loss_and_gradients_equal_the_stock_trainers(address, monkeypatch, tmp_p
 def test_a_hybrid_family_trains_as_the_stock_trainer(address, monkeypatch, tmp_path,
                                                      share_prompt):
     """Qwen 3.5 (a gated delta net beside attention): its delta net runs each completion from
-    the start of its prompt, the prompt once in the stream's attention (packd/_stateful.py),
-    and the loss and gradients equal TRL's on the padded batch, to 1e-9 as the survey's (the
+    the start of its prompt, the prompt once in the stream's attention
+    (packd/integrations/stateful.py), and the loss and gradients equal TRL's on the padded batch, to 1e-9 as the survey's (the
     delta net's chunked scan over other batch shapes rounds differently; its gate bias's
     gradient, 1e-8 of the largest, is compared at that scale)."""
     keep_float64(monkeypatch, [])  # its norms: Float64Steps (frozen_step)
@@ -385,15 +385,27 @@ def test_liger_is_refused_by_name(address, tmp_path):
 def test_the_compatibility_surface_matches_the_installed_trl(monkeypatch):
     """Every private name packd.trl relies on is where the tested release has it; a renamed
     one, a changed signature or an untested release is named."""
-    assert _trl_compat.problems() == [], "re-check packd/_trl_compat.py against this TRL"
+    assert _trl_compat.problems() == [], "re-check packd/integrations/compat.py against this TRL"
     import trl.trainer.grpo_trainer as grpo
     monkeypatch.setattr(grpo.GRPOTrainer, "get_high_entropy_mask",
                         lambda self, entropies, threshold: None)
     monkeypatch.delattr(trl.trainer.utils, "split_tensor_dict")
     monkeypatch.setattr(trl, "__version__", "1.99.0")
+    import transformers
+    import transformers.masking_utils
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    monkeypatch.setattr(transformers.masking_utils, "sdpa_mask",
+                        lambda batch_size, q_length, kv_length, mask_function=None: None)
     found = " | ".join(_trl_compat.problems())
     assert "GRPOTrainer.get_high_entropy_mask takes" in found
     assert "trl.trainer.utils.split_tensor_dict is missing" in found
     assert "TRL 1.99.0 is outside" in found
+    assert "transformers 5.99.0 is outside" in found
+    assert "transformers.masking_utils.sdpa_mask takes" in found
     with pytest.raises(RuntimeError, match="packd.trl cannot vouch for this TRL"):
         _trl_compat.check()
+    # packd.hf's users, without TRL: a moved name refuses, an untested release warns.
+    with pytest.raises(RuntimeError, match="packd cannot vouch for this transformers: "
+                       "transformers.masking_utils.sdpa_mask takes"):
+        with pytest.warns(RuntimeWarning, match="transformers 5.99.0 is outside"):
+            _trl_compat.check_transformers()

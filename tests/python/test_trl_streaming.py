@@ -166,7 +166,7 @@ def test_a_kl_penalty_with_lora_streams(address, tmp_path, float64):
     adapters on, and off for the reference), and the weights published for the rollouts are
     the adapters merged into the base model's."""
     peft = pytest.importorskip("peft")
-    from packd._trl_stream import group_advantages
+    from packd.integrations.trl_stream import group_advantages
     lora = peft.LoraConfig(r=4, lora_alpha=1, lora_dropout=0.0, init_lora_weights=False,
                            target_modules=["q_proj", "v_proj", "up_proj"])
     initial, beta = Initial(), 0.04

@@ -88,7 +88,7 @@ def test_packed_logits_and_gradients_equal_the_padded_batchs(client, family, sou
 
 
 def test_sequences_come_from_cu_seqlens_or_positions_and_bad_ones_are_clear():
-    from packd._varlen import sequence_bounds
+    from packd.integrations.documents import sequence_bounds
     assert sequence_bounds(1, 7, {"cu_seq_lens_q": torch.tensor([0, 3, 3, 7])}) == [[(0, 3),
                                                                                    (3, 7)]]
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
@@ -148,7 +148,7 @@ def test_chunked_attention_counts_its_chunks_within_each_document(client, float6
     hand no position ids to their attention: packd_varlen equals eager on the documents padded,
     with the position ids alone (the sequences from transformers' mask) and with the
     flash-attention kwargs."""
-    from packd import _varlen
+    from packd.integrations import documents as _varlen
     from packd.hf import packed_row, register_varlen_attention
     from transformers import AutoModelForCausalLM, Llama4TextConfig
     register_varlen_attention()
@@ -179,7 +179,7 @@ def test_chunked_attention_counts_its_chunks_within_each_document(client, float6
             if only_positions:
                 kwargs = {"position_ids": kwargs["position_ids"], "use_cache": False}
             got = packed(input_ids=r.packed[0][None], **kwargs).logits[0]
-            sources = set(_varlen._declared.get().sources)
+            sources = set(_varlen.declaration().sources)
         assert relative(got, want) <= 1e-9, (lengths, only_positions, relative(got, want))
         if only_positions:  # Llama 4's attention takes no position ids: the mask gave them
             assert sources == {"transformers' mask"}, sources
@@ -214,7 +214,7 @@ def test_positions_from_after_the_pad_id_come_from_packed_row(client):
     """RoBERTa numbers a sequence's positions from padding_idx + 1: packed_row gives them from
     there (restarting at every document), and check_model refuses the family to a caller that
     passes packd's own position ids (0 at every document)."""
-    from packd._varlen import check_model
+    from packd.integrations.checks import check_model
     from packd.hf import packed_row, register_varlen_attention
     from transformers import AutoModelForCausalLM, RobertaConfig
     register_varlen_attention()

@@ -11,7 +11,8 @@ from hf_families import relative
 def test_a_row_whose_sequences_reach_no_source_is_refused_naming_the_module():
     """A declared packed row (packd.hf.packed_row) whose attention receives neither kwargs,
     position ids nor a mask: a ValueError naming the module, never one long sequence."""
-    from packd._varlen import declared_sequences, varlen_attention
+    from packd.integrations.documents import declared_sequences
+    from packd.integrations.varlen import varlen_attention
     module = torch.nn.Module()
     q = torch.randn(1, 2, 7, 4, dtype=torch.float64)
     with declared_sequences([(0, 3), (3, 7)]):
@@ -26,7 +27,7 @@ def test_a_row_whose_sequences_reach_no_source_is_refused_naming_the_module():
 
 
 def test_options_it_does_not_compute_are_refused_by_name():
-    from packd._varlen import varlen_attention
+    from packd.integrations.varlen import varlen_attention
     q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="position_bias="):
         varlen_attention(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1))
@@ -34,7 +35,7 @@ def test_options_it_does_not_compute_are_refused_by_name():
 
 def test_attention_sinks_are_the_eager_formulas():
     """gpt-oss's sinks: each head's learned logit joins the softmax and attends to nothing."""
-    from packd._varlen import varlen_attention
+    from packd.integrations.varlen import varlen_attention
     q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
     sinks = torch.randn(2, dtype=torch.float64)
     out, _ = varlen_attention(torch.nn.Module(), q, k, v, None, scaling=0.5, s_aux=sinks,

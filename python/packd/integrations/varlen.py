@@ -1,5 +1,6 @@
 """A varlen attention for transformers' models on packed batches (packd.hf re-exports it):
-each sequence's attention alone, on any device and in any dtype.
+each sequence's attention alone, on any device and in any dtype; the sequences found by
+packd.integrations.documents.
 
     from packd.hf import register_varlen_attention
     register_varlen_attention()
@@ -34,13 +35,13 @@ A stream of shared prompts (docs/design.md §14) attends through its metadata: p
 packd.hf.shared_attention_kwargs(result) to the model (cu_seq_lens_q / _k and kv_index): each
 segment's queries attend the keys kv_index names, causally aligned bottom-right (a response
 sees its group's prompt, then itself)."""
-import contextlib
-import contextvars
-import inspect
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from packd.integrations.documents import (declaration, allowed_of, pattern, sequence_bounds,
+                                          undeclared)
 
 NAME = "packd_varlen"
 
@@ -56,166 +57,6 @@ _PLUMBING = frozenset({
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
     "deterministic", "seq_idx", "layer_idx", "token_type_ids"})
 
-class Declared:
-    """A packed row's sequences as packd.hf.packed_row declared them ([start, end) of one
-    row), and where packd_varlen found them in each call since (`sources`)."""
-
-    def __init__(self, bounds: Sequence[Tuple[int, int]]) -> None:
-        self.bounds = [(int(s), int(e)) for s, e in bounds if e > s]
-        self.sources: List[str] = []
-
-
-_declared: contextvars.ContextVar[Optional[Declared]] = contextvars.ContextVar(
-    "packd_varlen_declared", default=None)
-
-
-@contextlib.contextmanager
-def declared_sequences(bounds: Sequence[Tuple[int, int]]) -> Iterator[Declared]:
-    """While open, packd_varlen knows a one-row batch of bounds[-1][1] tokens holds these
-    sequences, and refuses a forward in which none of its sources found them."""
-    declared = Declared(bounds)
-    token = _declared.set(declared)
-    try:
-        yield declared
-    finally:
-        _declared.reset(token)
-
-
-# transformers' layer types whose layers mix tokens through the attention function alone.
-_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
-# Layer types that mix no tokens (a hybrid's feed-forward blocks).
-_PER_TOKEN_LAYERS = frozenset({"mlp", "moe"})
-
-
-def position_offset(model: torch.nn.Module) -> int:
-    """Where the model's embeddings number a sequence's positions from: padding_idx + 1 for
-    those that do so (RoBERTa and its kin), else 0."""
-    for sub in model.modules():
-        if (hasattr(sub, "position_embeddings") and isinstance(getattr(sub, "padding_idx", None),
-                                                                int)):
-            return sub.padding_idx + 1
-    return 0
-
-
-def check_model(model: torch.nn.Module, offset_positions: bool = False) -> None:
-    """Refuses (ValueError naming the family) a model packd_varlen cannot train packed: one
-    with layer types other than full, sliding or chunked attention that packd does not run per
-    document (packd/_stateful.py; any other layer that mixes tokens would see across
-    documents), whose forward takes no position ids
-    (its positions could not restart at every document), whose attention modules do not call
-    transformers' attention interface (packd_varlen may never be called: the model declares
-    it, else each module's source reads it), or, unless `offset_positions`
-    (the caller adds position_offset(model) to the position ids: packed_row does), whose
-    embeddings number positions from after the pad id (a document's first position is not 0)."""
-    from packd._stateful import stateful_layers
-    config = getattr(model, "config", None)
-    kind = "%s (%s)" % (type(model).__name__, getattr(config, "model_type", "?"))
-    configs = [config] + [v for v in vars(config).values()
-                          if type(v).__name__.endswith("Config")] if config is not None else []
-    stateful = len(stateful_layers(model))
-    attention = stateful == 0
-    for c in configs:
-        types = [t for t in (getattr(c, "layer_types", None) or [])
-                 if t not in _ATTENTION_LAYERS and t not in _PER_TOKEN_LAYERS]
-        attention = attention or any(t in _ATTENTION_LAYERS
-                                     for t in (getattr(c, "layer_types", None) or []))
-        if types and len(types) > stateful:
-            raise ValueError("packd_varlen cannot serve %s: its layer types %s are not an "
-                             "attention packd_varlen computes nor a layer packd runs per "
-                             "document (packd._stateful: gated delta nets, Mamba mixers, short "
-                             "convolutions, lightning and delta attention, recurrent blocks, "
-                             "attention with an indexer, compressor, convolution or relative "
-                             "logits), "
-                             "and would see across documents"
-                             % (kind, ", ".join(sorted(set(types)))))
-    unknown = _unknown_state(model)
-    if unknown:
-        raise ValueError("packd_varlen cannot serve %s: %s carries state across tokens (%s) and "
-                         "is no layer packd runs per document (packd._stateful), so it would "
-                         "carry it from one document into the next" % ((kind,) + unknown))
-    if attention and "position_ids" not in inspect.signature(model.forward).parameters:
-        raise ValueError("packd_varlen cannot serve %s: its forward takes no position_ids, so "
-                         "its positions cannot restart at every document" % kind)
-    for sub in model.modules():
-        if (hasattr(sub, "config") and hasattr(type(sub), "_supports_attention_backend")
-                and not type(sub)._supports_attention_backend
-                and not _interfaced(model, stateful)):
-            raise ValueError("packd_varlen cannot serve %s: %s does not declare transformers' "
-                             "attention interface (_supports_attention_backend is False) and "
-                             "its attention modules do not all call it, so packd_varlen may "
-                             "never be called and its documents would attend to each other"
-                             % (kind, type(sub).__name__))
-    offset = position_offset(model)
-    if offset and not offset_positions:
-        raise ValueError("packd_varlen cannot serve %s here: its embeddings number a sequence's "
-                         "positions from padding_idx + 1 = %d, not 0, so packd's position ids "
-                         "(0 at every document) are not its own; packd.hf.packed_row(r, model) "
-                         "gives them from %d" % (kind, offset, offset))
-
-
-def _unknown_state(model: torch.nn.Module) -> Optional[Tuple[str, str]]:
-    """The first module that carries state across tokens by its structure, outside the layers
-    packd runs per document (and outside vision and audio towers): a causal convolution over
-    tokens (a Conv1d padded by its kernel less one), or the innermost module whose forward takes
-    a recurrent cache (`cache_params`) with no layer packd knows inside it (a block or a model
-    that hands the cache on to one is not it). (its name, why), or None."""
-    from packd._stateful import stateful_layers
-    covered = {id(m) for _, layer in stateful_layers(model) for m in layer.modules()}
-    takes: Dict[type, bool] = {}
-
-    def takes_cache(module: torch.nn.Module) -> bool:
-        if type(module) not in takes:
-            try:
-                parameters = inspect.signature(type(module).forward).parameters
-            except (TypeError, ValueError):
-                parameters = {}
-            takes[type(module)] = "cache_params" in parameters
-        return takes[type(module)]
-
-    # Whether a module's children hold a known layer or a cache taker.
-    module_below: Dict[int, bool] = {}
-
-    def visit(module: torch.nn.Module) -> bool:
-        below = False
-        for child in module.children():
-            below = visit(child) or below
-        module_below[id(module)] = below
-        return below or id(module) in covered or takes_cache(module)
-
-    visit(model)
-    for name, module in model.named_modules():
-        if id(module) in covered or any(t in name.lower() for t in ("vision", "audio")):
-            continue
-        if isinstance(module, torch.nn.Conv1d):
-            kernel, padding = module.kernel_size[0], module.padding
-            if kernel > 1 and not isinstance(padding, str) and padding[0] == kernel - 1:
-                return "%s (%s)" % (name, type(module).__name__), "a causal convolution"
-        elif takes_cache(module) and not module_below[id(module)]:
-            return "%s (%s)" % (name or "the model", type(module).__name__), (
-                "its forward takes cache_params")
-    return None
-
-
-def _interfaced(model: torch.nn.Module, stateful: int) -> bool:
-    """Whether every attention module of a model (a class named *Attention that packd does not
-    run per document) calls transformers' attention interface, though the model does not
-    declare it (transformers' hybrid families do not, nor BioGPT and StableLM); a model with no
-    such module, only when it has `stateful` layers packd runs per document."""
-    from packd._stateful import STATEFUL
-    classes = {type(m) for m in model.modules()
-               if type(m).__name__.endswith("Attention") and not STATEFUL.search(type(m).__name__)}
-    if not classes:
-        return stateful > 0
-    for cls in classes:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            return False
-        if "ALL_ATTENTION_FUNCTIONS" not in source:
-            return False
-    return True
-
-
 def _family(module: torch.nn.Module) -> str:
     config = getattr(module, "config", None)
     kind = getattr(config, "model_type", None)
@@ -224,57 +65,6 @@ def _family(module: torch.nn.Module) -> str:
 
 def _refuse(module: torch.nn.Module, what: str) -> ValueError:
     return ValueError("packd_varlen in %s: %s" % (_family(module), what))
-
-
-def undeclared(found: Optional[Sequence[Tuple[int, int]]], length: int) -> List[int]:
-    """The starts of the sequences packd.hf.packed_row declared for a row of `length` tokens
-    that `found` (a row's [start, end) bounds; None: the row whole) does not have; [] when
-    nothing was declared for such a row."""
-    declared = _declared.get()
-    if declared is None or declared.bounds[-1][1] != length:
-        return []
-    starts = {s for s, _ in found or [(0, length)]}
-    return [s for s, _ in declared.bounds if s not in starts]
-
-
-def _bounds_of_edges(edges: List[int], length: int, what: str) -> List[Tuple[int, int]]:
-    if (not edges or edges[0] != 0 or edges[-1] != length
-            or any(b < a for a, b in zip(edges, edges[1:]))):
-        raise ValueError("packd_varlen: %s %s does not cover the row's %d tokens in order"
-                         % (what, edges, length))
-    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
-
-
-def sequence_bounds(batch: int, length: int,
-                    kwargs: Dict[str, Any]) -> Optional[List[List[Tuple[int, int]]]]:
-    """Each row's sequences as [start, end) in order, covering the row: from `cu_seq_lens_q`
-    (one row), else from `position_ids` (a sequence starts wherever a position is not the one
-    before it plus 1, as transformers finds packed sequences); None when neither is given."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        cu_k = None if kwargs.get("kv_index") is not None else kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(cu_k.cpu(), cu.cpu()):
-            raise ValueError("packd_varlen: cu_seq_lens_k differs from cu_seq_lens_q; queries "
-                             "and keys of one sequence must be the same tokens")
-        if batch != 1:
-            raise ValueError("packd_varlen: cu_seq_lens_q describes one packed row, but the "
-                             "batch has %d rows" % batch)
-        return [_bounds_of_edges([int(v) for v in cu.tolist()], length, "cu_seq_lens_q")]
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        return None
-    if positions.dim() == 3:  # multimodal rotary positions [3 or 4, B, T]: the text row
-        positions = positions[0]
-    if positions.shape[-1] != length:
-        return None  # a cache's positions: the queries are not the whole row
-    positions = positions.reshape(-1, length).expand(batch, length).cpu()
-    starts = torch.ones(batch, length, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    rows = []
-    for b in range(batch):
-        edges = starts[b].nonzero().flatten().tolist() + [length]
-        rows.append(list(zip(edges, edges[1:])))
-    return rows
 
 
 class VarlenMask:
@@ -410,7 +200,7 @@ def _shared_attention(query, key, value, kwargs, groups, scaling, causal, slidin
         if groups > 1:
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        allowed = _pattern(q.shape[1], k.shape[1], causal, sliding_window, query.device)
+        allowed = pattern(q.shape[1], k.shape[1], causal, sliding_window, query.device)
         out[cu_q[n]:cu_q[n + 1]] = _eager(q[None], k[None], v[None], allowed, scaling, softcap,
                                           None, dropout)[0]
     return out.unsqueeze(0), None
@@ -488,30 +278,15 @@ def _flash_varlen(query, key, value, bounds, dropout, scaling, sliding_window, s
     return out.unsqueeze(0)
 
 
-def _pattern(lq, lk, causal, sliding_window, device):
-    """Which keys each query sees without a mask, transformers' rules, aligned bottom-right
-    (query i at key i + lk - lq: a cache's keys, or a shared prompt, before the queries): when
-    causal, the keys up to it and fewer than sliding_window back; when not, every key within
-    sliding_window on either side. bool [lq, lk]."""
-    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
-    j = torch.arange(lk, device=device)[None, :]
-    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= j <= i
-    if sliding_window:
-        allowed &= i - j < sliding_window if causal else (i - j).abs() <= sliding_window
-    return allowed
-
-
 def _kind(allowed: torch.Tensor, sliding_window: Optional[int]) -> str:
     """"full", "causal", "window" (causal within the layer's sliding window) or "masked"."""
     n = allowed.shape[-1]
     if bool(allowed.all()):
         return "full"
-    causal = _pattern(n, n, True, None, allowed.device)
+    causal = pattern(n, n, True, None, allowed.device)
     if torch.equal(allowed, causal):
         return "causal"
-    if sliding_window and torch.equal(allowed, _pattern(n, n, True, sliding_window,
+    if sliding_window and torch.equal(allowed, pattern(n, n, True, sliding_window,
                                                         allowed.device)):
         return "window"
     return "masked"
@@ -561,7 +336,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         bounds, source = mask.sequences(), "transformers' mask"
     if bounds is None:
         bounds, source = [[(0, length)] for _ in range(batch)], None
-    declared = _declared.get()
+    declared = declaration()
     if declared is not None and batch == 1 and declared.bounds[-1][1] == length:
         declared.sources.append(source or "none")
         missing = undeclared(bounds[0], length)
@@ -585,7 +360,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                 if s > 0 and source != "transformers' mask" and not separated:
                     # transformers' mask does not know this sequence: only a pattern that does
                     # not depend on where the row starts can be read from it.
-                    plain = _pattern(e - s, e - s, causal, sliding_window, allowed.device)
+                    plain = pattern(e - s, e - s, causal, sliding_window, allowed.device)
                     if mask.attention_mask is not None:
                         plain = plain & mask.attention_mask[b, s:e].to(plain.device)[None, :]
                     if not torch.equal(allowed, plain):
@@ -598,10 +373,9 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             else:
                 if dense is not None:
                     sub = dense[b if dense.shape[0] > 1 else 0, 0, s:e, s:e]
-                    allowed = (sub if sub.dtype == torch.bool
-                               else sub > torch.finfo(sub.dtype).min)
+                    allowed = allowed_of(sub)
                 else:
-                    allowed = _pattern(e - s, e - s, causal, sliding_window, query.device)
+                    allowed = pattern(e - s, e - s, causal, sliding_window, query.device)
                 kind = _kind(allowed, sliding_window)
             blocks.append((b, s, e, kind, allowed))
 
@@ -625,7 +399,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                    if kind in ("masked", "window") else None)
         if eager:
             if kind == "causal":
-                allowed = _pattern(n, n, True, None, query.device)
+                allowed = pattern(n, n, True, None, query.device)
             out = _eager(q, k, v, allowed, scaling, softcap, sinks, dropout)
         else:
             out = _fused(q, k, v, kind, allowed, scaling, dropout)
@@ -645,9 +419,9 @@ def _whole_rows(module, query, key, value, mask, dense, groups, scaling, causal,
         allowed = torch.stack([mask.rectangle(b, 0, length, 0, kv) for b in range(batch)])
     elif dense is not None:
         d = dense[:, 0, :, :kv]
-        allowed = d if d.dtype == torch.bool else d > torch.finfo(d.dtype).min
+        allowed = allowed_of(d)
     else:
-        allowed = _pattern(length, kv, causal, sliding_window, query.device).expand(
+        allowed = pattern(length, kv, causal, sliding_window, query.device).expand(
             batch, length, kv)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -661,6 +435,8 @@ def register_varlen_attention() -> str:
     (varlen_mask: transformers hands it the layer's mask unevaluated). Returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+    from packd.integrations.compat import check_transformers
+    check_transformers()  # the private names packd touches, where the tested release has them
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, varlen_mask)
     return NAME

@@ -15,8 +15,8 @@ implementation (its kernels where installed), and the results are packed back in
 the layer computes on each document alone. Right padding changes nothing a causal layer
 computes before it.
 
-The documents are found as packd_varlen finds them (packd/_varlen.py), first found first:
-`cu_seq_lens_q`, then position ids that restart at every document, from the model's call or the
+The documents are found as packd_varlen finds them (packd.integrations.documents), first found
+first: `cu_seq_lens_q`, then position ids that restart at every document, from the model's call or the
 layer's own; a row declared by packd.hf.packed_row must be found so, else the layer refuses
 (ValueError naming it). A layer handed a cache (generation) or a mask of another shape is
 refused by name, never run across documents.
@@ -29,6 +29,9 @@ import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from packd.integrations.documents import (declaration, additive_of, allowed_of, pattern,
+                                          restarts, sequence_bounds, undeclared)
 
 # transformers' classes of causal layers that carry state across tokens, by name.
 STATEFUL = re.compile(r"(GatedDeltaNet|MambaMixer|Mamba2Mixer|FalconH1Mixer|BambaMixer|MambaLayer"
@@ -112,7 +115,6 @@ def _documents(layer: torch.nn.Module, length: int,
     """The row's documents, as packd_varlen finds a row's sequences (its sources: the model
     call's keyword arguments and the layer's, its order, its check against
     packd.hf.packed_row's declaration)."""
-    from packd._varlen import _declared, sequence_bounds, undeclared
     found = sequence_bounds(1, length, {k: sources.get(k) for k in ("cu_seq_lens_q",
                                                                     "cu_seq_lens_k",
                                                                     "position_ids")})
@@ -123,7 +125,7 @@ def _documents(layer: torch.nn.Module, length: int,
                       "document at token %d would start from the state of the ones before it. "
                       "Pass the model position_ids that restart at every document, or "
                       "cu_seq_lens_q"
-                      % (len(_declared.get().bounds), "neither cu_seq_lens_q nor position ids "
+                      % (len(declaration().bounds), "neither cu_seq_lens_q nor position ids "
                          "reached it" if bounds is None else "it finds %d" % len(bounds),
                          missing[0]))
     return bounds
@@ -185,14 +187,10 @@ def _causal(rows, index, dtype, device, window=None) -> torch.Tensor:
     sees itself)."""
     longest = index.shape[1]
     lengths = torch.tensor([len(r) for r in rows], device=device)[:, None, None]
-    q = torch.arange(longest, device=device)[None, :, None]
     k = torch.arange(longest, device=device)[None, None, :]
-    allowed = (k <= q) & (k < lengths)
-    if window:
-        allowed &= q - k < window
-    allowed |= k == q
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)[:, None]
+    allowed = pattern(longest, longest, True, window, device)[None] & (k < lengths)
+    allowed |= torch.eye(longest, dtype=torch.bool, device=device)
+    return additive_of(allowed, dtype)[:, None]
 
 
 def _padded_mask(layer: torch.nn.Module, mask: Any, rows, index, valid, dtype) -> Any:
@@ -209,7 +207,7 @@ def _padded_mask(layer: torch.nn.Module, mask: Any, rows, index, valid, dtype) -
         return _padded(mask, index, valid)
     if mask.dim() == 4 and mask.shape[0] == 1:
         longest = index.shape[1]
-        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+        allowed = allowed_of(mask)
         out = torch.eye(longest, dtype=torch.bool, device=mask.device).repeat(
             len(rows), mask.shape[1], 1, 1)
         for d, r in enumerate(rows):
@@ -218,10 +216,7 @@ def _padded_mask(layer: torch.nn.Module, mask: Any, rows, index, valid, dtype) -
             else:
                 r = r.to(mask.device)
                 out[d, :, :len(r), :len(r)] = allowed[0][:, r][:, :, r]
-        if mask.dtype == torch.bool:
-            return out
-        return torch.zeros(out.shape, dtype=mask.dtype, device=mask.device).masked_fill(
-            ~out, torch.finfo(mask.dtype).min)
+        return out if mask.dtype == torch.bool else additive_of(out, mask.dtype)
     raise _refuse(layer, "its attention mask has shape %s" % (tuple(mask.shape),))
 
 
@@ -349,9 +344,8 @@ def _multi_row(named: Dict[str, Any], batch: int, length: int) -> List[int]:
         positions = calls[-1].get("position_ids")
     if not isinstance(positions, torch.Tensor) or positions.shape[-1] != length:
         return []
-    positions = positions.reshape(-1, length)
-    restarts = (positions[:, 1:] != positions[:, :-1] + 1).any(-1)
-    return restarts.nonzero().flatten().tolist()
+    starts = restarts(positions.reshape(-1, length))
+    return starts[:, 1:].any(-1).nonzero().flatten().tolist()
 
 
 def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:

@@ -2,7 +2,7 @@
 rows, it runs the model on a short packed row and on each of the row's documents alone, and
 refuses the model, naming the first layer whose output differs, where the logits differ.
 
-packd's tables of layer names (packd._stateful) are the fast route to each family's
+packd's tables of layer names (packd.integrations.stateful) are the fast route to each family's
 per-document handling; the probe is what guarantees it. A layer that mixes tokens under a name
 no table knows, or a table that misses a family's variant, shows here as a document's logits
 that depend on the documents before it: refused, never trained wrong.
@@ -92,7 +92,7 @@ def _vocab(model: torch.nn.Module) -> int:
 def _rows_and_calls(model, shared: bool, generator: torch.Generator):
     """Each probe row: (its packed call's kwargs, [(its rows in the stream, the document alone's
     ids, the document's rows that are compared)])."""
-    from packd._varlen import position_offset
+    from packd.integrations.checks import position_offset
     vocab, offset = _vocab(model), position_offset(model)
     low = min(4, vocab - 1)
 
@@ -146,7 +146,7 @@ def _rows_and_calls(model, shared: bool, generator: torch.Generator):
 
 def _run(model: torch.nn.Module, shared: bool) -> Optional[str]:
     """None when every probe row's documents equal themselves alone, else the refusal."""
-    from packd._varlen import declared_sequences
+    from packd.integrations.documents import declared_sequences
     try:
         parameter = next(model.parameters())
         device, dtype = parameter.device, parameter.dtype
@@ -183,7 +183,7 @@ def _run(model: torch.nn.Module, shared: bool) -> Optional[str]:
                                 "%.3g for %s; documents of %s tokens%s), first in %s. A layer "
                                 "mixes tokens across the row's documents: is each attention on "
                                 "packd_varlen, and each layer that carries state one packd runs "
-                                "per document (packd._stateful)?"
+                                "per document (packd.integrations.stateful)?"
                                 % (type(model).__name__,
                                    getattr(model.config, "model_type", "?"), error, tolerance,
                                    str(dtype).replace("torch.", ""),
