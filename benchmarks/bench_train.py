@@ -53,9 +53,9 @@ def keep_float64():
     """Qwen 3's RMSNorm computes in float32 whatever its input: in float64 that rounds a shared
     prompt's gradient (summed over its members before the norm in the stream, after it in the
     padded batch) by about 1e-7. For --smoke's float64 comparison the norms and the softmax stay
-    in float64, as in the model families' tests (tests/support/hf_families.py)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
-    from hf_families import keep_float64 as keep
+    in float64, as in the model families' tests (examples/float64_check.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from float64_check import keep_float64 as keep
 
     class Patch:
         setattr = staticmethod(setattr)
@@ -239,8 +239,8 @@ def main():
     rows = {}
     kept = contextlib.nullcontext()
     if hybrid and dtype == torch.float64:  # Qwen 3.5's float32 steps kept in float64
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
-        from hf_families import Float64Steps
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+        from float64_check import Float64Steps
         kept = Float64Steps().kept()
     with server(args.address, args.packd, "bench-train") as address, kept:
         with packd.Client(address) as client:

@@ -192,10 +192,8 @@ def in_float64():
     undone on leaving."""
     import trl.kernels
     import trl.trainer.utils
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                                    "support"))
-    from hf_families import Float64Steps, keep_float64
-    from exact_log_prob import ExactLogProb
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from float64_check import ExactLogProb, Float64Steps, keep_float64
 
     class Patch:
         def __init__(self):

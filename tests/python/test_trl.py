@@ -33,8 +33,7 @@ from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import split_tensor_dict  # noqa: E402
 
 import packd  # noqa: E402
-from exact_log_prob import ExactLogProb  # noqa: E402
-from hf_families import Float64Steps, keep_float64  # noqa: E402
+from hf_families import ExactLogProb, Float64Steps, keep_float64  # noqa: E402
 from packd.integrations import compat as _trl_compat  # noqa: E402
 from packd.trl import PackedGRPOTrainer, PackedPathDiffers, whole_group_parts  # noqa: E402
 

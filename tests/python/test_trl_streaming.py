@@ -20,8 +20,7 @@ import trl.trainer.utils  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import packd  # noqa: E402
-from exact_log_prob import ExactLogProb  # noqa: E402
-from hf_families import Float64Steps, keep_float64  # noqa: E402
+from hf_families import ExactLogProb, Float64Steps, keep_float64  # noqa: E402
 from packd.trl import PackedGRPOTrainer, Policy, Streaming  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",

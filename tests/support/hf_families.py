@@ -3,12 +3,16 @@ tests/models): each from its config class at a tiny size (2 layers, hidden 32, v
 random weights, in float64, no download; and the float32 steps transformers takes whatever the
 model's dtype, kept in float64 with the same formulas so that a float64 model is float64 through
 and through; and the mark of a test that needs transformers."""
-import contextlib
 import copy
-import importlib
+import os
+import sys
 
-import pytest
 import torch
+
+# The float64 steps are the examples' (examples/float64_check.py), which a user's --check runs.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "examples"))
+from float64_check import ExactLogProb, Float64Steps, keep_float64  # noqa: E402,F401
 
 try:
     import transformers
@@ -21,6 +25,7 @@ VOCAB = 128
 def needs_transformers(why):
     """A skip mark for a test that needs transformers, which Debian 12 has no package of: `why`
     says what the PyPI stack's run does with it."""
+    import pytest
     return pytest.mark.skipif(transformers is None, reason="transformers is not installed "
                               "(Debian 12 has no package of it); " + why)
 
@@ -64,101 +69,5 @@ def padded_and_packed(family):
     return padded, packed
 
 
-def keep_float64(monkeypatch, modules):
-    """Eager attention's softmax (softmax(..., dtype=torch.float32), as a function or a
-    tensor's method), every RMSNorm of the
-    families' modeling modules `modules` (Llama's casts its input to float32, Gemma's input and
-    weight) and Mixtral's router (which casts its logits) kept in float64 for float64 inputs.
-    Otherwise a float64 reference differs by 4e-8 to 1e-7: a norm weight's gradient summed in
-    float32 in the order of the tokens, a shared prompt's gradient summed over its members
-    before those steps in a stream and after them in a padded batch."""
-    softmax = torch.nn.functional.softmax
-
-    def in_float64(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", in_float64)
-    method = torch.Tensor.softmax
-
-    def method_in_float64(x, dim, dtype=None):  # DeepSeek V4's compressor: x.softmax(dim, dtype)
-        return method(x, dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
-
-    monkeypatch.setattr(torch.Tensor, "softmax", method_in_float64)
-
-    def llama(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
-                                              self.variance_epsilon))
-
-    def gemma(self, x):
-        return self._norm(x) * (1.0 + self.weight)
-
-    def router(self, hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
-                                            self.weight)
-        top, indices = torch.topk(torch.nn.functional.softmax(logits, dim=-1), self.top_k,
-                                  dim=-1)
-        return logits, top / top.sum(dim=-1, keepdim=True), indices
-
-    for family in modules:
-        module = importlib.import_module("transformers.models.%s.modeling_%s"
-                                         % (family, family))
-        for name in dir(module):
-            if name.endswith("RMSNorm"):
-                monkeypatch.setattr(getattr(module, name), "forward",
-                                    gemma if family.startswith("gemma") else llama)
-            if name == "MixtralTopKRouter":
-                monkeypatch.setattr(getattr(module, name), "forward", router)
-
-
 def relative(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-class Float64Steps:
-    """`kept()`: while open, the float32 steps transformers takes whatever the model's dtype
-    (norms, rotary and scores cast to float32) stay in float64 for float64 tensors: a float64
-    tensor's .float(), .to(torch.float32) and .type(torch.float32) are itself, and
-    torch.zeros_like(it, dtype=torch.float32) is float64. For a model that
-    is float64 through (its float32 modules made float64 too), both ways of a comparison run
-    under it; the softmax is keep_float64's."""
-
-    @contextlib.contextmanager
-    def kept(self, on=True):
-        to, as_float, as_type = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
-
-        def keep_to(tensor, *args, **kwargs):
-            target = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)),
-                                              None))
-            if tensor.dtype == torch.float64 and target == torch.float32:
-                kwargs.pop("dtype", None)
-                args = tuple(a for a in args if not isinstance(a, torch.dtype))
-                if kwargs.get("device") is None and all(a is None or isinstance(a, bool)
-                                                        for a in args):
-                    return tensor  # nothing left to do (nn.Module.to passes device None)
-                return to(tensor, *args, **kwargs)
-            return to(tensor, *args, **kwargs)
-
-        def keep_float(tensor, *args, **kwargs):
-            return tensor if tensor.dtype == torch.float64 else as_float(tensor, *args, **kwargs)
-
-        def keep_type(tensor, *args, **kwargs):
-            if tensor.dtype == torch.float64 and args and args[0] == torch.float32:
-                return tensor
-            return as_type(tensor, *args, **kwargs)
-
-        zeros_like = torch.zeros_like
-
-        def keep_zeros_like(tensor, *args, **kwargs):  # a float32 accumulator (Inkling 2's)
-            if tensor.dtype == torch.float64 and kwargs.get("dtype") == torch.float32:
-                kwargs["dtype"] = torch.float64
-            return zeros_like(tensor, *args, **kwargs)
-
-        if on:
-            torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = (keep_to, keep_float,
-                                                                      keep_type)
-            torch.zeros_like = keep_zeros_like
-        try:
-            yield
-        finally:
-            torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to, as_float, as_type
-            torch.zeros_like = zeros_like
