@@ -1,6 +1,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -13,6 +14,27 @@
 #include "planner/internal/units.h"
 
 namespace packd {
+
+void Plan::SetImbalance(int ranks) {
+  std::vector<int64_t> tokens(std::max(ranks, 1), 0);
+  std::vector<double> costs(tokens.size(), 0.0);
+  for (const MicroBatch& m : micro_batches) {
+    tokens[m.rank] += m.tokens;
+    costs[m.rank] += m.cost;
+  }
+  const double R = static_cast<double>(tokens.size());
+  const int64_t all_tokens =
+      std::accumulate(tokens.begin(), tokens.end(), static_cast<int64_t>(0));
+  const double all_cost = std::accumulate(costs.begin(), costs.end(), 0.0);
+  imbalance = all_tokens > 0 ? static_cast<double>(*std::max_element(
+                                   tokens.begin(), tokens.end())) *
+                                   R / static_cast<double>(all_tokens)
+                             : 1.0;
+  cost_imbalance =
+      all_cost > 0
+          ? *std::max_element(costs.begin(), costs.end()) * R / all_cost
+          : 1.0;
+}
 namespace {
 
 using planner_internal::AllUnits;

@@ -80,6 +80,10 @@ struct Plan {
   double cost_imbalance = 1.0;
   // Samples with loss tokens: divide a sum of per-sequence mean losses by this.
   int64_t global_sequences = 0;
+
+  // Sets imbalance and cost_imbalance from micro_batches (each rank's tokens
+  // and cost summed over its micro-batches) over `ranks` ranks.
+  void SetImbalance(int ranks);
 };
 
 // Plans `lengths` (tokens per sample; what the budget counts). `loss_tokens`

@@ -8,6 +8,18 @@
 #include "absl/strings/str_cat.h"
 
 namespace packd {
+namespace {
+
+// A unit into a micro-batch: its id, its (padded) tokens, loss tokens and cost.
+void AddUnit(const StreamUnit& u, MicroBatch* m) {
+  m->samples.push_back(u.id);
+  m->tokens += u.length;
+  m->padded_tokens += u.length;
+  m->loss_tokens += u.loss_tokens;
+  m->cost += u.cost;
+}
+
+}  // namespace
 
 absl::StatusOr<StreamPlanner> StreamPlanner::Make(const Options& options) {
   const PlanOptions& plan = options.plan;
@@ -147,12 +159,7 @@ void StreamPlanner::WaterFill(std::vector<MicroBatch>* bins,
       if (fits && (best < 0 || total_cost(r) < total_cost(best))) best = r;
     }
     if (best < 0) continue;
-    MicroBatch& m = (*bins)[best];
-    m.samples.push_back(u.id);
-    m.tokens += u.length;
-    m.padded_tokens += u.length;
-    m.loss_tokens += u.loss_tokens;
-    m.cost += u.cost;
+    AddUnit(u, &(*bins)[best]);
     (*taken)[i] = 1;
   }
 }
@@ -181,24 +188,11 @@ Plan StreamPlanner::plan() const {
   Plan plan;
   plan.micro_batches_per_rank = waves_;
   plan.global_loss_tokens = loss_tokens_;
-  int64_t most_tokens = 0, all_tokens = 0;
-  double most_cost = 0, all_cost = 0;
   for (const std::vector<MicroBatch>& rank : committed_) {
-    int64_t tokens = 0;
-    double cost = 0;
-    for (const MicroBatch& m : rank) {
-      plan.micro_batches.push_back(m);
-      tokens += m.tokens;
-      cost += m.cost;
-    }
-    most_tokens = std::max(most_tokens, tokens);
-    most_cost = std::max(most_cost, cost);
-    all_tokens += tokens;
-    all_cost += cost;
+    plan.micro_batches.insert(plan.micro_batches.end(), rank.begin(),
+                              rank.end());
   }
-  const double R = static_cast<double>(committed_.size());
-  plan.imbalance = all_tokens > 0 ? most_tokens * R / all_tokens : 1.0;
-  plan.cost_imbalance = all_cost > 0 ? most_cost * R / all_cost : 1.0;
+  plan.SetImbalance(static_cast<int>(committed_.size()));
   return plan;
 }
 
@@ -261,12 +255,7 @@ absl::StatusOr<std::vector<Wave>> StreamPlanner::Close() {
         placed_all = false;
         break;
       }
-      MicroBatch& b = lists[best][best_bin];
-      b.samples.push_back(u.id);
-      b.tokens += u.length;
-      b.padded_tokens += u.length;
-      b.loss_tokens += u.loss_tokens;
-      b.cost += u.cost;
+      AddUnit(u, &lists[best][best_bin]);
       costs[best] += u.cost;
     }
     if (placed_all) {

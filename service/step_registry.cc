@@ -80,19 +80,15 @@ absl::StatusOr<std::shared_ptr<StreamingStep>> StepRegistry::Open(
         "its prefix lengths");
   }
   const v1::PlanRequest& plan = options.plan();
-  if (plan.lengths_size() > 0 || plan.loss_tokens_size() > 0 ||
-      plan.costs_size() > 0 || plan.groups_size() > 0 ||
-      plan.pad_multiple() != 0 || plan.pipeline_order()) {
-    return absl::InvalidArgumentError(
-        "open.plan takes the budget, num_ranks, micro_batch_multiple and the "
-        "cost model only: packd measures each group, a group is one unit "
-        "where it shares a prompt, and pipeline order needs the whole batch");
-  }
   if (options.max_staleness() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("open.max_staleness is ",
                                                    options.max_staleness(),
                                                    "; it must be >= 0"));
   }
+  // The plan's options, checked once each: what the wire form adds (lengths,
+  // loss tokens, costs, padding, the cost model) as PackMicroBatches checks
+  // them, and the streamed plan's own (its budget, ranks, groups, pipeline
+  // order, reserve and fill) by StreamPlanner::Make below.
   {
     v1::PackMicroBatchesRequest step;
     *step.mutable_plan() = plan;

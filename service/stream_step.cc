@@ -156,9 +156,7 @@ void StreamingStep::Commit(const std::vector<Wave>& waves) {
     for (const MicroBatch& m : wave.micro_batches) {
       auto planned = std::make_shared<Planned>();
       planned->batch = m;
-      planned->batch.samples.clear();
-      for (int64_t unit : m.samples) RowsOf(unit, &planned->batch.samples);
-      std::sort(planned->batch.samples.begin(), planned->batch.samples.end());
+      planned->batch.samples = RowsOf(m.samples);
       planned->index = static_cast<int>(sent_[m.rank]++);
       planned->unpacked = cp_ranks_;
       for (int cp = 0; cp < cp_ranks_; ++cp) {
@@ -168,57 +166,73 @@ void StreamingStep::Commit(const std::vector<Wave>& waves) {
   }
 }
 
-absl::StatusOr<StreamingStep::Message> StreamingStep::Pack(Planned* planned,
-                                                           int cp_rank) {
+v1::PackRequest StreamingStep::Gather(Planned* planned, int cp_rank) {
   const std::vector<int64_t>& rows = planned->batch.samples;
+  v1::PackRequest request = rows_.Request(options_.layout(), rows, cp_rank);
+  if (--planned->unpacked == 0) {  // every CP or SP rank has its copy
+    rows_.Release(rows, &core_->metrics());
+    rows_pending_ -= static_cast<int64_t>(rows.size());
+    core_->metrics().StreamRowsPending(-static_cast<int64_t>(rows.size()));
+  }
+  return request;
+}
+
+absl::StatusOr<StreamingStep::Message> StreamingStep::Pack(
+    const Planned& planned, const v1::PackRequest& request) {
+  const std::vector<int64_t>& rows = planned.batch.samples;
   auto out = std::make_shared<Outgoing>();
   v1::PackMicroBatchesResponse& message = out->response;
-  message.set_rank(planned->batch.rank);
-  message.set_index(planned->index);
+  message.set_rank(planned.batch.rank);
+  message.set_index(planned.index);
   message.mutable_samples()->Assign(rows.begin(), rows.end());
-  v1::PackRequest request = rows_.Request(options_.layout(), rows, cp_rank);
   PACKD_RETURN_IF_ERROR(core_->DoPack(request, message.mutable_packed()));
   // The layout the rank reads its results with (no tensors).
   v1::PackRequest* layout = message.mutable_layout();
   *layout = options_.layout();
   layout->set_cp_rank(request.cp_rank());
   layout->set_sp_rank(request.sp_rank());
-  // The rows' bytes change form: from the step's rows into the message,
-  // until its stream has taken it.
+  // The rows' bytes change form: from the request into the message, until
+  // its stream has taken it.
   out->bytes = static_cast<int64_t>(message.ByteSizeLong());
   out->held = budget_->Charge(out->bytes, owner_.name);
   out->gauge = held_.micro_batches;
   out->gauge->Increment(static_cast<double>(out->bytes));
-  if (--planned->unpacked == 0) {  // every CP or SP rank has packed it
-    rows_.Release(rows, &core_->metrics());
-    rows_pending_ -= static_cast<int64_t>(rows.size());
-    core_->metrics().StreamRowsPending(-static_cast<int64_t>(rows.size()));
-  }
   return Message(std::move(out));
 }
 
 StreamingStep::Message StreamingStep::Next(int slot,
                                            std::optional<absl::Status>* end) {
-  absl::MutexLock lock(&mu_);
-  if (failed_.has_value()) {
-    *end = *failed_;
-    return nullptr;
-  }
-  Slot& s = slots_[slot];
-  if (!s.planned.empty()) {
-    std::shared_ptr<Planned> planned = std::move(s.planned.front());
+  std::shared_ptr<Planned> planned;
+  v1::PackRequest request;
+  MemoryBudget::Hold gathered;  // the request's bytes, while it is packed
+  {
+    absl::MutexLock lock(&mu_);
+    if (failed_.has_value()) {
+      *end = *failed_;
+      return nullptr;
+    }
+    Slot& s = slots_[slot];
+    if (s.planned.empty()) {
+      if (s.last != nullptr && s.state == SlotState::kReceiving) {
+        s.state = SlotState::kLastGiven;
+        return s.last;
+      }
+      if (s.state >= SlotState::kLastGiven) *end = absl::OkStatus();
+      return nullptr;
+    }
+    planned = std::move(s.planned.front());
     s.planned.pop_front();
-    absl::StatusOr<Message> packed = Pack(planned.get(), slot % cp_ranks_);
-    if (packed.ok()) return *std::move(packed);
-    FailLocked(packed.status());
-    *end = *failed_;
-    return nullptr;
+    request = Gather(planned.get(), slot % cp_ranks_);
+    gathered = budget_->Charge(static_cast<int64_t>(request.ByteSizeLong()),
+                               owner_.name);
   }
-  if (s.last != nullptr && !s.last_given) {
-    s.last_given = true;
-    return s.last;
-  }
-  if (s.last_given) *end = absl::OkStatus();
+  // Packed outside the lock. A failure of the step meanwhile reaches this
+  // stream at its next call; this micro-batch's bytes go with the message.
+  absl::StatusOr<Message> packed = Pack(*planned, request);
+  if (packed.ok()) return *std::move(packed);
+  absl::MutexLock lock(&mu_);
+  FailLocked(packed.status());
+  *end = *failed_;
   return nullptr;
 }
 
@@ -244,12 +258,7 @@ absl::Status StreamingStep::Close() {
 
 v1::PlanResponse StreamingStep::Summary() const {
   Plan plan = planner_.plan();
-  for (MicroBatch& m : plan.micro_batches) {
-    std::vector<int64_t> rows;
-    for (int64_t unit : m.samples) RowsOf(unit, &rows);
-    std::sort(rows.begin(), rows.end());
-    m.samples = std::move(rows);
-  }
+  for (MicroBatch& m : plan.micro_batches) m.samples = RowsOf(m.samples);
   plan.global_sequences = sequences_;
   v1::PlanResponse response;
   EncodePlan(plan, &response);
@@ -281,13 +290,19 @@ std::optional<absl::Status> StreamingStep::Repeat(
   return absl::OkStatus();
 }
 
-void StreamingStep::RowsOf(int64_t unit, std::vector<int64_t>* rows) const {
-  if (!shared_) {
-    rows->push_back(unit);
-    return;
+std::vector<int64_t> StreamingStep::RowsOf(
+    const std::vector<int64_t>& units) const {
+  std::vector<int64_t> rows;
+  for (int64_t unit : units) {
+    if (!shared_) {
+      rows.push_back(unit);
+      continue;
+    }
+    const int64_t first = rows_.first_row(unit);
+    for (int64_t r = 0; r < rows_.size(unit); ++r) rows.push_back(first + r);
   }
-  const int64_t first = rows_.first_row(unit);
-  for (int64_t r = 0; r < rows_.size(unit); ++r) rows->push_back(first + r);
+  std::sort(rows.begin(), rows.end());
+  return rows;
 }
 
 absl::StatusOr<int> StreamingStep::Attach(
@@ -300,12 +315,12 @@ absl::StatusOr<int> StreamingStep::Attach(
   }
   if (failed_.has_value()) return *failed_;
   Slot& slot = slots_[rank * cp_ranks_ + cp_rank];
-  if (slot.attached) {
+  if (slot.state != SlotState::kUnattached) {
     return absl::AlreadyExistsError(
         absl::StrCat("rank ", rank, " (cp_rank ", cp_rank,
                      ") already has a receiving stream for step ", id_));
   }
-  slot.attached = true;
+  slot.state = SlotState::kReceiving;
   slot.listener = std::move(listener);
   return rank * cp_ranks_ + cp_rank;
 }
@@ -316,7 +331,7 @@ void StreamingStep::Detach(int slot, bool after_last) {
     Slot& s = slots_[slot];
     s.listener = nullptr;
     if (after_last && !failed_.has_value()) {
-      s.last_sent = true;
+      s.state = SlotState::kLastSent;
     } else if (!failed_.has_value()) {
       FailLocked(absl::UnavailableError(absl::StrCat(
           "rank ", slot / cp_ranks_,
@@ -357,7 +372,7 @@ std::optional<absl::Status> StreamingStep::Outcome(v1::StepEvent* summary) {
   absl::MutexLock lock(&mu_);
   if (failed_.has_value()) return *failed_;
   for (const Slot& s : slots_) {
-    if (!s.last_sent) return std::nullopt;
+    if (s.state != SlotState::kLastSent) return std::nullopt;
   }
   summary->set_step_id(id_);
   summary->set_closed(true);

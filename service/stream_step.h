@@ -127,10 +127,10 @@ class StreamingStep {
   // or was, the step's status once it has ended. Returns its slot.
   absl::StatusOr<int> Attach(int rank, int cp_rank,
                              std::shared_ptr<StepListener> listener);
-  // The slot's next message (a micro-batch packed now), or null: then `end`
-  // is set when nothing more will come (OK after its last message; the
-  // step's failure otherwise). The stream asks for the next once it has
-  // taken this one.
+  // The slot's next message (a micro-batch packed now, outside the step's
+  // lock), or null: then `end` is set when nothing more will come (OK after
+  // its last message; the step's failure otherwise). The stream asks for the
+  // next once it has taken this one.
   Message Next(int slot, std::optional<absl::Status>* end);
   // The receiver of `slot` has gone: after its last message, or before (the
   // step then ends UNAVAILABLE for every party, naming the rank).
@@ -157,13 +157,15 @@ class StreamingStep {
     int index = 0;     // its position in its rank
     int unpacked = 0;  // CP or SP ranks still to pack it
   };
+  // A receiver's slot goes through these in order: no stream yet; a stream
+  // receiving its micro-batches; the last message given to it; the stream
+  // gone after sending it (what Outcome waits for).
+  enum class SlotState { kUnattached, kReceiving, kLastGiven, kLastSent };
   struct Slot {
     std::deque<std::shared_ptr<Planned>> planned;
     Message last;  // queued at the close
     std::shared_ptr<StepListener> listener;
-    bool attached = false;
-    bool last_given = false;
-    bool last_sent = false;
+    SlotState state = SlotState::kUnattached;
   };
   // A group_key taken: the digest of its group's content, and its reply.
   struct Taken {
@@ -191,13 +193,18 @@ class StreamingStep {
   // Queues every rank's micro-batch of each wave for its receivers.
   void Commit(const std::vector<Wave>& waves)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Packs `planned` for `cp_rank`; once every CP or SP rank has, its rows'
-  // bytes go.
-  absl::StatusOr<Message> Pack(Planned* planned, int cp_rank)
+  // `planned`'s rows for `cp_rank`, gathered from the step's rows into a
+  // request of their own; once every CP or SP rank has gathered them, the
+  // step's copy goes.
+  v1::PackRequest Gather(Planned* planned, int cp_rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The step's rows of planner unit `id`: a row, or with a shared prefix a
-  // group's rows.
-  void RowsOf(int64_t unit, std::vector<int64_t>* rows) const
+  // Packs a gathered request into a message (outside mu_: other ranks'
+  // packing and every submit go on meanwhile).
+  absl::StatusOr<Message> Pack(const Planned& planned,
+                               const v1::PackRequest& request);
+  // The step's rows of planner units (a unit is a row, or with a shared prefix
+  // a group's rows), ascending.
+  std::vector<int64_t> RowsOf(const std::vector<int64_t>& units) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The last message: every micro-batch sent, by rank, and the step's counts.
   v1::PlanResponse Summary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -201,11 +201,7 @@ Plan Assemble(const Bins& bins, const Checked& c,
               absl::Span<const int64_t> loss_tokens) {
   Plan plan;
   plan.micro_batches_per_rank = bins.empty() ? 0 : bins[0].size();
-  int64_t max_rank = 0, total = 0;
-  double max_rank_cost = 0, total_cost = 0;
   for (size_t r = 0; r < bins.size(); ++r) {
-    int64_t rank_tokens = 0;
-    double rank_cost = 0;
     for (const std::vector<int64_t>& units : bins[r]) {
       MicroBatch mb;
       mb.rank = static_cast<int32_t>(r);
@@ -223,20 +219,11 @@ Plan Assemble(const Bins& bins, const Checked& c,
         mb.cost += c.cost[i];
         plan.global_sequences += loss > 0;
       }
-      rank_tokens += mb.tokens;
-      rank_cost += mb.cost;
       plan.global_loss_tokens += mb.loss_tokens;
       plan.micro_batches.push_back(std::move(mb));
     }
-    max_rank = std::max(max_rank, rank_tokens);
-    total += rank_tokens;
-    max_rank_cost = std::max(max_rank_cost, rank_cost);
-    total_cost += rank_cost;
   }
-  plan.imbalance =
-      total == 0 ? 1.0 : static_cast<double>(max_rank) * bins.size() / total;
-  plan.cost_imbalance =
-      total_cost == 0 ? 1.0 : max_rank_cost * bins.size() / total_cost;
+  plan.SetImbalance(static_cast<int>(bins.size()));
   return plan;
 }
 
