@@ -190,6 +190,35 @@ def test_eager_attention_its_mask_cut_per_document(client, kind, monkeypatch):
     assert bool(cut) == (kind in MASKED), (kind, cut)
 
 
+@pytest.mark.parametrize("kind", ["indexed top-k attention (4 keys)",
+                                  "compressed sparse attention (blocks of 4 and 16)"])
+def test_the_per_document_eager_attention_changes_no_shared_config(client, kind):
+    """A layer whose documents run through transformers' eager attention sees "eager" through
+    its own view of the config (packd.integrations.stateful.LayerConfig) for that call only;
+    the model's config, which every other layer reads, stays packd_varlen throughout."""
+    model_type, layer_class = KINDS[kind]
+    register_varlen_attention()
+    seeded(kind, "no shared config changed")
+    model = tiny_model(model_type, "eager")
+    model.set_attn_implementation("packd_varlen")
+    bound_states(model)
+    layers = [m for _, m in stateful_layers(model) if type(m).__name__ == layer_class]
+    seen = []
+
+    def look(module, args, kwargs):
+        seen.append((layers[0].config._attn_implementation, model.config._attn_implementation))
+
+    first_child = next(layers[0].children())
+    first_child.register_forward_pre_hook(look, with_kwargs=True)
+    row = torch.randint(4, VOCAB, (1, 20))
+    r = client.pack([row], torch.ones_like(row, dtype=torch.bool), with_position_ids=True,
+                    segment_ids=torch.tensor([[0] * 8 + [1] * 12]))
+    with torch.no_grad(), packed_row(r, model) as kwargs:
+        model(input_ids=r.packed[0][None], **kwargs)
+    assert seen and set(seen) == {("eager", "packd_varlen")}, seen
+    assert layers[0].config._attn_implementation == "packd_varlen"
+
+
 # The kinds whose per-document layer takes transformers' attention mask.
 MASKED = {"indexed top-k attention (4 keys)", "compressed sparse attention (blocks of 4 and 16)",
           "RG-LRU recurrence + convolution"}

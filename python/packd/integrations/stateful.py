@@ -61,6 +61,36 @@ _split_depth: contextvars.ContextVar[int] = contextvars.ContextVar("packd_split_
                                                                   default=0)
 
 
+# The config views (LayerConfig, by id) of the layers that run their documents through eager
+# attention now: each says "eager" to its layer for the call, and nothing else changes.
+_eager_layers: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "packd_eager_layers", default=frozenset())
+
+
+class LayerConfig:
+    """A layer's view of its model's config (installed by bound_states on the layers that run
+    per document through eager attention): every attribute is the shared config's, read and
+    written through, except that `_attn_implementation` reads "eager" while packd runs that
+    layer's documents. So the per-document attention is chosen per call, and the model's config,
+    which every other layer shares, is never changed."""
+
+    def __init__(self, shared: Any) -> None:
+        object.__setattr__(self, "_packd_shared", shared)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("_packd_", "__")):  # its own, and copy's and pickle's protocols
+            raise AttributeError(name)
+        if name == "_attn_implementation" and id(self) in _eager_layers.get():
+            return "eager"
+        return getattr(object.__getattribute__(self, "_packd_shared"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_packd_shared"), name, value)
+
+    def __repr__(self) -> str:
+        return repr(object.__getattribute__(self, "_packd_shared"))
+
+
 def sparse_attention(module: torch.nn.Module) -> bool:
     """An attention that mixes tokens besides its attention (_MIXED_ATTENTION: an indexer's
     top-k, compressed key blocks, a convolution, relative logits): it runs per document too,
@@ -93,6 +123,9 @@ def bound_states(model: torch.nn.Module) -> List[str]:
         for _, layer in layers:
             layer.register_forward_pre_hook(_split_documents, with_kwargs=True)
             layer.register_forward_hook(_join_documents, always_call=True)
+            if sparse_attention(layer) and not isinstance(getattr(layer, "config", None),
+                                                          (LayerConfig, type(None))):
+                layer.config = LayerConfig(layer.config)
         model._packd_states_bound = True
     return [name for name, _ in layers]
 
@@ -273,11 +306,14 @@ def _split_documents(layer: torch.nn.Module, args: Tuple[Any, ...],
         ends = torch.tensor(takes).cumsum(0).tolist()
         order = torch.cat([torch.arange(ends[d] - takes[d], ends[d]) for g in groups for d in g])
         inverse = torch.argsort(order).to(hidden.device)
-    implementation = None
+    eager = None
     if sparse:  # transformers' eager attention, which applies the indexer's choice as a mask
-        implementation = layer.config._attn_implementation
-        layer.config._attn_implementation = "eager"
-    stack.append(([keep for _, _, keep in batches], batches[1:], inverse, implementation))
+        view = layer.__dict__.get("config")
+        if not isinstance(view, LayerConfig):
+            raise _refuse(layer, "its config is not packd's view of it (bound_states installs "
+                          "one): packd would have to change the model's shared config")
+        eager = _eager_layers.set(_eager_layers.get() | {id(view)})
+    stack.append(([keep for _, _, keep in batches], batches[1:], inverse, eager))
     _split_depth.set(_split_depth.get() + 1)
     new_args, new_kwargs, _ = batches[0]
     return new_args, new_kwargs
@@ -353,15 +389,15 @@ def _join_documents(layer: torch.nn.Module, args: Any, output: Any) -> Any:
     split = stack.pop() if stack else None  # none when its pre-hook refused the call
     if split is None:
         return None
-    keeps, rest, inverse, implementation = split
+    keeps, rest, inverse, eager = split
     try:
         # The other length groups, through the layer again (its hooks pass them through: the
         # split depth is still raised); none when the first raised (output None).
         outputs = [output] + [layer(*a, **k) for a, k, _ in rest if output is not None]
     finally:
         _split_depth.set(_split_depth.get() - 1)
-        if implementation is not None:
-            layer.config._attn_implementation = implementation
+        if eager is not None:
+            _eager_layers.reset(eager)
 
     def packed(values: List[Any]) -> Any:
         parts = [v[keep] for v, keep in zip(values, keeps)
