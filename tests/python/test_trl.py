@@ -92,7 +92,7 @@ def stock_and_packed(address, tmp_path, loss_type, share_prompt, accumulation, d
 
 
 def run_both(address, args, model, share_prompt=True, rows_per_part=None, prompts_n=64,
-             trainer_kwargs=None, packed_kwargs=None):
+             trainer_kwargs=None, packed_kwargs=None, one_group=False):
     """One generation batch: the stock trainer generates and scores it and trains its frozen
     step; the packed trainer is handed the same completions (TRL's _generate replayed) and
     scores them itself (rewards, advantages, its reference model's log-probs), then trains
@@ -124,7 +124,8 @@ def run_both(address, args, model, share_prompt=True, rows_per_part=None, prompt
             mine = packed._generate_and_score_completions(inputs)
         completion = batch["completion_mask"]
         assert 0 < int(completion.sum()) < completion.numel(), "some completions truncated"
-        assert len(set(batch["prompt_mask"].sum(1).tolist())) > 1, "prompts of several lengths"
+        assert one_group or len(set(batch["prompt_mask"].sum(1).tolist())) > 1, (
+            "prompts of several lengths")
         accumulation = args.gradient_accumulation_steps
         state = torch.get_rng_state()
         want = frozen_step(stock, split_tensor_dict(shuffled(batch), args.steps_per_generation),
@@ -140,8 +141,11 @@ def run_both(address, args, model, share_prompt=True, rows_per_part=None, prompt
         # forwarded (fewer rows than the micro-batches' tokens where a prompt is shared).
         tokens = sum(int(p["prompt_mask"].sum() + p["completion_mask"].sum()) for p in parts)
         assert work["packs"] == len(parts) and work["attention"] > 0, work
-        assert 0 < work["tokens"] <= tokens and (work["tokens"] < tokens) == share_prompt, (
-            work, tokens)
+        repeats = any(len(p["prompt_ids"]) > len({tuple(ids[m.bool()].tolist()) for ids, m in
+                                                   zip(p["prompt_ids"], p["prompt_mask"])})
+                      for p in parts)  # a micro-batch holding two rows of one prompt
+        assert 0 < work["tokens"] <= tokens, (work, tokens)
+        assert (work["tokens"] < tokens) == (share_prompt and repeats), (work, tokens)
     return got, want, packed
 
 
@@ -408,3 +412,21 @@ def test_the_compatibility_surface_matches_the_installed_trl(monkeypatch):
                        "transformers.masking_utils.sdpa_mask takes"):
         with pytest.warns(RuntimeWarning, match="transformers 5.99.0 is outside"):
             _trl_compat.check_transformers()
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_a_micro_batch_of_one_sequence_on_a_hybrid_family(address, monkeypatch, tmp_path,
+                                                           share_prompt):
+    """per_device_train_batch_size = 1 (each micro-batch one rollout, as a token budget often
+    leaves a long one alone), Qwen 3.5: its gated delta net runs the one sequence from a zero
+    state, and the loss and gradients equal stock's (to 1e-9 as the hybrid's above)."""
+    exact_kernel(monkeypatch, [])
+    from trl import GRPOConfig
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=1, num_generations=4,
+        max_completion_length=6, gradient_accumulation_steps=4, use_cpu=True, report_to=[],
+        bf16=False, fp16=False, seed=0, beta=0.0, max_steps=-1, learning_rate=1e-2)
+    got, want, packed = run_both(address, args, lambda: tiny_qwen3_5(torch.float64),
+                                 share_prompt=share_prompt, rows_per_part=1, one_group=True)
+    assert packed.slice_reasons == []  # one group for four micro-batches: TRL's slices
+    assert_equal(got, want, 1e-9, floor=1e-6)

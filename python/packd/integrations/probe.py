@@ -39,6 +39,10 @@ def probe(model: torch.nn.Module, shared: bool = False) -> None:
     """Runs the leak probe on `model` (once per class, attention implementation and
     configuration); LeakFound names the first layer whose output differs."""
     config = getattr(model, "config", None)
+    implementation = str(getattr(config, "_attn_implementation", None))
+    seen = model.__dict__.get("_packd_probed")
+    if seen is not None and seen[0] == implementation and seen[1] == shared:
+        return  # this model passed as it is now (packed_row calls this every forward)
     key = (type(model).__module__ + "." + type(model).__qualname__,
            str(getattr(config, "_attn_implementation", None)),
            config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else "",
@@ -47,6 +51,7 @@ def probe(model: torch.nn.Module, shared: bool = False) -> None:
         _probed[key] = _run(model, shared)
     if _probed[key] is not None:
         raise LeakFound(_probed[key])
+    model.__dict__["_packd_probed"] = (implementation, shared)
 
 
 def forget() -> None:

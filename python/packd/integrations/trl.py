@@ -214,31 +214,31 @@ def _by_prompt(batch: Dict[str, Any], rows: Sequence[int]) -> List[int]:
     return [row for members in order.values() for row in members]
 
 
-def token_rows(result: Any) -> torch.Tensor:
-    """How many of the padded rows hold each row of a shared stream (a group's prompt: its
-    members'; a completion token: 1): each padded row's tokens are the keys of its last
-    segment."""
+def _row_keys(result: Any) -> List[torch.Tensor]:
+    """Each padded row's stream rows, in row order: the keys of its last segment (a group's
+    prompt, then the row's own completion)."""
     s = result.shared
     last: Dict[int, int] = {}
     for n, row in enumerate(s.segment_row.tolist()):
         last[row] = n
     cu_k = s.cu_seqlens_k.tolist()
-    keys = torch.cat([s.kv_index[cu_k[n]:cu_k[n + 1]] for n in last.values()])
-    return torch.bincount(keys.long(), minlength=int(result.total_active))
+    return [s.kv_index[cu_k[last[b]]:cu_k[last[b] + 1]].long() for b in sorted(last)]
+
+
+def token_rows(result: Any) -> torch.Tensor:
+    """How many of the padded rows hold each row of a shared stream (a group's prompt: its
+    members'; a completion token: 1)."""
+    return torch.bincount(torch.cat(_row_keys(result)), minlength=int(result.total_active))
 
 
 def _padded_rows(result: Any, completion_width: int):
     """A shared stream's rows as TRL pads them (prompts on the left, completions on the right
     to completion_width): (input_ids, attention_mask). Row b's tokens are the keys of its last
     segment, its completion the last of them (one per target)."""
-    s = result.shared
-    last: Dict[int, int] = {}
-    for n, row in enumerate(s.segment_row.tolist()):
-        last[row] = n
-    cu_k, targets = s.cu_seqlens_k.tolist(), s.target_cu_seqlens.tolist()
+    targets = result.shared.target_cu_seqlens.tolist()
     prompts, completions = [], []
-    for b in range(len(targets) - 1):
-        tokens = result.packed[0][s.kv_index[cu_k[last[b]]:cu_k[last[b] + 1]].long()]
+    for b, keys in enumerate(_row_keys(result)):
+        tokens = result.packed[0][keys]
         c = targets[b + 1] - targets[b]
         prompts.append(tokens[:len(tokens) - c])
         completions.append(tokens[len(tokens) - c:])
